@@ -1,0 +1,358 @@
+"""Share spec: what a kernel asks for (box 1 of DESIGN.md).
+
+One immutable model, :class:`ShareSpec`, with one parser per entry point (kernelspec config, REST
+JSON, command-line flags) and one validator. Every refusal is a :class:`ShareError` that names the
+field, the value given and what is allowed; nothing is reserved before a spec validates.
+
+Units: compute as a fraction of one GPU (``0 < gpu_request <= gpu_limit <= 1``) or, with
+``gpu_count > 1``, whole GPUs; memory in bytes, human suffixes accepted (``10GiB``, ``512Mi``,
+``2G``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+#: The public field names (kernelspec ``metadata.kernel_provisioner.config`` keys and REST JSON).
+SHARE_FIELDS = (
+    "gpu_request",
+    "gpu_limit",
+    "gpu_memory",
+    "gpu_type",
+    "gpu_count",
+    "gpu_labels",
+)
+LABEL_KINDS = ("affinity", "anti_affinity", "exclusive")
+MAX_GPU_COUNT = 16
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "ki": 2**10,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mi": 2**20,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gi": 2**30,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "ti": 2**40,
+    "tib": 2**40,
+}
+_MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_LABEL_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
+
+
+class ShareError(ValueError):
+    """A share that cannot be accepted; the message names field, value and what is allowed."""
+
+    def __init__(self, field: str, value: object, allowed: str) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{field}={value!r} is not allowed: {allowed}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "error": "invalid_share",
+            "field": self.field,
+            "value": _jsonable(self.value),
+            "allowed": self.allowed,
+            "message": str(self),
+        }
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    return repr(value)
+
+
+def format_bytes(n: int) -> str:
+    """``10737418240`` -> ``'10GiB'``; exact binary units where they divide, else one decimal."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n // size}{unit}" if n % size == 0 else f"{n / size:.1f}{unit}"
+    return f"{n}B"
+
+
+def parse_memory(value: object, field: str = "gpu_memory") -> int:
+    """Parse a memory size: an int of bytes or a string such as ``10GiB``, ``512Mi``, ``2G``."""
+    if isinstance(value, bool):
+        raise ShareError(field, value, "a size in bytes or with a unit, e.g. 10GiB, 512Mi, 2G")
+    if isinstance(value, int):
+        number: float = value
+    elif isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            raise ShareError(field, value, "a whole number of bytes, or a size such as 10GiB")
+        number = value
+    elif isinstance(value, str):
+        match = _MEMORY_RE.match(value)
+        unit = match.group(2).lower() if match else ""
+        if not match or unit not in _UNITS:
+            raise ShareError(
+                field, value, "a size in bytes or with a unit (B, KiB, MiB, GiB, TiB, K, M, G, T)"
+            )
+        number = float(match.group(1)) * _UNITS[unit]
+    else:
+        raise ShareError(field, value, "a size in bytes or with a unit, e.g. 10GiB, 512Mi, 2G")
+    if number <= 0:
+        raise ShareError(field, value, "more than 0 bytes")
+    return int(number)
+
+
+def _parse_fraction(value: object, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ShareError(field, value, "a number in (0, 1], the fraction of one GPU")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ShareError(field, value, "a number in (0, 1], the fraction of one GPU") from None
+    if not math.isfinite(number) or number <= 0 or number > 1:
+        raise ShareError(field, value, "a number in (0, 1], the fraction of one GPU")
+    return number
+
+
+def _parse_count(value: object) -> int:
+    allowed = f"a whole number of GPUs from 1 to {MAX_GPU_COUNT}"
+    if isinstance(value, bool):
+        raise ShareError("gpu_count", value, allowed)
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ShareError("gpu_count", value, allowed) from None
+    if not math.isfinite(number) or number != int(number) or not 1 <= number <= MAX_GPU_COUNT:
+        raise ShareError("gpu_count", value, allowed)
+    return int(number)
+
+
+@dataclass(frozen=True)
+class GpuLabels:
+    """KubeShare-style locality labels.
+
+    ``affinity``: shares with the same label go to the same GPU. ``anti_affinity``: shares with
+    the same label go to different GPUs. ``exclusive``: a GPU holding a share with this label
+    holds only shares with the same exclusive label.
+    """
+
+    affinity: str | None = None
+    anti_affinity: str | None = None
+    exclusive: str | None = None
+
+    @classmethod
+    def parse(cls, value: object) -> GpuLabels:
+        if value is None or value == "":
+            return cls()
+        if isinstance(value, GpuLabels):
+            return value
+        if isinstance(value, str):
+            # "affinity=a,exclusive=team1" (command line / form)
+            pairs: dict[str, object] = {}
+            for part in value.split(","):
+                key, sep, val = part.partition("=")
+                if not sep:
+                    raise ShareError(
+                        "gpu_labels", value, "KIND=LABEL pairs, KIND one of " + ", ".join(LABEL_KINDS)
+                    )
+                pairs[key.strip().replace("-", "_")] = val.strip()
+            value = pairs
+        if not isinstance(value, Mapping):
+            raise ShareError(
+                "gpu_labels", value, "an object with keys " + ", ".join(LABEL_KINDS)
+            )
+        unknown = sorted(set(value) - set(LABEL_KINDS))
+        if unknown:
+            raise ShareError(
+                f"gpu_labels.{unknown[0]}", value[unknown[0]], "keys are " + ", ".join(LABEL_KINDS)
+            )
+        parsed: dict[str, str | None] = {}
+        for kind in LABEL_KINDS:
+            label = value.get(kind)
+            if label is None or label == "":
+                parsed[kind] = None
+                continue
+            if not isinstance(label, str) or not _LABEL_RE.match(label):
+                raise ShareError(
+                    f"gpu_labels.{kind}",
+                    label,
+                    "1-63 letters, digits, '-', '_' or '.', starting and ending alphanumeric",
+                )
+            parsed[kind] = label
+        labels = cls(**parsed)
+        if labels.affinity and labels.affinity == labels.anti_affinity:
+            raise ShareError(
+                "gpu_labels.anti_affinity",
+                labels.anti_affinity,
+                "a label other than the affinity label (a share cannot be with and apart from "
+                "the same group)",
+            )
+        return labels
+
+    def to_json(self) -> dict[str, str]:
+        return {k: v for k, v in asdict(self).items() if v}
+
+    def __bool__(self) -> bool:
+        return bool(self.affinity or self.anti_affinity or self.exclusive)
+
+
+@dataclass(frozen=True)
+class ShareSpec:
+    """What one kernel asks for.
+
+    ``gpu_memory`` is the memory cap in bytes; ``None`` means "the request's fraction of the
+    chosen GPU's memory", resolved by :meth:`resolved_memory` when the GPU is known. With
+    ``gpu_count > 1`` the share is that many whole GPUs (request = limit = 1).
+    """
+
+    gpu_request: float = 0.25
+    gpu_limit: float = 0.5
+    gpu_memory: int | None = None
+    gpu_type: str | None = None
+    gpu_count: int = 1
+    gpu_labels: GpuLabels = field(default_factory=GpuLabels)
+
+    def __post_init__(self) -> None:
+        if self.gpu_count > 1 and (self.gpu_request != 1.0 or self.gpu_limit != 1.0):
+            raise ShareError(
+                "gpu_request",
+                self.gpu_request,
+                f"1 with gpu_count={self.gpu_count} (several GPUs are whole GPUs)",
+            )
+        if self.gpu_request > self.gpu_limit:
+            raise ShareError(
+                "gpu_request",
+                self.gpu_request,
+                f"at most gpu_limit ({self.gpu_limit:g}); the request is the guaranteed part of "
+                "the limit",
+            )
+
+    # -- parsing -----------------------------------------------------------------------------
+
+    @classmethod
+    def from_mapping(
+        cls, data: Mapping[str, Any], defaults: ShareSpec | None = None, *, strict: bool = True
+    ) -> ShareSpec:
+        """Parse kernelspec config or REST JSON (keys as in :data:`SHARE_FIELDS`).
+
+        Keys not given fall back to ``defaults``. With ``strict``, unknown keys are refused, so
+        a misspelled ``gpu_limt`` does not pass silently.
+        """
+        if not isinstance(data, Mapping):
+            raise ShareError("share", data, "an object with keys " + ", ".join(SHARE_FIELDS))
+        if strict:
+            unknown = sorted(set(data) - set(SHARE_FIELDS))
+            if unknown:
+                raise ShareError(unknown[0], data[unknown[0]], "known keys are " + ", ".join(SHARE_FIELDS))
+        base = defaults or cls()
+        count = _parse_count(data["gpu_count"]) if data.get("gpu_count") is not None else None
+        whole = count is not None and count > 1
+        if "gpu_request" in data and data["gpu_request"] is not None:
+            request = _parse_fraction(data["gpu_request"], "gpu_request")
+        else:
+            request = 1.0 if whole else base.gpu_request
+        if "gpu_limit" in data and data["gpu_limit"] is not None:
+            limit = _parse_fraction(data["gpu_limit"], "gpu_limit")
+        elif whole:
+            limit = 1.0
+        else:
+            # A request above the default limit lifts the limit with it ("request 0.75" alone).
+            limit = max(base.gpu_limit, request)
+        memory = base.gpu_memory
+        if data.get("gpu_memory") not in (None, ""):
+            memory = parse_memory(data["gpu_memory"])
+        gpu_type = base.gpu_type
+        if "gpu_type" in data:
+            gpu_type = _parse_type(data["gpu_type"])
+        labels = base.gpu_labels
+        if "gpu_labels" in data:
+            labels = GpuLabels.parse(data["gpu_labels"])
+        return cls(
+            gpu_request=request,
+            gpu_limit=limit,
+            gpu_memory=memory,
+            gpu_type=gpu_type,
+            gpu_count=count if count is not None else (1 if whole else base.gpu_count),
+            gpu_labels=labels,
+        )
+
+    @classmethod
+    def from_args(
+        cls,
+        request: str | None = None,
+        limit: str | None = None,
+        memory: str | None = None,
+        gpu_type: str | None = None,
+        count: str | None = None,
+        labels: str | None = None,
+        defaults: ShareSpec | None = None,
+    ) -> ShareSpec:
+        """Parse command-line flags (``--gpu-request 0.25 --gpu-memory 10GiB``)."""
+        given = {
+            "gpu_request": request,
+            "gpu_limit": limit,
+            "gpu_memory": memory,
+            "gpu_type": gpu_type,
+            "gpu_count": count,
+            "gpu_labels": labels,
+        }
+        return cls.from_mapping({k: v for k, v in given.items() if v is not None}, defaults)
+
+    # -- use ---------------------------------------------------------------------------------
+
+    def resolved_memory(self, gpu_memory: int) -> int:
+        """The memory cap in bytes on a GPU with ``gpu_memory`` bytes."""
+        if self.gpu_memory is not None:
+            return self.gpu_memory
+        return int(gpu_memory * self.gpu_request)
+
+    def with_changes(self, **changes: Any) -> ShareSpec:
+        return replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "gpu_request": self.gpu_request,
+            "gpu_limit": self.gpu_limit,
+            "gpu_memory": self.gpu_memory,
+            "gpu_type": self.gpu_type,
+            "gpu_count": self.gpu_count,
+        }
+        if self.gpu_labels:
+            data["gpu_labels"] = self.gpu_labels.to_json()
+        return data
+
+    def describe(self) -> str:
+        """Human summary: ``0.25–0.5 of an A100, 10GiB``."""
+        kind = self.gpu_type or "GPU"
+        if self.gpu_count > 1:
+            text = f"{self.gpu_count} whole {kind}s"
+        elif self.gpu_request == self.gpu_limit:
+            text = f"{self.gpu_request:g} of {_article(kind)} {kind}"
+        else:
+            text = f"{self.gpu_request:g}–{self.gpu_limit:g} of {_article(kind)} {kind}"
+        if self.gpu_memory is not None:
+            text += f", {format_bytes(self.gpu_memory)}"
+        return text
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1].upper() in "AEFHILMNORSX" else "a"
+
+
+def _parse_type(value: object) -> str | None:
+    if value is None or value == "" or value == "any":
+        return None
+    if not isinstance(value, str) or not re.match(r"^[A-Za-z0-9][A-Za-z0-9 _.-]{0,63}$", value):
+        raise ShareError("gpu_type", value, "a GPU type name such as A100, H100 or T4")
+    return value

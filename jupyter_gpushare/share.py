@@ -163,9 +163,8 @@ class GpuLabels:
             for part in value.split(","):
                 key, sep, val = part.partition("=")
                 if not sep:
-                    raise ShareError(
-                        "gpu_labels", value, "KIND=LABEL pairs, KIND one of " + ", ".join(LABEL_KINDS)
-                    )
+                    allowed = "KIND=LABEL pairs, KIND one of " + ", ".join(LABEL_KINDS)
+                    raise ShareError("gpu_labels", value, allowed)
                 pairs[key.strip().replace("-", "_")] = val.strip()
             value = pairs
         if not isinstance(value, Mapping):
@@ -254,7 +253,8 @@ class ShareSpec:
         if strict:
             unknown = sorted(set(data) - set(SHARE_FIELDS))
             if unknown:
-                raise ShareError(unknown[0], data[unknown[0]], "known keys are " + ", ".join(SHARE_FIELDS))
+                allowed = "known keys are " + ", ".join(SHARE_FIELDS)
+                raise ShareError(unknown[0], data[unknown[0]], allowed)
         base = defaults or cls()
         count = _parse_count(data["gpu_count"]) if data.get("gpu_count") is not None else None
         whole = count is not None and count > 1

@@ -1,0 +1,247 @@
+"""The gpushare kernel provisioner (box 5 of DESIGN.md), entry point ``gpushare-provisioner``.
+
+It owns the share of one kernel: resolves the spec (server default < kernelspec config < the
+user's choice passed as ``start_kernel(gpushare_share=...)``), refuses bad specs before anything is
+reserved, reserves in the ledger, hands launching to a :class:`~.backend.KernelBackend`
+(``local`` or ``kubernetes``), and releases the share on every exit path:
+
+- shutdown and kill: released in :meth:`cleanup`;
+- the kernel process dies (crash, ``kill -9``): jupyter_client's restarter restarts the kernel;
+  the dead process's allocation is released and the new process reserves again;
+- a user's restart keeps the allocation (same id, same GPU);
+- the server dies: reconciliation (:mod:`jupyter_gpushare.ledger.reconcile`) releases it.
+
+Kernelspec ``metadata.kernel_provisioner.config`` keys are the traits below; any other key is
+refused by name (jupyter_client would otherwise drop a misspelled key silently).
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+from dataclasses import replace
+from typing import Any
+
+from jupyter_client.connect import KernelConnectionInfo
+from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
+from traitlets import Any as AnyTrait
+from traitlets import Unicode
+
+from ..config import GpuShare
+from ..inventory import check_spec
+from ..ledger import Allocation, AllocationNotFound, Ledger
+from ..ledger.reconcile import process_start_time
+from ..placement import place
+from ..share import SHARE_FIELDS, ShareError, ShareSpec
+from .backend import KernelBackend
+
+_BASE_KWARGS = {"kernel_id", "kernel_spec", "parent", "config", "log"}
+CONFIG_KEYS = (*SHARE_FIELDS, "backend")
+
+
+def _share_trait(help: str) -> AnyTrait:
+    return AnyTrait(None, allow_none=True, config=True, help=help)
+
+
+class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
+    """Launches a kernel holding a share of a GPU."""
+
+    gpu_request = _share_trait("Guaranteed fraction of one GPU, in (0, 1].")
+    gpu_limit = _share_trait("Most of one GPU the kernel may use when others are idle, (0, 1].")
+    gpu_memory = _share_trait("GPU memory cap, bytes or with a unit (10GiB, 512Mi).")
+    gpu_type = _share_trait("GPU type alias (A100, H100, T4, ...); any type when unset.")
+    gpu_count = _share_trait("Whole GPUs (>1 means that many whole GPUs).")
+    gpu_labels = _share_trait("Locality labels: {affinity, anti_affinity, exclusive}.")
+    backend = Unicode(
+        None, allow_none=True, config=True, help="'local' or 'kubernetes' (server default)."
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - _BASE_KWARGS - set(CONFIG_KEYS))
+        if unknown:
+            raise ShareError(
+                f"kernel_provisioner.config.{unknown[0]}",
+                kwargs[unknown[0]],
+                "known keys are " + ", ".join(CONFIG_KEYS),
+            )
+        if kwargs.get("backend") not in (None, "local", "kubernetes"):
+            raise ShareError("backend", kwargs["backend"], "'local' or 'kubernetes'")
+        super().__init__(**kwargs)
+        self.connection_info: KernelConnectionInfo = {}  # the base class's is shared
+        self.allocation: Allocation | None = None
+        self._kernel_backend: KernelBackend | None = None
+        self._crashed = False
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    @property
+    def settings(self) -> GpuShare:
+        return GpuShare.instance()
+
+    @property
+    def kernel_backend(self) -> KernelBackend:
+        if self._kernel_backend is None:
+            name = self.backend or self.settings.backend
+            if name == "kubernetes":
+                from ..k8s.backend import KubernetesKernelBackend
+
+                self._kernel_backend = KubernetesKernelBackend(self)
+            else:
+                from .local import LocalKernelBackend
+
+                self._kernel_backend = LocalKernelBackend(self)
+        return self._kernel_backend
+
+    def kernelspec_spec(self) -> ShareSpec:
+        """Server default overlaid with this kernelspec's config."""
+        given = {key: getattr(self, key) for key in SHARE_FIELDS if getattr(self, key) is not None}
+        return ShareSpec.from_mapping(given, defaults=self.settings.default_spec())
+
+    def resolve_spec(self, user_share: dict[str, Any] | None) -> ShareSpec:
+        spec = self.kernelspec_spec()
+        if user_share:
+            spec = ShareSpec.from_mapping(user_share, defaults=spec)
+        return spec
+
+    async def _ledger(self) -> Ledger:
+        return await self.kernel_backend.ledger()
+
+    async def _release(self, why: str) -> None:
+        if self.allocation is None:
+            return
+        allocation, self.allocation = self.allocation, None
+        released = await (await self._ledger()).release(allocation.id)
+        if released is not None:
+            self.log.info("gpushare: released %s of kernel %s (%s)", allocation.id,
+                          self.kernel_id, why)
+
+    async def _reserve(self, spec: ShareSpec) -> Allocation:
+        backend = self.kernel_backend
+        ledger = await backend.ledger()
+        if self.allocation is not None:  # a restart: keep the share if it is still held
+            try:
+                return await ledger.get(self.allocation.id)
+            except AllocationNotFound:
+                self.allocation = None
+        allocation = await ledger.allocate(
+            spec,
+            await backend.inventory(),
+            place,
+            owner="kernel",
+            kernel_id=self.kernel_id,
+            backend=backend.name,
+            server_pid=os.getpid(),
+            user=getpass.getuser(),
+            extra={"server_start": process_start_time(os.getpid())},
+        )
+        self.log.info("gpushare: kernel %s holds %s on %s %s", self.kernel_id, spec.describe(),
+                      allocation.node, ",".join(allocation.gpus))
+        return allocation
+
+    # -- KernelProvisionerBase -------------------------------------------------------------------
+
+    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        user_share = kwargs.pop("gpushare_share", None)
+        spec = self.resolve_spec(user_share)  # ShareError before anything is reserved
+        spec = check_spec(spec, await self.kernel_backend.inventory(), self.settings.aliases())
+        if self._crashed:
+            await self._release("the kernel process died; reserving again for its restart")
+            self._crashed = False
+        self.allocation = await self._reserve(spec)
+        try:
+            return await self.kernel_backend.pre_launch(self.allocation, **kwargs)
+        except BaseException:
+            await self._release("launch preparation failed")
+            raise
+
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        try:
+            self.connection_info = await self.kernel_backend.launch_kernel(cmd, **kwargs)
+        except BaseException:
+            await self._release("launch failed")
+            raise
+        await self._record_process()
+        return self.connection_info
+
+    async def _record_process(self) -> None:
+        assert self.allocation is not None
+        pid, start = self.kernel_backend.process_identity()
+
+        def running(current: Allocation, _others: list[Allocation]) -> Allocation:
+            return replace(current, state="active", pid=pid, pid_start=start)
+
+        self.allocation = await (await self._ledger()).update(self.allocation.id, running)
+
+    async def post_launch(self, **kwargs: Any) -> None:
+        await self.kernel_backend.post_launch(**kwargs)
+
+    @property
+    def has_process(self) -> bool:
+        return self._kernel_backend is not None and self._kernel_backend.has_process
+
+    async def poll(self) -> int | None:
+        return await self.kernel_backend.poll()
+
+    async def wait(self) -> int | None:
+        return await self.kernel_backend.wait()
+
+    async def send_signal(self, signum: int) -> None:
+        await self.kernel_backend.send_signal(signum)
+
+    async def kill(self, restart: bool = False) -> None:
+        if restart and await self.kernel_backend.poll() is not None:
+            self._crashed = True  # the restarter is replacing a process that died by itself
+        await self.kernel_backend.kill(restart)
+
+    async def terminate(self, restart: bool = False) -> None:
+        await self.kernel_backend.terminate(restart)
+
+    async def shutdown_requested(self, restart: bool = False) -> None:
+        await self.kernel_backend.shutdown_requested(restart)
+
+    async def cleanup(self, restart: bool = False) -> None:
+        try:
+            await self.kernel_backend.cleanup(restart)
+        finally:
+            if not restart:
+                await self._release("kernel shut down")
+            elif self._crashed:
+                await self._release("the kernel process died")
+            else:
+                await self._mark_restarting()
+
+    async def _mark_restarting(self) -> None:
+        if self.allocation is None:
+            return
+
+        def restarting(current: Allocation, _others: list[Allocation]) -> Allocation:
+            return replace(current, state="reserved", pid=None, pid_start=None)
+
+        try:
+            self.allocation = await (await self._ledger()).update(self.allocation.id, restarting)
+        except AllocationNotFound:
+            self.allocation = None
+
+    def get_shutdown_wait_time(self, recommended: float = 5.0) -> float:
+        return self.kernel_backend.get_shutdown_wait_time(recommended)
+
+    def get_stable_start_time(self, recommended: float = 10.0) -> float:
+        return self.kernel_backend.get_stable_start_time(recommended)
+
+    async def get_provisioner_info(self) -> dict[str, Any]:
+        info = await super().get_provisioner_info()
+        info.update(await self.kernel_backend.get_provisioner_info())
+        info["gpushare_allocation"] = self.allocation.to_json() if self.allocation else None
+        return info
+
+    async def load_provisioner_info(self, provisioner_info: dict[str, Any]) -> None:
+        await super().load_provisioner_info(provisioner_info)
+        await self.kernel_backend.load_provisioner_info(provisioner_info)
+        data = provisioner_info.get("gpushare_allocation")
+        self.allocation = Allocation.from_json(data) if data else None
+
+    def resolve_path(self, path_str: str) -> str | None:
+        return self.kernel_backend.resolve_path(path_str)
+
+
+__all__ = ["CONFIG_KEYS", "GpushareProvisioner"]

@@ -1,0 +1,91 @@
+"""The ``local`` backend: the kernel is a process on this machine (the embedded default).
+
+Launching, signalling and waiting are jupyter_client's :class:`LocalProvisioner`'s; this backend
+adds the share: the GPU made visible (``CUDA_VISIBLE_DEVICES=<UUID>``), the allocation named in
+the environment, and — with enforcement on — the interposer preloaded and the node daemon's socket.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from jupyter_client.connect import KernelConnectionInfo
+from jupyter_client.provisioning.local_provisioner import LocalProvisioner
+
+from ..inventory import Gpu
+from ..ledger import Allocation, Ledger
+from ..ledger.reconcile import process_start_time
+from .backend import KernelBackend
+from .environment import kernel_environment
+
+
+class LocalKernelBackend(KernelBackend):
+    name = "local"
+
+    def __init__(self, provisioner: Any) -> None:
+        super().__init__(provisioner)
+        self.process = LocalProvisioner(
+            kernel_id=provisioner.kernel_id,
+            kernel_spec=provisioner.kernel_spec,
+            parent=provisioner.parent,
+        )
+
+    async def ledger(self) -> Ledger:
+        return self.provisioner.settings.local_ledger()
+
+    async def inventory(self) -> Sequence[Gpu]:
+        return await self.provisioner.settings.local_gpus()
+
+    async def pre_launch(self, allocation: Allocation, **kwargs: Any) -> dict[str, Any]:
+        settings = self.provisioner.settings
+        env = dict(kwargs.get("env") or os.environ)
+        env.update(kernel_environment(allocation, await self.inventory(), settings))
+        kwargs["env"] = env
+        given = list(kwargs.get("extra_arguments", []))
+        kwargs["extra_arguments"] = given + [
+            a for a in settings.extra_kernel_args if a not in given
+        ]
+        return await self.process.pre_launch(**kwargs)
+
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        return await self.process.launch_kernel(cmd, **kwargs)
+
+    def process_identity(self) -> tuple[int | None, float | None]:
+        pid = self.process.pid
+        return pid, process_start_time(pid) if pid else None
+
+    @property
+    def has_process(self) -> bool:
+        return self.process.has_process
+
+    async def poll(self) -> int | None:
+        return await self.process.poll()
+
+    async def wait(self) -> int | None:
+        return await self.process.wait()
+
+    async def send_signal(self, signum: int) -> None:
+        await self.process.send_signal(signum)
+
+    async def kill(self, restart: bool = False) -> None:
+        await self.process.kill(restart)
+
+    async def terminate(self, restart: bool = False) -> None:
+        await self.process.terminate(restart)
+
+    async def cleanup(self, restart: bool = False) -> None:
+        await self.process.cleanup(restart)
+
+    async def shutdown_requested(self, restart: bool = False) -> None:
+        await self.process.shutdown_requested(restart)
+
+    async def get_provisioner_info(self) -> dict[str, Any]:
+        return await self.process.get_provisioner_info()
+
+    async def load_provisioner_info(self, info: dict[str, Any]) -> None:
+        await self.process.load_provisioner_info(info)
+
+    def resolve_path(self, path_str: str) -> str | None:
+        return self.process.resolve_path(path_str)

@@ -1,0 +1,85 @@
+"""The Jupyter server extension (box 10 of DESIGN.md): config, REST API and reconciliation.
+
+On load it creates the :class:`~jupyter_gpushare.config.GpuShare` settings from the server's
+config, discovers this machine's GPUs (or simulated ones) and publishes them to the ledger,
+releases allocations left behind by dead kernels or servers, and keeps doing so periodically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from typing import Any
+
+from ..config import GpuShare
+from ..inventory import NoGpuError
+from ..ledger.reconcile import reconcile
+from .handlers import handlers
+
+
+def _jupyter_server_extension_points() -> list[dict[str, str]]:
+    return [{"module": "jupyter_gpushare.serverext"}]
+
+
+class Reconciler:
+    """Periodically releases allocations whose kernel or server is gone."""
+
+    def __init__(self, settings: GpuShare, kernel_manager: Any, log: Any) -> None:
+        self.settings = settings
+        self.kernel_manager = kernel_manager
+        self.log = log
+        self._task: asyncio.Task[None] | None = None
+
+    async def run_once(self) -> int:
+        ledger = self.settings.local_ledger()
+        released = await reconcile(
+            ledger,
+            self.settings.node_name,
+            my_server_pid=os.getpid(),
+            live_kernel_ids=set(self.kernel_manager.list_kernel_ids()),
+        )
+        return len(released)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.run_once()
+            except Exception:  # keep reconciling; report and go on
+                self.log.exception("gpushare: reconciliation failed")
+            await asyncio.sleep(self.settings.reconcile_interval)
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+async def _start(serverapp: Any, settings: GpuShare) -> None:
+    try:
+        gpus = await settings.local_gpus()
+        kind = "simulated " if settings.simulated else ""
+        serverapp.log.info("gpushare: %d %sGPU(s) on %s: %s", len(gpus), kind,
+                           settings.node_name, ", ".join(f"{g.index}:{g.type}" for g in gpus))
+    except NoGpuError as exc:
+        serverapp.log.warning("gpushare: %s", exc)
+    reconciler = Reconciler(settings, serverapp.kernel_manager, serverapp.log)
+    serverapp.web_app.settings["gpushare_reconciler"] = reconciler
+    reconciler.start()
+
+
+def _load_jupyter_server_extension(serverapp: Any) -> None:
+    settings = GpuShare.instance(parent=serverapp)
+    web_app = serverapp.web_app
+    web_app.settings["gpushare"] = settings
+    base_url = web_app.settings["base_url"]
+    web_app.add_handlers(".*$", handlers(base_url))
+    serverapp.io_loop.call_later(0, lambda: asyncio.ensure_future(_start(serverapp, settings)))
+    serverapp.log.info("gpushare: backend %s, ledger %s", settings.backend, settings.ledger_path)
+
+
+load_jupyter_server_extension = _load_jupyter_server_extension

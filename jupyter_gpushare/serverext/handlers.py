@@ -1,0 +1,201 @@
+"""REST handlers under ``/gpushare/api/`` (shapes in DEVELOPING.md, "REST").
+
+Errors are JSON objects with ``error`` (a code), ``message`` (the same words the CLI prints) and,
+for an invalid share, ``field``/``value``/``allowed``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+from tornado import web
+
+from ..config import GpuShare
+from ..inventory import Gpu, NoGpuError, check_spec
+from ..ledger import Allocation, LedgerConflict
+from ..placement import PlacementRefused
+from ..share import ShareError, ShareSpec
+
+
+def gpu_usage(gpus: Sequence[Gpu], allocations: Sequence[Allocation]) -> list[dict[str, Any]]:
+    """Each GPU with what is reserved on it and what is free."""
+    held: dict[str, list[Allocation]] = defaultdict(list)
+    for a in allocations:
+        for uuid in a.gpus:
+            held[uuid].append(a)
+    rows = []
+    for g in gpus:
+        mine = held.get(g.uuid, [])
+        used_compute = sum(a.spec.gpu_request for a in mine)
+        used_memory = sum(a.memory for a in mine)
+        rows.append({
+            **g.to_json(),
+            "allocated_request": round(used_compute, 6),
+            "allocated_memory": used_memory,
+            "free_request": round(max(0.0, 1.0 - used_compute), 6),
+            "free_memory": max(0, g.memory - used_memory),
+            "allocations": [a.id for a in mine],
+        })
+    return rows
+
+
+def type_summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_type: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        if row["healthy"] and not row["cordoned"]:
+            by_type[row["type"]].append(row)
+    return [
+        {
+            "type": kind,
+            "count": len(items),
+            "memory": max(r["memory"] for r in items),
+            "most_free_request": max(r["free_request"] for r in items),
+            "most_free_memory": max(r["free_memory"] for r in items),
+            "simulated": any(r["simulated"] for r in items),
+        }
+        for kind, items in sorted(by_type.items())
+    ]
+
+
+class GpushareHandler(APIHandler):  # type: ignore[misc]
+    @property
+    def gpushare(self) -> GpuShare:
+        return self.settings["gpushare"]
+
+    def fail(self, status: int, body: dict[str, Any]) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(body))
+
+    async def inventory(self) -> tuple[list[Gpu], str | None]:
+        try:
+            await self.gpushare.local_gpus()
+        except NoGpuError as exc:
+            return await self.gpushare.local_ledger().gpus(), str(exc)
+        return await self.gpushare.local_ledger().gpus(), None
+
+
+class GpusHandler(GpushareHandler):
+    @web.authenticated
+    async def get(self) -> None:
+        gpus, problem = await self.inventory()
+        allocations = await self.gpushare.local_ledger().list()
+        rows = gpu_usage(gpus, allocations)
+        body: dict[str, Any] = {
+            "simulated": self.gpushare.simulated,
+            "gpus": rows,
+            "types": type_summary(rows),
+        }
+        if problem:
+            body["message"] = problem
+        self.finish(json.dumps(body))
+
+
+class AllocationsHandler(GpushareHandler):
+    @web.authenticated
+    async def get(self) -> None:
+        allocations = await self.gpushare.local_ledger().list()
+        self.finish(json.dumps({"allocations": [a.to_json() for a in allocations]}))
+
+
+class AllocationHandler(GpushareHandler):
+    @web.authenticated
+    async def get(self, allocation_id: str) -> None:
+        snap = await self.gpushare.local_ledger().snapshot()
+        found = snap.find(allocation_id)
+        if found is None:
+            return self.fail(404, _not_found(allocation_id))
+        self.finish(json.dumps(found.to_json()))
+
+    @web.authenticated
+    async def delete(self, allocation_id: str) -> None:
+        released = await self.gpushare.local_ledger().release(allocation_id)
+        if released is None:
+            return self.fail(404, _not_found(allocation_id))
+        self.log.info("gpushare: allocation %s released over REST", allocation_id)
+        self.set_status(204)
+        self.finish()
+
+
+class PresetsHandler(GpushareHandler):
+    @web.authenticated
+    async def get(self) -> None:
+        self.finish(json.dumps({
+            "default": self.gpushare.default_spec().to_json(),
+            "presets": self.gpushare.presets,
+            "simulated": self.gpushare.simulated,
+        }))
+
+
+class KernelsHandler(GpushareHandler):
+    """Start a kernel holding a chosen share (``POST /api/kernels`` has no room for one)."""
+
+    @web.authenticated
+    async def post(self) -> None:
+        try:
+            body = json.loads(self.request.body or b"{}")
+        except json.JSONDecodeError as exc:
+            return self.fail(400, {"error": "bad_json", "message": f"request body: {exc}"})
+        if not isinstance(body, dict):
+            return self.fail(400, {"error": "bad_json", "message": "the body must be an object"})
+        share = body.get("share") or {}
+        try:
+            spec = ShareSpec.from_mapping(share, defaults=self.gpushare.default_spec())
+            gpus, problem = await self.inventory()
+            if problem and not gpus:
+                return self.fail(409, {"error": "no_gpu", "message": problem})
+            check_spec(spec, gpus, self.gpushare.aliases())
+        except ShareError as exc:
+            return self.fail(400, exc.to_json())
+        km = self.kernel_manager
+        try:
+            kernel_id = await km.start_kernel(
+                kernel_name=body.get("name"), path=body.get("path"), gpushare_share=share
+            )
+        except ShareError as exc:
+            return self.fail(400, exc.to_json())
+        except PlacementRefused as exc:
+            return self.fail(409, exc.to_json())
+        except LedgerConflict as exc:
+            return self.fail(503, {"error": "busy", "message": str(exc)})
+        model = await _maybe_await(km.kernel_model(kernel_id))
+        allocation = await _allocation_of(self.gpushare, kernel_id)
+        model["allocation"] = allocation.to_json() if allocation else None
+        location = url_path_join(self.base_url, "api", "kernels", kernel_id)
+        self.set_header("Location", location)
+        self.set_status(201)
+        self.finish(json.dumps(model, default=str))
+
+
+async def _allocation_of(settings: GpuShare, kernel_id: str) -> Allocation | None:
+    for a in await settings.local_ledger().list():
+        if a.kernel_id == kernel_id:
+            return a
+    return None
+
+
+async def _maybe_await(value: Any) -> Any:
+    if hasattr(value, "__await__"):
+        return await value
+    return value
+
+
+def _not_found(allocation_id: str) -> dict[str, str]:
+    return {"error": "not_found", "message": f"no allocation {allocation_id!r}"}
+
+
+def handlers(base_url: str) -> list[tuple[str, type]]:
+    api = url_path_join(base_url, "gpushare", "api")
+    return [
+        (url_path_join(api, "gpus"), GpusHandler),
+        (url_path_join(api, "allocations"), AllocationsHandler),
+        (url_path_join(api, "allocations", r"(?P<allocation_id>[A-Za-z0-9_.-]+)"),
+         AllocationHandler),
+        (url_path_join(api, "presets"), PresetsHandler),
+        (url_path_join(api, "kernels"), KernelsHandler),
+    ]

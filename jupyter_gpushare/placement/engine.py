@@ -1,0 +1,432 @@
+"""The placement engine: an index over GPUs and live allocations that answers "where does this
+share go?" without scanning the cluster.
+
+Rules (the same in :mod:`.naive`, the reference full-scan placer the tests compare against):
+
+* A GPU can be chosen when it is healthy, not cordoned (``Gpu.cordoned``, ``Policy.cordoned_gpus``,
+  ``Policy.cordoned_nodes``), of an admitted type, has the compute and memory the share needs
+  free, and the locality labels allow it. Compute used on a GPU is the sum of the *requests* of
+  the allocations listing it (limits are burst, work-conserving); memory used is the sum of their
+  memory caps. Compute is counted in integer millionths of a GPU, so sums are exact.
+* Labels (after KubeShare): ``affinity`` L — every share labelled L is on one GPU (the first one
+  placed decides); ``anti_affinity`` L — no two shares labelled L on one GPU; ``exclusive`` E — a
+  GPU holding a share labelled E holds only shares labelled E (and a share labelled E only goes
+  where every holder is labelled E, or nobody is).
+* ``gpu_count > 1`` asks for that many whole GPUs (nothing else on them) of one type on one node.
+* Among the GPUs that can be chosen, the policy orders nodes first, then GPUs. ``binpack``
+  prefers the node with the least free compute (sum over its healthy, uncordoned GPUs) and the GPU
+  with the least free compute, then least free memory; ``spread`` the most. Ties go to the node
+  name, then the GPU index, in ascending order, so a decision is deterministic.
+
+The index keeps, per node, its free compute and the best free compute per GPU type, and keeps
+nodes sorted by free compute for each policy; a placement walks nodes in policy order, skips a
+node in O(1) when no GPU there can fit, and looks at the (few) GPUs of the first node that can.
+:meth:`Placer.add` / :meth:`Placer.remove` / :meth:`Placer.sync` keep it current cheaply, so a
+long-lived placer (a Kubernetes watch, a benchmark) pays O(GPUs + allocations) once.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..inventory import Gpu
+from ..share import ShareError, ShareSpec, format_bytes
+from .policy import Kind, Policy, TypeFilter, resolve_types
+
+if TYPE_CHECKING:
+    from ..ledger import Allocation
+
+#: Compute is counted in millionths of a GPU.
+UNITS = 1_000_000
+
+
+def to_units(fraction: float) -> int:
+    """A fraction of a GPU in integer millionths (at least 1 for any positive request)."""
+    return max(1, round(fraction * UNITS))
+
+
+def from_units(units: int) -> float:
+    return round(units / UNITS, 6)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a share goes: one node, its GPU UUIDs, and the memory cap in bytes per GPU."""
+
+    node: str
+    gpus: tuple[str, ...]
+    memory: int
+
+
+class PlacementRefused(Exception):
+    """Nothing fits now. ``message`` says why in user terms; ``suggestions`` what would fit."""
+
+    def __init__(self, message: str, suggestions: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.message = message
+        self.suggestions = list(suggestions)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": "no_fit", "message": self.message, "suggestions": self.suggestions}
+
+
+class GpuState:
+    """One GPU and what its holders use (mutable; owned by a :class:`Placer`)."""
+
+    __slots__ = ("exclusive", "free", "gpu", "holders", "index", "kind", "mem_free", "node",
+                 "type", "usable", "uuid")
+
+    def __init__(self, gpu: Gpu) -> None:
+        self.gpu = gpu
+        self.uuid = gpu.uuid
+        self.node = gpu.node
+        self.type = gpu.type
+        self.kind: Kind = (gpu.type, gpu.name)
+        self.index = gpu.index
+        self.usable = gpu.healthy and not gpu.cordoned
+        self.free = UNITS
+        self.mem_free = gpu.memory
+        self.holders: dict[str, Allocation] = {}
+        #: exclusive label of each holder (None: not exclusive) -> how many holders carry it
+        self.exclusive: dict[str | None, int] = {}
+
+    def exclusive_ok(self, label: str | None) -> bool:
+        """May a share with exclusive label ``label`` (None: none) join this GPU's holders?"""
+        held = self.exclusive
+        return not held or (len(held) == 1 and label in held)
+
+
+class NodeState:
+    __slots__ = ("best", "free", "gpus", "name", "whole")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.gpus: list[GpuState] = []
+        self.free = 0  # free compute over usable GPUs
+        self.best: dict[Kind, int] = {}  # kind -> most free compute on one usable GPU
+        self.whole: dict[Kind, int] = {}  # kind -> usable GPUs with no holder
+
+    def refresh(self) -> None:
+        free = 0
+        best: dict[Kind, int] = {}
+        whole: dict[Kind, int] = {}
+        for g in self.gpus:
+            if not g.usable:
+                continue
+            free += g.free
+            if g.free > best.get(g.kind, -1):
+                best[g.kind] = g.free
+            if not g.holders:
+                whole[g.kind] = whole.get(g.kind, 0) + 1
+        self.free, self.best, self.whole = free, best, whole
+
+
+class Placer:
+    """An index over ``gpus`` and live ``allocations`` that places shares quickly.
+
+    ``place(spec)`` is pure with respect to the index (it records nothing); record a decision
+    with :meth:`add` once the ledger accepted it, or :meth:`sync` with the next snapshot.
+    """
+
+    def __init__(
+        self,
+        gpus: Iterable[Gpu],
+        allocations: Iterable[Allocation] = (),
+        policy: Policy | None = None,
+    ) -> None:
+        self.policy = policy if policy is not None else Policy()
+        self.gpus: dict[str, GpuState] = {}
+        self.nodes: dict[str, NodeState] = {}
+        for gpu in gpus:
+            state = GpuState(gpu)
+            if gpu.uuid in self.gpus:  # a UUID published twice: the last one wins
+                self.nodes[self.gpus[gpu.uuid].node].gpus.remove(self.gpus[gpu.uuid])
+            self.gpus[gpu.uuid] = state
+            self.nodes.setdefault(gpu.node, NodeState(gpu.node)).gpus.append(state)
+        for node in self.nodes.values():
+            node.gpus.sort(key=lambda g: (g.index, g.uuid))
+        self.kinds = frozenset(g.kind for g in self.gpus.values())
+        self.types = frozenset(g.type for g in self.gpus.values())
+        self.allocations: dict[str, Allocation] = {}
+        #: label -> GPU UUID -> number of holders with that label (also GPUs not in inventory)
+        self.affinity: dict[str, dict[str, int]] = {}
+        self.anti: dict[str, dict[str, int]] = {}
+        self._filters: dict[tuple[str | None, Policy], TypeFilter] = {}
+        for allocation in allocations:
+            self._apply(allocation, +1, None)
+        for node in self.nodes.values():
+            node.refresh()
+        self._by_free = sorted((n.free, n.name) for n in self.nodes.values())
+        self._by_free_desc = sorted((-n.free, n.name) for n in self.nodes.values())
+        self._keys = {n.name: n.free for n in self.nodes.values()}
+
+    # -- keeping the index current -----------------------------------------------------------
+
+    def add(self, allocation: Allocation) -> None:
+        """Count a new live allocation (replacing one with the same id)."""
+        if allocation.id in self.allocations:
+            self.remove(allocation.id)
+        dirty: set[str] = set()
+        self._apply(allocation, +1, dirty)
+        self._reorder(dirty)
+
+    def remove(self, allocation_id: str) -> Allocation | None:
+        """Forget a released allocation; returns it (None when unknown)."""
+        allocation = self.allocations.get(allocation_id)
+        if allocation is None:
+            return None
+        dirty: set[str] = set()
+        self._apply(allocation, -1, dirty)
+        self._reorder(dirty)
+        return allocation
+
+    def sync(self, allocations: Iterable[Allocation]) -> None:
+        """Make the index hold exactly ``allocations`` (a fresh ledger snapshot), touching only
+        what changed since the last sync."""
+        current = {a.id: a for a in allocations}
+        for allocation_id in [i for i in self.allocations if i not in current]:
+            self.remove(allocation_id)
+        for allocation_id, allocation in current.items():
+            known = self.allocations.get(allocation_id)
+            if known is None or (known is not allocation and _usage(known) != _usage(allocation)):
+                self.add(allocation)
+            elif known is not allocation:
+                self.allocations[allocation_id] = allocation
+
+    def _apply(self, allocation: Allocation, sign: int, dirty: set[str] | None) -> None:
+        spec = allocation.spec
+        units = to_units(spec.gpu_request) * sign
+        memory = allocation.memory * sign
+        exclusive = spec.gpu_labels.exclusive
+        if sign > 0:
+            self.allocations[allocation.id] = allocation
+        else:
+            del self.allocations[allocation.id]
+        for uuid in dict.fromkeys(allocation.gpus):
+            _count(self.affinity, spec.gpu_labels.affinity, uuid, sign)
+            _count(self.anti, spec.gpu_labels.anti_affinity, uuid, sign)
+            state = self.gpus.get(uuid)
+            if state is None:
+                continue
+            state.free -= units
+            state.mem_free -= memory
+            left = state.exclusive.get(exclusive, 0) + sign
+            if left:
+                state.exclusive[exclusive] = left
+            else:
+                state.exclusive.pop(exclusive, None)
+            if sign > 0:
+                state.holders[allocation.id] = allocation
+            else:
+                state.holders.pop(allocation.id, None)
+            if dirty is not None:
+                dirty.add(state.node)
+
+    def _reorder(self, dirty: Iterable[str]) -> None:
+        for name in dirty:
+            node = self.nodes[name]
+            old = self._keys[name]
+            node.refresh()
+            if node.free == old:
+                continue
+            del self._by_free[bisect_left(self._by_free, (old, name))]
+            del self._by_free_desc[bisect_left(self._by_free_desc, (-old, name))]
+            insort(self._by_free, (node.free, name))
+            insort(self._by_free_desc, (-node.free, name))
+            self._keys[name] = node.free
+
+    # -- deciding ----------------------------------------------------------------------------
+
+    def type_filter(self, spec: ShareSpec, policy: Policy) -> TypeFilter:
+        key = (spec.gpu_type, policy)
+        found = self._filters.get(key)
+        if found is None:
+            found = self._filters[key] = resolve_types(spec, policy, self.kinds)
+        return found
+
+    def place(self, spec: ShareSpec, policy: Policy | None = None) -> Placement:
+        """Where ``spec`` goes now; raises :class:`PlacementRefused` (nothing fits now, with the
+        reason and what would fit) or :class:`ShareError` (the request can never be valid)."""
+        policy = policy if policy is not None else self.policy
+        types = self.check(spec, policy)
+        if spec.gpu_count > 1:
+            found = self._place_whole(spec, policy, types)
+        else:
+            found = self._place_share(spec, policy, types)
+        if found is None:
+            from .explain import refusal
+
+            raise refusal(self, spec, policy, types)
+        return found
+
+    def check(self, spec: ShareSpec, policy: Policy) -> TypeFilter:
+        """Refuse (:class:`ShareError`) what no state of this cluster could ever hold."""
+        if not self.gpus:
+            raise ShareError("gpu_type", spec.gpu_type, "a type of a GPU in the inventory; there "
+                             "are no GPUs")
+        types = self.type_filter(spec, policy)
+        check_request(spec, types, self.gpus.values())
+        return types
+
+    def _place_share(self, spec: ShareSpec, policy: Policy, types: TypeFilter) -> Placement | None:
+        request = to_units(spec.gpu_request)
+        labels = spec.gpu_labels
+        group = self.affinity.get(labels.affinity) if labels.affinity else None
+        if group:
+            # The group already has its GPU: only there (whatever the policy would prefer).
+            states = [self.gpus[u] for u in group if u in self.gpus]
+            fits = [g for g in states if self.fits(g, spec, request, policy, types)]
+            if not fits:
+                return None
+            best = min(fits, key=lambda g: (self.node_key(g.node, policy), gpu_key(g, policy)))
+            return Placement(best.node, (best.uuid,), spec.resolved_memory(best.gpu.memory))
+        order = self._by_free if policy.node == "binpack" else self._by_free_desc
+        cordoned = policy.cordoned_nodes
+        spread = policy.gpu == "spread"
+        for _, name in order:
+            node = self.nodes[name]
+            if _most_free(node.best, types) < request or name in cordoned:
+                continue
+            best: GpuState | None = None
+            best_key: tuple[int, int, int] | None = None
+            for g in node.gpus:
+                if not self.fits(g, spec, request, policy, types):
+                    continue
+                key = (-g.free, -g.mem_free, g.index) if spread else (g.free, g.mem_free, g.index)
+                if best_key is None or key < best_key:
+                    best, best_key = g, key
+            if best is not None:
+                return Placement(name, (best.uuid,), spec.resolved_memory(best.gpu.memory))
+        return None
+
+    def fits(
+        self, g: GpuState, spec: ShareSpec, request: int, policy: Policy, types: TypeFilter
+    ) -> bool:
+        """Can ``spec`` (``request`` units) go on ``g`` now?"""
+        if not g.usable or g.free < request or not types.admits(g.kind):
+            return False
+        if g.mem_free < spec.resolved_memory(g.gpu.memory):
+            return False
+        if g.uuid in policy.cordoned_gpus or g.node in policy.cordoned_nodes:
+            return False
+        labels = spec.gpu_labels
+        if labels.anti_affinity and self.anti.get(labels.anti_affinity, {}).get(g.uuid):
+            return False
+        return g.exclusive_ok(labels.exclusive)
+
+    def whole_candidates(
+        self, node: NodeState, spec: ShareSpec, policy: Policy, types: TypeFilter
+    ) -> dict[str, list[GpuState]]:
+        """The GPUs of ``node`` a whole-GPU request may take, by type."""
+        found: dict[str, list[GpuState]] = {}
+        if node.name in policy.cordoned_nodes:
+            return found
+        for g in node.gpus:
+            if (
+                g.usable
+                and not g.holders
+                and types.admits(g.kind)
+                and g.uuid not in policy.cordoned_gpus
+                and spec.resolved_memory(g.gpu.memory) <= g.gpu.memory
+            ):
+                found.setdefault(g.type, []).append(g)
+        return found
+
+    def _place_whole(self, spec: ShareSpec, policy: Policy, types: TypeFilter) -> Placement | None:
+        count = spec.gpu_count
+        order = self._by_free if policy.node == "binpack" else self._by_free_desc
+        for _, name in order:
+            node = self.nodes[name]
+            if sum(n for kind, n in node.whole.items() if types.admits(kind)) < count:
+                continue
+            by_type = self.whole_candidates(node, spec, policy, types)
+            for gpu_type in sorted(by_type):
+                chosen = by_type[gpu_type][:count]  # lowest indices: neighbours share links
+                if len(chosen) == count:
+                    memory = min(spec.resolved_memory(g.gpu.memory) for g in chosen)
+                    return Placement(name, tuple(g.uuid for g in chosen), memory)
+        return None
+
+    def node_key(self, name: str, policy: Policy) -> tuple[int, str]:
+        free = self.nodes[name].free
+        return (free, name) if policy.node == "binpack" else (-free, name)
+
+
+def gpu_key(g: GpuState, policy: Policy) -> tuple[int, int, int]:
+    if policy.gpu == "spread":
+        return (-g.free, -g.mem_free, g.index)
+    return (g.free, g.mem_free, g.index)
+
+
+def check_request(spec: ShareSpec, types: TypeFilter, gpus: Iterable[GpuState]) -> None:
+    """:class:`ShareError` for a request no state of this inventory could ever satisfy."""
+    labels = spec.gpu_labels
+    if labels.affinity and labels.affinity == labels.anti_affinity:
+        raise ShareError(
+            "gpu_labels.anti_affinity", labels.anti_affinity,
+            "a label other than the affinity label (a share cannot be with and apart from the "
+            "same group)",
+        )
+    if spec.gpu_count > 1 and labels.affinity:
+        raise ShareError(
+            "gpu_labels.affinity", labels.affinity,
+            f"no affinity label with gpu_count={spec.gpu_count}: whole GPUs are shared with "
+            "nobody, so they cannot join a group on one GPU",
+        )
+    pool = [g for g in gpus if types.admits(g.kind)]
+    if spec.gpu_count > 1:
+        per_node: dict[tuple[str, str], int] = {}
+        for g in pool:
+            per_node[(g.node, g.type)] = per_node.get((g.node, g.type), 0) + 1
+        most = max(per_node.values(), default=0)
+        if spec.gpu_count > most:
+            raise ShareError(
+                "gpu_count", spec.gpu_count,
+                f"at most {most} (the most {types.label}s of one type on one node)",
+            )
+    if spec.gpu_memory is not None:
+        largest = max((g.gpu.memory for g in pool), default=0)
+        if spec.gpu_memory > largest:
+            raise ShareError(
+                "gpu_memory", format_bytes(spec.gpu_memory),
+                f"at most {format_bytes(largest)} (the memory of the largest {types.label})",
+            )
+
+
+def _most_free(best: dict[Kind, int], types: TypeFilter) -> int:
+    if types.allowed is None and not types.excluded:
+        return max(best.values(), default=-1)
+    return max((free for t, free in best.items() if types.admits(t)), default=-1)
+
+
+def _count(index: dict[str, dict[str, int]], label: str | None, uuid: str, sign: int) -> None:
+    if not label:
+        return
+    by_gpu = index.setdefault(label, {})
+    left = by_gpu.get(uuid, 0) + sign
+    if left:
+        by_gpu[uuid] = left
+    else:
+        by_gpu.pop(uuid, None)
+        if not by_gpu:
+            del index[label]
+
+
+def _usage(a: Allocation) -> tuple[Any, ...]:
+    """What of an allocation placement depends on (an update changing anything else is a no-op
+    for the index)."""
+    return (a.gpus, a.spec.gpu_request, a.memory, a.spec.gpu_labels)
+
+
+def place(
+    gpus: Sequence[Gpu],
+    allocations: Sequence[Allocation],
+    spec: ShareSpec,
+    policy: Policy = Policy(),  # noqa: B008 - frozen, immutable default
+) -> Placement:
+    """Where ``spec`` goes given ``gpus`` and the live ``allocations``: pure, builds a fresh
+    index (O(GPUs + allocations)); long-lived callers keep a :class:`Placer` instead."""
+    return Placer(gpus, allocations, policy).place(spec)

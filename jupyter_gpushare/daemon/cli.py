@@ -1,0 +1,133 @@
+"""``jupyter gpushare daemon``: the node daemon's command line.
+
+The lead's CLI calls :func:`add_arguments` on its sub-parser and :func:`run` with the parsed
+arguments; ``python -m jupyter_gpushare.daemon`` does the same on its own parser. Defaults and
+help texts come from :class:`DaemonConfig` (a traitlets ``Configurable``, so a Jupyter config file
+can set them too: ``c.DaemonConfig.quantum_ms = 10``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from pathlib import Path
+
+from traitlets import Float, Int, Unicode
+from traitlets.config import Configurable
+
+from .. import paths
+from ..inventory import local_node_name
+
+
+class DaemonConfig(Configurable):
+    quantum_ms = Float(20.0, help="Lease quantum in ms (10-50): the longest a GPU is held by "
+                       "one kernel while others wait.").tag(config=True)
+    window_ms = Float(1000.0, help="Sliding window in ms (1000-2000) over which request and "
+                      "limit shares are measured.").tag(config=True)
+    poll_ms = Float(250.0, help="How often the ledger is re-read, in ms.").tag(config=True)
+    metrics_host = Unicode("127.0.0.1", help="Address of the Prometheus endpoint (keep it on "
+                           "loopback unless the network is trusted).").tag(config=True)
+    metrics_port = Int(0, help="Port of the Prometheus endpoint; 0 disables it, -1 picks a "
+                       "free port.").tag(config=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = DaemonConfig()
+    parser.add_argument("--socket", type=Path, default=None,
+                        help=f"unix socket to serve (default {paths.socket_path()})")
+    parser.add_argument("--ledger", type=Path, default=None,
+                        help=f"SQLite ledger to follow (default {paths.ledger_path()})")
+    parser.add_argument("--node", default=None,
+                        help="node name whose allocations to enforce (default: this host)")
+    parser.add_argument("--simulate-devices", "--simulate", dest="simulate", default=None,
+                        metavar="N[xTYPE]",
+                        help="enforce on simulated GPUs (e.g. 2xA100); also GPUSHARE_SIMULATE")
+    parser.add_argument("--quantum-ms", type=float, default=d.quantum_ms,
+                        help=DaemonConfig.quantum_ms.help)
+    parser.add_argument("--window-ms", type=float, default=d.window_ms,
+                        help=DaemonConfig.window_ms.help)
+    parser.add_argument("--poll-ms", type=float, default=d.poll_ms, help=DaemonConfig.poll_ms.help)
+    parser.add_argument("--state-dir", type=Path, default=None,
+                        help="directory of the per-GPU shared-memory files (default /dev/shm/…)")
+    parser.add_argument("--metrics-host", default=d.metrics_host,
+                        help=DaemonConfig.metrics_host.help)
+    parser.add_argument("--metrics-port", type=int, default=d.metrics_port,
+                        help=DaemonConfig.metrics_port.help)
+    parser.add_argument("--log-level", default="INFO", help="logging level")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the daemon until SIGTERM/SIGINT; returns the exit status."""
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s gpushare-daemon %(levelname)s %(message)s")
+    if not 1 <= args.quantum_ms <= 1000 or not args.quantum_ms <= args.window_ms <= 60000:
+        logging.error("need 1 <= quantum-ms <= window-ms <= 60000")
+        return 2
+    try:
+        asyncio.run(_main(args))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+async def _main(args: argparse.Namespace) -> None:
+    from ..ledger.sqlite import SQLiteLedger
+    from .env import simulator_environ
+    from .server import Daemon, DaemonSettings
+
+    socket_path = (args.socket or paths.socket_path()).absolute()
+    node = args.node or local_node_name()
+    simulate = args.simulate or os.environ.get("GPUSHARE_SIMULATE")
+    nvml_library = None
+    if simulate:
+        from ..inventory import simulated_gpus
+
+        os.environ.update(simulator_environ(simulated_gpus(simulate, node), socket_path))
+        nvml_library = _sim_nvml()
+    settings = DaemonSettings(
+        socket_path=socket_path,
+        node=node,
+        quantum_ns=int(args.quantum_ms * 1e6),
+        window_ns=int(args.window_ms * 1e6),
+        poll_ns=int(args.poll_ms * 1e6),
+        state_dir=args.state_dir,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port or None,
+        nvml_library=nvml_library,
+    )
+    ledger = SQLiteLedger(args.ledger or paths.ledger_path())
+    daemon = Daemon(ledger, settings)
+    await daemon.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.stop)
+    if settings.metrics_port is not None:
+        from .metrics import serve
+
+        def status() -> dict:
+            future = asyncio.run_coroutine_threadsafe(_status(daemon), loop)
+            return future.result(timeout=5)
+
+        port = serve(status, settings.metrics_host, max(settings.metrics_port, 0))
+        daemon.metrics_port = port
+        logging.info("metrics on http://%s:%d/metrics", settings.metrics_host, port)
+    print(f"gpushare daemon ready on {socket_path}", flush=True)
+    try:
+        await daemon.serve_forever()
+    finally:
+        with contextlib.suppress(Exception):
+            await daemon.close()
+        await ledger.close()
+
+
+async def _status(daemon: object) -> dict:
+    return daemon.status()  # type: ignore[attr-defined]
+
+
+def _sim_nvml() -> str | None:
+    library = paths.lib_dir() / "sim" / "libnvidia-ml.so.1"
+    return str(library) if library.exists() else None

@@ -1,0 +1,66 @@
+"""A small synchronous client of the daemon's control socket (status, refresh, ping).
+
+Used by the server extension, ``jupyter gpushare status`` and the notebook panel. Each call opens
+its own connection (cheap on a unix socket), so an instance is safe to share between threads.
+Async callers: run it with ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+from . import wire
+
+
+class DaemonUnavailable(ConnectionError):
+    """Nothing answers on the daemon's socket."""
+
+
+class DaemonClient:
+    def __init__(self, socket_path: str | Path, timeout: float = 5.0) -> None:
+        self.socket_path = Path(socket_path)
+        self.timeout = timeout
+
+    def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            try:
+                sock.connect(str(self.socket_path))
+            except OSError as exc:
+                raise DaemonUnavailable(
+                    f"no gpushare daemon answers on {self.socket_path}: {exc}"
+                ) from exc
+            sock.sendall(wire.encode(message))
+            data = bytearray()
+            while b"\n" not in data:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise DaemonUnavailable("the gpushare daemon closed the connection")
+                data += chunk
+            return wire.decode(bytes(data[: data.index(b"\n")]))
+        finally:
+            sock.close()
+
+    def status(self, allocation_id: str | None = None) -> dict[str, Any]:
+        """The daemon's status: ``{"ok", "daemon", "allocations": [...], "gpus": [...]}``;
+        with ``allocation_id`` only that allocation (``ok`` false if unknown)."""
+        message: dict[str, Any] = {"op": "status"}
+        if allocation_id is not None:
+            message["allocation"] = allocation_id
+        return self.request(message)
+
+    def refresh(self) -> None:
+        """Make the daemon re-read the ledger now (after an allocation changed)."""
+        self.request({"op": "refresh"})
+
+    def ping(self) -> dict[str, Any]:
+        return self.request({"op": "ping"})
+
+    def alive(self) -> bool:
+        try:
+            return bool(self.ping().get("ok"))
+        except (DaemonUnavailable, OSError, ValueError):
+            return False

@@ -1,0 +1,422 @@
+"""The node daemon (box 6): control socket, ledger follower, per-GPU lease loops, status.
+
+One asyncio event loop; SQLite runs in worker threads (inside the ledger); the lease loops
+(:mod:`.gpu`) are plain callbacks on the loop. State is rebuildable: allocations come from the
+ledger (polled, plus ``refresh`` requests), the shared-memory files are reused after a restart,
+and clients reconnect on their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from ..ledger import Allocation, Ledger
+from . import wire
+from .gpu import GpuLoop, Tenant
+from .shm import GpuShm, monotonic_ns
+
+log = logging.getLogger("jupyter_gpushare.daemon")
+
+#: ``pid_start`` recorded in the ledger vs the process's create time: allowed difference (s).
+PID_START_TOLERANCE = 0.05
+
+
+def default_state_dir(socket_path: Path) -> Path:
+    """Where the per-GPU shared-memory files live: /dev/shm when there is one."""
+    digest = hashlib.sha1(str(socket_path.resolve()).encode()).hexdigest()[:12]
+    base = Path("/dev/shm")
+    if base.is_dir() and os.access(base, os.W_OK):
+        return base / f"gpushare-{os.getuid()}-{digest}"
+    return socket_path.parent / "shm"
+
+
+@dataclass
+class DaemonSettings:
+    socket_path: Path
+    node: str
+    quantum_ns: int = 20_000_000
+    window_ns: int = 1_000_000_000
+    poll_ns: int = 250_000_000
+    state_dir: Path | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    nvml_library: str | None = None
+
+
+@dataclass(eq=False)
+class Client:
+    """One connected process."""
+
+    transport: asyncio.Transport
+    pid: int
+    uid: int
+    allocation: str | None = None
+    tenants: list[tuple[GpuLoop, Tenant]] = field(default_factory=list)
+
+
+class Daemon:
+    def __init__(self, ledger: Ledger, settings: DaemonSettings) -> None:
+        self.ledger = ledger
+        self.settings = settings
+        self.state_dir = settings.state_dir or default_state_dir(settings.socket_path)
+        self.gpus: dict[str, GpuLoop] = {}
+        self.allocations: dict[str, Allocation] = {}
+        self.clients: set[Client] = set()
+        self.server: asyncio.AbstractServer | None = None
+        self.epoch = 0
+        self.started_ns = monotonic_ns()
+        self.refused = 0
+        self.metrics_port: int | None = None
+        self.nvml: dict[str, dict[str, Any]] = {}
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._refresh_lock = asyncio.Lock()
+        self._stopping = asyncio.Event()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        path = self.settings.socket_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # the caller checked that no live daemon answers on it
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_unix_server(lambda: _Protocol(self), path=str(path))
+        os.chmod(path, 0o666)  # peers are authenticated by credentials, not by file mode
+        await self.refresh()
+        self._tasks.append(asyncio.create_task(self._poll_ledger()))
+        self._tasks.append(asyncio.create_task(self._tick()))
+        if self.settings.nvml_library is not None or os.environ.get("GPUSHARE_SIMULATED"):
+            self._tasks.append(asyncio.create_task(self._sample_nvml()))
+        log.info("gpushare daemon on %s (node %s, quantum %.0f ms, window %.0f ms, state %s)",
+                 path, self.settings.node, self.settings.quantum_ns / 1e6,
+                 self.settings.window_ns / 1e6, self.state_dir)
+
+    async def serve_forever(self) -> None:
+        await self._stopping.wait()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.server is not None:
+            self.server.close()
+        for client in list(self.clients):
+            client.transport.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.settings.socket_path.unlink()
+        for gpu in self.gpus.values():
+            gpu.shm.heartbeat()
+
+    # -- ledger -------------------------------------------------------------------------------
+
+    async def _poll_ledger(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.poll_ns / 1e9)
+            try:
+                await self.refresh()
+            except Exception:  # a busy or missing ledger must not stop the daemon
+                log.exception("reading the ledger failed")
+
+    async def refresh(self) -> None:
+        """Follow the ledger: new allocations get slots, changed ones new shares, gone ones are
+        released."""
+        async with self._refresh_lock:
+            snap = await self.ledger.snapshot()
+            current = {a.id: a for a in snap.on_node(self.settings.node)}
+            if current == self.allocations:
+                return
+            for allocation in current.values():
+                if self.allocations.get(allocation.id) != allocation:
+                    self._apply(allocation)
+            for gone in set(self.allocations) - set(current):
+                for gpu in self.gpus.values():
+                    gpu.forget(gone)
+            self.allocations = current
+
+    def _apply(self, allocation: Allocation) -> None:
+        busy = self._busy_slots()
+        for uuid in allocation.gpus:
+            gpu = self._gpu(uuid)
+            gpu.upsert(allocation.id, allocation.request, allocation.limit, allocation.memory,
+                       busy.get(uuid, set()))
+        for gpu in self.gpus.values():  # an allocation moved off a GPU (not expected)
+            if gpu.uuid not in allocation.gpus:
+                gpu.forget(allocation.id)
+
+    def _busy_slots(self) -> dict[str, set[int]]:
+        """Slots still mapped by connected clients (not to be reused)."""
+        busy: dict[str, set[int]] = {}
+        for client in self.clients:
+            for gpu, tenant in client.tenants:
+                busy.setdefault(gpu.uuid, set()).add(tenant.slot)
+        return busy
+
+    def _gpu(self, uuid: str) -> GpuLoop:
+        gpu = self.gpus.get(uuid)
+        if gpu is None:
+            path = self.state_dir / f"{uuid}.shm"
+            shm = GpuShm(path, uuid, self.settings.quantum_ns, self.settings.window_ns)
+            self.epoch = max(self.epoch, shm.header.epoch)
+            gpu = GpuLoop(uuid, shm, self.settings.quantum_ns, self.settings.window_ns)
+            self.gpus[uuid] = gpu
+        return gpu
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            for gpu in self.gpus.values():
+                gpu.tick()
+
+    async def _sample_nvml(self) -> None:
+        from .nvml import sample
+
+        while True:
+            try:
+                self.nvml = await asyncio.to_thread(sample, self.settings.nvml_library)
+            except Exception as exc:  # the sampler is informational
+                log.debug("NVML sample failed: %s", exc)
+                self.nvml = {}
+            await asyncio.sleep(1.0)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def handle(self, client: Client, message: dict[str, Any]) -> dict[str, Any] | None:
+        op = message.get("op")
+        if op == "want" or op == "done":
+            self._lease_event(client, op, message)
+            return None
+        if op == "hello":
+            return await self._hello(client, message)
+        if op == "status":
+            return self.status(message.get("allocation"))
+        if op == "refresh":
+            await self.refresh()
+            return {"ok": True}
+        if op == "ping":
+            return {"ok": True, "v": wire.VERSION, "epoch": self.epoch, "pid": os.getpid()}
+        return wire.refusal(wire.E_BAD_REQUEST, f"unknown op {op!r}")
+
+    def _lease_event(self, client: Client, op: str, message: dict[str, Any]) -> None:
+        uuid = message.get("gpu")
+        for gpu, tenant in client.tenants:
+            if gpu.uuid == uuid and gpu.tenants.get(tenant.allocation) is tenant:
+                if op == "want":
+                    gpu.want(tenant)
+                else:
+                    gpu.done(tenant, int(message.get("lease", 0)))
+
+    async def _hello(self, client: Client, message: dict[str, Any]) -> dict[str, Any]:
+        if message.get("v") != wire.VERSION:
+            return wire.refusal(wire.E_BAD_VERSION,
+                                f"wire version {message.get('v')} (daemon speaks {wire.VERSION})")
+        if client.allocation is not None:
+            return wire.refusal(wire.E_BAD_REQUEST, "hello was already sent")
+        allocation_id = str(message.get("allocation") or "")
+        allocation = self.allocations.get(allocation_id)
+        refusal = self._check_peer(client, allocation)
+        if refusal is not None:  # maybe the ledger changed since the last poll
+            await self.refresh()
+            allocation = self.allocations.get(allocation_id)
+            refusal = self._check_peer(client, allocation)
+        if refusal is not None:
+            self.refused += 1
+            log.warning("refused pid %d for %r: %s", client.pid, allocation_id,
+                        refusal["message"])
+            return refusal
+        assert allocation is not None
+        wanted = [str(g) for g in message.get("gpus") or allocation.gpus]
+        gpus = []
+        for uuid in allocation.gpus:
+            if uuid not in wanted:
+                continue
+            gpu = self.gpus[uuid]
+            tenant = gpu.tenants[allocation.id]
+            tenant.connections += 1
+            client.tenants.append((gpu, tenant))
+            gpus.append({
+                "uuid": uuid,
+                "shm": str(gpu.shm.path),
+                "slot": tenant.slot,
+                "generation": int(gpu.shm.slots[tenant.slot].generation),
+            })
+        client.allocation = allocation.id
+        return {
+            "ok": True,
+            "v": wire.VERSION,
+            "epoch": self.epoch,
+            "quantum_ns": self.settings.quantum_ns,
+            "window_ns": self.settings.window_ns,
+            "gpus": gpus,
+        }
+
+    def _check_peer(self, client: Client, allocation: Allocation | None) -> dict[str, Any] | None:
+        if allocation is None:
+            return wire.refusal(wire.E_UNKNOWN_ALLOCATION,
+                                "no GPU share with that id on this node (released or never made)")
+        if allocation.pid is None:
+            return wire.refusal(wire.E_NOT_PERMITTED,
+                                f"allocation {allocation.id} has no process yet")
+        try:
+            owner = psutil.Process(allocation.pid)
+            if allocation.pid_start is not None and (
+                abs(owner.create_time() - allocation.pid_start) > PID_START_TOLERANCE
+            ):
+                return wire.refusal(wire.E_NOT_PERMITTED,
+                                    f"allocation {allocation.id}: its process is gone")
+            if client.pid == allocation.pid:
+                return None
+            peer = psutil.Process(client.pid)
+            if any(p.pid == allocation.pid for p in peer.parents()):
+                if peer.create_time() + PID_START_TOLERANCE >= owner.create_time():
+                    return None
+        except psutil.Error:
+            pass
+        return wire.refusal(
+            wire.E_NOT_PERMITTED,
+            f"process {client.pid} is not allocation {allocation.id}'s process "
+            f"({allocation.pid}) or one of its children",
+        )
+
+    def disconnected(self, client: Client) -> None:
+        self.clients.discard(client)
+        for gpu, tenant in client.tenants:
+            tenant.connections = max(0, tenant.connections - 1)
+            if gpu.tenants.get(tenant.allocation) is tenant:
+                gpu.disconnected(tenant)
+        client.tenants.clear()
+
+    # -- status -------------------------------------------------------------------------------
+
+    def status(self, allocation_id: str | None = None) -> dict[str, Any]:
+        now = monotonic_ns()
+        allocations = []
+        for allocation in self.allocations.values():
+            if allocation_id is not None and allocation.id != allocation_id:
+                continue
+            per_gpu = [
+                gpu.tenant_status(gpu.tenants[allocation.id], now)
+                for uuid in allocation.gpus
+                if (gpu := self.gpus.get(uuid)) is not None and allocation.id in gpu.tenants
+            ]
+            allocations.append({
+                "id": allocation.id,
+                "kernel_id": allocation.kernel_id,
+                "owner": allocation.owner,
+                "pid": allocation.pid,
+                "request": allocation.request,
+                "limit": allocation.limit,
+                "memory_cap": allocation.memory,
+                "achieved_share": round(sum(g["achieved_share"] for g in per_gpu), 4),
+                "memory_used": sum(g["memory_used"] for g in per_gpu),
+                "lease_waits": sum(g["lease_waits"] for g in per_gpu),
+                "lease_wait_seconds": sum(g["lease_wait_seconds"] for g in per_gpu),
+                "connected": sum(g["processes"] for g in per_gpu) > 0,
+                "gpus": per_gpu,
+            })
+        if allocation_id is not None and not allocations:
+            return wire.refusal(wire.E_UNKNOWN_ALLOCATION, f"no allocation {allocation_id!r}")
+        gpus = []
+        for gpu in self.gpus.values():
+            entry = gpu.status(now)
+            entry["nvml"] = self.nvml.get(gpu.uuid)
+            gpus.append(entry)
+        return {
+            "ok": True,
+            "daemon": {
+                "pid": os.getpid(),
+                "node": self.settings.node,
+                "epoch": self.epoch,
+                "wire_version": wire.VERSION,
+                "uptime_s": round((now - self.started_ns) / 1e9, 3),
+                "clients": len(self.clients),
+                "refused": self.refused,
+                "metrics_port": self.metrics_port,
+                "quantum_ms": self.settings.quantum_ns / 1e6,
+                "window_ms": self.settings.window_ns / 1e6,
+            },
+            "allocations": allocations,
+            "gpus": gpus,
+        }
+
+
+class _Protocol(asyncio.Protocol):
+    """Line framing for one connection; requests are handled in order."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.buffer = bytearray()
+        self.client: Client | None = None
+        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.worker: asyncio.Task[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        sock: socket.socket = transport.get_extra_info("socket")
+        pid, uid, _gid = struct.unpack(
+            "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        )
+        self.client = Client(transport, pid, uid)
+        self.daemon.clients.add(self.client)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if len(self.buffer) > wire.MAX_LINE and b"\n" not in self.buffer:
+            assert self.client is not None
+            self.client.transport.close()
+            return
+        while (end := self.buffer.find(b"\n")) >= 0:
+            line = bytes(self.buffer[:end])
+            del self.buffer[: end + 1]
+            if line.strip():
+                self._dispatch(line)
+
+    def _dispatch(self, line: bytes) -> None:
+        assert self.client is not None
+        try:
+            message = wire.decode(line)
+        except ValueError:
+            self.client.transport.write(wire.encode(wire.refusal(wire.E_BAD_REQUEST,
+                                                                 "not a JSON object")))
+            return
+        if message.get("op") in ("want", "done") and self.queue.empty() and self.worker is None:
+            # the hot messages: handled inline, no task switch (lease handoff latency)
+            self.daemon._lease_event(self.client, message["op"], message)
+            return
+        self.queue.put_nowait(message)
+        if self.worker is None:
+            self.worker = asyncio.get_running_loop().create_task(self._work())
+
+    async def _work(self) -> None:
+        assert self.client is not None
+        try:
+            while not self.queue.empty():
+                message = self.queue.get_nowait()
+                try:
+                    reply = await self.daemon.handle(self.client, message)
+                except Exception as exc:
+                    log.exception("request %r failed", message.get("op"))
+                    reply = wire.refusal("internal", str(exc))
+                if reply is not None and not self.client.transport.is_closing():
+                    self.client.transport.write(wire.encode(reply))
+        finally:
+            self.worker = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.client is not None:
+            self.daemon.disconnected(self.client)

@@ -1,0 +1,177 @@
+"""The wire format between the node daemon and the interposer (boxes 6 and 7), version 1.
+
+Written down once here; the C side is ``csrc/include/gpushare_wire.h`` and must match it (the
+tests compare the two: ``tests/enforcement/test_wire.py``).
+
+Two channels
+============
+
+1. **Control: the daemon's unix stream socket** (``GPUSHARE_SOCKET``). Newline-delimited JSON,
+   one object per line, UTF-8, at most :data:`MAX_LINE` bytes. Every request has ``"op"``;
+   requests that expect an answer get exactly one reply line, in order. Replies carry ``"ok"``;
+   refusals are ``{"ok": false, "error": <code>, "message": <text>}``.
+
+   ``hello`` (client → daemon, first message of an interposed process)::
+
+       {"op": "hello", "v": 1, "allocation": "a-…", "pid": 1234, "gpus": ["GPU-…", …]}
+
+   The daemon checks the peer's credentials (``SO_PEERCRED``): the connecting pid must be the
+   allocation's ``pid`` (with a matching ``pid_start``) or one of its descendants. Reply::
+
+       {"ok": true, "v": 1, "epoch": 7, "quantum_ns": …, "window_ns": …,
+        "gpus": [{"uuid": "GPU-…", "shm": "/dev/shm/…/GPU-….shm", "slot": 3,
+                  "generation": 12}, …]}
+
+   or ``{"ok": false, "error": "not_permitted" | "unknown_allocation" | "bad_version", …}``.
+   The client maps each ``shm`` file and uses slot ``slot`` of it (see below).
+
+   ``want`` (no reply): ``{"op": "want", "gpu": "GPU-…"}`` — a thread of this process is blocked
+   waiting for a lease on that GPU (it already incremented the slot's ``waiters``).
+
+   ``done`` (no reply): ``{"op": "done", "gpu": "GPU-…", "lease": <lease_until_ns>}`` — this
+   process drained the streams it used under that lease (it already stored ``drain_end_ns`` and
+   decremented ``joined``), or hands the lease back early because it went idle.
+
+   ``status`` → ``{"ok": true, "allocations": […], "gpus": […], "daemon": {…}}`` (optionally
+   ``"allocation": id`` to get one); ``refresh`` → re-reads the ledger, ``{"ok": true}``;
+   ``ping`` → ``{"ok": true, "v": 1, "epoch": …}``.
+
+2. **Hot state: one shared-memory file per GPU** (created by the daemon, ``mmap``-ed
+   ``MAP_SHARED`` by every interposed process of that GPU). A 256-byte header followed by
+   :data:`SLOTS` slots of 256 bytes, one per (allocation, GPU). All integers are little-endian,
+   naturally aligned; fields marked *atomic* are only accessed with atomic operations.
+
+   The fast path of a launch is ``now < slot.lease_until_ns`` (one atomic load and a vDSO
+   ``clock_gettime(CLOCK_MONOTONIC)``; no system call, no lock). Leases are exclusive per GPU: the
+   daemon grants one slot at a time ``lease_until_ns = now + lease``, bumps ``grant_seq`` and
+   wakes waiters with ``FUTEX_WAKE`` on it (a shared, non-private futex). To end a lease early it
+   stores ``0`` (revoke). A process that launched under a lease ("joined": ``joined += 1`` once
+   per lease) records an event on every stream it used, waits for them, stores
+   ``drain_end_ns = max(drain_end_ns, now)``, decrements ``joined`` and sends ``done``. The daemon
+   charges the slot ``drain_end_ns - lease_start_ns`` of device time and picks the next holder.
+
+   Memory: ``mem_used`` is reserved before every allocation with a compare-and-swap loop that
+   never lets it exceed ``mem_cap`` and is given back with ``fetch_sub`` when the driver call fails
+   or the memory is freed. One slot per (allocation, GPU) is shared by all processes of the
+   allocation, forked children included, so they share one budget.
+
+   ``state``: 0 free, 1 active, 2 released (the allocation left the ledger: launches and
+   allocations fail with ``CUDA_ERROR_NOT_PERMITTED``). ``generation`` changes when a slot is
+   reused; a client whose generation differs treats its share as released.
+
+Fail static: when the socket breaks or ``heartbeat_ns`` is older than :data:`HEARTBEAT_STALE_NS`,
+each process grants itself leases locally at its request share (duty cycle: ``quantum`` on,
+``quantum * (1 - request) / request`` off) and keeps reconnecting; a restarted daemon reuses the
+shared-memory files (same path, same slots: memory already reserved is kept), bumps ``epoch``
+and clears leases.
+
+Versioning: a change to the header/slot layout or to the meaning of a field bumps
+:data:`VERSION` (``GPUSHARE_WIRE_VERSION`` in C); the daemon refuses a ``hello`` with another
+version (``bad_version``) and a client refuses a shared-memory file whose ``magic``/``version``
+differ.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from typing import Any
+
+VERSION = 1
+MAGIC = 0x48535047  # "GPSH"
+SLOTS = 64
+HEADER_SIZE = 256
+SLOT_SIZE = 256
+FILE_SIZE = HEADER_SIZE + SLOTS * SLOT_SIZE
+MAX_LINE = 65536
+#: A client goes fail-static when the daemon's heartbeat is older than this.
+HEARTBEAT_STALE_NS = 2_000_000_000
+
+STATE_FREE = 0
+STATE_ACTIVE = 1
+STATE_RELEASED = 2
+
+#: Error codes of refusals on the control socket.
+E_NOT_PERMITTED = "not_permitted"
+E_UNKNOWN_ALLOCATION = "unknown_allocation"
+E_BAD_VERSION = "bad_version"
+E_BAD_REQUEST = "bad_request"
+E_FULL = "no_free_slot"
+
+
+class Header(ctypes.Structure):
+    """The first 256 bytes of a GPU's shared-memory file (``gpushare_wire_header`` in C)."""
+
+    _pack_ = 8
+    _fields_ = [
+        ("magic", ctypes.c_uint32),  # 0
+        ("version", ctypes.c_uint32),  # 4
+        ("slot_count", ctypes.c_uint32),  # 8
+        ("slot_size", ctypes.c_uint32),  # 12
+        ("daemon_pid", ctypes.c_uint64),  # 16
+        ("epoch", ctypes.c_uint64),  # 24: bumped by every daemon start
+        ("heartbeat_ns", ctypes.c_uint64),  # 32: CLOCK_MONOTONIC, refreshed every ~100 ms
+        ("quantum_ns", ctypes.c_uint64),  # 40
+        ("window_ns", ctypes.c_uint64),  # 48
+        ("holder", ctypes.c_uint32),  # 56: slot index + 1 of the lease holder, 0 none
+        ("waiting_slots", ctypes.c_uint32),  # 60: slots other than the holder that wait
+        ("uuid", ctypes.c_char * 64),  # 64
+        ("_pad", ctypes.c_uint8 * 128),  # 128
+    ]
+
+
+class Slot(ctypes.Structure):
+    """One (allocation, GPU) slot (``gpushare_wire_slot`` in C)."""
+
+    _pack_ = 8
+    _fields_ = [
+        ("lease_until_ns", ctypes.c_uint64),  # 0   atomic; 0 = no lease
+        ("lease_start_ns", ctypes.c_uint64),  # 8
+        ("grant_seq", ctypes.c_uint32),  # 16  atomic; futex word
+        ("state", ctypes.c_uint32),  # 20  atomic; STATE_*
+        ("joined", ctypes.c_uint32),  # 24  atomic; processes that launched under the lease
+        ("waiters", ctypes.c_uint32),  # 28  atomic; threads blocked for a lease
+        ("mem_cap", ctypes.c_uint64),  # 32
+        ("mem_used", ctypes.c_uint64),  # 40  atomic (CAS reserve, fetch_sub release)
+        ("used_ns", ctypes.c_uint64),  # 48  device time charged so far (daemon)
+        ("drain_end_ns", ctypes.c_uint64),  # 56  atomic max (clients)
+        ("request_ppm", ctypes.c_uint32),  # 64  request in millionths of the GPU
+        ("limit_ppm", ctypes.c_uint32),  # 68
+        ("lease_waits", ctypes.c_uint64),  # 72  atomic add (clients): slow-path waits
+        ("wait_ns", ctypes.c_uint64),  # 80  atomic add (clients): time spent waiting
+        ("oom_count", ctypes.c_uint64),  # 88  atomic add (clients): refused allocations
+        ("mem_peak", ctypes.c_uint64),  # 96  atomic max (clients)
+        ("generation", ctypes.c_uint64),  # 104
+        ("allocation", ctypes.c_char * 32),  # 112 allocation id, NUL-padded
+        ("launches", ctypes.c_uint64),  # 144 atomic add (clients), batched per lease
+        ("_pad", ctypes.c_uint8 * 104),  # 152
+    ]
+
+
+assert ctypes.sizeof(Header) == HEADER_SIZE
+assert ctypes.sizeof(Slot) == SLOT_SIZE
+
+#: Offsets the C header must reproduce (checked by the tests against ``gpushare_wire.h``).
+HEADER_OFFSETS = {name: getattr(Header, name).offset for name, *_ in Header._fields_}
+SLOT_OFFSETS = {name: getattr(Slot, name).offset for name, *_ in Slot._fields_}
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """One control message as a line."""
+    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
+def decode(line: bytes) -> dict[str, Any]:
+    """One control line as a message; raises ``ValueError`` on anything but a JSON object."""
+    message = json.loads(line)
+    if not isinstance(message, dict):
+        raise ValueError("a control message is a JSON object")
+    return message
+
+
+def refusal(error: str, message: str) -> dict[str, Any]:
+    return {"ok": False, "error": error, "message": message}
+
+
+def ppm(fraction: float) -> int:
+    return max(0, min(1_000_000, round(fraction * 1_000_000)))

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Headless Chromium and the Node test driver for the JupyterLab browser tests (tests/lab).
+#
+# Debian's chromium + chromium-driver (browser downloads do not work in CI), fonts so that
+# screenshots show text, and `playwright-core` (driver only, no bundled browser) from npm into
+# tests/lab/node_modules.  The lab extension itself ships prebuilt in the repository, so Node is
+# only needed here for the test driver.  Idempotent; run as root from the repository root.
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+
+export DEBIAN_FRONTEND=noninteractive
+if ! command -v chromium >/dev/null 2>&1 || ! command -v node >/dev/null 2>&1; then
+  apt-get update -q
+  apt-get install -y -q --no-install-recommends chromium chromium-driver \
+    fonts-dejavu-core fonts-liberation nodejs npm
+fi
+
+if [ ! -d "$HERE/tests/lab/node_modules/playwright-core" ]; then
+  (cd "$HERE/tests/lab" && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --no-audit --no-fund)
+fi
+echo "browser: $(chromium --version 2>/dev/null || echo 'chromium missing'), node $(node --version)"

@@ -1,0 +1,139 @@
+/**
+ * Client-side share validation, the same rules and messages as `jupyter_gpushare/share.py`
+ * (`ShareSpec.from_mapping`), so that the picker refuses what the server would refuse before a
+ * round trip. The server validates again; its answer wins.
+ */
+
+export interface IShare {
+  gpu_request: number;
+  gpu_limit: number;
+  gpu_memory: number | null;
+  gpu_type: string | null;
+}
+
+/** The raw text of the picker's fields. */
+export interface IShareFields {
+  gpu_request: string;
+  gpu_limit: string;
+  gpu_memory: string;
+  gpu_type: string;
+}
+
+export class ShareError extends Error {
+  constructor(
+    readonly field: string,
+    readonly value: unknown,
+    readonly allowed: string
+  ) {
+    super(`${field}=${JSON.stringify(value)} is not allowed: ${allowed}`);
+  }
+}
+
+const UNITS: Record<string, number> = {
+  '': 1,
+  b: 1,
+  k: 1e3,
+  kb: 1e3,
+  ki: 2 ** 10,
+  kib: 2 ** 10,
+  m: 1e6,
+  mb: 1e6,
+  mi: 2 ** 20,
+  mib: 2 ** 20,
+  g: 1e9,
+  gb: 1e9,
+  gi: 2 ** 30,
+  gib: 2 ** 30,
+  t: 1e12,
+  tb: 1e12,
+  ti: 2 ** 40,
+  tib: 2 ** 40
+};
+const MEMORY_RE = /^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$/;
+const TYPE_RE = /^[A-Za-z0-9][A-Za-z0-9 _.-]{0,63}$/;
+const FRACTION = 'a number in (0, 1], the fraction of one GPU';
+
+export function parseFraction(text: string, field: string): number {
+  const trimmed = text.trim();
+  const value = Number(trimmed);
+  if (trimmed === '' || !Number.isFinite(value) || value <= 0 || value > 1) {
+    throw new ShareError(field, text, FRACTION);
+  }
+  return value;
+}
+
+export function parseMemory(text: string, field = 'gpu_memory'): number {
+  const match = MEMORY_RE.exec(text);
+  const unit = match ? match[2].toLowerCase() : '';
+  if (!match || !(unit in UNITS)) {
+    throw new ShareError(
+      field,
+      text,
+      'a size in bytes or with a unit (B, KiB, MiB, GiB, TiB, K, M, G, T)'
+    );
+  }
+  const bytes = Math.floor(Number(match[1]) * UNITS[unit]);
+  if (bytes <= 0) {
+    throw new ShareError(field, text, 'more than 0 bytes');
+  }
+  return bytes;
+}
+
+/** Parse and check the picker's fields; throws {@link ShareError} naming the field. */
+export function parseShare(fields: IShareFields, types: string[]): IShare {
+  const request = parseFraction(fields.gpu_request, 'gpu_request');
+  const limitText = fields.gpu_limit.trim();
+  const limit = limitText === '' ? request : parseFraction(limitText, 'gpu_limit');
+  if (request > limit) {
+    throw new ShareError(
+      'gpu_request',
+      request,
+      `at most gpu_limit (${limit}); the request is the guaranteed part of the limit`
+    );
+  }
+  const memText = fields.gpu_memory.trim();
+  const memory = memText === '' || memText === 'auto' ? null : parseMemory(memText);
+  let gpuType: string | null = fields.gpu_type.trim();
+  if (gpuType === '' || gpuType === 'any') {
+    gpuType = null;
+  } else if (!TYPE_RE.test(gpuType)) {
+    throw new ShareError('gpu_type', gpuType, 'a GPU type name such as A100, H100 or T4');
+  } else if (types.length && !types.some(t => t.toLowerCase() === gpuType!.toLowerCase())) {
+    throw new ShareError('gpu_type', gpuType, `one of ${types.join(', ')} (or any)`);
+  }
+  return {
+    gpu_request: request,
+    gpu_limit: limit,
+    gpu_memory: memory,
+    gpu_type: gpuType
+  };
+}
+
+/** `10737418240` -> `10GiB`, as `format_bytes` in share.py. */
+export function formatBytes(n: number): string {
+  const units: [string, number][] = [
+    ['TiB', 2 ** 40],
+    ['GiB', 2 ** 30],
+    ['MiB', 2 ** 20],
+    ['KiB', 2 ** 10]
+  ];
+  for (const [unit, size] of units) {
+    if (n >= size) {
+      return n % size === 0 ? `${n / size}${unit}` : `${(n / size).toFixed(1)}${unit}`;
+    }
+  }
+  return `${n}B`;
+}
+
+/** `0.25–0.5 of an A100, 10GiB`, as `ShareSpec.describe`. */
+export function describeShare(share: Partial<IShare>): string {
+  const kind = share.gpu_type || 'GPU';
+  const article = 'AEFHILMNORSX'.includes(kind[0].toUpperCase()) ? 'an' : 'a';
+  const r = share.gpu_request ?? 0;
+  const l = share.gpu_limit ?? r;
+  let text = r === l ? `${r} of ${article} ${kind}` : `${r}–${l} of ${article} ${kind}`;
+  if (share.gpu_memory) {
+    text += `, ${formatBytes(share.gpu_memory)}`;
+  }
+  return text;
+}

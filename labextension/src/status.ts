@@ -1,0 +1,104 @@
+/**
+ * Status-bar item: the current notebook kernel's GPU, its share and the share it achieves now.
+ * Polls `/gpushare/api/allocations` and `/gpushare/api/usage` every 2 s while a gpushare kernel
+ * is current; hidden otherwise.
+ */
+import { ISessionContext } from '@jupyterlab/apputils';
+import { Widget } from '@lumino/widgets';
+
+import { GpushareAPI, IAllocation, IInventory, IUsage } from './api';
+import { describeShare, formatBytes } from './share';
+
+const POLL_MS = 2000;
+
+export class GpuStatus extends Widget {
+  private context: ISessionContext | null = null;
+  private timer: number | null = null;
+  private inventory: IInventory | null = null;
+  /** The allocation shown now (used by the release command). */
+  allocation: IAllocation | null = null;
+
+  constructor(
+    private api: GpushareAPI,
+    private isGpushare: (kernelName: string) => boolean
+  ) {
+    super();
+    this.addClass('jp-gpushare-status');
+    this.node.title = 'GPU share of this kernel';
+  }
+
+  /** Follow another notebook's session (or none). */
+  track(context: ISessionContext | null): void {
+    this.context?.kernelChanged.disconnect(this.refreshSoon, this);
+    this.context = context;
+    context?.kernelChanged.connect(this.refreshSoon, this);
+    this.refreshSoon();
+  }
+
+  get kernelId(): string | null {
+    return this.context?.session?.kernel?.id ?? null;
+  }
+
+  refreshSoon(): void {
+    if (this.timer !== null) {
+      window.clearTimeout(this.timer);
+    }
+    this.timer = window.setTimeout(() => void this.refresh(), 50);
+  }
+
+  private async refresh(): Promise<void> {
+    this.timer = null;
+    const kernel = this.context?.session?.kernel;
+    if (!kernel || !this.isGpushare(kernel.name)) {
+      this.allocation = null;
+      this.render(null);
+      return;
+    }
+    try {
+      const [allocations, usage] = await Promise.all([
+        this.api.allocations(),
+        this.api.usage().catch(() => null)
+      ]);
+      if (!this.inventory) {
+        this.inventory = await this.api.gpus();
+      }
+      this.allocation = allocations.find(a => a.kernel_id === kernel.id) ?? null;
+      const live = usage?.allocations.find(u => u.id === this.allocation?.id) ?? null;
+      this.render(this.allocation, live, usage?.daemon ?? false);
+    } catch (err) {
+      this.node.textContent = 'GPU: ?';
+      this.node.title = `gpushare: ${err}`;
+    }
+    this.timer = window.setTimeout(() => void this.refresh(), POLL_MS);
+  }
+
+  private render(a: IAllocation | null, live: IUsage | null = null, metered = false): void {
+    if (a === null) {
+      const kernel = this.context?.session?.kernel;
+      const gpushare = kernel && this.isGpushare(kernel.name);
+      this.node.textContent = gpushare ? 'GPU: none (released)' : '';
+      this.node.title = gpushare ? 'This kernel holds no GPU share.' : '';
+      this.setHidden(!gpushare);
+      return;
+    }
+    this.setHidden(false);
+    const gpus = (this.inventory?.gpus ?? []).filter(g => a.gpus.includes(g.uuid));
+    const where = gpus.length ? gpus.map(g => `${g.type}#${g.index}`).join('+') : a.gpus.join(',');
+    const achieved =
+      live && live.achieved_share !== null ? `now ${live.achieved_share.toFixed(2)}` : 'no use yet';
+    const spec = `${a.spec.gpu_request}–${a.spec.gpu_limit}`;
+    this.node.textContent = `GPU ${where} · ${spec} · ${metered ? achieved : 'not metered'}`;
+    this.node.dataset.allocation = a.id;
+    this.node.title =
+      `Allocation ${a.id}: ${describeShare({ ...a.spec, gpu_memory: a.memory })}` +
+      (this.inventory?.simulated ? ' (simulated GPU)' : '') +
+      (live?.memory_used != null ? `; memory in use ${formatBytes(live.memory_used)}` : '');
+  }
+
+  dispose(): void {
+    if (this.timer !== null) {
+      window.clearTimeout(this.timer);
+    }
+    super.dispose();
+  }
+}

@@ -16,6 +16,7 @@ from ..config import GpuShare
 from ..inventory import NoGpuError
 from ..ledger.reconcile import reconcile
 from .handlers import handlers
+from .ui_handlers import ui_handlers
 
 
 def _jupyter_server_extension_points() -> list[dict[str, str]]:
@@ -77,7 +78,7 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
     web_app = serverapp.web_app
     web_app.settings["gpushare"] = settings
     base_url = web_app.settings["base_url"]
-    web_app.add_handlers(".*$", handlers(base_url))
+    web_app.add_handlers(".*$", handlers(base_url) + ui_handlers(base_url))
     serverapp.io_loop.call_later(0, lambda: asyncio.ensure_future(_start(serverapp, settings)))
     serverapp.log.info("gpushare: backend %s, ledger %s", settings.backend, settings.ledger_path)
 

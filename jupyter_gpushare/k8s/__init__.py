@@ -1,0 +1,13 @@
+"""The Kubernetes backend of the gpushare provisioner (box 5) and the ledger on the API server
+(box 3).
+
+- :mod:`.config` — ``KubernetesBackendConfig``: the admin's pod template and cluster settings;
+- :mod:`.manifests` — pure functions: Pod, Secret, Lease and GpuLedger manifests, Node inventory;
+- :mod:`.client` — the one thin layer that calls the API (``kubernetes_asyncio``);
+- :mod:`.watch` — the shared pod watch that kernels wait on;
+- :mod:`.anchor` — the server's Lease, owner of its kernel pods;
+- :mod:`.ledger` — ``KubernetesLedger``: one ``GpuLedger`` object per node, CAS on
+  ``resourceVersion``;
+- :mod:`.backend` — ``KubernetesKernelBackend``: one pod per kernel;
+- :mod:`.reconcile` — releases records of kernels that are gone (run by the node daemon).
+"""

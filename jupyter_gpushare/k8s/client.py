@@ -1,0 +1,209 @@
+"""The one place that talks to the Kubernetes API (``kubernetes_asyncio``; nothing blocks the loop).
+
+:class:`Kube` bundles an ``ApiClient`` with the few API groups gpushare uses. Everything is plain
+JSON dicts (``_preload_content=False`` for reads), so manifests built by :mod:`.manifests` and
+objects read back have one shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kubernetes_asyncio import client, config
+from kubernetes_asyncio.client.exceptions import ApiException
+
+GROUP = "gpushare.jupyter.org"
+VERSION = "v1alpha1"
+LEDGER_PLURAL = "gpuledgers"
+
+__all__ = ["GROUP", "LEDGER_PLURAL", "VERSION", "ApiException", "Kube", "connect"]
+
+
+async def connect(kubeconfig: str = "", context: str = "") -> Kube:
+    """An API client: from ``kubeconfig`` if given, in-cluster when running in a pod, else the
+    default kubeconfig ($KUBECONFIG, ~/.kube/config)."""
+    configuration = client.Configuration()
+    if kubeconfig:
+        await config.load_kube_config(
+            config_file=kubeconfig, context=context or None, client_configuration=configuration
+        )
+    elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config(client_configuration=configuration)
+    else:
+        await config.load_kube_config(
+            context=context or None, client_configuration=configuration
+        )
+    # Many kernels, reconcilers and placers share one client: allow enough connections.
+    configuration.connection_pool_maxsize = 64
+    return Kube(client.ApiClient(configuration))
+
+
+class Kube:
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+        self.coordination = client.CoordinationV1Api(api)
+
+    async def close(self) -> None:
+        await self.api.close()
+
+    # -- reads as JSON ---------------------------------------------------------------------------
+
+    @staticmethod
+    async def _json(coro: Any) -> dict[str, Any]:
+        response = await coro
+        return json.loads(await response.read())
+
+    async def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._json(
+                self.core.read_namespaced_pod(name, namespace, _preload_content=False)
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def list_pods(self, namespace: str, label_selector: str = "") -> dict[str, Any]:
+        return await self._json(self.core.list_namespaced_pod(
+            namespace, label_selector=label_selector, _preload_content=False
+        ))
+
+    async def list_nodes(self) -> list[dict[str, Any]]:
+        return (await self._json(self.core.list_node(_preload_content=False)))["items"]
+
+    async def list_ledgers(self, namespace: str) -> dict[str, Any]:
+        return await self._json(self.custom.list_namespaced_custom_object(
+            GROUP, VERSION, namespace, LEDGER_PLURAL, _preload_content=False
+        ))
+
+    async def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._json(self.coordination.read_namespaced_lease(
+                name, namespace, _preload_content=False
+            ))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def list_leases(self, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
+        return (await self._json(self.coordination.list_namespaced_lease(
+            namespace, label_selector=label_selector, _preload_content=False
+        )))["items"]
+
+    # -- writes (bodies are dicts) ---------------------------------------------------------------
+
+    async def create_pod(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._json(
+            self.core.create_namespaced_pod(namespace, body, _preload_content=False)
+        )
+
+    async def delete_pod(self, namespace: str, name: str, grace: int | None = None) -> bool:
+        """Delete a pod; False when it was already gone."""
+        try:
+            await self.core.delete_namespaced_pod(
+                name, namespace, grace_period_seconds=grace, _preload_content=False
+            )
+            return True
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    async def create_secret(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._json(
+            self.core.create_namespaced_secret(namespace, body, _preload_content=False)
+        )
+
+    async def patch_secret(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        await self.core.patch_namespaced_secret(name, namespace, patch, _preload_content=False)
+
+    async def delete_secret(self, namespace: str, name: str) -> bool:
+        try:
+            await self.core.delete_namespaced_secret(name, namespace, _preload_content=False)
+            return True
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    async def create_lease(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._json(self.coordination.create_namespaced_lease(
+            namespace, body, _preload_content=False
+        ))
+
+    async def replace_lease(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._json(self.coordination.replace_namespaced_lease(
+            body["metadata"]["name"], namespace, body, _preload_content=False
+        ))
+
+    async def delete_lease(self, namespace: str, name: str) -> bool:
+        try:
+            await self.coordination.delete_namespaced_lease(
+                name, namespace, propagation_policy="Background", _preload_content=False
+            )
+            return True
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    async def patch_node(self, name: str, patch: dict[str, Any]) -> None:
+        await self.core.patch_node(name, patch, _preload_content=False)
+
+    async def create_ledger(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._json(self.custom.create_namespaced_custom_object(
+            GROUP, VERSION, namespace, LEDGER_PLURAL, body, _preload_content=False
+        ))
+
+    async def replace_ledger(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._json(self.custom.replace_namespaced_custom_object(
+            GROUP, VERSION, namespace, LEDGER_PLURAL, body["metadata"]["name"], body,
+            _preload_content=False,
+        ))
+
+    # -- watches ---------------------------------------------------------------------------------
+
+    async def watch(
+        self,
+        kind: str,
+        namespace: str,
+        resource_version: str,
+        timeout_seconds: int = 240,
+        **params: Any,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Raw watch events (``{"type", "object"}``, objects as dicts) of ``kind`` ('pods' or
+        'gpuledgers') after ``resource_version``; ends when the server closes the stream
+        (``timeout_seconds``). Raises :class:`ApiException` (410 when the version is too old).
+
+        Our own line reader rather than ``kubernetes_asyncio.watch``: no model decoding (the
+        ledger's placers and the pod watcher only need dicts) and no hidden reconnects."""
+        if kind == "pods":
+            func: Any = self.core.list_namespaced_pod
+            args: tuple[Any, ...] = (namespace,)
+        elif kind == "gpuledgers":
+            func = self.custom.list_namespaced_custom_object
+            args = (GROUP, VERSION, namespace, LEDGER_PLURAL)
+        else:
+            raise ValueError(kind)
+        response = await func(
+            *args, watch=True, resource_version=resource_version, allow_watch_bookmarks=True,
+            timeout_seconds=timeout_seconds, _preload_content=False, **params
+        )
+        try:
+            async for line in response.content:
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                if event.get("type") == "ERROR":
+                    status = event.get("object") or {}
+                    raise ApiException(status=int(status.get("code", 500)),
+                                       reason=str(status.get("message", "watch error")))
+                yield event
+        finally:
+            response.release()

@@ -1,0 +1,320 @@
+"""A real Kubernetes control plane on 127.0.0.1, for tests, benchmarks and developers.
+
+etcd (Debian's) + ``kube-apiserver``, ``kube-scheduler`` and ``kube-controller-manager`` built by
+``.ci/setup.d/k8s.sh`` (cached in ``/var/cache/gpushare-k8s/bin``, or ``GPUSHARE_K8S_BIN``).
+TLS comes from the API server's ``--cert-dir`` (self-signed), authentication from a static
+``--token-auth-file``, authorization is RBAC. There is no kubelet: ``node_agent.py`` plays it.
+
+Identities (one kubeconfig each, under ``<workdir>/kubeconfig-<name>``):
+
+- ``admin``: ``system:masters`` (applies ``deploy/``, plays the kubelet in the node agent);
+- ``scheduler`` / ``controller-manager``: the components' own users (bootstrap RBAC);
+- ``server``: ``system:serviceaccount:gpushare:jupyter-gpushare`` — the Jupyter server, with
+  nothing but what ``deploy/rbac.yaml`` grants that service account;
+- ``daemon``: ``system:serviceaccount:gpushare:gpushare-daemon`` — the node daemon's reconciler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+CACHE_BIN = Path(os.environ.get("GPUSHARE_K8S_BIN", "/var/cache/gpushare-k8s/bin"))
+BINARIES = ("kube-apiserver", "kube-scheduler", "kube-controller-manager")
+NAMESPACE = "gpushare"
+
+USERS = {
+    "admin": ("admin", "system:masters"),
+    "scheduler": ("system:kube-scheduler", ""),
+    # The controller manager runs every controller (garbage collector included) under its own
+    # user here (no per-controller service-account credentials), so it needs full rights.
+    "controller-manager": ("system:kube-controller-manager", "system:masters"),
+    "server": (f"system:serviceaccount:{NAMESPACE}:jupyter-gpushare",
+               f"system:serviceaccounts,system:serviceaccounts:{NAMESPACE}"),
+    "daemon": (f"system:serviceaccount:{NAMESPACE}:gpushare-daemon",
+               f"system:serviceaccounts,system:serviceaccounts:{NAMESPACE}"),
+}
+
+
+class ControlPlaneUnavailable(RuntimeError):
+    """The binaries are missing or a component did not come up."""
+
+
+def missing_binaries() -> list[str]:
+    missing = [b for b in BINARIES if not (CACHE_BIN / b).is_file()]
+    if shutil.which("etcd") is None:
+        missing.append("etcd")
+    return missing
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ControlPlane:
+    workdir: Path
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    tokens: dict[str, str] = field(default_factory=dict)
+    port: int = 0
+
+    @property
+    def server_url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    def kubeconfig(self, user: str = "admin") -> Path:
+        return self.workdir / f"kubeconfig-{user}"
+
+    @property
+    def ca_file(self) -> Path:
+        return self.workdir / "certs" / "apiserver.crt"
+
+    # -- start / stop ---------------------------------------------------------------------------
+
+    def start(self, timeout: float = 90.0) -> ControlPlane:
+        missing = missing_binaries()
+        if missing:
+            raise ControlPlaneUnavailable(
+                f"missing {', '.join(missing)} (run .ci/setup.d/k8s.sh as root to build them "
+                f"into {CACHE_BIN})"
+            )
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "certs").mkdir(exist_ok=True)
+        self._write_credentials()
+        deadline = time.monotonic() + timeout
+        try:
+            self._start_etcd()
+            self._start_apiserver(deadline)
+            for user in USERS:
+                self._write_kubeconfig(user)
+            self._start_component("kube-scheduler", "scheduler", [
+                "--leader-elect=false", "--port=0", f"--secure-port={free_port()}",
+                f"--authentication-kubeconfig={self.kubeconfig('scheduler')}",
+                f"--authorization-kubeconfig={self.kubeconfig('scheduler')}",
+            ])
+            self._start_component("kube-controller-manager", "controller-manager", [
+                "--leader-elect=false", "--port=0", f"--secure-port={free_port()}",
+                f"--authentication-kubeconfig={self.kubeconfig('controller-manager')}",
+                f"--authorization-kubeconfig={self.kubeconfig('controller-manager')}",
+                "--controllers=*,-serviceaccount-token,-csrsigning,-bootstrapsigner,"
+                "-tokencleaner,-nodeipam,-route,-service,-cloud-node-lifecycle",
+                "--use-service-account-credentials=false",
+                "--node-monitor-period=2s", "--node-monitor-grace-period=40s",
+                "--concurrent-gc-syncs=5",
+            ])
+            self._wait_components(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for name in reversed(list(self.processes)):
+            proc = self.processes.pop(name)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        path = self.workdir / f"{name}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    # -- pieces ---------------------------------------------------------------------------------
+
+    def _write_credentials(self) -> None:
+        rows = []
+        for i, (name, (user, groups)) in enumerate(USERS.items()):
+            self.tokens[name] = secrets.token_hex(16)
+            rows.append(f'{self.tokens[name]},{user},uid-{i},"{groups}"')
+        (self.workdir / "tokens.csv").write_text("\n".join(rows) + "\n")
+        key = self.workdir / "sa.key"
+        if not key.exists():
+            subprocess.run(["openssl", "genrsa", "-out", str(key), "2048"], check=True,
+                           capture_output=True)
+            subprocess.run(["openssl", "rsa", "-in", str(key), "-pubout", "-out",
+                            str(self.workdir / "sa.pub")], check=True, capture_output=True)
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "ab")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        self.processes[name] = proc
+        return proc
+
+    def _start_etcd(self) -> None:
+        self.etcd_port = free_port()
+        peer = free_port()
+        self._spawn("etcd", [
+            shutil.which("etcd") or "etcd", "--data-dir", str(self.workdir / "etcd"),
+            "--listen-client-urls", f"http://127.0.0.1:{self.etcd_port}",
+            "--advertise-client-urls", f"http://127.0.0.1:{self.etcd_port}",
+            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-cluster", f"default=http://127.0.0.1:{peer}",
+            "--unsafe-no-fsync", "--quota-backend-bytes", str(2 * 2**30),
+        ])
+
+    def _start_apiserver(self, deadline: float) -> None:
+        self.port = free_port()
+        self._spawn("kube-apiserver", [
+            str(CACHE_BIN / "kube-apiserver"),
+            f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            f"--secure-port={self.port}", "--insecure-port=0",
+            f"--cert-dir={self.workdir / 'certs'}",
+            f"--token-auth-file={self.workdir / 'tokens.csv'}",
+            "--authorization-mode=RBAC",
+            "--disable-admission-plugins=ServiceAccount",
+            f"--service-account-key-file={self.workdir / 'sa.pub'}",
+            f"--service-account-signing-key-file={self.workdir / 'sa.key'}",
+            "--service-account-issuer=https://kubernetes.default.svc",
+            "--service-cluster-ip-range=10.96.0.0/24",
+            "--api-audiences=https://kubernetes.default.svc",
+            "--max-requests-inflight=800", "--max-mutating-requests-inflight=400",
+        ])
+        self._wait_http("/readyz", "kube-apiserver", deadline)
+
+    def _start_component(self, binary: str, user: str, args: list[str]) -> None:
+        self._spawn(binary, [str(CACHE_BIN / binary), f"--kubeconfig={self.kubeconfig(user)}",
+                             *args])
+
+    def _wait_http(self, path: str, name: str, deadline: float) -> None:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        last = ""
+        while time.monotonic() < deadline:
+            proc = self.processes[name]
+            if proc.poll() is not None:
+                raise ControlPlaneUnavailable(f"{name} exited ({proc.returncode}):\n"
+                                              + self.log_tail(name))
+            request = urllib.request.Request(
+                self.server_url + path,
+                headers={"Authorization": f"Bearer {self.tokens['admin']}"})
+            try:
+                with urllib.request.urlopen(request, context=ctx, timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except Exception as exc:  # not up yet
+                last = str(exc)
+            time.sleep(0.2)
+        raise ControlPlaneUnavailable(f"{name} not ready ({last}):\n" + self.log_tail(name))
+
+    def _wait_components(self, deadline: float) -> None:
+        time.sleep(0.5)
+        for name in ("kube-scheduler", "kube-controller-manager"):
+            proc = self.processes[name]
+            if proc.poll() is not None:
+                raise ControlPlaneUnavailable(f"{name} exited ({proc.returncode}):\n"
+                                              + self.log_tail(name))
+        # The API server may still be creating its bootstrap RBAC; wait for /healthz too.
+        self._wait_http("/healthz", "kube-apiserver", deadline)
+
+    def _write_kubeconfig(self, user: str) -> None:
+        self.kubeconfig(user).write_text(
+            "apiVersion: v1\nkind: Config\n"
+            "clusters:\n- name: local\n  cluster:\n"
+            f"    server: {self.server_url}\n    certificate-authority: {self.ca_file}\n"
+            "users:\n"
+            f"- name: {user}\n  user:\n    token: {self.tokens[user]}\n"
+            "contexts:\n"
+            f"- name: {user}\n  context:\n    cluster: local\n    user: {user}\n"
+            f"current-context: {user}\n"
+        )
+        self.kubeconfig(user).chmod(0o600)
+
+
+def apply_deploy(kubeconfig: Path, namespace: str = NAMESPACE) -> None:
+    """Create the namespace and apply ``deploy/crds`` and ``deploy/rbac.yaml`` (as admin)."""
+    from kubernetes import client, config, utils
+
+    api = config.new_client_from_config(str(kubeconfig))
+    core = client.CoreV1Api(api)
+    with contextlib.suppress(client.ApiException):
+        core.create_namespace({"metadata": {"name": namespace}})
+    files = [*sorted((DEPLOY / "crds").glob("*.yaml")), DEPLOY / "rbac.yaml"]
+    for path in files:
+        try:
+            utils.create_from_yaml(api, str(path), namespace=namespace)
+        except utils.FailToCreateError as exc:
+            if any(e.status != 409 for e in exc.api_exceptions):
+                raise
+    _wait_crds(api)
+
+
+def _wait_crds(api: object, timeout: float = 30.0) -> None:
+    from kubernetes import client
+
+    ext = client.ApiextensionsV1Api(api)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        crds = ext.list_custom_resource_definition().items
+        if crds and all(
+            any(c.type == "Established" and c.status == "True"
+                for c in (crd.status.conditions or []))
+            for crd in crds
+        ):
+            return
+        time.sleep(0.2)
+    raise ControlPlaneUnavailable("CRDs not established")
+
+
+def main() -> None:
+    """Start a control plane in the foreground (see scripts/k8s-control-plane)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default="/tmp/gpushare-k8s")
+    parser.add_argument("--nodes", default="gpu-node-1=2xA100,gpu-node-2=1xT4",
+                        help="fake GPU nodes for the node agent: NAME=SIMULATE,…; '' for none")
+    args = parser.parse_args()
+    workdir = Path(args.workdir)
+    if (workdir / "etcd").exists():
+        shutil.rmtree(workdir / "etcd")
+    plane = ControlPlane(workdir).start()
+    apply_deploy(plane.kubeconfig("admin"))
+    agent = None
+    if args.nodes:
+        agent = subprocess.Popen([
+            sys.executable, str(Path(__file__).with_name("node_agent.py")),
+            "--kubeconfig", str(plane.kubeconfig("admin")), "--workdir", str(workdir / "nodes"),
+            *[f"--node={n}" for n in args.nodes.split(",")],
+        ])
+    print(f"control plane up at {plane.server_url}")
+    print(f"export KUBECONFIG={plane.kubeconfig('admin')}")
+    for user in USERS:
+        print(f"  kubeconfig for {user}: {plane.kubeconfig(user)}")
+    print("Ctrl-C stops it.", flush=True)
+    try:
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        if agent is not None:
+            agent.terminate()
+            agent.wait(15)
+        plane.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+/* gs.h - internals of libgpushare.so, the CUDA interposer (box 7 of DESIGN.md).
+ *
+ * Files: dispatch.c (real symbols, dlsym and cuGetProcAddress), lease.c (the lease fast path,
+ * waiting, draining, the agent thread, daemon connection, fail static, fork), memory.c (the cap:
+ * reserve/rollback, frees, memory queries incl. NVML), launch.c (every launch path, streams,
+ * capture). The wire format is in ../include/gpushare_wire.h.
+ */
+#ifndef GS_H
+#define GS_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <time.h>
+
+#include "gpushare_cuda.h"
+#include "gpushare_wire.h"
+
+#define GS_MAX_GPUS 16
+
+/* -- real driver entry points (dispatch.c) -------------------------------------------------- */
+/* Every hooked symbol: our wrapper is exported under its name, the real one is real_<name>. */
+#define GS_HOOKS(X)                                                                           \
+    X(cuInit) X(cuGetProcAddress) X(cuGetProcAddress_v2)                                       \
+    X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz)      \
+    X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz)                             \
+    X(cuGraphLaunch) X(cuGraphLaunch_ptsz)                                                     \
+    X(cuStreamDestroy) X(cuStreamDestroy_v2)                                                   \
+    X(cuStreamBeginCapture) X(cuStreamBeginCapture_v2) X(cuStreamBeginCapture_v2_ptsz)         \
+    X(cuStreamEndCapture) X(cuStreamEndCapture_ptsz)                                           \
+    X(cuMemAlloc_v2) X(cuMemAllocPitch_v2) X(cuMemAllocManaged)                 \
+    X(cuMemFree_v2)                                                               \
+    X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync)                      \
+    X(cuMemAllocFromPoolAsync_ptsz) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz)                   \
+    X(cuMemCreate) X(cuMemRelease) X(cuArrayCreate_v2) X(cuArray3DCreate_v2) X(cuArrayDestroy) \
+    X(cuMemGetInfo_v2) X(cuDeviceTotalMem_v2)
+
+/* Real entry points we call but do not wrap. */
+#define GS_USES(X)                                                                            \
+    X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuCtxGetDevice) X(cuEventCreate)                   \
+    X(cuEventRecord) X(cuEventSynchronize) X(cuEventQuery) X(cuEventDestroy_v2)                \
+    X(cuStreamIsCapturing) X(cuThreadExchangeStreamCaptureMode) X(cuCtxSynchronize)            \
+    X(cuDeviceGetCount)
+
+#define GS_DECLARE_REAL(name) extern __typeof__(&name) real_##name;
+GS_HOOKS(GS_DECLARE_REAL)
+GS_USES(GS_DECLARE_REAL)
+#undef GS_DECLARE_REAL
+
+/* NVML (declared here: no NVML header either). */
+typedef struct nvmlDevice_st *nvmlDevice_t;
+typedef int nvmlReturn_t;
+typedef struct {
+    unsigned long long total, free, used;
+} nvmlMemory_t;
+typedef struct {
+    unsigned int version;
+    unsigned long long total, reserved, free, used;
+} nvmlMemory_v2_t;
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory);
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory);
+extern __typeof__(&nvmlDeviceGetMemoryInfo) real_nvmlDeviceGetMemoryInfo;
+extern __typeof__(&nvmlDeviceGetMemoryInfo_v2) real_nvmlDeviceGetMemoryInfo_v2;
+extern nvmlReturn_t (*real_nvmlDeviceGetUUID)(nvmlDevice_t, char *, unsigned int);
+
+/* Resolves every real symbol once; safe from any thread. */
+void gs_resolve(void);
+/* The wrapper exported for a driver symbol name, or NULL when we do not wrap it. */
+void *gs_wrapper_for(const char *name);
+
+/* -- per-GPU state (lease.c) ---------------------------------------------------------------- */
+struct gs_stream {            /* a stream this process launched on */
+    CUcontext ctx;
+    CUstream stream;          /* normalised: 0/per-thread -> CU_STREAM_LEGACY */
+    CUevent event;            /* created lazily in ctx */
+    uint64_t lease;           /* lease_until of the last lease it was used under */
+    struct gs_stream *next;
+};
+
+struct gs_gpu {
+    char uuid[64];
+    struct gpushare_wire_header *header; /* NULL while not connected */
+    struct gpushare_wire_slot *_Atomic slot; /* the shared slot, or `local` before connecting */
+    struct gpushare_wire_slot local;     /* stand-in slot before the first connection */
+    uint64_t generation;
+    void *map;
+    _Atomic uint64_t joined_lease;       /* lease this process joined (0: none) */
+    _Atomic uint64_t last_launch_ns;
+    _Atomic uint64_t proc_mem;           /* bytes this process holds (moved on remap) */
+    _Atomic uint64_t fs_next_on;         /* fail static: next self-granted lease */
+    pthread_mutex_t streams_lock;
+    struct gs_stream *streams;
+};
+
+struct gs_global {
+    int enabled;              /* GPUSHARE_SOCKET set: enforce; otherwise pass through */
+    int ngpus;
+    struct gs_gpu gpu[GS_MAX_GPUS];
+    char allocation[64];
+    char socket_path[108];
+    double request;           /* from env until the daemon answers */
+    uint64_t quantum_ns;
+    _Atomic int connected;
+    _Atomic int failstatic;   /* daemon unreachable: self-limit at the request share */
+    _Atomic int denied;       /* refused / released: launches and allocations fail */
+    _Atomic int capturing;    /* streams currently capturing (process-wide) */
+    int sock;
+    pthread_mutex_t sock_lock;
+    int wake_pipe[2];         /* pokes the agent thread */
+    char deny_reason[256];
+};
+extern struct gs_global gs;
+
+/* Once per process (and again in a forked child): env, daemon connection, agent thread. */
+void gs_init(void);
+static inline uint64_t gs_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* vDSO: no system call */
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* The GPU of the calling thread's current context (NULL: not ours / not enforced). */
+struct gs_gpu *gs_current_gpu(void);
+struct gs_gpu *gs_gpu_of_ordinal(int ordinal);
+
+/* Launch admission: CUDA_SUCCESS when the caller may launch on `stream` now (waits for a lease
+ * if needed); CUDA_ERROR_NOT_PERMITTED when the share was refused or released. */
+CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream);
+
+struct gs_tls {
+    uint64_t lease;           /* lease this thread last launched under */
+    CUstream stream;          /* ... on this stream */
+    struct gs_gpu *gpu;
+    int budget;               /* launches before the next runahead check */
+};
+extern __thread struct gs_tls gs_tl;
+
+/* The fast path: one atomic load of the slot's lease, one vDSO clock read, two compares. */
+static inline CUresult gs_admit(struct gs_gpu *g, CUstream stream) {
+    uint64_t until = atomic_load_explicit(&g->slot->lease_until_ns, memory_order_acquire);
+    if (__builtin_expect(until == gs_tl.lease && stream == gs_tl.stream && gs_tl.gpu == g &&
+                             --gs_tl.budget > 0, 1)) {
+        uint64_t now = gs_now();
+        if (__builtin_expect(now < until, 1)) {
+            atomic_store_explicit(&g->last_launch_ns, now, memory_order_relaxed);
+            return CUDA_SUCCESS;
+        }
+    }
+    return gs_admit_slow(g, stream);
+}
+
+/* Stream bookkeeping (launch.c / lease.c). */
+void gs_stream_forget(CUstream stream);
+int gs_stream_capturing(CUstream stream);
+
+/* -- memory (memory.c) ---------------------------------------------------------------------- */
+/* Reserves bytes against g's cap: 0 ok, -1 over the cap (counted as an OOM refusal). */
+int gs_mem_reserve(struct gs_gpu *g, uint64_t bytes);
+void gs_mem_unreserve(struct gs_gpu *g, uint64_t bytes);
+void gs_mem_track(uint64_t key, int kind, struct gs_gpu *g, uint64_t bytes);
+/* Forgets a tracked allocation and gives its bytes back; 0 when it was not tracked. */
+uint64_t gs_mem_untrack(uint64_t key, int kind);
+void gs_mem_reset_after_fork(void);
+
+void gs_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+void gs_deny_message(void);
+
+#endif

@@ -1,0 +1,676 @@
+/* lease.c - leases of GPU time: admission of launches, waiting, draining, the agent thread, the
+ * daemon connection, fail static and fork.
+ *
+ * A launch may run while this allocation's slot holds the GPU's lease (gs_admit in gs.h: one
+ * atomic load, one vDSO clock read). Otherwise gs_admit_slow waits for one: it bumps the slot's
+ * `waiters`, tells the daemon (`want`) and sleeps on the slot's `grant_seq` futex. The first
+ * thread of a process to launch under a lease "joins" it (slot.joined += 1); the agent thread
+ * then wakes when the lease ends (or when the process went idle while others wait), records an
+ * event on every stream the process used under the lease, waits for them, publishes the drain end
+ * and sends `done`: queued work never spills into the next tenant's lease, and the tenant is
+ * charged the whole interval.
+ *
+ * Fail static: when the daemon is unreachable each process grants itself leases at its request
+ * share (quantum on, quantum*(1-r)/r off) and the agent keeps reconnecting. Nothing here ever
+ * exits or aborts the process.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "gs.h"
+
+struct gs_global gs;
+__thread struct gs_tls gs_tl;
+
+#define IDLE_HANDBACK_NS 1000000ull     /* hand back early after 1 ms without launches */
+#define RECONNECT_NS 200000000ull       /* try the daemon again every 200 ms */
+#define WAIT_SLICE_NS 50000000ull       /* re-check state at least every 50 ms while waiting */
+#define DEFAULT_QUANTUM_NS 20000000ull
+static int runahead_launches = 32;      /* launches on a stream between two runahead checks */
+
+static _Atomic int init_state;          /* 0 none, 1 running, 2 done */
+static _Atomic int agent_running;
+static _Atomic int deny_printed;
+static uint64_t last_connect_try;
+
+static void agent_start(void);
+static int connect_and_hello(void);
+
+void gs_log(const char *fmt, ...) {
+    if (!getenv("GPUSHARE_DEBUG")) return;
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "gpushare[%d]: %s\n", (int)getpid(), buf);
+}
+
+void gs_deny_message(void) {
+    if (atomic_exchange(&deny_printed, 1)) return;
+    fprintf(stderr,
+            "gpushare: GPU work refused (CUDA_ERROR_NOT_PERMITTED): %s\n",
+            gs.deny_reason[0] ? gs.deny_reason : "this process has no GPU share");
+}
+
+static void deny(const char *reason) {
+    snprintf(gs.deny_reason, sizeof gs.deny_reason, "%s", reason);
+    atomic_store(&gs.denied, 1);
+}
+
+/* -- small helpers ------------------------------------------------------------------------- */
+
+static void futex_wait(_Atomic uint32_t *word, uint32_t expected, uint64_t timeout_ns) {
+    struct timespec ts = {(time_t)(timeout_ns / 1000000000ull), (long)(timeout_ns % 1000000000ull)};
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, expected, &ts, NULL, 0);
+}
+
+static void sleep_ns(uint64_t ns) {
+    struct timespec ts = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+static void atomic_max64(_Atomic uint64_t *p, uint64_t v) {
+    uint64_t cur = atomic_load(p);
+    while (cur < v && !atomic_compare_exchange_weak(p, &cur, v)) {
+    }
+}
+
+static void dec_floor(_Atomic uint32_t *p) {
+    uint32_t cur = atomic_load(p);
+    while (cur > 0 && !atomic_compare_exchange_weak(p, &cur, cur - 1)) {
+    }
+}
+
+static void poke_agent(void) {
+    if (gs.wake_pipe[1] >= 0) {
+        char c = 1;
+        ssize_t n = write(gs.wake_pipe[1], &c, 1);
+        (void)n;
+    }
+}
+
+static void send_line(const char *line) {
+    pthread_mutex_lock(&gs.sock_lock);
+    if (gs.sock >= 0) {
+        size_t len = strlen(line);
+        ssize_t n = send(gs.sock, line, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n != (ssize_t)len) gs_log("send failed (%zd): %s", n, strerror(errno));
+    }
+    pthread_mutex_unlock(&gs.sock_lock);
+}
+
+static void send_lease_msg(const char *op, struct gs_gpu *g, uint64_t lease) {
+    if (!atomic_load(&gs.connected)) return;
+    char line[256];
+    snprintf(line, sizeof line, "{\"op\":\"%s\",\"gpu\":\"%s\",\"lease\":%llu}\n", op, g->uuid,
+             (unsigned long long)lease);
+    send_line(line);
+}
+
+/* -- environment and init ------------------------------------------------------------------ */
+
+static uint64_t env_u64(const char *name, uint64_t fallback) {
+    const char *v = getenv(name);
+    if (!v || !*v) return fallback;
+    char *end;
+    unsigned long long x = strtoull(v, &end, 10);
+    return end != v ? (uint64_t)x : fallback;
+}
+
+static void setup_gpus_from_env(void) {
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    gs.ngpus = 0;
+    if (vis) {
+        char buf[1024];
+        snprintf(buf, sizeof buf, "%s", vis);
+        char *save = NULL;
+        for (char *tok = strtok_r(buf, ",", &save); tok && gs.ngpus < GS_MAX_GPUS;
+             tok = strtok_r(NULL, ",", &save)) {
+            while (*tok == ' ') tok++;
+            if (strncmp(tok, "GPU-", 4) != 0) continue;
+            snprintf(gs.gpu[gs.ngpus].uuid, sizeof gs.gpu[0].uuid, "%s", tok);
+            gs.ngpus++;
+        }
+    }
+    const char *req = getenv("GPUSHARE_GPU_REQUEST");
+    gs.request = req ? atof(req) : 1.0;
+    if (!(gs.request > 0.0) || gs.request > 1.0) gs.request = 1.0;
+    uint64_t cap = env_u64("GPUSHARE_GPU_MEMORY", UINT64_MAX);
+    for (int i = 0; i < GS_MAX_GPUS; i++) {
+        struct gs_gpu *g = &gs.gpu[i];
+        memset(&g->local, 0, sizeof g->local);
+        atomic_store(&g->local.mem_cap, cap ? cap : UINT64_MAX);
+        atomic_store(&g->local.request_ppm, (uint32_t)(gs.request * 1e6));
+        atomic_store(&g->local.limit_ppm, 1000000u);
+        atomic_store(&g->local.state, GPUSHARE_SLOT_ACTIVE);
+        g->slot = &g->local;
+        g->header = NULL;
+        pthread_mutex_init(&g->streams_lock, NULL);
+    }
+}
+
+static void atfork_child(void);
+
+static void do_init(void) {
+    const char *sock = getenv("GPUSHARE_SOCKET");
+    const char *alloc = getenv("GPUSHARE_ALLOCATION_ID");
+    gs.sock = -1;
+    gs.wake_pipe[0] = gs.wake_pipe[1] = -1;
+    pthread_mutex_init(&gs.sock_lock, NULL);
+    gs.quantum_ns = DEFAULT_QUANTUM_NS;
+    runahead_launches = (int)env_u64("GPUSHARE_RUNAHEAD_LAUNCHES", 32);
+    if (runahead_launches <= 0) runahead_launches = 1 << 30;
+    setup_gpus_from_env();
+    if (!sock || !*sock) return; /* not a gpushare process: pass everything through */
+    gs.enabled = 1;
+    snprintf(gs.socket_path, sizeof gs.socket_path, "%s", sock);
+    snprintf(gs.allocation, sizeof gs.allocation, "%s", alloc ? alloc : "");
+    if (!alloc || !*alloc) {
+        deny("GPUSHARE_ALLOCATION_ID is not set: this process has no GPU share");
+        return;
+    }
+    if (pipe2(gs.wake_pipe, O_CLOEXEC | O_NONBLOCK) != 0) gs.wake_pipe[0] = gs.wake_pipe[1] = -1;
+    if (connect_and_hello() != 0 && !atomic_load(&gs.denied)) {
+        atomic_store(&gs.failstatic, 1);
+        gs_log("daemon unreachable at start: running at request share %.3f", gs.request);
+    }
+    if (!atomic_load(&gs.denied)) agent_start();
+}
+
+void gs_init(void) {
+    if (atomic_load_explicit(&init_state, memory_order_acquire) == 2) return;
+    int expected = 0;
+    if (atomic_compare_exchange_strong(&init_state, &expected, 1)) {
+        static int atfork_done;
+        if (!atfork_done) {
+            atfork_done = 1;
+            pthread_atfork(NULL, NULL, atfork_child);
+        }
+        gs_resolve();
+        do_init();
+        atomic_store_explicit(&init_state, 2, memory_order_release);
+        return;
+    }
+    while (atomic_load_explicit(&init_state, memory_order_acquire) != 2) sleep_ns(100000);
+}
+
+/* A forked child shares the parent's slots (same mappings: one budget per allocation and GPU)
+ * but has no agent thread, no joined lease and must not use the parent's socket. */
+static void atfork_child(void) {
+    if (atomic_load(&init_state) != 2 || !gs.enabled) return;
+    pthread_mutex_init(&gs.sock_lock, NULL);
+    if (gs.sock >= 0) close(gs.sock);
+    gs.sock = -1;
+    atomic_store(&gs.connected, 0);
+    atomic_store(&agent_running, 0);
+    if (gs.wake_pipe[0] >= 0) close(gs.wake_pipe[0]);
+    if (gs.wake_pipe[1] >= 0) close(gs.wake_pipe[1]);
+    if (pipe2(gs.wake_pipe, O_CLOEXEC | O_NONBLOCK) != 0) gs.wake_pipe[0] = gs.wake_pipe[1] = -1;
+    for (int i = 0; i < gs.ngpus; i++) {
+        struct gs_gpu *g = &gs.gpu[i];
+        pthread_mutex_init(&g->streams_lock, NULL);
+        g->streams = NULL; /* the parent's streams are not the child's */
+        atomic_store(&g->joined_lease, 0);
+        atomic_store(&g->proc_mem, 0);
+    }
+    memset(&gs_tl, 0, sizeof gs_tl);
+    gs_mem_reset_after_fork();
+    last_connect_try = 0;
+    if (!atomic_load(&gs.denied)) {
+        if (connect_and_hello() != 0 && !atomic_load(&gs.denied)) atomic_store(&gs.failstatic, 1);
+        if (!atomic_load(&gs.denied)) agent_start();
+    }
+}
+
+/* -- the daemon connection ----------------------------------------------------------------- */
+
+/* Finds "key": in json after *pos; returns a pointer to the value or NULL. */
+static const char *json_find(const char *json, const char *key) {
+    char pat[64];
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    return strstr(json, pat) ? strstr(json, pat) + strlen(pat) : NULL;
+}
+
+static int json_string(const char *v, char *out, size_t n) {
+    if (!v || *v != '"') return -1;
+    v++;
+    size_t i = 0;
+    while (*v && *v != '"' && i + 1 < n) {
+        if (*v == '\\' && v[1]) v++;
+        out[i++] = *v++;
+    }
+    out[i] = 0;
+    return 0;
+}
+
+static struct gs_gpu *gpu_by_uuid(const char *uuid, int add) {
+    for (int i = 0; i < gs.ngpus; i++)
+        if (strcmp(gs.gpu[i].uuid, uuid) == 0) return &gs.gpu[i];
+    if (!add || gs.ngpus >= GS_MAX_GPUS) return NULL;
+    struct gs_gpu *g = &gs.gpu[gs.ngpus++];
+    snprintf(g->uuid, sizeof g->uuid, "%s", uuid);
+    return g;
+}
+
+/* Maps slot `index` of a GPU's shared file; moves this process's reservations over. */
+static int attach(struct gs_gpu *g, const char *path, int index, uint64_t generation) {
+    if (g->header && g->slot == (struct gpushare_wire_slot *)((char *)g->map +
+                                                              GPUSHARE_WIRE_HEADER_SIZE +
+                                                              (size_t)index * GPUSHARE_WIRE_SLOT_SIZE) &&
+        g->generation == generation)
+        return 0; /* same file, same slot (reconnect, or a forked child) */
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return -1;
+    void *map = mmap(NULL, GPUSHARE_WIRE_FILE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (map == MAP_FAILED) return -1;
+    struct gpushare_wire_header *h = map;
+    if (h->magic != GPUSHARE_WIRE_MAGIC || h->version != GPUSHARE_WIRE_VERSION || index < 0 ||
+        index >= GPUSHARE_WIRE_SLOTS) {
+        munmap(map, GPUSHARE_WIRE_FILE_SIZE);
+        return -1;
+    }
+    struct gpushare_wire_slot *slot =
+        (struct gpushare_wire_slot *)((char *)map + GPUSHARE_WIRE_HEADER_SIZE +
+                                      (size_t)index * GPUSHARE_WIRE_SLOT_SIZE);
+    uint64_t mine = atomic_load(&g->proc_mem);
+    int first = g->slot == &g->local;
+    if (mine && (first || atomic_load(&slot->generation) != g->generation))
+        atomic_fetch_add(&slot->mem_used, mine); /* reserved before we knew the slot */
+    g->map = map; /* an old mapping is left in place: threads may still read it */
+    g->generation = generation;
+    g->header = h;
+    atomic_store_explicit(&g->slot, slot, memory_order_release);
+    return 0;
+}
+
+static int read_line(int fd, char *buf, size_t n, int timeout_ms) {
+    size_t len = 0;
+    while (len + 1 < n) {
+        struct pollfd p = {fd, POLLIN, 0};
+        if (poll(&p, 1, timeout_ms) <= 0) return -1;
+        ssize_t r = recv(fd, buf + len, n - 1 - len, 0);
+        if (r <= 0) return -1;
+        len += (size_t)r;
+        buf[len] = 0;
+        if (memchr(buf, '\n', len)) return 0;
+    }
+    return -1;
+}
+
+/* Connects, says hello and attaches the slots; 0 on success, -1 when the daemon is unreachable
+ * (fail static), -2 when it refused us (denied). */
+static int connect_and_hello(void) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    snprintf(addr.sun_path, sizeof addr.sun_path, "%s", gs.socket_path);
+    if (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
+        close(fd);
+        return -1;
+    }
+    char msg[1024];
+    int off = snprintf(msg, sizeof msg, "{\"op\":\"hello\",\"v\":%u,\"allocation\":\"%s\",\"pid\":%d",
+                       GPUSHARE_WIRE_VERSION, gs.allocation, (int)getpid());
+    if (gs.ngpus > 0) {
+        off += snprintf(msg + off, sizeof msg - (size_t)off, ",\"gpus\":[");
+        for (int i = 0; i < gs.ngpus; i++)
+            off += snprintf(msg + off, sizeof msg - (size_t)off, "%s\"%s\"", i ? "," : "",
+                            gs.gpu[i].uuid);
+        off += snprintf(msg + off, sizeof msg - (size_t)off, "]");
+    }
+    snprintf(msg + off, sizeof msg - (size_t)off, "}\n");
+    static char reply[16384];
+    if (send(fd, msg, strlen(msg), MSG_NOSIGNAL) != (ssize_t)strlen(msg) ||
+        read_line(fd, reply, sizeof reply, 3000) != 0) {
+        close(fd);
+        return -1;
+    }
+    if (!strstr(reply, "\"ok\":true")) {
+        char why[200] = "refused by the gpushare daemon";
+        json_string(json_find(reply, "message"), why, sizeof why);
+        char reason[256];
+        snprintf(reason, sizeof reason, "%s", why);
+        deny(reason);
+        close(fd);
+        return -2;
+    }
+    const char *q = json_find(reply, "quantum_ns");
+    if (q) gs.quantum_ns = strtoull(q, NULL, 10);
+    const char *p = strstr(reply, "\"gpus\":");
+    int attached = 0;
+    while (p && (p = strstr(p, "\"uuid\":")) != NULL) {
+        char uuid[64] = "", path[512] = "";
+        json_string(p + 7, uuid, sizeof uuid);
+        const char *s = json_find(p, "shm"), *i = json_find(p, "slot"), *gen = json_find(p, "generation");
+        if (!s || !i || !gen) break;
+        json_string(s, path, sizeof path);
+        struct gs_gpu *g = gpu_by_uuid(uuid, 1);
+        if (g && attach(g, path, atoi(i), strtoull(gen, NULL, 10)) == 0) attached++;
+        p = gen;
+    }
+    if (!attached) {
+        close(fd);
+        return -1;
+    }
+    pthread_mutex_lock(&gs.sock_lock);
+    if (gs.sock >= 0) close(gs.sock);
+    gs.sock = fd;
+    pthread_mutex_unlock(&gs.sock_lock);
+    atomic_store(&gs.connected, 1);
+    atomic_store(&gs.failstatic, 0);
+    gs_log("connected to the daemon (%d GPU%s)", attached, attached == 1 ? "" : "s");
+    return 0;
+}
+
+static void disconnect(void) {
+    pthread_mutex_lock(&gs.sock_lock);
+    if (gs.sock >= 0) close(gs.sock);
+    gs.sock = -1;
+    pthread_mutex_unlock(&gs.sock_lock);
+    if (atomic_exchange(&gs.connected, 0)) gs_log("lost the daemon: fail static");
+    atomic_store(&gs.failstatic, 1);
+    /* wake every waiter so it switches to self-granted leases */
+    for (int i = 0; i < gs.ngpus; i++) {
+        struct gpushare_wire_slot *s = gs.gpu[i].slot;
+        atomic_fetch_add(&s->grant_seq, 1);
+        syscall(SYS_futex, (uint32_t *)&s->grant_seq, FUTEX_WAKE, 1 << 30, NULL, NULL, 0);
+    }
+}
+
+/* -- streams used under a lease ------------------------------------------------------------ */
+
+static CUstream norm_stream(CUstream s) {
+    return (s == NULL || s == CU_STREAM_PER_THREAD) ? CU_STREAM_LEGACY : s;
+}
+
+/* Records the stream as used under `lease`; returns its entry. */
+static struct gs_stream *note_stream(struct gs_gpu *g, CUstream stream, uint64_t lease) {
+    CUcontext ctx = NULL;
+    if (real_cuCtxGetCurrent) real_cuCtxGetCurrent(&ctx);
+    CUstream s = norm_stream(stream);
+    pthread_mutex_lock(&g->streams_lock);
+    struct gs_stream *e = g->streams;
+    while (e && !(e->stream == s && e->ctx == ctx)) e = e->next;
+    if (!e) {
+        e = calloc(1, sizeof *e);
+        if (e) {
+            e->ctx = ctx;
+            e->stream = s;
+            e->next = g->streams;
+            g->streams = e;
+        }
+    }
+    if (e) e->lease = lease;
+    pthread_mutex_unlock(&g->streams_lock);
+    return e;
+}
+
+void gs_stream_forget(CUstream stream) {
+    for (int i = 0; i < gs.ngpus; i++) {
+        struct gs_gpu *g = &gs.gpu[i];
+        pthread_mutex_lock(&g->streams_lock);
+        for (struct gs_stream **pp = &g->streams; *pp;) {
+            struct gs_stream *e = *pp;
+            if (e->stream == stream) {
+                /* keep waiting for its queued work at the drain: record now, forget the stream */
+                if (e->lease && real_cuEventRecord) {
+                    if (!e->event && real_cuEventCreate) real_cuEventCreate(&e->event, CU_EVENT_DISABLE_TIMING);
+                    if (e->event) real_cuEventRecord(e->event, stream);
+                }
+                e->stream = NULL; /* NULL never matches a normalised stream */
+                pp = &e->next;
+            } else {
+                pp = &e->next;
+            }
+        }
+        pthread_mutex_unlock(&g->streams_lock);
+    }
+    if (gs_tl.stream == stream) gs_tl.stream = (CUstream)-1;
+}
+
+/* Waits until every stream this process used under `lease` has finished its queued work. */
+static void drain(struct gs_gpu *g, uint64_t lease) {
+    CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    if (real_cuThreadExchangeStreamCaptureMode) real_cuThreadExchangeStreamCaptureMode(&mode);
+    pthread_mutex_lock(&g->streams_lock);
+    for (struct gs_stream *e = g->streams; e; e = e->next) {
+        if (e->lease != lease) continue;
+        if (real_cuCtxSetCurrent) real_cuCtxSetCurrent(e->ctx);
+        if (!e->event && real_cuEventCreate) real_cuEventCreate(&e->event, CU_EVENT_DISABLE_TIMING);
+        if (e->stream && e->event && real_cuEventRecord &&
+            real_cuEventRecord(e->event, e->stream) != CUDA_SUCCESS && real_cuCtxSynchronize)
+            real_cuCtxSynchronize();
+    }
+    for (struct gs_stream *e = g->streams; e; e = e->next) {
+        if (e->lease != lease) continue;
+        if (e->event && real_cuEventSynchronize) {
+            if (real_cuCtxSetCurrent) real_cuCtxSetCurrent(e->ctx);
+            real_cuEventSynchronize(e->event);
+        }
+        e->lease = 0;
+    }
+    /* forget streams destroyed meanwhile */
+    for (struct gs_stream **pp = &g->streams; *pp;) {
+        struct gs_stream *e = *pp;
+        if (!e->stream && !e->lease) {
+            *pp = e->next;
+            if (e->event && real_cuEventDestroy_v2) real_cuEventDestroy_v2(e->event);
+            free(e);
+        } else {
+            pp = &e->next;
+        }
+    }
+    pthread_mutex_unlock(&g->streams_lock);
+    if (real_cuThreadExchangeStreamCaptureMode) real_cuThreadExchangeStreamCaptureMode(&mode);
+}
+
+/* The agent's end of a lease: drain, publish, tell the daemon. */
+static void finish_lease(struct gs_gpu *g, uint64_t lease) {
+    drain(g, lease);
+    struct gpushare_wire_slot *s = g->slot;
+    atomic_max64(&s->drain_end_ns, gs_now());
+    uint64_t expected = lease;
+    if (atomic_compare_exchange_strong(&g->joined_lease, &expected, 0)) dec_floor(&s->joined);
+    send_lease_msg("done", g, lease);
+}
+
+/* -- admission (slow path) ------------------------------------------------------------------ */
+
+/* Runahead limit: at most ~2 x runahead_launches launches queued on a stream beyond the last
+ * completed mark, so that the drain at a lease's end stays short. */
+static void runahead_check(struct gs_stream *e) {
+    if (!e || !real_cuEventRecord || !real_cuEventQuery) return;
+    if (!e->event && real_cuEventCreate) real_cuEventCreate(&e->event, CU_EVENT_DISABLE_TIMING);
+    if (!e->event || !e->stream) return;
+    if (real_cuEventQuery(e->event) == CUDA_ERROR_NOT_READY && real_cuEventSynchronize)
+        real_cuEventSynchronize(e->event);
+    real_cuEventRecord(e->event, e->stream);
+}
+
+static int join(struct gs_gpu *g, uint64_t lease) {
+    uint64_t joined = atomic_load(&g->joined_lease);
+    if (joined == lease) return 0;
+    if (joined != 0) return -1; /* the previous lease is still draining */
+    if (!atomic_compare_exchange_strong(&g->joined_lease, &joined, lease))
+        return atomic_load(&g->joined_lease) == lease ? 0 : -1;
+    struct gpushare_wire_slot *s = g->slot;
+    atomic_fetch_add(&s->joined, 1);
+    if (atomic_load(&s->lease_until_ns) != lease) { /* revoked meanwhile: undo */
+        uint64_t mine = lease;
+        if (atomic_compare_exchange_strong(&g->joined_lease, &mine, 0)) dec_floor(&s->joined);
+        send_lease_msg("done", g, lease);
+        return -1;
+    }
+    poke_agent();
+    return 0;
+}
+
+static void failstatic_grant(struct gs_gpu *g, uint64_t now) {
+    struct gpushare_wire_slot *s = g->slot;
+    double r = atomic_load(&s->request_ppm) / 1e6;
+    if (!(r > 0.0)) r = gs.request;
+    uint64_t next = atomic_load(&g->fs_next_on);
+    if (now < next) {
+        uint64_t d = next - now;
+        sleep_ns(d < WAIT_SLICE_NS ? d : WAIT_SLICE_NS);
+        return;
+    }
+    uint64_t q = gs.quantum_ns ? gs.quantum_ns : DEFAULT_QUANTUM_NS;
+    uint64_t until = now + q;
+    uint64_t old = atomic_load(&s->lease_until_ns);
+    if (old <= now && atomic_compare_exchange_strong(&s->lease_until_ns, &old, until)) {
+        atomic_store(&g->fs_next_on, until + (uint64_t)((double)q * (1.0 - r) / r));
+        atomic_store(&s->lease_start_ns, now);
+    }
+}
+
+CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
+    if (!gs.enabled) return CUDA_SUCCESS;
+    uint64_t waited_from = 0;
+    for (;;) {
+        if (atomic_load(&gs.denied)) {
+            gs_deny_message();
+            return CUDA_ERROR_NOT_PERMITTED;
+        }
+        struct gpushare_wire_slot *s = atomic_load_explicit(&g->slot, memory_order_acquire);
+        if (atomic_load(&s->state) == GPUSHARE_SLOT_RELEASED) {
+            deny("the GPU share of this kernel was released");
+            continue;
+        }
+        uint32_t seq = atomic_load(&s->grant_seq);
+        uint64_t now = gs_now();
+        uint64_t until = atomic_load_explicit(&s->lease_until_ns, memory_order_acquire);
+        if (now < until && join(g, until) == 0) {
+            struct gs_stream *e = note_stream(g, stream, until);
+            if (gs_tl.lease == until && gs_tl.stream == stream && gs_tl.gpu == g) runahead_check(e);
+            gs_tl.lease = until;
+            gs_tl.stream = stream;
+            gs_tl.gpu = g;
+            gs_tl.budget = runahead_launches;
+            atomic_store_explicit(&g->last_launch_ns, now, memory_order_relaxed);
+            if (waited_from) {
+                atomic_fetch_add(&s->lease_waits, 1);
+                atomic_fetch_add(&s->wait_ns, now - waited_from);
+            }
+            return CUDA_SUCCESS;
+        }
+        if (!waited_from) waited_from = now;
+        if (now < until) { /* our previous lease is still being drained by the agent */
+            sleep_ns(20000);
+            continue;
+        }
+        if (atomic_load(&gs.failstatic) || !atomic_load(&gs.connected)) {
+            failstatic_grant(g, now);
+            continue;
+        }
+        atomic_fetch_add(&s->waiters, 1);
+        send_lease_msg("want", g, 0);
+        futex_wait(&s->grant_seq, seq, WAIT_SLICE_NS);
+        dec_floor(&s->waiters);
+    }
+}
+
+/* -- the agent thread ---------------------------------------------------------------------- */
+
+static void *agent_main(void *arg) {
+    (void)arg;
+    char buf[4096];
+    for (;;) {
+        uint64_t now = gs_now();
+        uint64_t deadline = now + 100000000ull; /* at least every 100 ms */
+        if (!atomic_load(&gs.connected) && !atomic_load(&gs.denied) &&
+            now - last_connect_try >= RECONNECT_NS) {
+            last_connect_try = now;
+            if (connect_and_hello() == 0) gs_log("reconnected");
+        }
+        for (int i = 0; i < gs.ngpus; i++) {
+            struct gs_gpu *g = &gs.gpu[i];
+            uint64_t lease = atomic_load(&g->joined_lease);
+            if (!lease) continue;
+            struct gpushare_wire_slot *s = g->slot;
+            uint64_t current = atomic_load(&s->lease_until_ns);
+            if (now >= lease || current != lease) {
+                finish_lease(g, lease);
+                continue;
+            }
+            uint64_t wake = lease;
+            if (g->header && atomic_load(&g->header->waiting_slots) > 0) {
+                uint64_t idle_at = atomic_load(&g->last_launch_ns) + IDLE_HANDBACK_NS;
+                if (now >= idle_at) { /* idle while others wait: hand the lease back */
+                    uint64_t expected = lease;
+                    atomic_compare_exchange_strong(&s->lease_until_ns, &expected, 0);
+                    finish_lease(g, lease);
+                    continue;
+                }
+                if (idle_at < wake) wake = idle_at;
+            }
+            if (g->header && wake > now + 1000000ull) wake = now + 1000000ull; /* watch waiters */
+            if (wake < deadline) deadline = wake;
+        }
+        if (atomic_load(&gs.connected)) {
+            for (int i = 0; i < gs.ngpus; i++) {
+                struct gpushare_wire_header *h = gs.gpu[i].header;
+                if (h && now > atomic_load(&h->heartbeat_ns) + GPUSHARE_WIRE_HEARTBEAT_STALE_NS) {
+                    disconnect(); /* the daemon hangs: fail static until it answers again */
+                    break;
+                }
+            }
+        }
+        struct pollfd p[2] = {{gs.sock, POLLIN, 0}, {gs.wake_pipe[0], POLLIN, 0}};
+        now = gs_now();
+        uint64_t wait = deadline > now ? deadline - now : 0;
+        struct timespec ts = {(time_t)(wait / 1000000000ull), (long)(wait % 1000000000ull)};
+        int n = ppoll(p, 2, &ts, NULL);
+        if (n > 0 && p[0].revents) {
+            ssize_t r = recv(gs.sock, buf, sizeof buf, MSG_DONTWAIT);
+            if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) disconnect();
+        }
+        if (n > 0 && p[1].revents) {
+            while (read(gs.wake_pipe[0], buf, sizeof buf) > 0) {
+            }
+        }
+    }
+    return NULL;
+}
+
+static void agent_start(void) {
+    if (atomic_exchange(&agent_running, 1)) return;
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &attr, agent_main, NULL) != 0) atomic_store(&agent_running, 0);
+    pthread_attr_destroy(&attr);
+}
+
+/* -- which GPU ----------------------------------------------------------------------------- */
+
+struct gs_gpu *gs_gpu_of_ordinal(int ordinal) {
+    gs_init();
+    if (!gs.enabled || ordinal < 0 || ordinal >= gs.ngpus) return NULL;
+    return &gs.gpu[ordinal];
+}
+
+struct gs_gpu *gs_current_gpu(void) {
+    gs_init();
+    if (!gs.enabled) return NULL;
+    if (gs.ngpus == 1) return &gs.gpu[0];
+    CUdevice dev = 0;
+    if (!real_cuCtxGetDevice || real_cuCtxGetDevice(&dev) != CUDA_SUCCESS) return NULL;
+    return gs_gpu_of_ordinal(dev);
+}

@@ -1,0 +1,389 @@
+/* memory.c - the memory cap: every allocation path reserves against the slot's cap with a
+ * compare-and-swap before calling the driver and rolls back when the driver fails, so no
+ * interleaving of threads and processes can take an allocation over its cap; a refused call
+ * returns CUDA_ERROR_OUT_OF_MEMORY. Frees give the bytes back (the sizes are remembered per
+ * pointer / handle / array). cuMemGetInfo, cuDeviceTotalMem and NVML's memory info report the
+ * cap as the device's total.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gs.h"
+
+enum { KIND_PTR = 0, KIND_HANDLE = 1, KIND_ARRAY = 2 };
+
+/* -- the reservation ------------------------------------------------------------------------ */
+
+int gs_mem_reserve(struct gs_gpu *g, uint64_t bytes) {
+    struct gpushare_wire_slot *s = atomic_load_explicit(&g->slot, memory_order_acquire);
+    uint64_t cap = atomic_load(&s->mem_cap);
+    uint64_t cur = atomic_load(&s->mem_used);
+    do {
+        if (bytes > cap || cur > cap - bytes) {
+            atomic_fetch_add(&s->oom_count, 1);
+            return -1;
+        }
+    } while (!atomic_compare_exchange_weak(&s->mem_used, &cur, cur + bytes));
+    uint64_t peak = atomic_load(&s->mem_peak);
+    while (peak < cur + bytes && !atomic_compare_exchange_weak(&s->mem_peak, &peak, cur + bytes)) {
+    }
+    atomic_fetch_add(&g->proc_mem, bytes);
+    return 0;
+}
+
+static void sub_floor(_Atomic uint64_t *p, uint64_t v) {
+    uint64_t cur = atomic_load(p);
+    while (!atomic_compare_exchange_weak(p, &cur, cur > v ? cur - v : 0)) {
+    }
+}
+
+void gs_mem_unreserve(struct gs_gpu *g, uint64_t bytes) {
+    struct gpushare_wire_slot *s = atomic_load_explicit(&g->slot, memory_order_acquire);
+    sub_floor(&s->mem_used, bytes);
+    sub_floor(&g->proc_mem, bytes);
+}
+
+/* -- what was allocated: a striped hash of (kind, key) -> (gpu, bytes) ---------------------- */
+
+#define STRIPES 256
+struct entry {
+    uint64_t key;
+    int kind;
+    struct gs_gpu *gpu;
+    uint64_t bytes;
+    struct entry *next;
+};
+static struct {
+    pthread_mutex_t lock;
+    struct entry *head;
+} table[STRIPES] = {[0 ... STRIPES - 1] = {PTHREAD_MUTEX_INITIALIZER, NULL}};
+
+static unsigned stripe(uint64_t key, int kind) {
+    uint64_t h = (key ^ (uint64_t)kind * 0x9e3779b97f4a7c15ull) * 0xff51afd7ed558ccdull;
+    return (unsigned)(h >> 56) % STRIPES;
+}
+
+void gs_mem_track(uint64_t key, int kind, struct gs_gpu *g, uint64_t bytes) {
+    struct entry *e = malloc(sizeof *e);
+    if (!e) return; /* the bytes stay reserved: safe side */
+    *e = (struct entry){key, kind, g, bytes, NULL};
+    unsigned i = stripe(key, kind);
+    pthread_mutex_lock(&table[i].lock);
+    e->next = table[i].head;
+    table[i].head = e;
+    pthread_mutex_unlock(&table[i].lock);
+}
+
+/* Removes an entry; returns its bytes (0 if unknown) and gpu. */
+static uint64_t untrack(uint64_t key, int kind, struct gs_gpu **g) {
+    unsigned i = stripe(key, kind);
+    uint64_t bytes = 0;
+    *g = NULL;
+    pthread_mutex_lock(&table[i].lock);
+    for (struct entry **pp = &table[i].head; *pp; pp = &(*pp)->next) {
+        struct entry *e = *pp;
+        if (e->key == key && e->kind == kind) {
+            *pp = e->next;
+            bytes = e->bytes;
+            *g = e->gpu;
+            free(e);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&table[i].lock);
+    return bytes;
+}
+
+uint64_t gs_mem_untrack(uint64_t key, int kind) {
+    struct gs_gpu *g;
+    uint64_t bytes = untrack(key, kind, &g);
+    if (g && bytes) gs_mem_unreserve(g, bytes);
+    return bytes;
+}
+
+void gs_mem_reset_after_fork(void) {
+    for (int i = 0; i < STRIPES; i++) pthread_mutex_init(&table[i].lock, NULL);
+}
+
+/* -- shared shape of the allocation wrappers ------------------------------------------------ */
+
+/* Before an allocation: the GPU to charge (NULL: not enforced), or a refusal in *err. */
+static struct gs_gpu *alloc_gpu(CUresult *err) {
+    *err = CUDA_SUCCESS;
+    struct gs_gpu *g = gs_current_gpu();
+    if (gs.enabled && atomic_load(&gs.denied)) {
+        gs_deny_message();
+        *err = CUDA_ERROR_NOT_PERMITTED;
+        return NULL;
+    }
+    if (g && atomic_load(&g->slot->state) == GPUSHARE_SLOT_RELEASED) {
+        snprintf(gs.deny_reason, sizeof gs.deny_reason, "the GPU share of this kernel was released");
+        atomic_store(&gs.denied, 1);
+        gs_deny_message();
+        *err = CUDA_ERROR_NOT_PERMITTED;
+        return NULL;
+    }
+    return g;
+}
+
+#define RESERVE(g, bytes)                                                                      \
+    do {                                                                                       \
+        if ((g) && gs_mem_reserve((g), (bytes)) != 0) return CUDA_ERROR_OUT_OF_MEMORY;          \
+    } while (0)
+
+/* After the driver call: keep the reservation (and remember it) or roll it back. */
+static CUresult settle(CUresult r, struct gs_gpu *g, uint64_t bytes, uint64_t key, int kind) {
+    if (!g) return r;
+    if (r == CUDA_SUCCESS)
+        gs_mem_track(key, kind, g, bytes);
+    else
+        gs_mem_unreserve(g, bytes);
+    return r;
+}
+
+#define REAL_OR(name)                                                                          \
+    do {                                                                                       \
+        gs_resolve();                                                                          \
+        if (!real_##name) return CUDA_ERROR_NOT_SUPPORTED;                                     \
+    } while (0)
+
+#define SIMPLE_ALLOC(name, bytes_expr, call)                                                   \
+    {                                                                                          \
+        REAL_OR(name);                                                                         \
+        CUresult err;                                                                          \
+        struct gs_gpu *g = alloc_gpu(&err);                                                    \
+        if (err != CUDA_SUCCESS) return err;                                                   \
+        uint64_t bytes = (bytes_expr);                                                         \
+        RESERVE(g, bytes);                                                                     \
+        CUresult r = call;                                                                     \
+        return settle(r, g, bytes, r == CUDA_SUCCESS ? (uint64_t)*dptr : 0, KIND_PTR);          \
+    }
+
+/* -- device memory -------------------------------------------------------------------------- */
+
+CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
+    SIMPLE_ALLOC(cuMemAlloc_v2, bytesize, real_cuMemAlloc_v2(dptr, bytesize))
+
+CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
+    SIMPLE_ALLOC(cuMemAllocManaged, bytesize, real_cuMemAllocManaged(dptr, bytesize, flags))
+
+CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+    SIMPLE_ALLOC(cuMemAllocAsync, bytesize, real_cuMemAllocAsync(dptr, bytesize, hStream))
+
+CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+    SIMPLE_ALLOC(cuMemAllocAsync_ptsz, bytesize, real_cuMemAllocAsync_ptsz(dptr, bytesize, hStream))
+
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                 CUstream hStream)
+    SIMPLE_ALLOC(cuMemAllocFromPoolAsync, bytesize,
+                 real_cuMemAllocFromPoolAsync(dptr, bytesize, pool, hStream))
+
+CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                      CUstream hStream)
+    SIMPLE_ALLOC(cuMemAllocFromPoolAsync_ptsz, bytesize,
+                 real_cuMemAllocFromPoolAsync_ptsz(dptr, bytesize, pool, hStream))
+
+CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
+                            unsigned int ElementSizeBytes) {
+    REAL_OR(cuMemAllocPitch_v2);
+    CUresult err;
+    struct gs_gpu *g = alloc_gpu(&err);
+    if (err != CUDA_SUCCESS) return err;
+    uint64_t estimate = (uint64_t)((WidthInBytes + 511) / 512 * 512) * Height;
+    RESERVE(g, estimate);
+    CUresult r = real_cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+    if (r != CUDA_SUCCESS || !g) return settle(r, g, estimate, 0, KIND_PTR);
+    uint64_t actual = (uint64_t)*pPitch * Height;
+    if (actual > estimate && gs_mem_reserve(g, actual - estimate) != 0) {
+        real_cuMemFree_v2 ? real_cuMemFree_v2(*dptr) : CUDA_SUCCESS;
+        gs_mem_unreserve(g, estimate);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (actual < estimate) gs_mem_unreserve(g, estimate - actual);
+    return settle(r, g, actual, (uint64_t)*dptr, KIND_PTR);
+}
+
+/* Frees: forget first (so a concurrent allocation reusing the address is not mistaken for this
+ * one), then free; if the driver refuses, the bytes are still in use: reserve them again. */
+#define SIMPLE_FREE(name, key, kind, call)                                                     \
+    {                                                                                          \
+        REAL_OR(name);                                                                         \
+        gs_init();                                                                             \
+        struct gs_gpu *g;                                                                      \
+        uint64_t bytes = untrack((uint64_t)(key), (kind), &g);                                 \
+        CUresult r = call;                                                                     \
+        if (g && bytes) {                                                                      \
+            if (r == CUDA_SUCCESS)                                                             \
+                gs_mem_unreserve(g, bytes);                                                    \
+            else                                                                               \
+                gs_mem_track((uint64_t)(key), (kind), g, bytes);                               \
+        }                                                                                      \
+        return r;                                                                              \
+    }
+
+CUresult cuMemFree_v2(CUdeviceptr dptr)
+    SIMPLE_FREE(cuMemFree_v2, dptr, KIND_PTR, real_cuMemFree_v2(dptr))
+
+CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
+    SIMPLE_FREE(cuMemFreeAsync, dptr, KIND_PTR, real_cuMemFreeAsync(dptr, hStream))
+
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
+    SIMPLE_FREE(cuMemFreeAsync_ptsz, dptr, KIND_PTR, real_cuMemFreeAsync_ptsz(dptr, hStream))
+
+/* -- virtual memory management -------------------------------------------------------------- */
+
+CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                     const CUmemAllocationProp *prop, unsigned long long flags) {
+    REAL_OR(cuMemCreate);
+    CUresult err;
+    struct gs_gpu *g = alloc_gpu(&err);
+    if (err != CUDA_SUCCESS) return err;
+    if (prop && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE && gs.ngpus > 1)
+        g = gs_gpu_of_ordinal(prop->location.id);
+    if (prop && prop->location.type == CU_MEM_LOCATION_TYPE_HOST) g = NULL; /* host memory */
+    RESERVE(g, size);
+    CUresult r = real_cuMemCreate(handle, size, prop, flags);
+    return settle(r, g, size, r == CUDA_SUCCESS ? (uint64_t)*handle : 0, KIND_HANDLE);
+}
+
+CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+    SIMPLE_FREE(cuMemRelease, handle, KIND_HANDLE, real_cuMemRelease(handle))
+
+/* -- arrays --------------------------------------------------------------------------------- */
+
+static uint64_t format_bytes(CUarray_format f) {
+    switch (f) {
+    case 0x01: case 0x08: return 1;   /* (UN)SIGNED_INT8 */
+    case 0x02: case 0x09: case 0x10: return 2; /* INT16, HALF */
+    case 0x03: case 0x0a: case 0x20: return 4; /* INT32, FLOAT */
+    default: return 16;               /* wider/compressed formats: count generously */
+    }
+}
+
+static uint64_t array_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsigned ch) {
+    return (uint64_t)w * (h ? h : 1) * (d ? d : 1) * (ch ? ch : 1) * format_bytes(f);
+}
+
+CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *desc) {
+    REAL_OR(cuArrayCreate_v2);
+    CUresult err;
+    struct gs_gpu *g = alloc_gpu(&err);
+    if (err != CUDA_SUCCESS) return err;
+    uint64_t bytes = desc ? array_bytes(desc->Width, desc->Height, 1, desc->Format,
+                                        desc->NumChannels) : 0;
+    RESERVE(g, bytes);
+    CUresult r = real_cuArrayCreate_v2(pHandle, desc);
+    return settle(r, g, bytes, r == CUDA_SUCCESS ? (uint64_t)(uintptr_t)*pHandle : 0, KIND_ARRAY);
+}
+
+CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *desc) {
+    REAL_OR(cuArray3DCreate_v2);
+    CUresult err;
+    struct gs_gpu *g = alloc_gpu(&err);
+    if (err != CUDA_SUCCESS) return err;
+    uint64_t bytes = desc ? array_bytes(desc->Width, desc->Height, desc->Depth, desc->Format,
+                                        desc->NumChannels) : 0;
+    RESERVE(g, bytes);
+    CUresult r = real_cuArray3DCreate_v2(pHandle, desc);
+    return settle(r, g, bytes, r == CUDA_SUCCESS ? (uint64_t)(uintptr_t)*pHandle : 0, KIND_ARRAY);
+}
+
+CUresult cuArrayDestroy(CUarray hArray)
+    SIMPLE_FREE(cuArrayDestroy, (uintptr_t)hArray, KIND_ARRAY, real_cuArrayDestroy(hArray))
+
+/* -- what the process is told ---------------------------------------------------------------- */
+
+static void report(struct gs_gpu *g, uint64_t *free_b, uint64_t *total_b) {
+    struct gpushare_wire_slot *s = atomic_load_explicit(&g->slot, memory_order_acquire);
+    uint64_t cap = atomic_load(&s->mem_cap);
+    if (cap == 0 || cap == UINT64_MAX) return;
+    uint64_t used = atomic_load(&s->mem_used);
+    uint64_t total = cap < *total_b ? cap : *total_b;
+    uint64_t left = used < total ? total - used : 0;
+    *total_b = total;
+    *free_b = left < *free_b ? left : *free_b;
+}
+
+static CUresult mem_info(CUresult r, size_t *free_b, size_t *total_b) {
+    if (r != CUDA_SUCCESS || !free_b || !total_b) return r;
+    struct gs_gpu *g = gs_current_gpu();
+    if (g) {
+        uint64_t f = *free_b, t = *total_b;
+        report(g, &f, &t);
+        *free_b = (size_t)f;
+        *total_b = (size_t)t;
+    }
+    return r;
+}
+
+CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b) {
+    REAL_OR(cuMemGetInfo_v2);
+    return mem_info(real_cuMemGetInfo_v2(free_b, total_b), free_b, total_b);
+}
+
+static CUresult total_mem(CUresult r, size_t *bytes, CUdevice dev) {
+    if (r != CUDA_SUCCESS || !bytes) return r;
+    struct gs_gpu *g = gs_gpu_of_ordinal(dev);
+    if (g) {
+        uint64_t f = *bytes, t = *bytes;
+        report(g, &f, &t);
+        *bytes = (size_t)t;
+    }
+    return r;
+}
+
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+    REAL_OR(cuDeviceTotalMem_v2);
+    return total_mem(real_cuDeviceTotalMem_v2(bytes, dev), bytes, dev);
+}
+
+/* NVML: the GPU is found by UUID. */
+static struct gs_gpu *nvml_gpu(nvmlDevice_t device) {
+    gs_init();
+    if (!gs.enabled || !real_nvmlDeviceGetUUID) return NULL;
+    char uuid[96] = "";
+    if (real_nvmlDeviceGetUUID(device, uuid, sizeof uuid) != 0) return NULL;
+    for (int i = 0; i < gs.ngpus; i++)
+        if (strcmp(gs.gpu[i].uuid, uuid) == 0) return &gs.gpu[i];
+    return NULL;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+    gs_resolve();
+    if (!real_nvmlDeviceGetMemoryInfo) return 13; /* NVML_ERROR_FUNCTION_NOT_FOUND */
+    nvmlReturn_t r = real_nvmlDeviceGetMemoryInfo(device, memory);
+    struct gs_gpu *g = r == 0 && memory ? nvml_gpu(device) : NULL;
+    if (g) {
+        uint64_t f = memory->free, t = memory->total;
+        report(g, &f, &t);
+        if (t != memory->total) {
+            uint64_t used = atomic_load(&g->slot->mem_used);
+            memory->total = t;
+            memory->used = used < t ? used : t;
+            memory->free = f;
+        }
+    }
+    return r;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
+    gs_resolve();
+    if (!real_nvmlDeviceGetMemoryInfo_v2) return 13;
+    nvmlReturn_t r = real_nvmlDeviceGetMemoryInfo_v2(device, memory);
+    struct gs_gpu *g = r == 0 && memory ? nvml_gpu(device) : NULL;
+    if (g) {
+        uint64_t f = memory->free, t = memory->total;
+        report(g, &f, &t);
+        if (t != memory->total) {
+            uint64_t used = atomic_load(&g->slot->mem_used);
+            memory->total = t;
+            memory->reserved = 0;
+            memory->used = used < t ? used : t;
+            memory->free = f;
+        }
+    }
+    return r;
+}

@@ -51,6 +51,9 @@ def kernel_env(
         "GPUSHARE_SOCKET": str(socket_path),
         "GPUSHARE_NODE": allocation.node,
         "CUDA_VISIBLE_DEVICES": ",".join(allocation.gpus),
+        # what the interposer enforces on its own while the daemon is unreachable (fail static)
+        "GPUSHARE_GPU_REQUEST": repr(float(allocation.request)),
+        "GPUSHARE_GPU_MEMORY": str(int(allocation.memory)),
     }
     preload = [str(interposer_path())]
     preload += [p for p in base.get("LD_PRELOAD", "").split(":") if p and p not in preload]

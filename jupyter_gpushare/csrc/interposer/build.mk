@@ -1,40 +1,39 @@
-# libgpushare.so: the CUDA interposer (box 7). Sanitizer variants for the tests:
-#   make -C jupyter_gpushare/csrc interposer-asan interposer-tsan
+# libgpushare.so: the CUDA interposer (box 7).
+# Test programs and sanitizer builds (not shipped):  make -C jupyter_gpushare/csrc interposer-tests
+#   _lib/test/gs_tenant[-asan|-tsan], _lib/test/libgpushare-asan.so, _lib/test/libgpushare-tsan.so
 GS_DIR := $(CURDIR)/interposer
 GS_SRC := $(GS_DIR)/dispatch.c $(GS_DIR)/lease.c $(GS_DIR)/launch.c $(GS_DIR)/memory.c
 GS_HDR := $(GS_DIR)/gs.h $(CURDIR)/include/gpushare_wire.h $(CURDIR)/include/gpushare_cuda.h
-GS_LDFLAGS := -shared -Wl,-Bsymbolic-functions -Wl,--no-undefined -ldl -lpthread
-ALL += $(LIB)/libgpushare.so $(LIB)/test/gs_bench
+GS_LIBS := -ldl -lpthread
+GS_SO := -shared -Wl,-Bsymbolic-functions
+ASAN := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined
+TSAN := -O1 -g -fsanitize=thread
+ALL += $(LIB)/libgpushare.so
 
 $(LIB)/libgpushare.so: $(GS_SRC) $(GS_HDR)
 	@mkdir -p $(LIB)
-	$(CC) $(CFLAGS) $(BASEFLAGS) -fvisibility=default -o $@ $(GS_SRC) $(GS_LDFLAGS)
+	$(CC) $(CFLAGS) $(BASEFLAGS) -o $@ $(GS_SRC) $(GS_SO) -Wl,--no-undefined $(GS_LIBS)
 
 $(LIB)/test/libgpushare-asan.so: $(GS_SRC) $(GS_HDR)
 	@mkdir -p $(LIB)/test
-	$(CC) -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined $(BASEFLAGS) -o $@ $(GS_SRC) -shared -Wl,-Bsymbolic-functions -ldl -lpthread
+	$(CC) $(ASAN) $(BASEFLAGS) -o $@ $(GS_SRC) $(GS_SO) $(GS_LIBS)
 
 $(LIB)/test/libgpushare-tsan.so: $(GS_SRC) $(GS_HDR)
 	@mkdir -p $(LIB)/test
-	$(CC) -O1 -g -fsanitize=thread $(BASEFLAGS) -o $@ $(GS_SRC) -shared -Wl,-Bsymbolic-functions -ldl -lpthread
+	$(CC) $(TSAN) $(BASEFLAGS) -o $@ $(GS_SRC) $(GS_SO) $(GS_LIBS)
 
-# Test and benchmark programs: load the driver with dlopen (through our dlsym) like frameworks do.
-$(LIB)/test/gs_stress: $(GS_DIR)/tests/gs_stress.c $(GS_HDR)
+$(LIB)/test/gs_tenant: $(GS_DIR)/tests/gs_tenant.c $(GS_HDR)
 	@mkdir -p $(LIB)/test
-	$(CC) $(CFLAGS) $(BASEFLAGS) -o $@ $< -ldl -lpthread
+	$(CC) -O2 -g $(BASEFLAGS) -o $@ $< $(GS_LIBS)
 
-$(LIB)/test/gs_stress-asan: $(GS_DIR)/tests/gs_stress.c $(GS_HDR)
+$(LIB)/test/gs_tenant-asan: $(GS_DIR)/tests/gs_tenant.c $(GS_HDR)
 	@mkdir -p $(LIB)/test
-	$(CC) -O1 -g -fsanitize=address,undefined $(BASEFLAGS) -o $@ $< -ldl -lpthread
+	$(CC) $(ASAN) $(BASEFLAGS) -o $@ $< $(GS_LIBS)
 
-$(LIB)/test/gs_stress-tsan: $(GS_DIR)/tests/gs_stress.c $(GS_HDR)
+$(LIB)/test/gs_tenant-tsan: $(GS_DIR)/tests/gs_tenant.c $(GS_HDR)
 	@mkdir -p $(LIB)/test
-	$(CC) -O1 -g -fsanitize=thread $(BASEFLAGS) -o $@ $< -ldl -lpthread
+	$(CC) $(TSAN) $(BASEFLAGS) -o $@ $< $(GS_LIBS)
 
-$(LIB)/test/gs_bench: $(GS_DIR)/tests/gs_bench.c $(GS_HDR)
-	@mkdir -p $(LIB)/test
-	$(CC) -O2 $(BASEFLAGS) -o $@ $< -ldl -lpthread
-
-.PHONY: interposer-asan interposer-tsan
-interposer-asan: $(LIB)/test/libgpushare-asan.so $(LIB)/test/gs_stress-asan
-interposer-tsan: $(LIB)/test/libgpushare-tsan.so $(LIB)/test/gs_stress-tsan
+.PHONY: interposer-tests
+interposer-tests: $(LIB)/libgpushare.so $(LIB)/test/gs_tenant $(LIB)/test/gs_tenant-asan \
+	$(LIB)/test/gs_tenant-tsan $(LIB)/test/libgpushare-asan.so $(LIB)/test/libgpushare-tsan.so

@@ -1,0 +1,305 @@
+/* gs_tenant - a test and benchmark tenant for the interposer, driving the CUDA driver API like a
+ * framework does (dlopen("libcuda.so.1") + dlsym, so the interposer's dlsym path is used).
+ *
+ *   gs_tenant spin SECONDS KERNEL_US SYNC_EVERY   saturating loop of busy_us kernels on a
+ *                                                 non-blocking stream; prints progress lines
+ *   gs_tenant small SECONDS PERIOD_MS             a small kernel every PERIOD_MS: wait stats
+ *   gs_tenant mem THREADS ITERS MAXBYTES SEED     random alloc/free from threads; invariants
+ *   gs_tenant bench N                             ns per launch (busy_us(0)) and per direct call
+ *   gs_tenant info                                memory as the process sees it
+ *   gs_tenant fork SECONDS KERNEL_US              spin in a forked child and in the parent
+ *
+ * With GS_TENANT_WAIT_FILE=path it waits for that file before its first CUDA call (tests record
+ * the pid in the ledger meanwhile). Output: JSON lines on stdout. Exit 3 when CUDA refuses
+ * (CUDA_ERROR_NOT_PERMITTED), 2 on other errors.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gpushare_cuda.h"
+
+#define FN(name) static __typeof__(&name) p_##name
+FN(cuInit); FN(cuDeviceGet); FN(cuDevicePrimaryCtxRetain); FN(cuCtxSetCurrent);
+FN(cuModuleLoadData); FN(cuModuleGetFunction); FN(cuLaunchKernel); FN(cuStreamCreate);
+FN(cuStreamSynchronize); FN(cuMemAlloc_v2); FN(cuMemFree_v2); FN(cuMemGetInfo_v2);
+FN(cuDeviceTotalMem_v2); FN(cuDeviceGetCount); FN(cuGetProcAddress_v2); FN(cuCtxSynchronize);
+FN(cuMemAllocAsync); FN(cuMemFreeAsync); FN(cuMemAllocManaged); FN(cuMemAllocPitch_v2);
+FN(cuMemCreate); FN(cuMemRelease); FN(cuLaunchKernelEx); FN(cuGraphLaunch);
+
+static CUcontext ctx;
+static CUfunction busy;
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void die(const char *what, CUresult r) {
+    printf("{\"error\":%d,\"where\":\"%s\"}\n", (int)r, what);
+    fflush(stdout);
+    _exit(r == CUDA_ERROR_NOT_PERMITTED ? 3 : 2);
+}
+
+#define CHECK(call)                                                                            \
+    do {                                                                                       \
+        CUresult r_ = (call);                                                                  \
+        if (r_ != CUDA_SUCCESS) die(#call, r_);                                                \
+    } while (0)
+
+static void load(void) {
+    const char *wait = getenv("GS_TENANT_WAIT_FILE");
+    while (wait && access(wait, F_OK) != 0) usleep(2000);
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        printf("{\"error\":-1,\"where\":\"dlopen %s\"}\n", dlerror());
+        _exit(2);
+    }
+#define LOAD(name) p_##name = (__typeof__(&name))dlsym(lib, #name)
+    LOAD(cuInit); LOAD(cuDeviceGet); LOAD(cuDevicePrimaryCtxRetain); LOAD(cuCtxSetCurrent);
+    LOAD(cuModuleLoadData); LOAD(cuModuleGetFunction); LOAD(cuStreamCreate);
+    LOAD(cuStreamSynchronize); LOAD(cuMemAlloc_v2); LOAD(cuMemFree_v2); LOAD(cuMemGetInfo_v2);
+    LOAD(cuDeviceTotalMem_v2); LOAD(cuDeviceGetCount); LOAD(cuGetProcAddress_v2);
+    LOAD(cuCtxSynchronize); LOAD(cuMemAllocAsync); LOAD(cuMemFreeAsync); LOAD(cuMemAllocManaged);
+    LOAD(cuMemAllocPitch_v2); LOAD(cuMemCreate); LOAD(cuMemRelease); LOAD(cuLaunchKernelEx);
+    LOAD(cuGraphLaunch);
+    CHECK(p_cuInit(0));
+    /* launches go through cuGetProcAddress_v2 like the CUDA runtime's */
+    CUdriverProcAddressQueryResult q;
+    CHECK(p_cuGetProcAddress_v2("cuLaunchKernel", (void **)&p_cuLaunchKernel, 12000, 0, &q));
+    CUdevice dev;
+    CHECK(p_cuDeviceGet(&dev, 0));
+    CHECK(p_cuDevicePrimaryCtxRetain(&ctx, dev));
+    CHECK(p_cuCtxSetCurrent(ctx));
+    CUmodule mod;
+    CHECK(p_cuModuleLoadData(&mod, "gs_tenant"));
+    CHECK(p_cuModuleGetFunction(&busy, mod, "busy_us"));
+}
+
+static CUresult launch_us(CUstream s, uint64_t us) {
+    void *params[] = {&us};
+    return p_cuLaunchKernel(busy, 1, 1, 1, 1, 1, 1, 0, s, params, NULL);
+}
+
+/* Saturating tenant: progress lines {"t": ns, "done_us": device µs completed}. */
+static int spin(double seconds, uint64_t kernel_us, int sync_every) {
+    load();
+    CUstream s;
+    CHECK(p_cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    uint64_t start = now_ns(), end = start + (uint64_t)(seconds * 1e9), next_print = 0;
+    uint64_t done = 0;
+    printf("{\"start\":%llu,\"pid\":%d}\n", (unsigned long long)start, (int)getpid());
+    while (now_ns() < end) {
+        for (int i = 0; i < sync_every; i++) CHECK(launch_us(s, kernel_us));
+        CHECK(p_cuStreamSynchronize(s));
+        done += (uint64_t)sync_every * kernel_us;
+        uint64_t t = now_ns();
+        if (t >= next_print) {
+            printf("{\"t\":%llu,\"done_us\":%llu}\n", (unsigned long long)t,
+                   (unsigned long long)done);
+            fflush(stdout);
+            next_print = t + 50000000ull;
+        }
+    }
+    printf("{\"t\":%llu,\"done_us\":%llu,\"end\":true}\n", (unsigned long long)now_ns(),
+           (unsigned long long)done);
+    return 0;
+}
+
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Interactive tenant: a 100 µs kernel every period; how long launch+sync took beyond it. */
+static int small(double seconds, double period_ms) {
+    load();
+    CUstream s;
+    CHECK(p_cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    size_t n = 0, cap = 100000;
+    uint64_t *lat = malloc(cap * sizeof *lat);
+    uint64_t end = now_ns() + (uint64_t)(seconds * 1e9);
+    while (now_ns() < end && n < cap) {
+        uint64_t t0 = now_ns();
+        CHECK(launch_us(s, 100));
+        CHECK(p_cuStreamSynchronize(s));
+        uint64_t took = now_ns() - t0;
+        lat[n++] = took > 100000 ? took - 100000 : 0;
+        usleep((useconds_t)(period_ms * 1000));
+    }
+    qsort(lat, n, sizeof *lat, cmp_u64);
+    printf("{\"n\":%zu,\"p50_us\":%.1f,\"p99_us\":%.1f,\"max_us\":%.1f}\n", n,
+           n ? lat[n / 2] / 1e3 : 0.0, n ? lat[(n * 99) / 100] / 1e3 : 0.0,
+           n ? lat[n - 1] / 1e3 : 0.0);
+    free(lat);
+    return 0;
+}
+
+/* -- memory stress -------------------------------------------------------------------------- */
+static size_t max_bytes;
+static int iters;
+static _Atomic long allocs, ooms, errors, over_cap;
+static size_t cap_seen;
+
+struct held {
+    CUdeviceptr p;
+    size_t n;
+    int kind; /* 0 alloc, 1 async, 2 managed, 3 pitch */
+};
+
+static void *mem_thread(void *arg) {
+    unsigned seed = (unsigned)(uintptr_t)arg;
+    CHECK(p_cuCtxSetCurrent(ctx));
+    struct held held[64];
+    int nheld = 0;
+    for (int i = 0; i < iters; i++) {
+        if (nheld > 0 && (nheld == 64 || rand_r(&seed) % 2)) {
+            int k = (int)(rand_r(&seed) % (unsigned)nheld);
+            CUresult r = held[k].kind == 1 ? p_cuMemFreeAsync(held[k].p, NULL)
+                                           : p_cuMemFree_v2(held[k].p);
+            if (r != CUDA_SUCCESS) errors++;
+            held[k] = held[--nheld];
+            continue;
+        }
+        size_t n = 1 + (size_t)rand_r(&seed) % max_bytes;
+        int kind = (int)(rand_r(&seed) % 4);
+        CUdeviceptr p = 0;
+        CUresult r;
+        size_t pitch = 0;
+        if (kind == 1 && p_cuMemAllocAsync) r = p_cuMemAllocAsync(&p, n, NULL);
+        else if (kind == 2 && p_cuMemAllocManaged) r = p_cuMemAllocManaged(&p, n, CU_MEM_ATTACH_GLOBAL);
+        else if (kind == 3 && p_cuMemAllocPitch_v2) r = p_cuMemAllocPitch_v2(&p, &pitch, n, 1, 4);
+        else {
+            kind = 0;
+            r = p_cuMemAlloc_v2(&p, n);
+        }
+        if (r == CUDA_SUCCESS) {
+            allocs++;
+            held[nheld++] = (struct held){p, n, kind};
+            size_t fr, tot;
+            if (p_cuMemGetInfo_v2(&fr, &tot) == CUDA_SUCCESS && tot > cap_seen) over_cap++;
+        } else if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+            ooms++;
+        } else {
+            errors++;
+        }
+    }
+    for (int k = 0; k < nheld; k++) {
+        CUresult r = held[k].kind == 1 ? p_cuMemFreeAsync(held[k].p, NULL) : p_cuMemFree_v2(held[k].p);
+        if (r != CUDA_SUCCESS) errors++;
+    }
+    return NULL;
+}
+
+static int mem(int threads, int n, size_t maxb, unsigned seed) {
+    load();
+    size_t fr, tot;
+    CHECK(p_cuMemGetInfo_v2(&fr, &tot));
+    cap_seen = tot;
+    max_bytes = maxb;
+    iters = n;
+    pthread_t t[64];
+    if (threads > 64) threads = 64;
+    for (int i = 0; i < threads; i++)
+        pthread_create(&t[i], NULL, mem_thread, (void *)(uintptr_t)(seed * 7919u + (unsigned)i));
+    for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
+    CHECK(p_cuCtxSynchronize());
+    size_t fr2, tot2;
+    CHECK(p_cuMemGetInfo_v2(&fr2, &tot2));
+    printf("{\"allocs\":%ld,\"ooms\":%ld,\"errors\":%ld,\"over_cap\":%ld,\"total\":%zu,"
+           "\"free_before\":%zu,\"free_after\":%zu}\n",
+           (long)allocs, (long)ooms, (long)errors, (long)over_cap, tot, fr, fr2);
+    return errors ? 2 : 0;
+}
+
+/* -- fast-path cost -------------------------------------------------------------------------- */
+static int bench(long n) {
+    load();
+    CUstream s;
+    CHECK(p_cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    for (int i = 0; i < 1000; i++) CHECK(launch_us(s, 0)); /* warm up, take the lease */
+    CHECK(p_cuStreamSynchronize(s));
+    double best = 1e30;
+    for (int rep = 0; rep < 5; rep++) {
+        uint64_t t0 = now_ns();
+        for (long i = 0; i < n; i++) CHECK(launch_us(s, 0));
+        uint64_t t1 = now_ns();
+        CHECK(p_cuStreamSynchronize(s));
+        double per = (double)(t1 - t0) / (double)n;
+        if (per < best) best = per;
+    }
+    printf("{\"ns_per_launch\":%.1f,\"n\":%ld}\n", best, n);
+    return 0;
+}
+
+static int info(void) {
+    load();
+    size_t fr, tot, dtot;
+    int count;
+    CHECK(p_cuMemGetInfo_v2(&fr, &tot));
+    CHECK(p_cuDeviceTotalMem_v2(&dtot, 0));
+    CHECK(p_cuDeviceGetCount(&count));
+    CUdeviceptr p;
+    CUresult big = p_cuMemAlloc_v2(&p, tot + 1);
+    if (big == CUDA_SUCCESS) p_cuMemFree_v2(p);
+    printf("{\"free\":%zu,\"total\":%zu,\"device_total\":%zu,\"count\":%d,\"over_total\":%d}\n",
+           fr, tot, dtot, count, (int)big);
+    return 0;
+}
+
+static int forked(double seconds, uint64_t kernel_us) {
+    load();
+    fflush(stdout);
+    pid_t child = fork();
+    if (child == 0) {
+        CHECK(p_cuCtxSetCurrent(ctx));
+        CUstream s;
+        CHECK(p_cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+        uint64_t end = now_ns() + (uint64_t)(seconds * 1e9), done = 0;
+        while (now_ns() < end) {
+            CHECK(launch_us(s, kernel_us));
+            CHECK(p_cuStreamSynchronize(s));
+            done += kernel_us;
+        }
+        printf("{\"who\":\"child\",\"done_us\":%llu}\n", (unsigned long long)done);
+        fflush(stdout);
+        _exit(0);
+    }
+    CUstream s;
+    CHECK(p_cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    uint64_t end = now_ns() + (uint64_t)(seconds * 1e9), done = 0;
+    while (now_ns() < end) {
+        CHECK(launch_us(s, kernel_us));
+        CHECK(p_cuStreamSynchronize(s));
+        done += kernel_us;
+    }
+    int status = 0;
+    waitpid(child, &status, 0);
+    printf("{\"who\":\"parent\",\"done_us\":%llu,\"child_status\":%d}\n",
+           (unsigned long long)done, status);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (argc >= 5 && strcmp(argv[1], "spin") == 0)
+        return spin(atof(argv[2]), strtoull(argv[3], NULL, 10), atoi(argv[4]));
+    if (argc >= 4 && strcmp(argv[1], "small") == 0) return small(atof(argv[2]), atof(argv[3]));
+    if (argc >= 6 && strcmp(argv[1], "mem") == 0)
+        return mem(atoi(argv[2]), atoi(argv[3]), strtoull(argv[4], NULL, 10),
+                   (unsigned)atoi(argv[5]));
+    if (argc >= 3 && strcmp(argv[1], "bench") == 0) return bench(atol(argv[2]));
+    if (argc >= 2 && strcmp(argv[1], "info") == 0) return info();
+    if (argc >= 4 && strcmp(argv[1], "fork") == 0)
+        return forked(atof(argv[2]), strtoull(argv[3], NULL, 10));
+    fprintf(stderr, "usage: see the comment at the top of gs_tenant.c\n");
+    return 64;
+}

@@ -1,0 +1,302 @@
+"""End to end on the real control plane: jupyter_server (backend ``kubernetes``) starts kernels
+over REST, each kernel is a pod on the node and GPU the ledger chose, the node agent runs it, code
+executes, and every way a kernel ends leaves no pod, Secret, Lease or record behind."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from cluster import NAMESPACE, ControlPlane
+from tornado.httpclient import HTTPRequest
+from tornado.websocket import websocket_connect
+
+from jupyter_gpushare.k8s import manifests
+from jupyter_gpushare.k8s.client import Kube, connect
+from jupyter_gpushare.k8s.ledger import KubernetesLedger
+from jupyter_gpushare.ledger import Allocation
+
+pytestmark = pytest.mark.timeout(240)
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+async def admin(plane: ControlPlane) -> Kube:
+    return await connect(str(plane.kubeconfig("admin")))
+
+
+async def kernel_pods(kube: Kube, kernel_id: str) -> list[dict[str, Any]]:
+    listing = await kube.list_pods(NAMESPACE, f"{manifests.LABEL_KERNEL}={kernel_id}")
+    return listing["items"]
+
+
+async def kernel_records(kube: Kube, kernel_id: str) -> list[Allocation]:
+    return [a for a in await KubernetesLedger(kube, NAMESPACE).list()
+            if a.kernel_id == kernel_id]
+
+
+async def kernel_secrets(kube: Kube, kernel_id: str) -> list[dict[str, Any]]:
+    listing = await kube._json(kube.core.list_namespaced_secret(
+        NAMESPACE, label_selector=f"{manifests.LABEL_KERNEL}={kernel_id}",
+        _preload_content=False))
+    return listing["items"]
+
+
+async def eventually(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        await asyncio.sleep(0.3)
+
+
+async def nothing_left(kube: Kube, kernel_id: str, timeout: float = 30.0) -> None:
+    async def clean() -> bool:
+        return not (await kernel_pods(kube, kernel_id) or await kernel_secrets(kube, kernel_id)
+                    or await kernel_records(kube, kernel_id))
+
+    await eventually(clean, timeout, f"kernel {kernel_id}'s pod, Secret and record to go")
+
+
+async def execute(server: Any, kernel_id: str, code: str, timeout: float = 60.0) -> str:
+    """Run ``code`` in the kernel through the server's websocket; returns its stdout."""
+    url = server.url.replace("http", "ws") + f"/api/kernels/{kernel_id}/channels"
+    request = HTTPRequest(url, headers={"Authorization": f"token {server.token}"})
+    ws = await websocket_connect(request)
+    msg_id = uuid.uuid4().hex
+    ws.write_message(json.dumps({
+        "header": {"msg_id": msg_id, "msg_type": "execute_request", "username": "test",
+                   "session": uuid.uuid4().hex, "version": "5.3", "date": ""},
+        "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
+        "content": {"code": code, "silent": False, "store_history": False,
+                    "user_expressions": {}, "allow_stdin": False, "stop_on_error": True},
+    }))
+    out: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            raw = await asyncio.wait_for(ws.read_message(), max(0.1, deadline - time.monotonic()))
+            assert raw is not None, "websocket closed"
+            msg = json.loads(raw)
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind = msg["header"]["msg_type"]
+            if kind == "stream":
+                out.append(msg["content"]["text"])
+            elif kind == "error":
+                raise AssertionError("kernel error: " + "\n".join(msg["content"]["traceback"]))
+            elif kind == "status" and msg["content"]["execution_state"] == "idle":
+                return "".join(out)
+    finally:
+        ws.close()
+
+
+def start_kernel(server: Any, name: str = "gpushare-k8s") -> str:
+    reply = server.request("POST", "/api/kernels", json={"name": name})
+    assert reply.status_code == 201, reply.text + "\n" + server.log_text()[-3000:]
+    return reply.json()["id"]
+
+
+async def running_pod(kube: Kube, kernel_id: str, not_named: str = "") -> dict[str, Any]:
+    async def one() -> dict[str, Any] | None:
+        pods = [p for p in await kernel_pods(kube, kernel_id)
+                if p["metadata"]["name"] != not_named and manifests.pod_running(p)
+                and not p["metadata"].get("deletionTimestamp")]
+        return pods[0] if pods else None
+
+    return await eventually(one, 90, "a running kernel pod")
+
+
+async def wait_idle(server: Any, kernel_id: str, timeout: float = 90) -> None:
+    async def idle() -> bool:
+        reply = server.request("GET", f"/api/kernels/{kernel_id}")
+        return reply.status_code == 200 and reply.json()["execution_state"] == "idle"
+
+    await eventually(idle, timeout, "the kernel to be idle")
+
+
+# -- the tests -----------------------------------------------------------------------------------
+
+
+async def test_kernel_pod_runs_code_and_shutdown_removes_everything(
+    control_plane: ControlPlane, jupyter_server_factory: Any
+) -> None:
+    server = jupyter_server_factory()
+    kernel_id = start_kernel(server)
+    kube = await admin(control_plane)
+    try:
+        [record] = await kernel_records(kube, kernel_id)
+        [pod] = await kernel_pods(kube, kernel_id)
+        # On the node and GPU the ledger chose, through the scheduler.
+        assert pod["spec"]["nodeName"] == record.node
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(record.gpus)
+        assert env["GPUSHARE_ALLOCATION_ID"] == record.id
+        assert record.state == "active" and record.extra["k8s_pod"] == pod["metadata"]["name"]
+        assert record.spec.gpu_request == 0.25 and record.spec.gpu_limit == 0.5
+        # Owners: pod <- server Lease, Secret <- pod, GpuLedger <- Node.
+        assert pod["metadata"]["ownerReferences"][0]["kind"] == "Lease"
+        [secret] = await kernel_secrets(kube, kernel_id)
+        assert secret["metadata"]["ownerReferences"] == [{
+            "apiVersion": "v1", "kind": "Pod", "name": pod["metadata"]["name"],
+            "uid": pod["metadata"]["uid"], "controller": False, "blockOwnerDeletion": False}]
+        ledger_obj = await kube._json(kube.custom.get_namespaced_custom_object(
+            "gpushare.jupyter.org", "v1alpha1", NAMESPACE, "gpuledgers", record.node,
+            _preload_content=False))
+        assert ledger_obj["metadata"]["ownerReferences"][0]["kind"] == "Node"
+        # The key is in the Secret only: not in the pod spec, its env, or the server's log.
+        key = json.loads(base64.b64decode(secret["data"]["connection.json"]))["key"]
+        assert len(key) >= 32
+        assert key not in json.dumps(pod)
+        assert key not in server.log_text()
+
+        code = ("import os\nprint(os.environ['CUDA_VISIBLE_DEVICES'], "
+                "os.environ['GPUSHARE_ALLOCATION_ID'], os.environ['GPUSHARE_NODE'], 6 * 7)")
+        out = await execute(server, kernel_id, code)
+        assert out.split() == [*record.gpus, record.id, record.node, "42"]
+
+        assert server.request("DELETE", f"/api/kernels/{kernel_id}").status_code == 204
+        await nothing_left(kube, kernel_id, timeout=15)
+    finally:
+        await kube.close()
+
+
+async def _restarted(control_plane: ControlPlane, server: Any, kernel_id: str,
+                     kill: Callable[[Kube, dict[str, Any]], Any], expect_in_log: str) -> None:
+    kube = await admin(control_plane)
+    try:
+        first = await running_pod(kube, kernel_id)
+        [before] = await kernel_records(kube, kernel_id)
+        started = time.monotonic()
+        await kill(kube, first)
+        second = await running_pod(kube, kernel_id, not_named=first["metadata"]["name"])
+        took = time.monotonic() - started
+        await wait_idle(server, kernel_id)
+        out = await execute(server, kernel_id, "print('alive', 1 + 1)")
+        assert out.split() == ["alive", "2"]
+        [after] = await kernel_records(kube, kernel_id)
+        assert after.spec == before.spec  # restarted with its share
+        assert after.extra["k8s_pod"] == second["metadata"]["name"]
+        pods = await kernel_pods(kube, kernel_id)
+        assert [p["metadata"]["name"] for p in pods] == [second["metadata"]["name"]]
+        assert expect_in_log in server.log_text()
+        print(f"restarted in {took:.1f} s")
+        assert server.request("DELETE", f"/api/kernels/{kernel_id}").status_code == 204
+        await nothing_left(kube, kernel_id, timeout=15)
+    finally:
+        await kube.close()
+
+
+async def test_kernel_process_dies_and_is_restarted(
+    control_plane: ControlPlane, jupyter_server_factory: Any
+) -> None:
+    server = jupyter_server_factory()
+    kernel_id = start_kernel(server)
+
+    async def die(_kube: Kube, _pod: dict[str, Any]) -> None:
+        reply = server.request("POST", f"/api/kernels/{kernel_id}/interrupt")
+        assert reply.status_code == 204
+        task = asyncio.create_task(execute(server, kernel_id, "import os; os._exit(3)", 10))
+        await asyncio.sleep(2)
+        task.cancel()
+
+    await _restarted(control_plane, server, kernel_id, die, "exit code 3")
+
+
+async def test_pod_deleted_by_hand_is_restarted(
+    control_plane: ControlPlane, jupyter_server_factory: Any
+) -> None:
+    server = jupyter_server_factory()
+    kernel_id = start_kernel(server)
+
+    async def delete(kube: Kube, pod: dict[str, Any]) -> None:
+        await kube.delete_pod(NAMESPACE, pod["metadata"]["name"])
+
+    await _restarted(control_plane, server, kernel_id, delete, "was deleted")
+
+
+async def test_evicted_kernel_is_restarted_with_its_share(
+    control_plane: ControlPlane, jupyter_server_factory: Any
+) -> None:
+    server = jupyter_server_factory()
+    kernel_id = start_kernel(server)
+
+    async def evict(kube: Kube, pod: dict[str, Any]) -> None:
+        await kube.core.patch_namespaced_pod(pod["metadata"]["name"], NAMESPACE, {
+            "metadata": {"annotations": {
+                "test.gpushare/evict": "The node was low on resource: memory."}}})
+
+    await _restarted(control_plane, server, kernel_id, evict,
+                     "Evicted: The node was low on resource: memory.")
+
+
+async def test_killed_server_leaves_nothing_behind(
+    control_plane: ControlPlane, jupyter_server_factory: Any, reconciler: Any
+) -> None:
+    server = jupyter_server_factory(lease_duration=3.0)
+    kernel_ids = [start_kernel(server), start_kernel(server, "gpushare-k8s-t4")]
+    kube = await admin(control_plane)
+    try:
+        pods = [await running_pod(kube, k) for k in kernel_ids]
+        server_id = pods[0]["metadata"]["labels"][manifests.LABEL_SERVER]
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait()
+        started = time.monotonic()
+        for kernel_id in kernel_ids:
+            await nothing_left(kube, kernel_id, timeout=60)
+        assert await kube.get_lease(NAMESPACE, manifests.lease_name(server_id)) is None
+        print(f"cleaned up {time.monotonic() - started:.1f} s after the server was killed")
+    finally:
+        await kube.close()
+
+
+async def test_type_no_node_has_is_refused_at_once(jupyter_server_factory: Any) -> None:
+    server = jupyter_server_factory()
+    started = time.monotonic()
+    reply = server.request("POST", "/api/kernels", json={"name": "gpushare-k8s-h100"})
+    assert reply.status_code >= 400
+    assert "gpu_type" in reply.text and "A100" in reply.text
+    assert time.monotonic() - started < 10
+
+
+async def test_unschedulable_kernel_fails_fast_with_the_schedulers_reason(
+    control_plane: ControlPlane, jupyter_server_factory: Any
+) -> None:
+    server = jupyter_server_factory(extra='c.KubernetesBackendConfig.resources = '
+                                          '{"requests": {"cpu": "64"}}')
+    started = time.monotonic()
+    reply = server.request("POST", "/api/kernels", json={"name": "gpushare-k8s"})
+    took = time.monotonic() - started
+    assert reply.status_code >= 400
+    assert "Unschedulable" in reply.text and "Insufficient cpu" in reply.text, reply.text
+    assert took < 20, f"took {took:.1f} s"
+    kube = await admin(control_plane)
+    try:
+        records = [a for a in await KubernetesLedger(kube, NAMESPACE).list()
+                   if a.extra.get("k8s_server") and a.state != "active"]
+        assert records == []  # the reservation was released
+    finally:
+        await kube.close()
+    print(f"refused in {took:.1f} s")
+
+
+async def test_image_pull_error_fails_fast(jupyter_server_factory: Any) -> None:
+    server = jupyter_server_factory(
+        extra='c.KubernetesBackendConfig.image = "registry.invalid/does-not-exist:1"')
+    started = time.monotonic()
+    reply = server.request("POST", "/api/kernels", json={"name": "gpushare-k8s"})
+    assert reply.status_code >= 400
+    assert "ErrImagePull" in reply.text, reply.text
+    assert time.monotonic() - started < 20

@@ -40,12 +40,15 @@ def cmd_lab(args: argparse.Namespace, rest: list[str]) -> int:
     """Start JupyterLab with gpushare enabled (and simulated GPUs with --simulate)."""
     env = dict(os.environ)
     argv = [sys.executable, "-m", "jupyterlab", *rest]
-    argv.append('--ServerApp.jpserver_extensions={"jupyter_gpushare": true}')
+    argv.append("--ServerApp.jpserver_extensions=jupyter_gpushare=True")
     if args.simulate:
         parse_simulate(args.simulate)
         env["GPUSHARE_SIMULATE"] = args.simulate
         argv.append(f"--GpuShare.simulate={args.simulate}")
         print(f"gpushare: SIMULATED GPUs ({args.simulate}); no real GPU is used", file=sys.stderr)
+    if os.geteuid() == 0 and "--allow-root" not in rest:
+        argv.append("--allow-root")
+        print("gpushare: running as root, so JupyterLab gets --allow-root", file=sys.stderr)
     installed = install_kernelspecs(user=True, only_missing=True)
     if installed:
         print(f"gpushare: installed kernelspecs {', '.join(installed)}", file=sys.stderr)

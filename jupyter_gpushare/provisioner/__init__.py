@@ -24,6 +24,7 @@ from typing import Any
 
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
+from tornado.web import HTTPError
 from traitlets import Any as AnyTrait
 from traitlets import Unicode
 
@@ -31,9 +32,19 @@ from ..config import GpuShare
 from ..inventory import check_spec
 from ..ledger import Allocation, AllocationNotFound, Ledger
 from ..ledger.reconcile import process_start_time
-from ..placement import place
+from ..placement import PlacementRefused, place
 from ..share import SHARE_FIELDS, ShareError, ShareSpec
 from .backend import KernelBackend
+
+
+class ShareRefused(HTTPError):
+    """A refused share (invalid, or nothing fits) as an HTTP error, so that jupyter_server's own
+    ``POST /api/kernels`` answers 400/409 with our message instead of "Unhandled error"."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(status, log_message=body["message"], reason=body["error"])
+        self.body = body
+
 
 _BASE_KWARGS = {"kernel_id", "kernel_spec", "parent", "config", "log"}
 CONFIG_KEYS = (*SHARE_FIELDS, "backend")
@@ -58,14 +69,17 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
 
     def __init__(self, **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - _BASE_KWARGS - set(CONFIG_KEYS))
+        problem = None
         if unknown:
-            raise ShareError(
+            problem = ShareError(
                 f"kernel_provisioner.config.{unknown[0]}",
                 kwargs[unknown[0]],
                 "known keys are " + ", ".join(CONFIG_KEYS),
             )
-        if kwargs.get("backend") not in (None, "local", "kubernetes"):
-            raise ShareError("backend", kwargs["backend"], "'local' or 'kubernetes'")
+        elif kwargs.get("backend") not in (None, "local", "kubernetes"):
+            problem = ShareError("backend", kwargs["backend"], "'local' or 'kubernetes'")
+        if problem is not None:
+            raise ShareRefused(400, problem.to_json()) from problem
         super().__init__(**kwargs)
         self.connection_info: KernelConnectionInfo = {}  # the base class's is shared
         self.allocation: Allocation | None = None
@@ -142,12 +156,17 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         user_share = kwargs.pop("gpushare_share", None)
-        spec = self.resolve_spec(user_share)  # ShareError before anything is reserved
-        spec = check_spec(spec, await self.kernel_backend.inventory(), self.settings.aliases())
         if self._crashed:
             await self._release("the kernel process died; reserving again for its restart")
             self._crashed = False
-        self.allocation = await self._reserve(spec)
+        try:
+            spec = self.resolve_spec(user_share)  # refused before anything is reserved
+            spec = check_spec(spec, await self.kernel_backend.inventory(), self.settings.aliases())
+            self.allocation = await self._reserve(spec)
+        except ShareError as exc:
+            raise ShareRefused(400, exc.to_json()) from exc
+        except PlacementRefused as exc:
+            raise ShareRefused(409, exc.to_json()) from exc
         try:
             return await self.kernel_backend.pre_launch(self.allocation, **kwargs)
         except BaseException:
@@ -244,4 +263,4 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         return self.kernel_backend.resolve_path(path_str)
 
 
-__all__ = ["CONFIG_KEYS", "GpushareProvisioner"]
+__all__ = ["CONFIG_KEYS", "GpushareProvisioner", "ShareRefused"]

@@ -18,7 +18,7 @@ from tornado import web
 from ..config import GpuShare
 from ..inventory import Gpu, NoGpuError, check_spec
 from ..ledger import Allocation, LedgerConflict
-from ..placement import PlacementRefused
+from ..provisioner import ShareRefused
 from ..share import ShareError, ShareSpec
 
 
@@ -157,10 +157,8 @@ class KernelsHandler(GpushareHandler):
             kernel_id = await km.start_kernel(
                 kernel_name=body.get("name"), path=body.get("path"), gpushare_share=share
             )
-        except ShareError as exc:
-            return self.fail(400, exc.to_json())
-        except PlacementRefused as exc:
-            return self.fail(409, exc.to_json())
+        except ShareRefused as exc:
+            return self.fail(exc.status_code, exc.body)
         except LedgerConflict as exc:
             return self.fail(503, {"error": "busy", "message": str(exc)})
         model = await _maybe_await(km.kernel_model(kernel_id))

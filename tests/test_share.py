@@ -1,0 +1,107 @@
+"""Share spec: parsing from every entry point, and refusals that name field, value and range."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jupyter_gpushare.inventory import TypeAliases, check_spec, simulated_gpus
+from jupyter_gpushare.share import GpuLabels, ShareError, ShareSpec, format_bytes, parse_memory
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("10GiB", 10 * 2**30), ("512Mi", 512 * 2**20), ("2G", 2 * 10**9), ("1.5GiB", 3 * 2**29),
+     ("4096", 4096), (1024, 1024), (" 3 MiB ", 3 * 2**20)],
+)
+def test_memory_sizes(text, expected):
+    assert parse_memory(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["10 parsecs", "-1GiB", "0", "GiB", True, 1.5, None, [1]])
+def test_bad_memory_names_field_and_units(bad):
+    with pytest.raises(ShareError) as err:
+        parse_memory(bad)
+    assert err.value.field == "gpu_memory"
+    assert "gpu_memory=" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "allowed"),
+    [
+        ({"gpu_request": 0.7, "gpu_limit": 0.5}, "gpu_request", "at most gpu_limit (0.5)"),
+        ({"gpu_request": -0.1}, "gpu_request", "(0, 1]"),
+        ({"gpu_request": math.nan}, "gpu_request", "(0, 1]"),
+        ({"gpu_limit": 1.5}, "gpu_limit", "(0, 1]"),
+        ({"gpu_request": "lots"}, "gpu_request", "(0, 1]"),
+        ({"gpu_count": 2.5}, "gpu_count", "whole number"),
+        ({"gpu_count": 2, "gpu_request": 0.5}, "gpu_request", "gpu_count=2"),
+        ({"gpu_limt": 0.5}, "gpu_limt", "known keys"),
+        ({"gpu_labels": {"affinity": "a", "anti_affinity": "a"}}, "gpu_labels.anti_affinity",
+         "other than the affinity"),
+        ({"gpu_labels": {"team": "x"}}, "gpu_labels.team", "keys are"),
+        ({"gpu_type": "A100; drop"}, "gpu_type", "GPU type name"),
+    ],
+)
+def test_refusals_name_field_value_and_range(data, field, allowed):
+    with pytest.raises(ShareError) as err:
+        ShareSpec.from_mapping(data)
+    assert err.value.field == field
+    assert allowed in err.value.allowed
+    body = err.value.to_json()
+    assert body["field"] == field and body["error"] == "invalid_share"
+
+
+def test_defaults_layer_and_cli_flags():
+    base = ShareSpec.from_mapping({"gpu_request": 0.25, "gpu_limit": 0.5, "gpu_type": "A100"})
+    spec = ShareSpec.from_args(request="0.75", memory="10GiB", defaults=base)
+    assert (spec.gpu_request, spec.gpu_limit) == (0.75, 0.75)  # the request lifts the limit
+    assert spec.gpu_memory == 10 * 2**30 and spec.gpu_type == "A100"
+    whole = ShareSpec.from_mapping({"gpu_count": 2})
+    assert (whole.gpu_request, whole.gpu_limit, whole.gpu_count) == (1.0, 1.0, 2)
+    labels = GpuLabels.parse("affinity=team-a,exclusive=exam")
+    assert labels.to_json() == {"affinity": "team-a", "exclusive": "exam"}
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True), st.floats(allow_nan=True))
+def test_any_pair_is_either_valid_or_refused(request, limit):
+    try:
+        spec = ShareSpec.from_mapping({"gpu_request": request, "gpu_limit": limit})
+    except ShareError as err:
+        assert err.field in ("gpu_request", "gpu_limit")
+    else:
+        assert 0 < spec.gpu_request <= spec.gpu_limit <= 1
+
+
+def test_check_against_inventory():
+    gpus = simulated_gpus("1xA100,2xT4", node="n1")
+    aliases = TypeAliases()
+    assert check_spec(ShareSpec(gpu_type="a100"), gpus, aliases).gpu_type == "A100"
+    with pytest.raises(ShareError, match="one of A100, T4"):
+        check_spec(ShareSpec(gpu_type="H100"), gpus, aliases)
+    with pytest.raises(ShareError) as err:
+        check_spec(ShareSpec(gpu_type="T4", gpu_memory=16 * 2**30), gpus, aliases)
+    assert err.value.field == "gpu_memory" and "at most 15GiB" in err.value.allowed
+    with pytest.raises(ShareError, match="at most 2"):
+        check_spec(ShareSpec.from_mapping({"gpu_count": 3, "gpu_type": "T4"}), gpus, aliases)
+
+
+def test_type_aliases_match_whole_tokens():
+    aliases = TypeAliases()
+    assert aliases.alias_for("NVIDIA A100-SXM4-80GB") == "A100"
+    assert aliases.alias_for("NVIDIA-A100-SXM4-80GB") == "A100"  # node label form
+    assert aliases.alias_for("NVIDIA A10") == "A10"
+    assert aliases.alias_for("Tesla T4") == "T4"
+    assert aliases.alias_for("NVIDIA H100 80GB HBM3") == "H100"
+    assert aliases.alias_for("Some Future GPU") == "Some Future GPU"
+    custom = TypeAliases({"big": ["H100", "H200"]})
+    assert custom.alias_for("NVIDIA H200") == "big"
+
+
+def test_format_bytes():
+    assert format_bytes(10 * 2**30) == "10GiB"
+    assert format_bytes(3 * 2**29) == "1.5GiB"
+    assert format_bytes(12) == "12B"

@@ -12,12 +12,15 @@ call; a long-lived caller (a watch on the Kubernetes ledger, a benchmark) keeps 
 with :meth:`Placer.add`, :meth:`Placer.remove` or :meth:`Placer.sync`. The placement rules are
 written down in :mod:`.engine`; :mod:`.naive` is the same rules as a plain full scan, the baseline
 and test reference. Concurrency is the ledger's job: ``Ledger.allocate`` calls ``place`` on a
-snapshot and records the result with a compare-and-swap, retrying when another placer won.
+snapshot and records the result with a compare-and-swap, retrying when another placer won;
+:func:`allocate` wraps it and also settles affinity groups that racing placers started on two
+nodes at once (see :mod:`.concurrent`).
 """
 
 from __future__ import annotations
 
 from ..share import format_bytes
+from .concurrent import allocate, bind
 from .engine import UNITS, Placement, PlacementRefused, Placer, place, to_units
 from .policy import POLICIES, Policy, TypeFilter, resolve_types
 
@@ -29,6 +32,8 @@ __all__ = [
     "Placer",
     "Policy",
     "TypeFilter",
+    "allocate",
+    "bind",
     "format_bytes",
     "place",
     "resolve_types",

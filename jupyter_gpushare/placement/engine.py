@@ -8,8 +8,10 @@ Rules (the same in :mod:`.naive`, the reference full-scan placer the tests compa
   free, and the locality labels allow it. Compute used on a GPU is the sum of the *requests* of
   the allocations listing it (limits are burst, work-conserving); memory used is the sum of their
   memory caps. Compute is counted in integer millionths of a GPU, so sums are exact.
-* Labels (after KubeShare): ``affinity`` L — every share labelled L is on one GPU (the first one
-  placed decides); ``anti_affinity`` L — no two shares labelled L on one GPU; ``exclusive`` E — a
+* Labels (after KubeShare): ``affinity`` L — every share labelled L is on one GPU, the group's
+  *anchor*: the GPU of its earliest member (by ``created``, then id; the first one placed decides,
+  and placers that raced to start a group agree on who won, see :func:`.allocate`);
+  ``anti_affinity`` L — no two shares labelled L on one GPU; ``exclusive`` E — a
   GPU holding a share labelled E holds only shares labelled E (and a share labelled E only goes
   where every holder is labelled E, or nobody is).
 * ``gpu_count > 1`` asks for that many whole GPUs (nothing else on them) of one type on one node.
@@ -152,9 +154,10 @@ class Placer:
         self.types = frozenset(g.type for g in self.gpus.values())
         self.allocations: dict[str, Allocation] = {}
         #: label -> GPU UUID -> number of holders with that label (also GPUs not in inventory)
-        self.affinity: dict[str, dict[str, int]] = {}
+        self.groups: dict[str, dict[str, Allocation]] = {}  # affinity label -> members
         self.anti: dict[str, dict[str, int]] = {}
-        self._filters: dict[tuple[str | None, Policy], TypeFilter] = {}
+        self._filters: dict[tuple[str | None, Policy, int], TypeFilter] = {}
+        self._checked: set[tuple[Any, ...]] = set()  # requests that passed check_request
         for allocation in allocations:
             self._apply(allocation, +1, None)
         for node in self.nodes.values():
@@ -205,8 +208,16 @@ class Placer:
             self.allocations[allocation.id] = allocation
         else:
             del self.allocations[allocation.id]
+        group = spec.gpu_labels.affinity
+        if group:
+            members = self.groups.setdefault(group, {})
+            if sign > 0:
+                members[allocation.id] = allocation
+            else:
+                members.pop(allocation.id, None)
+                if not members:
+                    del self.groups[group]
         for uuid in dict.fromkeys(allocation.gpus):
-            _count(self.affinity, spec.gpu_labels.affinity, uuid, sign)
             _count(self.anti, spec.gpu_labels.anti_affinity, uuid, sign)
             state = self.gpus.get(uuid)
             if state is None:
@@ -241,7 +252,7 @@ class Placer:
     # -- deciding ----------------------------------------------------------------------------
 
     def type_filter(self, spec: ShareSpec, policy: Policy) -> TypeFilter:
-        key = (spec.gpu_type, policy)
+        key = (spec.gpu_type, policy, id(policy.aliases))
         found = self._filters.get(key)
         if found is None:
             found = self._filters[key] = resolve_types(spec, policy, self.kinds)
@@ -264,25 +275,24 @@ class Placer:
 
     def check(self, spec: ShareSpec, policy: Policy) -> TypeFilter:
         """Refuse (:class:`ShareError`) what no state of this cluster could ever hold."""
-        if not self.gpus:
-            raise ShareError("gpu_type", spec.gpu_type, "a type of a GPU in the inventory; there "
-                             "are no GPUs")
         types = self.type_filter(spec, policy)
-        check_request(spec, types, self.gpus.values())
+        check_labels(spec)
+        key = (spec.gpu_count, spec.gpu_memory, spec.gpu_labels.affinity is not None, types)
+        if key not in self._checked:
+            check_request(spec, types, [g.gpu for g in self.gpus.values()])
+            self._checked.add(key)
         return types
 
     def _place_share(self, spec: ShareSpec, policy: Policy, types: TypeFilter) -> Placement | None:
         request = to_units(spec.gpu_request)
         labels = spec.gpu_labels
-        group = self.affinity.get(labels.affinity) if labels.affinity else None
-        if group:
+        anchor = self.anchor(labels.affinity)
+        if anchor is not None:
             # The group already has its GPU: only there (whatever the policy would prefer).
-            states = [self.gpus[u] for u in group if u in self.gpus]
-            fits = [g for g in states if self.fits(g, spec, request, policy, types)]
-            if not fits:
+            g = self.gpus.get(anchor)
+            if g is None or not self.fits(g, spec, request, policy, types):
                 return None
-            best = min(fits, key=lambda g: (self.node_key(g.node, policy), gpu_key(g, policy)))
-            return Placement(best.node, (best.uuid,), spec.resolved_memory(best.gpu.memory))
+            return Placement(g.node, (g.uuid,), spec.resolved_memory(g.gpu.memory))
         order = self._by_free if policy.node == "binpack" else self._by_free_desc
         cordoned = policy.cordoned_nodes
         spread = policy.gpu == "spread"
@@ -301,6 +311,13 @@ class Placer:
             if best is not None:
                 return Placement(name, (best.uuid,), spec.resolved_memory(best.gpu.memory))
         return None
+
+    def anchor(self, label: str | None) -> str | None:
+        """The GPU (UUID) of affinity group ``label``: its earliest member's; None when empty."""
+        members = self.groups.get(label) if label else None
+        if not members:
+            return None
+        return min(members.values(), key=lambda a: (a.created, a.id)).gpus[0]
 
     def fits(
         self, g: GpuState, spec: ShareSpec, request: int, policy: Policy, types: TypeFilter
@@ -350,19 +367,35 @@ class Placer:
                     return Placement(name, tuple(g.uuid for g in chosen), memory)
         return None
 
-    def node_key(self, name: str, policy: Policy) -> tuple[int, str]:
-        free = self.nodes[name].free
-        return (free, name) if policy.node == "binpack" else (-free, name)
 
 
-def gpu_key(g: GpuState, policy: Policy) -> tuple[int, int, int]:
-    if policy.gpu == "spread":
-        return (-g.free, -g.mem_free, g.index)
-    return (g.free, g.mem_free, g.index)
-
-
-def check_request(spec: ShareSpec, types: TypeFilter, gpus: Iterable[GpuState]) -> None:
+def check_request(spec: ShareSpec, types: TypeFilter, gpus: Sequence[Gpu]) -> None:
     """:class:`ShareError` for a request no state of this inventory could ever satisfy."""
+    if not gpus:
+        raise ShareError("gpu_type", spec.gpu_type, "a GPU in the inventory; there are none")
+    check_labels(spec)
+    pool = [g for g in gpus if types.admits((g.type, g.name))]
+    if spec.gpu_count > 1:
+        per_node: dict[tuple[str, str], int] = {}
+        for g in pool:
+            per_node[(g.node, g.type)] = per_node.get((g.node, g.type), 0) + 1
+        most = max(per_node.values(), default=0)
+        if spec.gpu_count > most:
+            raise ShareError(
+                "gpu_count", spec.gpu_count,
+                f"at most {most} (the most {types.label}s of one type on one node)",
+            )
+    if spec.gpu_memory is not None:
+        largest = max((g.memory for g in pool), default=0)
+        if spec.gpu_memory > largest:
+            raise ShareError(
+                "gpu_memory", format_bytes(spec.gpu_memory),
+                f"at most {format_bytes(largest)} (the memory of the largest {types.label})",
+            )
+
+
+def check_labels(spec: ShareSpec) -> None:
+    """:class:`ShareError` for labels that contradict each other or the request."""
     labels = spec.gpu_labels
     if labels.affinity and labels.affinity == labels.anti_affinity:
         raise ShareError(
@@ -376,24 +409,6 @@ def check_request(spec: ShareSpec, types: TypeFilter, gpus: Iterable[GpuState]) 
             f"no affinity label with gpu_count={spec.gpu_count}: whole GPUs are shared with "
             "nobody, so they cannot join a group on one GPU",
         )
-    pool = [g for g in gpus if types.admits(g.kind)]
-    if spec.gpu_count > 1:
-        per_node: dict[tuple[str, str], int] = {}
-        for g in pool:
-            per_node[(g.node, g.type)] = per_node.get((g.node, g.type), 0) + 1
-        most = max(per_node.values(), default=0)
-        if spec.gpu_count > most:
-            raise ShareError(
-                "gpu_count", spec.gpu_count,
-                f"at most {most} (the most {types.label}s of one type on one node)",
-            )
-    if spec.gpu_memory is not None:
-        largest = max((g.gpu.memory for g in pool), default=0)
-        if spec.gpu_memory > largest:
-            raise ShareError(
-                "gpu_memory", format_bytes(spec.gpu_memory),
-                f"at most {format_bytes(largest)} (the memory of the largest {types.label})",
-            )
 
 
 def _most_free(best: dict[Kind, int], types: TypeFilter) -> int:
@@ -403,6 +418,7 @@ def _most_free(best: dict[Kind, int], types: TypeFilter) -> int:
 
 
 def _count(index: dict[str, dict[str, int]], label: str | None, uuid: str, sign: int) -> None:
+    """Count one holder labelled ``label`` on GPU ``uuid`` in or out of ``index``."""
     if not label:
         return
     by_gpu = index.setdefault(label, {})

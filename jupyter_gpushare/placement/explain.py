@@ -9,6 +9,7 @@ and ends with what would fit now, for example::
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ..share import GpuLabels, ShareError, ShareSpec, format_bytes
@@ -50,9 +51,9 @@ def _share_reason(placer: Placer, spec: ShareSpec, policy: Policy, types: TypeFi
     what = types.label
     pool = [g for g in placer.gpus.values() if types.admits(g.kind)]
     labels = spec.gpu_labels
-    group = placer.affinity.get(labels.affinity) if labels.affinity else None
-    if group:
-        return _affinity_reason(placer, spec, policy, types, group)
+    anchor = placer.anchor(labels.affinity)
+    if anchor is not None:
+        return _affinity_reason(placer, spec, policy, types, anchor)
     request = to_units(spec.gpu_request)
     wanted = _fmt(spec.gpu_request)
     open_ = [g for g in pool if _open(g, policy)]
@@ -102,10 +103,9 @@ def _label_reasons(placer: Placer, spec: ShareSpec, gpus: list[GpuState]) -> str
 
 
 def _affinity_reason(
-    placer: Placer, spec: ShareSpec, policy: Policy, types: TypeFilter, group: dict[str, int]
+    placer: Placer, spec: ShareSpec, policy: Policy, types: TypeFilter, uuid: str
 ) -> str:
     label = spec.gpu_labels.affinity
-    uuid = next(iter(group))
     g = placer.gpus.get(uuid)
     where = f"the affinity group '{label}' is on "
     if g is None:
@@ -142,8 +142,11 @@ def _smaller_requests(
 ) -> list[str]:
     """The largest request (rounded down to 0.01) that fits now, per admitted type."""
     labels = spec.gpu_labels
-    group = placer.affinity.get(labels.affinity) if labels.affinity else None
-    pool = [placer.gpus[u] for u in group if u in placer.gpus] if group else placer.gpus.values()
+    anchor = placer.anchor(labels.affinity)
+    if anchor is None:
+        pool: Iterable[GpuState] = placer.gpus.values()
+    else:
+        pool = [placer.gpus[anchor]] if anchor in placer.gpus else []
     best: dict[str, tuple[int, int]] = {}  # type -> (units, memory free)
     for g in pool:
         if not (types.admits(g.kind) and _open(g, policy)) or not _labels_ok(placer, spec, g):
@@ -166,14 +169,14 @@ def _smaller_requests(
 
 
 def _less_memory(
-    placer: Placer, spec: ShareSpec, policy: Policy, types: TypeFilter, pool: object
+    placer: Placer, spec: ShareSpec, policy: Policy, types: TypeFilter, pool: Iterable[GpuState]
 ) -> list[str]:
     """With an explicit memory cap that is what blocks: the request with the memory there is."""
     if spec.gpu_memory is None:
         return []
     request = to_units(spec.gpu_request)
     best: dict[str, int] = {}
-    for g in pool:  # type: ignore[attr-defined]
+    for g in pool:
         if (
             types.admits(g.kind)
             and _open(g, policy)

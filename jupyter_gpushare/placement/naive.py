@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..inventory import Gpu
 from ..share import ShareSpec
-from .engine import UNITS, Placement, PlacementRefused, to_units
+from .engine import UNITS, Placement, PlacementRefused, check_request, to_units
 from .policy import Policy, resolve_types
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ def naive_place(
     policy: Policy = Policy(),  # noqa: B008 - frozen
 ) -> Placement:
     types = resolve_types(spec, policy, {(g.type, g.name) for g in gpus})
+    check_request(spec, types, gpus)
     used: dict[str, int] = {g.uuid: 0 for g in gpus}
     mem_used: dict[str, int] = {g.uuid: 0 for g in gpus}
     holders: dict[str, list[Allocation]] = {g.uuid: [] for g in gpus}
@@ -59,15 +60,16 @@ def naive_place(
 
     labels = spec.gpu_labels
     request = to_units(spec.gpu_request)
-    group = {u for a in allocations if labels.affinity and a.spec.gpu_labels.affinity ==
-             labels.affinity for u in a.gpus}
+    members = [a for a in allocations if labels.affinity and a.spec.gpu_labels.affinity ==
+               labels.affinity]
+    anchor = min(members, key=lambda a: (a.created, a.id)).gpus[0] if members else None
 
     def fits(g: Gpu) -> bool:
         if not usable(g) or UNITS - used[g.uuid] < request:
             return False
         if g.memory - mem_used[g.uuid] < spec.resolved_memory(g.memory):
             return False
-        if group and g.uuid not in group:
+        if anchor is not None and g.uuid != anchor:
             return False
         here = holders[g.uuid]
         if labels.anti_affinity and any(

@@ -1,0 +1,168 @@
+"""Kernel start through the Kubernetes pod path vs the local path, and the API-server ledger.
+
+Starts a real control plane (``tests/k8s/cluster.py``; binaries from ``.ci/setup.d/k8s.sh``), the
+node agent (the kubelet test double: pods run as local processes, so the pod path's figure is the
+control-plane overhead — API writes, scheduling, watches — without image pulls or a container
+runtime), and Jupyter servers with backend ``kubernetes`` and ``local`` (simulated GPUs).
+
+Figures:
+1. kernel ready time: ``POST /api/kernels`` until the first ``execute_request`` has answered,
+   pod path vs local path (median of ``--kernels`` starts each);
+2. placement + record latency of one placer against the real API server (``Ledger.allocate``:
+   snapshot LIST + placement + CAS update), vs the local SQLite ledger;
+3. ``--placers`` concurrent placers x ``--requests`` each through the API-server ledger, with an
+   auditor watching every version: over-allocations (must be 0), throughput, CAS conflicts.
+
+Ends with one JSON line. ``--quick`` runs a smaller version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "k8s"))
+
+from cluster import ControlPlane, apply_deploy  # noqa: E402
+from servers import spawn, start_jupyter_server, stop_process  # noqa: E402
+from stress import run_stress, stress_inventory  # noqa: E402
+from test_kernels import execute  # noqa: E402
+
+from jupyter_gpushare.k8s.client import ApiException, connect  # noqa: E402
+from jupyter_gpushare.k8s.ledger import KubernetesLedger  # noqa: E402
+from jupyter_gpushare.ledger.sqlite import SQLiteLedger  # noqa: E402
+from jupyter_gpushare.placement import place  # noqa: E402
+from jupyter_gpushare.share import ShareSpec  # noqa: E402
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def kernel_ready_times(server: object, kernels: int, name: str) -> list[float]:
+    times = []
+    for _ in range(kernels):
+        start = time.perf_counter()
+        reply = server.request("POST", "/api/kernels", json={"name": name})  # type: ignore
+        assert reply.status_code == 201, reply.text
+        kernel_id = reply.json()["id"]
+        out = await execute(server, kernel_id, "print(6 * 7)")
+        assert out.strip() == "42"
+        times.append(time.perf_counter() - start)
+        server.request("DELETE", f"/api/kernels/{kernel_id}")  # type: ignore
+    return times
+
+
+async def placement_latency(ledger: object, n: int, node_prefix: str) -> list[float]:
+    inventory = [g.__class__(**{**g.to_json(), "node": f"{node_prefix}-{g.node}"})
+                 for g in stress_inventory(2, 2)]
+    spec = ShareSpec(gpu_request=0.25, gpu_limit=0.5)
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        a = await ledger.allocate(spec, inventory, place, kernel_id=uuid.uuid4().hex,  # type: ignore
+                                  backend="bench")
+        times.append(time.perf_counter() - start)
+        await ledger.release(a.id)  # type: ignore
+    return times
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, object]:
+    work = Path(tempfile.mkdtemp(prefix="gpushare-k8s-bench-"))
+    plane = ControlPlane(work).start()
+    agent = None
+    servers = []
+    try:
+        apply_deploy(plane.kubeconfig("admin"))
+        kube = await connect(str(plane.kubeconfig("admin")))
+        try:
+            for ns in ("gpushare-bench", "gpushare-stress"):
+                try:
+                    await kube.core.create_namespace({"metadata": {"name": ns}})
+                except ApiException:
+                    pass
+            k8s_ledger = KubernetesLedger(kube, "gpushare-bench")
+            lat_k8s = await placement_latency(k8s_ledger, args.placements, "bench")
+        finally:
+            await kube.close()
+        lat_local = await placement_latency(SQLiteLedger(work / "bench.sqlite"),
+                                            args.placements, "bench")
+        print(f"placement+record (1 placer, n={args.placements}): "
+              f"API server p50 {1000 * statistics.median(lat_k8s):.2f} ms, "
+              f"p99 {1000 * pct(lat_k8s, 0.99):.2f} ms | SQLite p50 "
+              f"{1000 * statistics.median(lat_local):.2f} ms | ratio "
+              f"{statistics.median(lat_k8s) / statistics.median(lat_local):.1f}x", flush=True)
+
+        agent = spawn([sys.executable, str(ROOT / "tests" / "k8s" / "node_agent.py"),
+                       "--kubeconfig", str(plane.kubeconfig("admin")),
+                       "--workdir", str(work / "nodes"), "--node=gpu-node-1=2xA100",
+                       "--node=gpu-node-2=1xT4"], work / "node-agent.log")
+        while "node agent ready" not in (work / "node-agent.log").read_text():
+            if agent.poll() is not None:
+                raise RuntimeError((work / "node-agent.log").read_text())
+            await asyncio.sleep(0.2)
+        pod_server = start_jupyter_server(work / "k8s-server", plane)
+        local_server = start_jupyter_server(work / "local-server", None, backend="local",
+                                            simulate="2xA100")
+        servers = [pod_server, local_server]
+        await kernel_ready_times(pod_server, 1, "gpushare-k8s")  # warm the caches
+        await kernel_ready_times(local_server, 1, "gpushare-k8s")
+        pod_times = await kernel_ready_times(pod_server, args.kernels, "gpushare-k8s")
+        local_times = await kernel_ready_times(local_server, args.kernels, "gpushare-k8s")
+        pod_med, local_med = statistics.median(pod_times), statistics.median(local_times)
+        print(f"kernel ready (n={args.kernels}): pod path {pod_med:.2f} s | local path "
+              f"{local_med:.2f} s | ratio {pod_med / local_med:.2f}x", flush=True)
+
+        stress = await run_stress(str(plane.kubeconfig("admin")), "gpushare-stress",
+                                  args.placers, args.requests)
+        summary = stress.summary()
+        print(f"{args.placers} placers x {args.requests} requests through the API-server "
+              f"ledger: {summary['allocated']} allocated, {summary['refused']} refused, "
+              f"{summary['cas_conflicts']} CAS conflicts, {summary['versions_audited']} "
+              f"versions audited, over-allocations {summary['over_allocations']}, "
+              f"{summary['allocations_per_s']} allocations/s, {summary['seconds']} s",
+              flush=True)
+        return {
+            "benchmark": "k8s_start",
+            "control_plane": "kube-apiserver 1.20.2 (Debian), etcd 3.4, 127.0.0.1",
+            "kernel_ready_pod_s": round(pod_med, 3),
+            "kernel_ready_local_s": round(local_med, 3),
+            "kernel_ready_ratio": round(pod_med / local_med, 2),
+            "placement_record_k8s_p50_ms": round(1000 * statistics.median(lat_k8s), 2),
+            "placement_record_k8s_p99_ms": round(1000 * pct(lat_k8s, 0.99), 2),
+            "placement_record_sqlite_p50_ms": round(1000 * statistics.median(lat_local), 2),
+            "stress": summary,
+        }
+    finally:
+        for server in servers:
+            stop_process(server.proc)
+        if agent is not None:
+            stop_process(agent)
+        plane.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", type=int, default=5)
+    parser.add_argument("--placements", type=int, default=200)
+    parser.add_argument("--placers", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--quick", action="store_true", help="3 kernels, 16 x 50 requests")
+    args = parser.parse_args()
+    if args.quick:
+        args.kernels, args.placements, args.requests = 3, 50, 50
+    figures = asyncio.run(main_async(args))
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

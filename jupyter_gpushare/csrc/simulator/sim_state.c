@@ -1,0 +1,715 @@
+/* sim_state.c - opening the shared state, device lists, process records, scheduling, utilisation.
+ * See sim_state.h for the model. Compiled into both simulated libraries. */
+#define _GNU_SOURCE
+#include "sim_state.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+struct sim_state *sim_state;
+
+/* GPUSHARE_SIM_DEVICES as parsed: state slots in list order. */
+static int spec_slots[SIM_MAX_DEVICES];
+static int spec_count;
+/* After NVIDIA_VISIBLE_DEVICES (the machine) and then CUDA_VISIBLE_DEVICES (the CUDA view). */
+static int machine_idx[SIM_MAX_DEVICES];
+static int machine_count;
+static int cuda_idx[SIM_MAX_DEVICES];
+static int cuda_count;
+
+static pthread_once_t open_once = PTHREAD_ONCE_INIT;
+static int open_result = -1;
+
+static uint64_t self_instance;
+static _Atomic int self_index = -1;
+static _Atomic pid_t self_pid;
+
+void sim_log(const char *fmt, ...)
+{
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        return;
+    if ((size_t)n >= sizeof buf)
+        n = sizeof buf - 1;
+    char line[600];
+    int m = snprintf(line, sizeof line, "gpushare simulator: %.*s\n", n, buf);
+    if (m > 0) {
+        ssize_t w = write(STDERR_FILENO, line, (size_t)m < sizeof line ? (size_t)m : sizeof line - 1);
+        (void)w;
+    }
+}
+
+/* -- time ------------------------------------------------------------------------------------- */
+
+uint64_t sim_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void sim_sleep_until(uint64_t t_ns)
+{
+    struct timespec ts = {.tv_sec = (time_t)(t_ns / 1000000000ull),
+                          .tv_nsec = (long)(t_ns % 1000000000ull)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+    }
+}
+
+/* -- processes -------------------------------------------------------------------------------- */
+
+/* Start time (field 22 of /proc/pid/stat); 0 if unknown. Sets *zombie when the state is Z/X. */
+static uint64_t read_stat(pid_t pid, int *zombie)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    if (!p || p[1] != ' ')
+        return 0;
+    p += 2; /* field 3: state */
+    if (zombie)
+        *zombie = (*p == 'Z' || *p == 'X');
+    for (int field = 3; field < 22 && *p; field++) {
+        p = strchr(p, ' ');
+        if (!p)
+            return 0;
+        p++;
+    }
+    return strtoull(p, NULL, 10);
+}
+
+uint64_t sim_proc_start_time(pid_t pid) { return read_stat(pid, NULL); }
+
+int sim_pid_alive(pid_t pid, uint64_t start_time)
+{
+    if (pid <= 0)
+        return 0;
+    if (kill(pid, 0) != 0 && errno != EPERM)
+        return 0;
+    int zombie = 0;
+    uint64_t st = read_stat(pid, &zombie);
+    if (zombie)
+        return 0;
+    if (st && start_time && st != start_time)
+        return 0; /* the pid was reused */
+    return 1;
+}
+
+static void release_record(struct sim_proc *p)
+{
+    for (int d = 0; d < SIM_MAX_DEVICES; d++) {
+        struct sim_proc_device *pd = &p->dev[d];
+        uint64_t mem = atomic_exchange(&pd->mem, 0);
+        if (mem)
+            atomic_fetch_sub(&sim_state->dev[d].mem_used, mem);
+        atomic_store(&pd->busy, 0);
+        atomic_store(&pd->last_end, 0);
+        atomic_store(&pd->contexts, 0);
+        atomic_store(&pd->sample_t, 0);
+        atomic_store(&pd->sample_busy, 0);
+    }
+    atomic_store(&p->start_time, 0);
+    atomic_store(&p->instance, 0);
+}
+
+/* Takes record p (holding pid) away from its owner and frees it. */
+static void reap_record(struct sim_proc *p, int32_t pid)
+{
+    int32_t expected = pid;
+    if (!atomic_compare_exchange_strong(&p->pid, &expected, -pid))
+        return; /* someone else reaps it, or it changed */
+    release_record(p);
+    atomic_store(&p->pid, 0);
+}
+
+void sim_reap(void)
+{
+    if (!sim_state)
+        return;
+    for (int i = 0; i < SIM_MAX_PROCS; i++) {
+        struct sim_proc *p = &sim_state->proc[i];
+        int32_t pid = atomic_load(&p->pid);
+        if (pid <= 0)
+            continue;
+        uint64_t st = atomic_load(&p->start_time);
+        if (st == 0 && atomic_load(&p->instance) == 0)
+            continue; /* being claimed right now */
+        if (!sim_pid_alive(pid, st))
+            reap_record(p, pid);
+    }
+}
+
+static struct sim_proc *claim_self(void)
+{
+    pid_t me = getpid();
+    uint64_t st = sim_proc_start_time(me);
+    /* A record with our pid but another instance belongs to the image we were exec'd from. */
+    for (int i = 0; i < SIM_MAX_PROCS; i++) {
+        struct sim_proc *p = &sim_state->proc[i];
+        if (atomic_load(&p->pid) == me && atomic_load(&p->instance) != self_instance)
+            reap_record(p, me);
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < SIM_MAX_PROCS; i++) {
+            struct sim_proc *p = &sim_state->proc[i];
+            int32_t expected = 0;
+            if (atomic_compare_exchange_strong(&p->pid, &expected, (int32_t)me)) {
+                release_record(p); /* clean slate (a reaper zeroed it already; be sure) */
+                atomic_store(&p->start_time, st ? st : 1);
+                atomic_store(&p->instance, self_instance);
+                atomic_store(&self_index, i);
+                atomic_store(&self_pid, me);
+                return p;
+            }
+        }
+        sim_reap();
+    }
+    sim_log("the process table (%d entries) is full", SIM_MAX_PROCS);
+    return NULL;
+}
+
+struct sim_proc *sim_self(void)
+{
+    int idx = atomic_load(&self_index);
+    if (idx >= 0 && atomic_load(&self_pid) == getpid())
+        return &sim_state->proc[idx];
+    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    pthread_mutex_lock(&lock);
+    struct sim_proc *p;
+    idx = atomic_load(&self_index);
+    if (idx >= 0 && atomic_load(&self_pid) == getpid())
+        p = &sim_state->proc[idx];
+    else
+        p = claim_self();
+    pthread_mutex_unlock(&lock);
+    return p;
+}
+
+static void atfork_child(void)
+{
+    /* The child is a new process: it claims its own record on first use. */
+    atomic_store(&self_index, -1);
+    uint64_t r = 0;
+    if (getrandom(&r, sizeof r, GRND_NONBLOCK) != (ssize_t)sizeof r)
+        r = sim_now_ns() ^ ((uint64_t)getpid() << 32);
+    self_instance = r | 1;
+}
+
+__attribute__((destructor)) static void release_self_at_exit(void)
+{
+    int idx = atomic_load(&self_index);
+    if (!sim_state || idx < 0 || atomic_load(&self_pid) != getpid())
+        return;
+    struct sim_proc *p = &sim_state->proc[idx];
+    reap_record(p, getpid());
+}
+
+/* -- device lists ----------------------------------------------------------------------------- */
+
+struct spec_entry {
+    char name[SIM_NAME_LEN];
+    char uuid[SIM_UUID_LEN];
+    uint64_t bytes;
+    uint32_t sms;
+};
+
+static void copy_field(char *dst, size_t cap, const char *src, size_t len)
+{
+    while (len && isspace((unsigned char)*src)) {
+        src++;
+        len--;
+    }
+    while (len && isspace((unsigned char)src[len - 1]))
+        len--;
+    if (len >= cap)
+        len = cap - 1;
+    memcpy(dst, src, len);
+    dst[len] = 0;
+}
+
+/* "name|uuid|bytes|sms;…" -> entries; malformed entries are skipped with a message. */
+static int parse_spec(const char *text, struct spec_entry *out, int max)
+{
+    int n = 0;
+    const char *p = text;
+    while (p && *p && n < max) {
+        const char *end = strchr(p, ';');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        const char *f[4];
+        size_t fl[4];
+        int nf = 0;
+        const char *q = p;
+        while (nf < 4) {
+            const char *bar = memchr(q, '|', (size_t)(p + len - q));
+            f[nf] = q;
+            fl[nf] = bar ? (size_t)(bar - q) : (size_t)(p + len - q);
+            nf++;
+            if (!bar)
+                break;
+            q = bar + 1;
+        }
+        if (len > 0) {
+            struct spec_entry *e = &out[n];
+            memset(e, 0, sizeof *e);
+            char num[32];
+            if (nf >= 3) {
+                copy_field(e->name, sizeof e->name, f[0], fl[0]);
+                copy_field(e->uuid, sizeof e->uuid, f[1], fl[1]);
+                copy_field(num, sizeof num, f[2], fl[2]);
+                e->bytes = strtoull(num, NULL, 10);
+                e->sms = 108;
+                if (nf == 4) {
+                    copy_field(num, sizeof num, f[3], fl[3]);
+                    e->sms = (uint32_t)strtoul(num, NULL, 10);
+                }
+            }
+            if (e->name[0] && strncmp(e->uuid, "GPU-", 4) == 0 && e->bytes > 0 && e->sms > 0)
+                n++;
+            else
+                sim_log("ignoring malformed GPUSHARE_SIM_DEVICES entry '%.*s'", (int)len, p);
+        }
+        p = end ? end + 1 : NULL;
+    }
+    return n;
+}
+
+/* Applies a CUDA/NVIDIA_VISIBLE_DEVICES value to `in` (indices into the spec). Like the real
+ * driver, the list stops at the first entry that names no device. */
+static int apply_visible(const char *value, int empty_is_all, const int *in, int nin, int *out)
+{
+    if (!value || strcmp(value, "all") == 0 || (value[0] == 0 && empty_is_all)) {
+        memcpy(out, in, sizeof(int) * (size_t)nin);
+        return nin;
+    }
+    if (strcmp(value, "none") == 0 || strcmp(value, "void") == 0 || value[0] == 0)
+        return 0;
+    int n = 0;
+    const char *p = value;
+    while (*p && n < nin) {
+        const char *end = strchr(p, ',');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        char tok[SIM_UUID_LEN];
+        copy_field(tok, sizeof tok, p, len);
+        int found = -1;
+        if (tok[0] && isdigit((unsigned char)tok[0])) {
+            char *rest;
+            long v = strtol(tok, &rest, 10);
+            if (*rest == 0 && v >= 0 && v < nin)
+                found = in[v];
+        } else if (strncmp(tok, "GPU-", 4) == 0 && strlen(tok) > 4) {
+            for (int i = 0; i < nin; i++) {
+                const char *uuid = sim_state->dev[spec_slots[in[i]]].uuid;
+                if (strncmp(uuid, tok, strlen(tok)) == 0) {
+                    if (found >= 0) { /* ambiguous prefix */
+                        found = -1;
+                        break;
+                    }
+                    found = in[i];
+                }
+            }
+        }
+        if (found < 0)
+            break;
+        for (int i = 0; i < n; i++)
+            if (out[i] == found)
+                found = -1;
+        if (found < 0)
+            break;
+        out[n++] = found;
+        p = end ? end + 1 : p + len;
+    }
+    return n;
+}
+
+int sim_machine_count(void) { return machine_count; }
+int sim_machine_slot(int ordinal) { return spec_slots[machine_idx[ordinal]]; }
+int sim_cuda_count(void) { return cuda_count; }
+int sim_cuda_slot(int ordinal) { return spec_slots[cuda_idx[ordinal]]; }
+struct sim_device *sim_dev(int slot) { return &sim_state->dev[slot]; }
+
+/* -- opening the state file ------------------------------------------------------------------- */
+
+static uint64_t fnv1a(const char *s)
+{
+    uint64_t h = 1469598103934665603ull;
+    for (; *s; s++) {
+        h ^= (unsigned char)*s;
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+static void default_state_path(char *out, size_t cap, const char *spec)
+{
+    struct stat st;
+    const char *dir = (stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode)) ? "/dev/shm" : "/tmp";
+    snprintf(out, cap, "%s/gpushare-sim-%u-%016llx", dir, (unsigned)getuid(),
+             (unsigned long long)fnv1a(spec));
+}
+
+/* Registers the spec's devices in the (locked) state; fills spec_slots. */
+static int register_devices(struct spec_entry *e, int n)
+{
+    for (int i = 0; i < n; i++) {
+        int ndev = (int)atomic_load(&sim_state->ndev);
+        int slot = -1;
+        for (int d = 0; d < ndev; d++)
+            if (strcmp(sim_state->dev[d].uuid, e[i].uuid) == 0)
+                slot = d;
+        if (slot < 0) {
+            if (ndev >= SIM_MAX_DEVICES) {
+                sim_log("the state file holds %d devices already; ignoring %s", ndev, e[i].uuid);
+                continue;
+            }
+            struct sim_device *d = &sim_state->dev[ndev];
+            memcpy(d->name, e[i].name, sizeof d->name);
+            memcpy(d->uuid, e[i].uuid, sizeof d->uuid);
+            d->total_bytes = e[i].bytes;
+            d->sms = e[i].sms;
+            d->created_ns = sim_now_ns();
+            atomic_store(&d->busy_until, d->created_ns);
+            atomic_store_explicit(&sim_state->ndev, (uint32_t)ndev + 1, memory_order_release);
+            slot = ndev;
+        }
+        spec_slots[spec_count++] = slot;
+    }
+    return 0;
+}
+
+static int state_header_ok(const struct sim_state *s)
+{
+    return s->magic == SIM_MAGIC && s->version == SIM_VERSION && s->size == sizeof *s &&
+           s->max_devices == SIM_MAX_DEVICES;
+}
+
+/* Opens (creating when needed) and locks the state file; returns the fd, locked, or -1. */
+static int open_locked(const char *path)
+{
+    for (int attempt = 0; attempt < 8; attempt++) {
+        int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+        if (fd < 0) {
+            sim_log("cannot open the state file %s: %s", path, strerror(errno));
+            return -1;
+        }
+        while (flock(fd, LOCK_EX) != 0) {
+            if (errno != EINTR) {
+                sim_log("cannot lock %s: %s", path, strerror(errno));
+                close(fd);
+                return -1;
+            }
+        }
+        /* The file may have been replaced between open and lock (see the version check). */
+        struct stat a, b;
+        if (fstat(fd, &a) == 0 && stat(path, &b) == 0 && a.st_ino == b.st_ino && a.st_dev == b.st_dev)
+            return fd;
+        close(fd);
+    }
+    sim_log("the state file %s keeps changing", path);
+    return -1;
+}
+
+static void do_open(void)
+{
+    const char *spec = getenv("GPUSHARE_SIM_DEVICES");
+    if (!spec)
+        spec = "";
+    static struct spec_entry entries[SIM_MAX_DEVICES];
+    int n = parse_spec(spec, entries, SIM_MAX_DEVICES);
+
+    char path[4096];
+    const char *env_path = getenv("GPUSHARE_SIM_STATE");
+    if (env_path && *env_path)
+        snprintf(path, sizeof path, "%s", env_path);
+    else
+        default_state_path(path, sizeof path, spec);
+
+    uint64_t r = 0;
+    if (getrandom(&r, sizeof r, GRND_NONBLOCK) != (ssize_t)sizeof r)
+        r = sim_now_ns() ^ ((uint64_t)getpid() << 32);
+    self_instance = r | 1;
+
+    for (int attempt = 0; attempt < 2; attempt++) {
+        int fd = open_locked(path);
+        if (fd < 0)
+            return;
+        struct stat st;
+        if (fstat(fd, &st) != 0) {
+            close(fd);
+            return;
+        }
+        int fresh = st.st_size == 0;
+        if (fresh && ftruncate(fd, (off_t)sizeof(struct sim_state)) != 0) {
+            sim_log("cannot size %s: %s", path, strerror(errno));
+            close(fd);
+            return;
+        }
+        if (!fresh && st.st_size != (off_t)sizeof(struct sim_state)) {
+            /* Another version of the simulator made it: start a new file under the same name;
+             * processes still using the old one keep their mapping. */
+            sim_log("replacing %s (made by another simulator version)", path);
+            unlink(path);
+            close(fd);
+            continue;
+        }
+        void *map = mmap(NULL, sizeof(struct sim_state), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (map == MAP_FAILED) {
+            sim_log("cannot map %s: %s", path, strerror(errno));
+            close(fd);
+            return;
+        }
+        struct sim_state *s = map;
+        if (fresh || s->magic == 0) {
+            s->version = SIM_VERSION;
+            s->max_devices = SIM_MAX_DEVICES;
+            s->size = sizeof *s;
+            atomic_thread_fence(memory_order_release);
+            s->magic = SIM_MAGIC;
+        } else if (!state_header_ok(s)) {
+            sim_log("replacing %s (made by another simulator version)", path);
+            munmap(map, sizeof *s);
+            unlink(path);
+            close(fd);
+            continue;
+        }
+        sim_state = s;
+        register_devices(entries, n);
+        flock(fd, LOCK_UN);
+        close(fd);
+
+        int all[SIM_MAX_DEVICES];
+        for (int i = 0; i < spec_count; i++)
+            all[i] = i;
+        machine_count = apply_visible(getenv("NVIDIA_VISIBLE_DEVICES"), 1, all, spec_count, machine_idx);
+        cuda_count = apply_visible(getenv("CUDA_VISIBLE_DEVICES"), 0, machine_idx, machine_count, cuda_idx);
+        pthread_atfork(NULL, NULL, atfork_child);
+        open_result = 0;
+        return;
+    }
+}
+
+int sim_open(void)
+{
+    pthread_once(&open_once, do_open);
+    return open_result;
+}
+
+/* -- scheduling ------------------------------------------------------------------------------- */
+
+uint64_t sim_schedule(int slot, uint64_t dep_ns, uint64_t dur_ns)
+{
+    struct sim_device *d = &sim_state->dev[slot];
+    uint64_t now = sim_now_ns();
+    /* Counted before the placement: a reader in between sees the kernel as already done for a
+     * moment (never as a gap). */
+    atomic_fetch_add(&d->busy_total, dur_ns);
+    uint64_t until = atomic_load(&d->busy_until);
+    uint64_t start, end;
+    do {
+        start = now > until ? now : until;
+        if (dep_ns > start)
+            start = dep_ns;
+        end = start + dur_ns;
+    } while (!atomic_compare_exchange_weak(&d->busy_until, &until, end));
+    atomic_fetch_add_explicit(&d->launches, 1, memory_order_relaxed);
+    struct sim_proc *p = sim_self();
+    if (p) {
+        struct sim_proc_device *pd = &p->dev[slot];
+        atomic_fetch_add_explicit(&pd->busy, dur_ns, memory_order_relaxed);
+        uint64_t last = atomic_load_explicit(&pd->last_end, memory_order_relaxed);
+        while (last < end &&
+               !atomic_compare_exchange_weak_explicit(&pd->last_end, &last, end,
+                                                      memory_order_relaxed, memory_order_relaxed)) {
+        }
+    }
+    sim_sample(slot, now);
+    return end;
+}
+
+/* -- memory ----------------------------------------------------------------------------------- */
+
+int sim_mem_reserve(int slot, uint64_t bytes)
+{
+    struct sim_device *d = &sim_state->dev[slot];
+    struct sim_proc *p = sim_self();
+    if (!p)
+        return -1;
+    for (int pass = 0; pass < 2; pass++) {
+        uint64_t used = atomic_load(&d->mem_used);
+        while (used + bytes <= d->total_bytes && used + bytes >= used) {
+            if (atomic_compare_exchange_weak(&d->mem_used, &used, used + bytes)) {
+                atomic_fetch_add(&p->dev[slot].mem, bytes);
+                return 0;
+            }
+        }
+        sim_reap(); /* memory of processes that died may come back */
+    }
+    return -1;
+}
+
+void sim_mem_release(int slot, uint64_t bytes)
+{
+    struct sim_proc *p = sim_self();
+    if (!p)
+        return;
+    atomic_fetch_sub(&p->dev[slot].mem, bytes);
+    atomic_fetch_sub(&sim_state->dev[slot].mem_used, bytes);
+}
+
+void sim_context_count(int slot, int delta)
+{
+    struct sim_proc *p = sim_self();
+    if (p)
+        atomic_fetch_add(&p->dev[slot].contexts, (uint32_t)delta);
+}
+
+/* -- utilisation ------------------------------------------------------------------------------ */
+
+uint64_t sim_busy_done(int slot, uint64_t now)
+{
+    struct sim_device *d = &sim_state->dev[slot];
+    for (;;) {
+        uint64_t u1 = atomic_load(&d->busy_until);
+        uint64_t total = atomic_load(&d->busy_total);
+        uint64_t u2 = atomic_load(&d->busy_until);
+        if (u1 != u2)
+            continue;
+        uint64_t future = u1 > now ? u1 - now : 0;
+        return total > future ? total - future : 0;
+    }
+}
+
+void sim_sample(int slot, uint64_t now)
+{
+    struct sim_device *d = &sim_state->dev[slot];
+    uint64_t period = now / SIM_SAMPLE_NS;
+    struct sim_sample *s = &d->samples[period % SIM_SAMPLES];
+    if (atomic_load_explicit(&s->t, memory_order_relaxed) / SIM_SAMPLE_NS == period) {
+        /* This period has its sample: keep its view of the schedule up to date (later launches
+         * in the period only extend the busy stretch, or open a gap shorter than the period). */
+        uint64_t until = atomic_load(&d->busy_until);
+        uint64_t cur = atomic_load_explicit(&s->until, memory_order_relaxed);
+        while (cur < until && !atomic_compare_exchange_weak(&s->until, &cur, until)) {
+        }
+        return;
+    }
+    uint64_t seq = atomic_load(&s->seq);
+    if ((seq & 1) || !atomic_compare_exchange_strong(&s->seq, &seq, seq + 1))
+        return;
+    atomic_store(&s->t, now);
+    atomic_store(&s->done, sim_busy_done(slot, now));
+    atomic_store(&s->until, atomic_load(&d->busy_until));
+    atomic_store(&s->seq, seq + 2);
+}
+
+static int read_sample(struct sim_sample *s, uint64_t *t, uint64_t *done, uint64_t *until)
+{
+    for (int tries = 0; tries < 100; tries++) {
+        uint64_t a = atomic_load(&s->seq);
+        if (a & 1)
+            continue;
+        *t = atomic_load(&s->t);
+        *done = atomic_load(&s->done);
+        *until = atomic_load(&s->until);
+        if (atomic_load(&s->seq) == a)
+            return *t != 0;
+    }
+    return 0;
+}
+
+double sim_utilisation(int slot)
+{
+    struct sim_device *d = &sim_state->dev[slot];
+    uint64_t now = sim_now_ns();
+    sim_sample(slot, now);
+    uint64_t done_now = sim_busy_done(slot, now);
+    /* The busy time done by `from` (now - window) comes from the newest sample s taken at or
+     * before it: launches record a sample whenever their 50 ms period has none and keep the
+     * period's sample's `until` current, so after s the device was busy from s.t until
+     * min(from, s.until), give or take gaps shorter than a period. Samples taken in the last
+     * SIM_SAMPLES periods are never overwritten, so s is lost only when nothing happened for
+     * that long; then the window starts at the oldest sample left. */
+    uint64_t from = now > SIM_UTIL_WINDOW_NS ? now - SIM_UTIL_WINDOW_NS : 0;
+    uint64_t le_t = 0, le_done = 0, le_until = 0;     /* newest sample <= from */
+    uint64_t gt_t = UINT64_MAX, gt_done = 0;           /* oldest sample > from */
+    for (int i = 0; i < SIM_SAMPLES; i++) {
+        uint64_t t, done, until;
+        if (!read_sample(&d->samples[i], &t, &done, &until))
+            continue;
+        if (t <= from && t > le_t) {
+            le_t = t;
+            le_done = done;
+            le_until = until;
+        } else if (t > from && t < gt_t) {
+            gt_t = t;
+            gt_done = done;
+        }
+    }
+    uint64_t start, done_start;
+    if (le_t) {
+        uint64_t busy_end = le_until < from ? le_until : from;
+        start = from;
+        done_start = le_done + (busy_end > le_t ? busy_end - le_t : 0);
+    } else if (gt_t != UINT64_MAX && gt_done != 0) {
+        start = gt_t;
+        done_start = gt_done;
+    } else { /* nothing was ever done before the oldest sample */
+        start = from > d->created_ns ? from : d->created_ns;
+        done_start = 0;
+    }
+    if (now < start + SIM_SAMPLE_NS / 5)
+        return atomic_load(&d->busy_until) > now ? 1.0 : 0.0;
+    if (done_start > done_now)
+        done_start = done_now;
+    double u = (double)(done_now - done_start) / (double)(now - start);
+    return u < 0 ? 0 : (u > 1 ? 1 : u);
+}
+
+/* -- products --------------------------------------------------------------------------------- */
+
+void sim_product(const char *name, int *cc_major, int *cc_minor, unsigned *tdp_watts)
+{
+    static const struct {
+        const char *key;
+        int major, minor;
+        unsigned tdp;
+    } table[] = {
+        {"H200", 9, 0, 700}, {"H100", 9, 0, 700}, {"A100", 8, 0, 400}, {"A10", 8, 6, 150},
+        {"L4", 8, 9, 72},    {"T4", 7, 5, 70},    {"V100", 7, 0, 300},
+    };
+    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
+        if (strstr(name, table[i].key)) {
+            *cc_major = table[i].major;
+            *cc_minor = table[i].minor;
+            *tdp_watts = table[i].tdp;
+            return;
+        }
+    }
+    *cc_major = 8;
+    *cc_minor = 0;
+    *tdp_watts = 300;
+}

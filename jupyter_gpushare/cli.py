@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import getpass
 import json
+import logging
 import os
 import shutil
 import signal
@@ -22,8 +23,11 @@ from .ledger import Allocation
 from .ledger.reconcile import process_start_time, reconcile
 from .placement import PlacementRefused, place
 from .provisioner.environment import kernel_environment
+from .serverext import start_node_daemon
 from .serverext.handlers import gpu_usage
 from .share import ShareError, ShareSpec, format_bytes
+
+_log = logging.getLogger("jupyter_gpushare")
 
 
 def _settings(simulate: str | None = None) -> GpuShare:
@@ -143,6 +147,10 @@ async def _run(settings: GpuShare, spec: ShareSpec, command: Sequence[str]) -> i
     ledger = settings.local_ledger()
     inventory = await settings.local_gpus()
     spec = check_spec(spec, inventory, settings.aliases())
+    try:
+        await start_node_daemon(settings, inventory, _log)
+    except RuntimeError as exc:  # enforcement falls back to the interposer's fail-static mode
+        print(f"gpushare: {exc}", file=sys.stderr)
     allocation = await ledger.allocate(
         spec, inventory, place, owner="run", backend="local", server_pid=os.getpid(),
         user=getpass.getuser(), extra={"server_start": process_start_time(os.getpid()),

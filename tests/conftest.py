@@ -3,6 +3,7 @@ client that runs code in its real ipykernel kernels."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import requests
 from jupyter_client.blocking import BlockingKernelClient
@@ -49,7 +51,17 @@ def gpushare_env(tmp_path: Path) -> dict[str, str]:
     for source in (REPO / "kernelspecs").iterdir():
         shutil.copytree(source, kernels / source.name)
     yield env
+    stop_daemons(env["GPUSHARE_SOCKET"])
     shutil.rmtree(short, ignore_errors=True)
+
+
+def stop_daemons(socket_path: str) -> None:
+    """End node daemons a test's server started (they are detached so that they outlive it)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "jupyter_gpushare.daemon" in cmdline and socket_path in cmdline:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
 
 
 def add_kernelspec(env: dict[str, str], name: str, config: dict[str, Any]) -> None:

@@ -1,16 +1,18 @@
 """The environment of a process that holds a share on this machine (kernel or ``gpushare run``).
 
-See DEVELOPING.md, "Inside a gpushare kernel". The simulator's and the interposer's variables are
-added when those libraries are built and, for the interposer, when enforcement is on.
+The variables are the node daemon's contract (:func:`jupyter_gpushare.daemon.env.kernel_env`,
+DEVELOPING.md "Inside a gpushare kernel"); here we only decide whether the interposer is
+preloaded: when enforcement is on and ``libgpushare.so`` is built.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import paths
-from ..inventory import Gpu, simulator_device_list
+from ..daemon.env import interposer_path, kernel_env
+from ..inventory import Gpu
 
 if TYPE_CHECKING:
     from ..config import GpuShare
@@ -20,29 +22,9 @@ if TYPE_CHECKING:
 def kernel_environment(
     allocation: Allocation, inventory: Sequence[Gpu], settings: GpuShare
 ) -> dict[str, str]:
-    env = {
-        "GPUSHARE_ALLOCATION_ID": allocation.id,
-        "GPUSHARE_SOCKET": settings.socket_path,
-        "GPUSHARE_NODE": allocation.node,
-        "CUDA_VISIBLE_DEVICES": ",".join(allocation.gpus),
-    }
     node_gpus = [g for g in inventory if g.node == allocation.node]
-    if any(g.simulated for g in node_gpus):
-        env.update(simulator_environment(node_gpus))
-    interposer = paths.lib_dir() / "libgpushare.so"
-    if settings.enforce and interposer.exists():
-        env["LD_PRELOAD"] = str(interposer)
-    return env
-
-
-def simulator_environment(gpus: Sequence[Gpu]) -> dict[str, str]:
-    """Variables that point CUDA and NVML at the simulator for ``gpus`` (all on one node)."""
-    env = {"GPUSHARE_SIMULATED": "1", "GPUSHARE_SIM_DEVICES": simulator_device_list(gpus)}
-    sim_dir = paths.lib_dir() / "sim"
-    if (sim_dir / "libcuda.so.1").exists():
-        import os
-
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            p for p in (str(sim_dir), os.environ.get("LD_LIBRARY_PATH", "")) if p
-        )
+    env = kernel_env(allocation, Path(settings.socket_path), node_gpus)
+    env["GPUSHARE_LEDGER"] = settings.ledger_path
+    if not (settings.enforce and interposer_path().exists()):
+        env.pop("LD_PRELOAD", None)
     return env

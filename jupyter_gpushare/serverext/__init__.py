@@ -10,10 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ..config import GpuShare
-from ..inventory import NoGpuError
+from ..daemon.env import interposer_path
+from ..daemon.supervisor import ensure_daemon
+from ..inventory import Gpu, NoGpuError
 from ..ledger.reconcile import reconcile
 from .handlers import handlers
 from .ui_handlers import ui_handlers
@@ -60,14 +64,34 @@ class Reconciler:
                 await self._task
 
 
+async def start_node_daemon(settings: GpuShare, gpus: Sequence[Gpu], log: Any) -> None:
+    """Start this machine's node daemon unless one answers already (enforcement on, and the
+    interposer built: without it there is nothing for a daemon to enforce)."""
+    if not (settings.enforce and interposer_path().exists()):
+        log.warning("gpushare: enforcement is off (enforce=%s, interposer %s); shares are "
+                    "bookkeeping only", settings.enforce, interposer_path())
+        return
+    await asyncio.to_thread(
+        ensure_daemon,
+        Path(settings.socket_path),
+        Path(settings.ledger_path),
+        [g for g in gpus if g.simulated] or None,
+        settings.node_name,
+        log,
+    )
+
+
 async def _start(serverapp: Any, settings: GpuShare) -> None:
     try:
         gpus = await settings.local_gpus()
         kind = "simulated " if settings.simulated else ""
         serverapp.log.info("gpushare: %d %sGPU(s) on %s: %s", len(gpus), kind,
                            settings.node_name, ", ".join(f"{g.index}:{g.type}" for g in gpus))
+        await start_node_daemon(settings, gpus, serverapp.log)
     except NoGpuError as exc:
         serverapp.log.warning("gpushare: %s", exc)
+    except RuntimeError as exc:  # the daemon did not come up: kernels still run, fail static
+        serverapp.log.error("gpushare: %s", exc)
     reconciler = Reconciler(settings, serverapp.kernel_manager, serverapp.log)
     serverapp.web_app.settings["gpushare_reconciler"] = reconciler
     reconciler.start()

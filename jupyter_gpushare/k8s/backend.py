@@ -129,6 +129,7 @@ class KubernetesKernelBackend(KernelBackend):
         self._connection: dict[str, Any] | None = None
         self._ctx: KubeContext | None = None
         self._launched = False
+        self._deleting = False
 
     async def context(self) -> KubeContext:
         if self._ctx is None:
@@ -152,6 +153,7 @@ class KubernetesKernelBackend(KernelBackend):
         self.pod_name = f"gpushare-kernel-{kernel_id[:8]}-{uuid.uuid4().hex[:5]}"
         self.failure = None
         self._launched = False
+        self._deleting = False
         self._connection = self._connection_info(km)
         settings = self.provisioner.settings
         given = list(kwargs.pop("extra_arguments", []))
@@ -283,13 +285,20 @@ class KubernetesKernelBackend(KernelBackend):
         return self._ctx.watcher.get(self.pod_name)
 
     async def poll(self) -> int | None:
+        """None while the kernel's pod runs; its exit status once the pod ended, was deleted or
+        is being deleted (the process is on its way out; a restart waits for it to be gone)."""
         if not self._launched:
             return None
         pod = self._pod()
         code = manifests.pod_exit_code(pod)
-        if code is not None and self.failure is None:
-            self.failure = (manifests.pod_failure(pod) if pod else None) or (
-                f"pod {self.pod_name} was deleted")
+        deleting = pod is not None and bool(pod["metadata"].get("deletionTimestamp"))
+        if code is None and deleting:
+            code = -9
+        if code is not None and self.failure is None and not self._deleting:
+            failure = manifests.pod_failure(pod) if pod is not None else None
+            if pod is None or deleting:
+                failure = f"pod {self.pod_name} was deleted" + (f" ({failure})" if failure else "")
+            self.failure = failure or f"pod {self.pod_name} ended (exit code {code})"
             self.log.warning("gpushare: kernel %s ended: %s", self.provisioner.kernel_id,
                              self.failure)
         return code
@@ -326,6 +335,7 @@ class KubernetesKernelBackend(KernelBackend):
         await self._delete_pod(grace=None)
 
     async def _delete_pod(self, grace: int | None) -> None:
+        self._deleting = True
         if self._ctx is not None and self.pod_name is not None:
             await self._ctx.kube.delete_pod(self.namespace, self.pod_name, grace)
 
@@ -333,6 +343,7 @@ class KubernetesKernelBackend(KernelBackend):
         if self._ctx is not None and self.pod_name is not None:
             await self._remove(self._ctx, grace=1)
         self._launched = False
+        self._deleting = False
         if not restart:
             self._connection = None
 

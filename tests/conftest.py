@@ -1,35 +1,17 @@
-"""Shared fixtures: a real jupyter_server with gpushare in a subprocess, isolated dirs, and a
-client that runs code in its real ipykernel kernels."""
+"""Shared fixtures: isolated Jupyter dirs and gpushare state, and a factory of real
+jupyter_server processes with gpushare on simulated GPUs (helpers in support.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
-import requests
-from jupyter_client.blocking import BlockingKernelClient
-
-REPO = Path(__file__).resolve().parent.parent
-ARTIFACTS = REPO / "test-artifacts"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from support import REPO, JupyterServer, stop_daemons
 
 
 @pytest.fixture
@@ -55,150 +37,6 @@ def gpushare_env(tmp_path: Path) -> dict[str, str]:
     shutil.rmtree(short, ignore_errors=True)
 
 
-def stop_daemons(socket_path: str) -> None:
-    """End node daemons a test's server started (they are detached so that they outlive it)."""
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if "jupyter_gpushare.daemon" in cmdline and socket_path in cmdline:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-
-
-def add_kernelspec(env: dict[str, str], name: str, config: dict[str, Any]) -> None:
-    """A gpushare kernelspec with the given provisioner config."""
-    path = Path(env["JUPYTER_DATA_DIR"]) / "kernels" / name
-    path.mkdir(parents=True, exist_ok=True)
-    spec = {
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": name,
-        "language": "python",
-        "metadata": {
-            "kernel_provisioner": {"provisioner_name": "gpushare-provisioner", "config": config}
-        },
-    }
-    (path / "kernel.json").write_text(json.dumps(spec))
-
-
-class JupyterServer:
-    """A real ``jupyter server`` subprocess with the gpushare extension enabled."""
-
-    def __init__(self, env: dict[str, str], simulate: str = "1xA100", *extra: str) -> None:
-        self.env = env
-        self.port = free_port()
-        self.token = "gpushare-test-token"
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.root = Path(env["JUPYTER_DATA_DIR"]).parent / "notebooks"
-        self.root.mkdir(exist_ok=True)
-        self.log_path = Path(env["JUPYTER_DATA_DIR"]).parent / f"server-{self.port}.log"
-        self.argv = [
-            sys.executable, "-m", "jupyter_server", "--no-browser",
-            f"--ServerApp.port={self.port}", "--ServerApp.ip=127.0.0.1",
-            f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
-            "--ServerApp.jpserver_extensions=jupyter_gpushare=True",
-            f"--GpuShare.simulate={simulate}", "--GpuShare.reconcile_interval=1",
-            "--allow-root", "--ServerApp.jpserver_extensions=jupyterlab=False",
-            "--ServerApp.jpserver_extensions=jupyter_lsp=False",
-            *extra,
-        ]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 60) -> JupyterServer:
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=log)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"jupyter server exited:\n{self.log()}")
-            try:
-                if self.get("/api/status").status_code == 200:
-                    return self
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"jupyter server did not start:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
-
-    def request(self, method: str, path: str, **kw: Any) -> requests.Response:
-        headers = {"Authorization": f"token {self.token}"}
-        return requests.request(method, self.url + path, headers=headers, timeout=60, **kw)
-
-    def get(self, path: str) -> requests.Response:
-        return self.request("GET", path)
-
-    def post(self, path: str, body: Any = None) -> requests.Response:
-        return self.request("POST", path, json=body if body is not None else {})
-
-    def delete(self, path: str) -> requests.Response:
-        return self.request("DELETE", path)
-
-    def allocations(self) -> list[dict[str, Any]]:
-        response = self.get("/gpushare/api/allocations")
-        response.raise_for_status()
-        return response.json()["allocations"]
-
-    def start_kernel(self, name: str = "gpushare-python") -> dict[str, Any]:
-        response = self.post("/api/kernels", {"name": name})
-        assert response.status_code == 201, response.text
-        return response.json()
-
-    def client(self, kernel_id: str) -> KernelClient:
-        path = Path(self.env["JUPYTER_RUNTIME_DIR"]) / f"kernel-{kernel_id}.json"
-        return KernelClient(path)
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.send_signal(signal.SIGINT)  # jupyter asks to confirm; a second ^C stops
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-class KernelClient:
-    """Runs code in a kernel over its real ZMQ channels."""
-
-    def __init__(self, connection_file: Path) -> None:
-        self.client = BlockingKernelClient()
-        self.client.load_connection_file(str(connection_file))
-        # No heartbeat: on a loaded 2-core machine a late first beat reads as a dead kernel.
-        self.client.start_channels(hb=False)
-        self.client.wait_for_ready(timeout=60)
-
-    def execute(self, code: str, timeout: float = 60) -> str:
-        out: list[str] = []
-
-        def output(msg: dict[str, Any]) -> None:
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                out.append(content["text"])
-            elif kind in ("execute_result", "display_data"):
-                out.append(content["data"].get("text/plain", ""))
-            elif kind == "error":
-                out.append("\n".join(content["traceback"]))
-
-        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=output)
-        text = "".join(out)
-        if reply["content"]["status"] != "ok":
-            raise AssertionError(f"kernel error: {text}")
-        return text
-
-    def close(self) -> None:
-        self.client.stop_channels()
-
-
 @pytest.fixture
 def jupyter_server(gpushare_env: dict[str, str]) -> Iterator[Any]:
     """Factory: ``jupyter_server(simulate="1xA100", *extra_args)`` -> a started server."""
@@ -212,14 +50,3 @@ def jupyter_server(gpushare_env: dict[str, str]) -> Iterator[Any]:
     yield start
     for server in servers:
         server.stop()
-
-
-def wait_for(predicate: Any, timeout: float = 30, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(interval)

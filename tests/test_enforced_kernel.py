@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import wait_for
+from support import wait_for
 
 from jupyter_gpushare.daemon.client import DaemonClient
 

@@ -6,7 +6,7 @@ import json
 import os
 import signal
 
-from conftest import add_kernelspec, wait_for
+from support import add_kernelspec, wait_for
 
 
 def _alloc_of(server, kernel_id):

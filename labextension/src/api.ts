@@ -48,8 +48,12 @@ export interface IAllocation {
   id: string;
   node: string;
   gpus: string[];
-  spec: IShare & { gpu_count?: number };
-  memory: number;
+  gpu_request: number;
+  gpu_limit: number;
+  /** The memory cap in bytes per GPU (resolved). */
+  gpu_memory: number;
+  gpu_type: string | null;
+  gpu_count: number;
   kernel_id: string | null;
   state: string;
   extra?: Record<string, unknown>;

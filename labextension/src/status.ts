@@ -86,11 +86,11 @@ export class GpuStatus extends Widget {
     const where = gpus.length ? gpus.map(g => `${g.type}#${g.index}`).join('+') : a.gpus.join(',');
     const achieved =
       live && live.achieved_share !== null ? `now ${live.achieved_share.toFixed(2)}` : 'no use yet';
-    const spec = `${a.spec.gpu_request}–${a.spec.gpu_limit}`;
+    const spec = `${a.gpu_request}–${a.gpu_limit}`;
     this.node.textContent = `GPU ${where} · ${spec} · ${metered ? achieved : 'not metered'}`;
     this.node.dataset.allocation = a.id;
     this.node.title =
-      `Allocation ${a.id}: ${describeShare({ ...a.spec, gpu_memory: a.memory })}` +
+      `Allocation ${a.id}: ${describeShare(a)}` +
       (this.inventory?.simulated ? ' (simulated GPU)' : '') +
       (live?.memory_used != null ? `; memory in use ${formatBytes(live.memory_used)}` : '');
   }

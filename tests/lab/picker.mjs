@@ -1,0 +1,137 @@
+// Browser driver for test_picker.py: real JupyterLab in Debian's headless Chromium.
+//
+// 1. New notebook with a gpushare kernel from the launcher -> the GPU share picker opens; pick
+//    0.25 of an A100 with limit 0.5; the kernel starts; a cell prints the kernel's allocation.
+// 2. Second notebook: an invalid pick (request above limit) is refused by the picker, then a pick
+//    that does not fit is refused by the server with its explanation; then a pick that fits.
+// 3. Palette command "Release this kernel's GPU share".
+// Screenshots go to $ARTIFACTS; the last stdout line is a JSON object of what was seen.
+import { chromium } from 'playwright-core';
+
+const { LAB_URL, LAB_TOKEN, ARTIFACTS, CHROMIUM } = process.env;
+const params = JSON.parse(process.env.PARAMS || '{}');
+const seen = {};
+
+const browser = await chromium.launch({
+  executablePath: CHROMIUM,
+  headless: true,
+  args: [
+    '--no-sandbox',
+    '--disable-gpu',
+    '--disable-quic',
+    '--no-first-run',
+    '--disable-background-networking',
+    '--disable-component-update',
+    '--disable-sync',
+    '--disable-dev-shm-usage'
+  ]
+});
+const page = await (await browser.newContext({ viewport: { width: 1400, height: 900 } })).newPage();
+page.setDefaultTimeout(60000);
+page.on('console', msg => {
+  if (msg.type() === 'error' || msg.type() === 'warning') {
+    console.error(`[browser ${msg.type()}] ${msg.text()}`);
+  }
+});
+const shot = name => page.screenshot({ path: `${ARTIFACTS}/${name}.png` });
+const dialog = page.locator('.jp-Dialog');
+const picker = dialog.locator('.jp-gpushare-picker');
+
+async function fillPicker({ request, limit, memory = '', type = '' }) {
+  await picker.waitFor();
+  await picker.locator('input[name="gpu_request"]').fill(request);
+  await picker.locator('input[name="gpu_limit"]').fill(limit);
+  await picker.locator('input[name="gpu_memory"]').fill(memory);
+  await picker.locator('select[name="gpu_type"]').selectOption(type);
+}
+
+async function accept() {
+  await dialog.locator('button.jp-mod-accept').click();
+}
+
+async function newNotebookFromLauncher() {
+  await page.locator('.jp-LauncherCard[data-category="Notebook"]', { hasText: params.kernelLabel })
+    .first()
+    .click();
+}
+
+async function runCell(code) {
+  const cells = page.locator('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell');
+  const cell = cells.nth((await cells.count()) - 1); // fixed index: Shift+Enter adds a cell
+  await cell.locator('.cm-content').click();
+  await page.keyboard.type(code);
+  await page.keyboard.press('Shift+Enter');
+  const output = cell.locator('.jp-OutputArea-output');
+  await output.first().waitFor();
+  return (await output.allInnerTexts()).join('\n');
+}
+
+async function statusText(contains) {
+  const item = page.locator('.jp-gpushare-status');
+  await page.waitForFunction(
+    want => {
+      const el = document.querySelector('.jp-gpushare-status');
+      return !!el && el.textContent.includes(want);
+    },
+    contains
+  );
+  return item.innerText();
+}
+
+async function palette(text) {
+  await page.keyboard.press('Control+Shift+C');
+  const input = page.locator('.lm-CommandPalette-input');
+  await input.waitFor();
+  await input.fill(text);
+  await page.locator('.lm-CommandPalette-item', { hasText: text }).first().click();
+}
+
+let failed = null;
+try {
+  await page.goto(`${LAB_URL}/lab?reset&token=${LAB_TOKEN}`);
+  await page.locator('.jp-LauncherCard').first().waitFor({ timeout: 90000 });
+  await shot('01-launcher');
+
+  // 1. pick 0.25 of an A100 with limit 0.5
+  await newNotebookFromLauncher();
+  await fillPicker({ request: '0.25', limit: '0.5', type: 'A100' });
+  seen.pickerTypes = await picker.locator('table.jp-gpushare-types tbody tr').allInnerTexts();
+  await shot('02-picker');
+  await accept();
+  await dialog.waitFor({ state: 'detached' });
+  seen.status1 = await statusText('A100');
+  seen.cell1 = await runCell(
+    'import os; os.environ["GPUSHARE_ALLOCATION_ID"] + " " + os.environ["CUDA_VISIBLE_DEVICES"]'
+  );
+  await shot('03-kernel-running');
+
+  // 2. refusals: first the picker's own check, then the server's explanation
+  await page.locator('.lm-TabBar-addButton:not(.lm-mod-hidden)').first().click();
+  await newNotebookFromLauncher();
+  await fillPicker({ request: '0.6', limit: '0.5', type: 'A100' });
+  await accept();
+  await picker.locator('.jp-gpushare-problem').waitFor();
+  seen.clientRefusal = await picker.locator('.jp-gpushare-problem').innerText();
+  await shot('04-refused-by-picker');
+  await fillPicker({ request: String(params.tooBig), limit: '1', type: 'A100' });
+  await accept();
+  await picker.locator('.jp-gpushare-problem', { hasText: 'would fit' }).waitFor();
+  seen.serverRefusal = await picker.locator('.jp-gpushare-problem').innerText();
+  await shot('05-refused-by-server');
+  await fillPicker({ request: '0.5', limit: '0.75', type: 'A100' });
+  await accept();
+  await dialog.waitFor({ state: 'detached' });
+  seen.status2 = await statusText('0.5–0.75');
+  await shot('06-second-kernel');
+
+  // 3. release the second kernel's share from the command palette
+  await palette('Release this kernel');
+  seen.status3 = await statusText('released');
+  await shot('07-released');
+} catch (err) {
+  failed = String(err && err.stack ? err.stack : err);
+  await shot('zz-failure').catch(() => undefined);
+}
+await browser.close();
+console.log(JSON.stringify({ ...seen, failed }));
+process.exit(failed ? 1 : 0);

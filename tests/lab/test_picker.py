@@ -1,0 +1,80 @@
+"""The GPU share picker in a real JupyterLab, driven in headless Chromium (tests/lab/picker.mjs).
+
+Simulated GPUs: one A100 and one T4. The browser picks 0.25 of an A100 with limit 0.5 for a new
+notebook; the kernel must hold exactly that allocation (checked over REST and inside the
+kernel). Then a pick above its limit is refused by the picker, a pick that does not fit is
+refused by the server with its explanation (shown in the dialog), a pick that fits starts, and
+the palette command releases that kernel's share. Screenshots: test-artifacts/lab/<test>/.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import run_driver  # tests/lab/conftest.py
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(420)]
+
+KERNEL = "gpushare-python"
+TOO_BIG = 0.9  # the A100 has 0.75 free once the first kernel holds 0.25
+
+
+def _kernel_of(server: Any, notebook: str) -> str:
+    sessions = server.get("/api/sessions").json()
+    ids = [s["kernel"]["id"] for s in sessions if s["path"] == notebook]
+    assert len(ids) == 1, sessions
+    return ids[0]
+
+
+def test_pick_share_in_lab(lab_server: Any, artifacts: Path) -> None:
+    server = lab_server("1xA100,1xT4")
+    spec = server.get(f"/api/kernelspecs/{KERNEL}").json()
+    assert spec["spec"]["metadata"]["kernel_provisioner"]["provisioner_name"] == (
+        "gpushare-provisioner"
+    )
+    gpus = {g["type"]: g for g in server.get("/gpushare/api/gpus").json()["gpus"]}
+
+    seen = run_driver(
+        "picker.mjs", server, artifacts,
+        kernelLabel=spec["spec"]["display_name"], tooBig=TOO_BIG,
+    )
+
+    # 1. the first notebook's kernel holds exactly the pick
+    kernel1 = _kernel_of(server, "Untitled.ipynb")
+    allocations = {a["kernel_id"]: a for a in server.allocations()}
+    mine = allocations[kernel1]
+    assert mine["gpu_request"] == 0.25
+    assert mine["gpu_limit"] == 0.5
+    assert mine["gpu_type"] == "A100"
+    assert mine["gpus"] == [gpus["A100"]["uuid"]]
+    assert mine["gpu_memory"] == gpus["A100"]["memory"] // 4  # default: request × GPU memory
+    assert seen["cell1"].strip("'\" \n") == f"{mine['id']} {gpus['A100']['uuid']}"
+    assert "A100" in seen["status1"] and "0.25–0.5" in seen["status1"]
+    assert any(row.startswith("A100") for row in seen["pickerTypes"])
+    assert any(row.startswith("T4") for row in seen["pickerTypes"])
+
+    # 2. refusals carry the explanation: the picker's own check, then the server's
+    assert "gpu_request" in seen["clientRefusal"] and "at most gpu_limit" in seen["clientRefusal"]
+    again = server.post(
+        "/gpushare/api/kernels",
+        {"name": KERNEL, "share": {"gpu_request": TOO_BIG, "gpu_limit": 1, "gpu_type": "A100"}},
+    )
+    assert again.status_code == 409, again.text
+    refusal = again.json()
+    assert refusal["message"] in seen["serverRefusal"]
+    for suggestion in refusal["suggestions"]:
+        assert suggestion in seen["serverRefusal"]
+
+    # 3. the second kernel started with the corrected pick, then released its share by command
+    kernel2 = _kernel_of(server, "Untitled1.ipynb")
+    assert kernel2 != kernel1
+    assert "0.5–0.75" in seen["status2"]
+    assert "released" in seen["status3"]
+    left = server.allocations()
+    assert [a["kernel_id"] for a in left] == [kernel1]
+    assert server.get(f"/api/kernels/{kernel2}").status_code == 200  # kernel kept, GPU freed
+
+    for name in ("02-picker", "03-kernel-running", "05-refused-by-server", "07-released"):
+        assert (artifacts / f"{name}.png").stat().st_size > 10_000

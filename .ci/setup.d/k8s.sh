@@ -11,8 +11,12 @@ CACHE="${GPUSHARE_K8S_CACHE:-/var/cache/gpushare-k8s}"
 BIN="$CACHE/bin"
 WANT=(kube-apiserver kube-scheduler kube-controller-manager)
 
+# Stamp of a build with the reflect2 fix below (older caches are rebuilt).
+STAMP="$BIN/.built-with-reflect2-1.0.2"
+
 have_all() {
   for b in "${WANT[@]}"; do [ -x "$BIN/$b" ] || return 1; done
+  [ -f "$STAMP" ] || return 1
   command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || return 1
 }
 
@@ -35,7 +39,8 @@ Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SRC
 fi
 apt-get update -q
-apt-get install -y -q --no-install-recommends golang-go rsync etcd-server make dpkg-dev ca-certificates
+apt-get install -y -q --no-install-recommends golang-go rsync etcd-server make dpkg-dev \
+  ca-certificates golang-github-modern-go-reflect2-dev
 
 mkdir -p "$CACHE/src" "$BIN"
 cd "$CACHE/src"
@@ -49,6 +54,16 @@ if [ -z "$DIR" ]; then
   DIR=$(ls -d kubernetes-*/ | head -n1)
 fi
 cd "$DIR"
+# Kubernetes 1.20 vendors modern-go/reflect2 1.0.1, whose map iteration crashes binaries built
+# with Go >= 1.18 ("fatal error: fault" in mapiterinit, e.g. on the first custom resource a
+# kube-apiserver decodes). reflect2 1.0.2 (same API) fixes it; Debian packages it.
+R2=vendor/github.com/modern-go/reflect2
+if ! grep -q "go1.18" "$R2"/*.go 2>/dev/null; then
+  rm -rf "$R2" && mkdir -p "$R2"
+  cp -a /usr/share/gocode/src/github.com/modern-go/reflect2/*.go \
+     /usr/share/gocode/src/github.com/modern-go/reflect2/*.s "$R2"/
+  rm -f "$R2"/*_test.go
+fi
 echo "k8s: building ${WANT[*]} in $PWD (several minutes on 2 cores)"
 unset GOFLAGS  # hack/lib/golang.sh folds GOFLAGS into -tags
 export GOCACHE="$CACHE/gocache" GOPATH="$CACHE/gopath"
@@ -60,5 +75,6 @@ for b in "${WANT[@]}"; do
   [ -n "$f" ] || { echo "k8s: $b not built" >&2; exit 1; }
   install -m 0755 "$f" "$BIN/$b"
 done
+touch "$STAMP"
 have_all
 echo "k8s: binaries installed in $BIN"

@@ -230,8 +230,8 @@ class KubernetesKernelBackend(KernelBackend):
         try:
             pod = await ctx.kube.create_pod(ns, manifests.kernel_pod(request, settings))
             await ctx.watcher.note(pod)
-            await ctx.kube.patch_secret(ns, self.pod_name, {"metadata": {"ownerReferences": [
-                manifests.owner_reference({**pod, "apiVersion": "v1", "kind": "Pod"})]}})
+            await ctx.kube.set_secret_owners(ns, self.pod_name, [
+                manifests.owner_reference({**pod, "apiVersion": "v1", "kind": "Pod"})])
             self._launched = True
             pod = await self._wait_running(ctx)
         except BaseException:

@@ -7,6 +7,7 @@ objects read back have one shape.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import AsyncIterator
@@ -55,8 +56,20 @@ class Kube:
 
     @staticmethod
     async def _json(coro: Any) -> dict[str, Any]:
+        """Await a ``_preload_content=False`` call: the body as JSON, or :class:`ApiException`
+        (with ``_preload_content=False`` the generated client raises nothing by itself)."""
         response = await coro
-        return json.loads(await response.read())
+        try:
+            body = await response.read()
+        finally:
+            response.release()
+        if not 200 <= response.status <= 299:
+            exc = ApiException(status=response.status, reason=response.reason)
+            exc.body = body.decode(errors="replace")
+            with contextlib.suppress(ValueError, AttributeError):
+                exc.reason = json.loads(body).get("message") or exc.reason
+            raise exc
+        return json.loads(body) if body else {}
 
     async def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -106,9 +119,9 @@ class Kube:
     async def delete_pod(self, namespace: str, name: str, grace: int | None = None) -> bool:
         """Delete a pod; False when it was already gone."""
         try:
-            await self.core.delete_namespaced_pod(
+            await self._json(self.core.delete_namespaced_pod(
                 name, namespace, grace_period_seconds=grace, _preload_content=False
-            )
+            ))
             return True
         except ApiException as exc:
             if exc.status == 404:
@@ -120,12 +133,20 @@ class Kube:
             self.core.create_namespaced_secret(namespace, body, _preload_content=False)
         )
 
-    async def patch_secret(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
-        await self.core.patch_namespaced_secret(name, namespace, patch, _preload_content=False)
+    async def set_secret_owners(
+        self, namespace: str, name: str, owners: list[dict[str, Any]]
+    ) -> None:
+        """Replace a Secret's ownerReferences (a JSON patch: a strategic merge would add)."""
+        patch = [{"op": "replace", "path": "/metadata/ownerReferences", "value": owners}]
+        await self._json(
+            self.core.patch_namespaced_secret(name, namespace, patch, _preload_content=False)
+        )
 
     async def delete_secret(self, namespace: str, name: str) -> bool:
         try:
-            await self.core.delete_namespaced_secret(name, namespace, _preload_content=False)
+            await self._json(
+                self.core.delete_namespaced_secret(name, namespace, _preload_content=False)
+            )
             return True
         except ApiException as exc:
             if exc.status == 404:
@@ -144,9 +165,9 @@ class Kube:
 
     async def delete_lease(self, namespace: str, name: str) -> bool:
         try:
-            await self.coordination.delete_namespaced_lease(
+            await self._json(self.coordination.delete_namespaced_lease(
                 name, namespace, propagation_policy="Background", _preload_content=False
-            )
+            ))
             return True
         except ApiException as exc:
             if exc.status == 404:
@@ -154,7 +175,7 @@ class Kube:
             raise
 
     async def patch_node(self, name: str, patch: dict[str, Any]) -> None:
-        await self.core.patch_node(name, patch, _preload_content=False)
+        await self._json(self.core.patch_node(name, patch, _preload_content=False))
 
     async def create_ledger(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._json(self.custom.create_namespaced_custom_object(
@@ -195,15 +216,32 @@ class Kube:
             *args, watch=True, resource_version=resource_version, allow_watch_bookmarks=True,
             timeout_seconds=timeout_seconds, _preload_content=False, **params
         )
+        if not 200 <= response.status <= 299:
+            await self._json(_done(response))  # raises ApiException
+        buffer = b""
         try:
-            async for line in response.content:
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                if event.get("type") == "ERROR":
-                    status = event.get("object") or {}
-                    raise ApiException(status=int(status.get("code", 500)),
-                                       reason=str(status.get("message", "watch error")))
-                yield event
+            # Chunks, not aiohttp's line iterator: its lines are capped at 64 KiB, and a
+            # GpuLedger with many allocations can be larger.
+            async for chunk in response.content.iter_any():
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield _event(line)
+            if buffer.strip():
+                yield _event(buffer)
         finally:
             response.release()
+
+
+async def _done(value: Any) -> Any:
+    return value
+
+
+def _event(line: bytes) -> dict[str, Any]:
+    event = json.loads(line)
+    if event.get("type") == "ERROR":
+        status = event.get("object") or {}
+        raise ApiException(status=int(status.get("code", 500)),
+                           reason=str(status.get("message", "watch error")))
+    return event

@@ -93,7 +93,7 @@ class NodeAgent:
             with contextlib.suppress(ApiException):
                 await self.kube.core.create_node(body)
             await self._node_status(name)
-            await self.kube.core.patch_node(name, {"spec": {"taints": []}})
+            await self._untaint(name)
             if simulate:
                 await ledger.put_gpus(name, simulated_gpus(simulate, name))
 
@@ -117,18 +117,22 @@ class NodeAgent:
                          "bootID": ""},
         }})
 
+    async def _untaint(self, name: str) -> None:
+        """Drop the ``not-ready`` taint that nodes created through the API start with."""
+        node = await self.kube.core.read_node(name)
+        taints = self.kube.api.sanitize_for_serialization(node.spec.taints or [])
+        kept = [t for t in taints if t["key"] != "node.kubernetes.io/not-ready"]
+        if kept != taints:
+            await self.kube.core.patch_node(
+                name, [{"op": "replace", "path": "/spec/taints", "value": kept}])
+
     async def heartbeat(self, interval: float = 10.0) -> None:
         while True:
             await asyncio.sleep(interval)
             for name in self.nodes:
                 try:
                     await self._node_status(name)
-                    node = await self.kube.core.read_node(name)
-                    taints = [t for t in (node.spec.taints or [])
-                              if t.key != "node.kubernetes.io/not-ready"]
-                    if len(taints) != len(node.spec.taints or []):
-                        await self.kube.core.patch_node(
-                            name, {"spec": {"taints": [t.to_dict() for t in taints]}})
+                    await self._untaint(name)
                 except Exception as exc:
                     log.warning("heartbeat of %s failed: %s", name, exc)
 

@@ -93,9 +93,10 @@ class GpuShare(SingletonConfigurable):
     )
     extra_kernel_args = List(
         Unicode(),
-        default_value=[],
+        default_value=["--ext=jupyter_gpushare"],
         config=True,
-        help="Arguments appended to gpushare kernels' command line.",
+        help="Arguments appended to gpushare kernels' command line (the default loads the "
+        "%gpushare magics into IPython kernels).",
     )
 
     @default("simulate")

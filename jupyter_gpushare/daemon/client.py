@@ -56,6 +56,24 @@ class DaemonClient:
         """Make the daemon re-read the ledger now (after an allocation changed)."""
         self.request({"op": "refresh"})
 
+    # -- a kernel's own share (see :mod:`.kernel_ops`; the daemon checks the caller's process) --
+
+    def release(self, allocation_id: str) -> dict[str, Any]:
+        """Give the calling process's share back: ``{"ok", "released"}`` or a refusal."""
+        return self.request({"op": "release", "allocation": allocation_id})
+
+    def resize(self, allocation_id: str, share: dict[str, Any]) -> dict[str, Any]:
+        """Change the calling process's share live on its GPU (request, limit, memory)."""
+        return self.request({"op": "resize", "allocation": allocation_id, "share": share})
+
+    def reserve(self, share: dict[str, Any]) -> dict[str, Any]:
+        """A new share for the kernel of a process that released its share here."""
+        return self.request({"op": "reserve", "share": share})
+
+    def gpus(self) -> dict[str, Any]:
+        """Every GPU in the ledger with its free capacity."""
+        return self.request({"op": "gpus"})
+
     def ping(self) -> dict[str, Any]:
         return self.request({"op": "ping"})
 

@@ -12,7 +12,8 @@ _lock = threading.Lock()
 
 
 def sample(library: str | None) -> dict[str, dict[str, Any]]:
-    """``{uuid: {"memory_used", "memory_total", "utilization_gpu"}}`` for every visible GPU."""
+    """``{uuid: {"memory_used", "memory_total", "utilization_gpu", "temperature_c",
+    "power_w"}}`` for every visible GPU."""
     import ctypes
 
     import pynvml
@@ -38,9 +39,24 @@ def sample(library: str | None) -> dict[str, dict[str, Any]]:
                     )
                 except pynvml.NVMLError:
                     entry["utilization_gpu"] = None
+                entry.update(_thermal(pynvml, handle))
                 readings[uuid] = entry
             return readings
         finally:
             pynvml.nvmlShutdown()
             if library is not None:
                 pynvml.nvmlLib = None
+
+
+def _thermal(pynvml: Any, handle: Any) -> dict[str, Any]:
+    """Temperature (°C) and power draw (W), None where the device does not report them."""
+    entry: dict[str, Any] = {"temperature_c": None, "power_w": None}
+    try:
+        entry["temperature_c"] = int(pynvml.nvmlDeviceGetTemperature(handle, 0))  # GPU sensor
+    except pynvml.NVMLError:
+        pass
+    try:
+        entry["power_w"] = round(pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0, 1)  # mW
+    except pynvml.NVMLError:
+        pass
+    return entry

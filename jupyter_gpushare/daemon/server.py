@@ -77,6 +77,8 @@ class Daemon:
         self.epoch = 0
         self.started_ns = monotonic_ns()
         self.refused = 0
+        #: allocations released by their own process (``kernel_ops.release``), for ``reserve``
+        self.released: dict[str, Allocation] = {}
         self.metrics_port: int | None = None
         self.nvml: dict[str, dict[str, Any]] = {}
         self._tasks: list[asyncio.Task[Any]] = []
@@ -208,6 +210,12 @@ class Daemon:
         if op == "refresh":
             await self.refresh()
             return {"ok": True}
+        if op in ("release", "resize", "reserve", "gpus"):  # a kernel's own share (box 9)
+            from . import kernel_ops
+
+            if op == "gpus":
+                return await kernel_ops.gpus(self)
+            return await getattr(kernel_ops, op)(self, client, message)
         if op == "ping":
             return {"ok": True, "v": wire.VERSION, "epoch": self.epoch, "pid": os.getpid()}
         return wire.refusal(wire.E_BAD_REQUEST, f"unknown op {op!r}")

@@ -36,6 +36,10 @@ Two channels
    ``"allocation": id`` to get one); ``refresh`` → re-reads the ledger, ``{"ok": true}``;
    ``ping`` → ``{"ok": true, "v": 1, "epoch": …}``.
 
+   A kernel's own share (peer-checked like ``hello``; :mod:`.kernel_ops`): ``release``
+   (``"allocation"``), ``resize`` (``"allocation"``, ``"share"``), ``reserve`` (``"share"``, after
+   a release) and ``gpus`` (every GPU with its free capacity).
+
 2. **Hot state: one shared-memory file per GPU** (created by the daemon, ``mmap``-ed
    ``MAP_SHARED`` by every interposed process of that GPU). A 256-byte header followed by
    :data:`SLOTS` slots of 256 bytes, one per (allocation, GPU). All integers are little-endian,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import getpass
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -238,8 +239,22 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
 
         try:
             self.allocation = await (await self._ledger()).update(self.allocation.id, restarting)
-        except AllocationNotFound:
-            self.allocation = None
+        except AllocationNotFound:  # released from the notebook; maybe it reserved the next one
+            self.allocation = await self._adopt_reserved(restarting)
+
+    async def _adopt_reserved(
+        self, change: Callable[[Allocation, list[Allocation]], Allocation]
+    ) -> Allocation | None:
+        """A share the kernel reserved for its restart after releasing its own
+        (``%gpushare request``, through the node daemon): the restart uses it."""
+        ledger = await self._ledger()
+        for candidate in await ledger.list():
+            if candidate.kernel_id == self.kernel_id:
+                try:
+                    return await ledger.update(candidate.id, change)
+                except AllocationNotFound:
+                    continue
+        return None
 
     def get_shutdown_wait_time(self, recommended: float = 5.0) -> float:
         return self.kernel_backend.get_shutdown_wait_time(recommended)

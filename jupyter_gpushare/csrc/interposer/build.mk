@@ -2,7 +2,7 @@
 # Test programs and sanitizer builds (not shipped):  make -C jupyter_gpushare/csrc interposer-tests
 #   _lib/test/gs_tenant[-asan|-tsan], _lib/test/libgpushare-asan.so, _lib/test/libgpushare-tsan.so
 GS_DIR := $(CURDIR)/interposer
-GS_SRC := $(GS_DIR)/dispatch.c $(GS_DIR)/lease.c $(GS_DIR)/launch.c $(GS_DIR)/memory.c
+GS_SRC := $(GS_DIR)/dispatch.c $(GS_DIR)/lease.c $(GS_DIR)/launch.c $(GS_DIR)/memory.c $(GS_DIR)/release.c
 GS_HDR := $(GS_DIR)/gs.h $(CURDIR)/include/gpushare_wire.h $(CURDIR)/include/gpushare_cuda.h
 GS_LIBS := -ldl -lpthread
 GS_SO := -shared -Wl,-Bsymbolic-functions

@@ -33,14 +33,16 @@
     X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync)                      \
     X(cuMemAllocFromPoolAsync_ptsz) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz)                   \
     X(cuMemCreate) X(cuMemRelease) X(cuArrayCreate_v2) X(cuArray3DCreate_v2) X(cuArrayDestroy) \
-    X(cuMemGetInfo_v2) X(cuDeviceTotalMem_v2)
+    X(cuMemGetInfo_v2) X(cuDeviceTotalMem_v2)                                                 \
+    X(cuDevicePrimaryCtxRetain) X(cuCtxCreate_v2) X(cuCtxCreate_v3) X(cuCtxCreate_v4)
 
 /* Real entry points we call but do not wrap. */
 #define GS_USES(X)                                                                            \
     X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuCtxGetDevice) X(cuEventCreate)                   \
     X(cuEventRecord) X(cuEventSynchronize) X(cuEventQuery) X(cuEventDestroy_v2)                \
     X(cuStreamIsCapturing) X(cuThreadExchangeStreamCaptureMode) X(cuCtxSynchronize)            \
-    X(cuDeviceGetCount)
+    X(cuDeviceGetCount) X(cuDevicePrimaryCtxReset_v2) X(cuDevicePrimaryCtxRelease_v2)          \
+    X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2)
 
 #define GS_DECLARE_REAL(name) extern __typeof__(&name) real_##name;
 GS_HOOKS(GS_DECLARE_REAL)
@@ -161,6 +163,17 @@ void gs_mem_track(uint64_t key, int kind, struct gs_gpu *g, uint64_t bytes);
 /* Forgets a tracked allocation and gives its bytes back; 0 when it was not tracked. */
 uint64_t gs_mem_untrack(uint64_t key, int kind);
 void gs_mem_reset_after_fork(void);
+
+/* Frees every tracked allocation with the real driver; returns the bytes (release.c uses it). */
+uint64_t gs_mem_free_all(void);
+
+/* -- a released share (release.c) ------------------------------------------------------------ */
+#define GS_RELEASED_REASON                                                                     \
+    "the GPU share of this kernel was released and its GPU memory freed; this process cannot "  \
+    "use a GPU again. Restart the kernel to get a new share (`%gpushare request` in the "      \
+    "notebook reserves one first)"
+/* The agent's periodic check: frees the process's GPU memory once its share is released. */
+void gs_check_released(void);
 
 void gs_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void gs_deny_message(void);

@@ -549,7 +549,7 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
         }
         struct gpushare_wire_slot *s = atomic_load_explicit(&g->slot, memory_order_acquire);
         if (atomic_load(&s->state) == GPUSHARE_SLOT_RELEASED) {
-            deny("the GPU share of this kernel was released");
+            deny(GS_RELEASED_REASON);
             continue;
         }
         uint32_t seq = atomic_load(&s->grant_seq);
@@ -591,6 +591,7 @@ static void *agent_main(void *arg) {
     (void)arg;
     char buf[4096];
     for (;;) {
+        gs_check_released(); /* a released share: free this process's GPU memory (release.c) */
         uint64_t now = gs_now();
         uint64_t deadline = now + 100000000ull; /* at least every 100 ms */
         if (!atomic_load(&gs.connected) && !atomic_load(&gs.denied) &&

@@ -120,7 +120,7 @@ static struct gs_gpu *alloc_gpu(CUresult *err) {
         return NULL;
     }
     if (g && atomic_load(&g->slot->state) == GPUSHARE_SLOT_RELEASED) {
-        snprintf(gs.deny_reason, sizeof gs.deny_reason, "the GPU share of this kernel was released");
+        snprintf(gs.deny_reason, sizeof gs.deny_reason, "%s", GS_RELEASED_REASON);
         atomic_store(&gs.denied, 1);
         gs_deny_message();
         *err = CUDA_ERROR_NOT_PERMITTED;
@@ -386,4 +386,51 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
         }
     }
     return r;
+}
+
+/* -- after a release (release.c) ----------------------------------------------------------- */
+
+/* Frees one tracked allocation: in the current context, else in its GPU's primary context. */
+static CUresult free_one(const struct entry *e) {
+    for (int attempt = 0; attempt < 2; attempt++) {
+        CUcontext pushed = NULL;
+        if (attempt == 1) {
+            int ordinal = (int)(e->gpu - gs.gpu);
+            if (!real_cuDevicePrimaryCtxRetain ||
+                real_cuDevicePrimaryCtxRetain(&pushed, (CUdevice)ordinal) != CUDA_SUCCESS)
+                return CUDA_ERROR_INVALID_CONTEXT;
+            if (real_cuCtxPushCurrent_v2) real_cuCtxPushCurrent_v2(pushed);
+        }
+        CUresult r = CUDA_ERROR_NOT_SUPPORTED;
+        if (e->kind == KIND_PTR && real_cuMemFree_v2) r = real_cuMemFree_v2((CUdeviceptr)e->key);
+        if (e->kind == KIND_HANDLE && real_cuMemRelease) r = real_cuMemRelease(e->key);
+        if (e->kind == KIND_ARRAY && real_cuArrayDestroy)
+            r = real_cuArrayDestroy((CUarray)(uintptr_t)e->key);
+        if (pushed) {
+            CUcontext popped;
+            if (real_cuCtxPopCurrent_v2) real_cuCtxPopCurrent_v2(&popped);
+            if (real_cuDevicePrimaryCtxRelease_v2)
+                real_cuDevicePrimaryCtxRelease_v2((CUdevice)(int)(e->gpu - gs.gpu));
+        }
+        if (r == CUDA_SUCCESS || attempt == 1) return r;
+    }
+    return CUDA_ERROR_INVALID_CONTEXT;
+}
+
+uint64_t gs_mem_free_all(void) {
+    uint64_t freed = 0;
+    for (int i = 0; i < STRIPES; i++) {
+        for (;;) {
+            pthread_mutex_lock(&table[i].lock);
+            struct entry *e = table[i].head;
+            if (e) table[i].head = e->next;
+            pthread_mutex_unlock(&table[i].lock);
+            if (!e) break;
+            free_one(e);
+            if (e->gpu) gs_mem_unreserve(e->gpu, e->bytes);
+            freed += e->bytes;
+            free(e);
+        }
+    }
+    return freed;
 }

@@ -1,0 +1,165 @@
+"""Requests a kernel makes about its *own* share on the daemon's socket (box 9 uses them):
+``release``, ``resize``, ``reserve`` and ``gpus``. Each checks the peer's credentials the way
+``hello`` does (:meth:`.server.Daemon._check_peer`): a process may act only on the allocation
+its process tree holds. The daemon holds the ledger, so these work the same for the local and the
+Kubernetes backend.
+
+``release`` ``{"op": "release", "allocation": id}`` → the allocation leaves the ledger, the
+daemon forgets it and marks its slots *released* (the interposer then refuses every launch and
+allocation and frees the process's GPU memory) → ``{"ok": true, "released": Allocation}``.
+
+``resize`` ``{"op": "resize", "allocation": id, "share": {gpu_request, gpu_limit, gpu_memory}}``
+→ a live change on the same GPU(s), refused with the reason when it does not fit there (or when
+the new memory cap is below what the kernel uses now) → ``{"ok": true, "allocation": …}``.
+
+``reserve`` ``{"op": "reserve", "share": {…}}`` → after a ``release`` by this process: a new share
+on this node for the same kernel (placement decides the GPU). The process itself cannot use it
+(its CUDA context is gone); a restart of the kernel does. → ``{"ok": true, "allocation": …}``.
+
+``gpus`` → ``{"ok": true, "gpus": [Gpu + free capacity], "simulated": bool}`` for every node in
+the ledger.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ..inventory import TypeAliases, check_spec
+from ..ledger import Allocation, AllocationNotFound
+from ..placement import PlacementRefused, place
+from ..share import ShareError, ShareSpec
+from . import wire
+
+if TYPE_CHECKING:
+    from .server import Client, Daemon
+
+E_NO_FIT = "no_fit"
+E_INVALID_SHARE = "invalid_share"
+E_NOTHING_RELEASED = "nothing_released"
+
+
+async def _own_allocation(
+    daemon: Daemon, client: Client, allocation_id: str
+) -> tuple[Allocation | None, dict[str, Any] | None]:
+    allocation = daemon.allocations.get(allocation_id)
+    refusal = daemon._check_peer(client, allocation)
+    if refusal is not None:  # maybe the ledger changed since the last poll
+        await daemon.refresh()
+        allocation = daemon.allocations.get(allocation_id)
+        refusal = daemon._check_peer(client, allocation)
+    if refusal is not None:
+        daemon.refused += 1
+    return allocation, refusal
+
+
+async def release(daemon: Daemon, client: Client, message: dict[str, Any]) -> dict[str, Any]:
+    allocation, refusal = await _own_allocation(daemon, client, str(message.get("allocation")))
+    if refusal is not None:
+        return refusal
+    assert allocation is not None
+    await daemon.ledger.release(allocation.id)
+    daemon.released[allocation.id] = allocation
+    await daemon.refresh()  # forgets it: its slots read "released"
+    return {"ok": True, "released": allocation.to_json()}
+
+
+def _share_error(exc: ShareError) -> dict[str, Any]:
+    return {"ok": False, **exc.to_json()}
+
+
+async def resize(daemon: Daemon, client: Client, message: dict[str, Any]) -> dict[str, Any]:
+    allocation, refusal = await _own_allocation(daemon, client, str(message.get("allocation")))
+    if refusal is not None:
+        return refusal
+    assert allocation is not None
+    share = dict(message.get("share") or {})
+    if set(share) - {"gpu_request", "gpu_limit", "gpu_memory"}:
+        return wire.refusal(E_INVALID_SHARE, "a live change may set gpu_request, gpu_limit and "
+                            "gpu_memory; other keys need a new share")
+    try:
+        spec = ShareSpec.from_mapping(share, defaults=allocation.spec)
+    except ShareError as exc:
+        return _share_error(exc)
+    gpus = [g for g in await daemon.ledger.gpus() if g.uuid in allocation.gpus]
+    used = _memory_used(daemon, allocation)
+
+    def change(current: Allocation, others: list[Allocation]) -> Allocation:
+        placement = place(gpus, others, spec)  # only its own GPUs: the share stays where it is
+        if spec.gpu_memory is not None and used > spec.gpu_memory:
+            raise ShareError("gpu_memory", spec.gpu_memory,
+                             f"at least the {used} bytes the kernel uses now")
+        return replace(current, spec=replace(spec, gpu_memory=placement.memory),
+                       memory=placement.memory)
+
+    try:
+        changed = await daemon.ledger.update(allocation.id, change)
+    except ShareError as exc:
+        return _share_error(exc)
+    except PlacementRefused as exc:
+        return {"ok": False, **exc.to_json()}
+    except AllocationNotFound:
+        return wire.refusal(wire.E_UNKNOWN_ALLOCATION, f"no allocation {allocation.id!r}")
+    await daemon.refresh()
+    return {"ok": True, "allocation": changed.to_json()}
+
+
+def _memory_used(daemon: Daemon, allocation: Allocation) -> int:
+    used = 0
+    for uuid in allocation.gpus:
+        gpu = daemon.gpus.get(uuid)
+        tenant = gpu.tenants.get(allocation.id) if gpu else None
+        if gpu is not None and tenant is not None:
+            used = max(used, int(gpu.shm.slots[tenant.slot].mem_used))
+    return used
+
+
+async def reserve(daemon: Daemon, client: Client, message: dict[str, Any]) -> dict[str, Any]:
+    """A new share for a kernel whose process released its share through this daemon."""
+    previous = next((a for a in reversed(daemon.released.values())
+                     if daemon._check_peer(client, a) is None), None)
+    if previous is None:
+        return wire.refusal(E_NOTHING_RELEASED, "this process released no GPU share here (a "
+                            "share held now is changed with a resize)")
+    share = dict(message.get("share") or {})
+    node = daemon.settings.node
+    inventory = [g for g in await daemon.ledger.gpus() if g.node == node]
+    try:
+        defaults = replace(previous.spec, gpu_memory=None, gpu_type=None)
+        spec = check_spec(ShareSpec.from_mapping(share, defaults=defaults), inventory,
+                          TypeAliases())
+        allocation = await daemon.ledger.allocate(
+            spec, inventory, place, owner=previous.owner, kernel_id=previous.kernel_id,
+            backend=previous.backend, state="active", pid=previous.pid,
+            pid_start=previous.pid_start, server_pid=previous.server_pid, user=previous.user,
+            extra=dict(previous.extra),
+        )
+    except ShareError as exc:
+        return _share_error(exc)
+    except PlacementRefused as exc:
+        return {"ok": False, **exc.to_json()}
+    daemon.released.pop(previous.id, None)
+    await daemon.refresh()
+    return {"ok": True, "allocation": allocation.to_json()}
+
+
+async def gpus(daemon: Daemon) -> dict[str, Any]:
+    """Every GPU in the ledger with what is reserved on it and what is free."""
+    snap = await daemon.ledger.snapshot()
+    held: dict[str, list[Allocation]] = defaultdict(list)
+    for a in snap.allocations:
+        for uuid in a.gpus:
+            held[uuid].append(a)
+    rows = []
+    inventory = await daemon.ledger.gpus()
+    for g in inventory:
+        mine = held.get(g.uuid, [])
+        used = sum(a.request for a in mine)
+        rows.append({
+            **g.to_json(),
+            "free_request": round(max(0.0, 1.0 - used), 6),
+            "free_memory": max(0, g.memory - sum(a.memory for a in mine)),
+            "allocations": [a.id for a in mine],
+        })
+    return {"ok": True, "simulated": any(g.simulated for g in inventory), "gpus": rows}

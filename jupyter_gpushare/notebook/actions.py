@@ -1,0 +1,273 @@
+"""What a kernel can do about its own GPU share, in plain Python (box 9 of DESIGN.md).
+
+``status()``, ``gpus()``, ``release()`` and ``request(...)`` are what the panel's Release button
+and the ``%gpushare`` magics call, and what scripts use (``jupyter_gpushare.status()``). They
+talk to the node daemon on ``GPUSHARE_SOCKET`` — the daemon holds the ledger and checks that the
+calling process is the one holding the share — so they work the same for local and Kubernetes
+kernels.
+
+Releasing (the semantics, also in the README, "Releasing the GPU"): the share leaves the ledger
+and the daemon, so placement can hand it to someone else at once; the interposer frees every byte
+of GPU memory this process holds (its CUDA contexts included) before :func:`release` returns; the
+kernel process and its CPU state (variables, imports) live on. From then on every CUDA launch,
+allocation or new context of this process fails with ``CUDA_ERROR_NOT_PERMITTED`` and the message
+:data:`RELEASED_MESSAGE`. A process cannot get a CUDA context back, so using a GPU again takes a
+kernel restart; :func:`request` can reserve the new share first, and the restart uses it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..daemon.client import DaemonClient, DaemonUnavailable
+from ..share import ShareError, format_bytes
+
+RELEASED_MESSAGE = (
+    "The GPU share of this kernel was released and its GPU memory freed; this process cannot "
+    "use a GPU again. Restart the kernel to get a new share (`%gpushare request` reserves one "
+    "first)."
+)
+
+
+class GpushareError(RuntimeError):
+    """A refused or impossible action; ``str()`` is the message for the user."""
+
+    def __init__(self, message: str, code: str = "error", detail: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.code = code
+        self.detail = detail or {}
+
+
+class NoShare(GpushareError):
+    """This kernel holds no GPU share (never had one, or released it)."""
+
+
+class DaemonUnreachable(GpushareError):
+    """No gpushare daemon answers on the kernel's socket."""
+
+
+@dataclass
+class _KernelState:
+    """What this process knows beyond its environment: a release and a reserved next share."""
+
+    released: dict[str, Any] | None = None
+    reserved: dict[str, Any] | None = None
+    memory_freed: int | None = None
+    inventory: dict[str, dict[str, Any]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_state = _KernelState()
+
+
+def allocation_id() -> str | None:
+    """The share this process holds now, or None (none given, or released)."""
+    if _state.released is not None:
+        return None
+    return os.environ.get("GPUSHARE_ALLOCATION_ID") or None
+
+
+def _client(timeout: float = 5.0) -> DaemonClient:
+    path = os.environ.get("GPUSHARE_SOCKET")
+    if not path:
+        raise NoShare("This kernel was not started with a GPU share (GPUSHARE_SOCKET is not "
+                      "set): pick a 'GPU share' kernel.", "no_share")
+    return DaemonClient(path, timeout=timeout)
+
+
+def _ask(call: Any, *args: Any) -> dict[str, Any]:
+    try:
+        return call(*args)
+    except (DaemonUnavailable, OSError) as exc:
+        raise DaemonUnreachable(f"The gpushare daemon is unreachable: {exc}", "daemon") from exc
+
+
+def _refused(reply: dict[str, Any]) -> GpushareError:
+    message = str(reply.get("message") or reply.get("error") or "refused")
+    if reply.get("suggestions"):
+        message += " (" + "; ".join(map(str, reply["suggestions"])) + ")"
+    return GpushareError(message, str(reply.get("error") or "error"), reply)
+
+
+# -- reading -----------------------------------------------------------------------------------
+
+
+def gpus() -> list[dict[str, Any]]:
+    """Every GPU the ledger knows (this node's, or the cluster's) with its free capacity:
+    ``uuid``, ``node``, ``type``, ``name``, ``memory``, ``free_request``, ``free_memory``,
+    ``allocations``, ``simulated``."""
+    reply = _ask(_client().gpus)
+    if not reply.get("ok"):
+        raise _refused(reply)
+    rows = list(reply.get("gpus") or [])
+    with _state.lock:
+        _state.inventory = {r["uuid"]: r for r in rows}
+    return rows
+
+
+def _gpu_facts(uuid: str) -> dict[str, Any]:
+    """Static facts of a GPU (name, type, memory), asked once."""
+    if uuid not in _state.inventory:
+        try:
+            gpus()
+        except GpushareError:
+            return {}
+    return _state.inventory.get(uuid, {})
+
+
+def status() -> dict[str, Any]:
+    """This kernel's share and its GPU, now.
+
+    ``state`` is ``active`` (``allocation``: request, limit, achieved share over the daemon's
+    window, memory used and cap, lease waits; ``gpu``: the GPU's facts, NVML readings and how
+    many shares it holds), ``released``, ``none`` (no share given) or ``unreachable`` (no daemon
+    answers; ``message`` says why). Never raises for these states: the panel shows them."""
+    simulated = os.environ.get("GPUSHARE_SIMULATED") == "1"
+    base: dict[str, Any] = {"simulated": simulated, "allocation": None, "gpu": None,
+                            "reserved": _state.reserved, "memory_freed": _state.memory_freed}
+    if _state.released is not None:
+        return {**base, "state": "released", "released": _state.released,
+                "message": RELEASED_MESSAGE}
+    current = allocation_id()
+    if current is None or not os.environ.get("GPUSHARE_SOCKET"):
+        return {**base, "state": "none",
+                "message": "This kernel holds no GPU share: it was not started with one."}
+    try:
+        reply = _client(timeout=2.0).status(current)
+    except (DaemonUnavailable, OSError) as exc:
+        return {**base, "state": "unreachable", "allocation_id": current,
+                "message": f"The gpushare daemon is unreachable ({exc}); retrying."}
+    if not reply.get("ok"):
+        return {**base, "state": "unreachable", "allocation_id": current,
+                "message": f"The daemon does not know this kernel's share {current}: "
+                           f"{reply.get('message')}"}
+    allocation = reply["allocations"][0]
+    uuid = allocation["gpus"][0]["gpu"] if allocation.get("gpus") else None
+    gpu: dict[str, Any] | None = None
+    for entry in reply.get("gpus") or []:
+        if entry.get("uuid") == uuid:
+            gpu = {**_gpu_facts(uuid), **entry, "kernels": len(entry.get("allocations") or [])}
+    return {**base, "state": "active", "allocation_id": current, "allocation": allocation,
+            "gpu": gpu, "daemon": reply.get("daemon"), "message": ""}
+
+
+# -- changing ------------------------------------------------------------------------------------
+
+
+def _free_process_memory() -> int | None:
+    """Asks the interposer (preloaded into this process) to free the process's GPU memory now;
+    the bytes it freed, or None when there is no interposer here."""
+    try:
+        fn = ctypes.CDLL(None).gpushare_release_memory
+    except AttributeError:
+        return None
+    fn.restype = ctypes.c_longlong
+    freed = int(fn())
+    return freed if freed >= 0 else 0
+
+
+def release() -> dict[str, Any]:
+    """Give this kernel's GPU share back (see the module's doc for exactly what happens).
+    Returns ``{"released": Allocation JSON, "memory_freed": bytes, "message": …}``; raises
+    :class:`NoShare` when there is nothing to release."""
+    current = allocation_id()
+    if current is None:
+        if _state.released is not None:
+            raise NoShare("This kernel's GPU share was already released. " + RELEASED_MESSAGE,
+                          "released")
+        raise NoShare("This kernel holds no GPU share.", "no_share")
+    reply = _ask(_client().release, current)
+    if not reply.get("ok"):
+        raise _refused(reply)
+    freed = _free_process_memory()
+    with _state.lock:
+        _state.released = reply["released"]
+        _state.memory_freed = freed
+    text = f"Released {describe(reply['released'])}."
+    if freed:
+        text += f" {format_bytes(freed)} of GPU memory freed."
+    return {"released": reply["released"], "memory_freed": freed,
+            "message": f"{text} {RELEASED_MESSAGE}"}
+
+
+def _share_args(gpu_request: Any, gpu_limit: Any, gpu_memory: Any, gpu_type: Any
+                ) -> dict[str, Any]:
+    given = {"gpu_request": gpu_request, "gpu_limit": gpu_limit, "gpu_memory": gpu_memory,
+             "gpu_type": gpu_type}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def request(
+    gpu_request: float | str | None = None,
+    gpu_limit: float | str | None = None,
+    gpu_memory: int | str | None = None,
+    gpu_type: str | None = None,
+) -> dict[str, Any]:
+    """Change this kernel's share live, or reserve a new one after a release.
+
+    While the kernel holds a share: request, limit and memory change at once on the same GPU
+    when placement allows it there (else :class:`GpushareError` with the reason; nothing
+    changes); another GPU type needs a new share (release, then request). After a release: a
+    new share is reserved on this node for this kernel; this process cannot use it (its CUDA
+    context is gone), a kernel restart does. Returns ``{"allocation", "live", "message"}``."""
+    share = _share_args(gpu_request, gpu_limit, gpu_memory, gpu_type)
+    current = allocation_id()
+    if current is not None:
+        if not share:
+            raise GpushareError("Nothing to change: give --gpu-request, --gpu-limit or "
+                                "--gpu-memory.", "invalid_share")
+        if gpu_type is not None:
+            raise GpushareError("A live change keeps the GPU: another GPU type needs a new "
+                                "share (release this one, then request).", "invalid_share")
+        reply = _ask(_client().resize, current, share)
+        if not reply.get("ok"):
+            raise _refused(reply)
+        return {"allocation": reply["allocation"], "live": True,
+                "message": f"This kernel now holds {describe(reply['allocation'])} "
+                           "(changed live)."}
+    if _state.released is None:
+        raise NoShare("This kernel holds no GPU share and released none: it was not started "
+                      "with one; pick a 'GPU share' kernel.", "no_share")
+    if _state.reserved is not None:
+        raise GpushareError(f"A new share is already reserved ({describe(_state.reserved)}): "
+                            "restart the kernel to use it.", "reserved")
+    reply = _ask(_client().reserve, share)
+    if not reply.get("ok"):
+        raise _refused(reply)
+    with _state.lock:
+        _state.reserved = reply["allocation"]
+    return {"allocation": reply["allocation"], "live": False,
+            "message": f"Reserved {describe(reply['allocation'])} for this kernel. This process "
+                       "released its GPU and cannot create a CUDA context again: restart the "
+                       "kernel (Kernel > Restart Kernel) to use the new share; the restart keeps "
+                       "it."}
+
+
+def describe(allocation: dict[str, Any]) -> str:
+    """``0.25–0.5 of an A100 (a-…, 20GiB, GPU-…)`` for an Allocation JSON."""
+    kind = allocation.get("gpu_type") or "GPU"
+    request, limit = allocation.get("gpu_request"), allocation.get("gpu_limit")
+    part = f"{request:g}" if request == limit else f"{request:g}–{limit:g}"
+    article = "an" if kind[:1].upper() in "AEFHILMNORSX" else "a"
+    gpus = ",".join(allocation.get("gpus") or [])
+    return (f"{part} of {article} {kind} ({allocation.get('id')}, "
+            f"{format_bytes(int(allocation.get('gpu_memory') or 0))}, {gpus})")
+
+
+__all__ = [
+    "RELEASED_MESSAGE",
+    "DaemonUnreachable",
+    "GpushareError",
+    "NoShare",
+    "ShareError",
+    "allocation_id",
+    "describe",
+    "gpus",
+    "release",
+    "request",
+    "status",
+]

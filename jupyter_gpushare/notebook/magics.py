@@ -1,0 +1,122 @@
+"""``%gpushare`` line magics (box 9 of DESIGN.md), loaded in gpushare kernels by
+``--ext=jupyter_gpushare`` (``GpuShare.extra_kernel_args``) or ``%load_ext jupyter_gpushare``.
+
+``%gpushare status`` · ``%gpushare gpus`` · ``%gpushare release`` ·
+``%gpushare request [--gpu-request R] [--gpu-limit L] [--gpu-memory M] [--gpu-type T]``
+
+Each calls the function of the same name in :mod:`.actions`. Bad arguments print the usage and
+change nothing; a refusal prints its reason.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from ..share import ShareError, ShareSpec, format_bytes
+from . import actions
+
+ACTIONS = ("status", "gpus", "release", "request")
+
+
+def _status_text(status: dict[str, Any]) -> str:
+    state = status["state"]
+    sim = " [simulated GPU]" if status.get("simulated") else ""
+    if state != "active":
+        lines = [f"GPU share: {state}{sim}"]
+        if state == "released":
+            lines.append(f"  released: {actions.describe(status['released'])}")
+        if status.get("reserved"):
+            lines.append(f"  reserved for the restart: {actions.describe(status['reserved'])}")
+        lines.append(f"  {status.get('message')}")
+        return "\n".join(lines)
+    a, g = status["allocation"], status.get("gpu") or {}
+    nvml = g.get("nvml") or {}
+    window = (status.get("daemon") or {}).get("window_ms", 0) / 1000
+    lines = [
+        f"GPU share: active{sim}  {status['allocation_id']}",
+        f"  GPU          {g.get('type', 'GPU')} {g.get('uuid', '')}",
+        f"  request      {a['request']:g}   limit {a['limit']:g}",
+        f"  achieved     {100 * float(a.get('achieved_share') or 0):.0f}% over the last "
+        f"{window:g} s",
+        f"  memory       {format_bytes(int(a.get('memory_used') or 0))} used of "
+        f"{format_bytes(int(a.get('memory_cap') or 0))}",
+        f"  waiting      {float(a.get('lease_wait_seconds') or 0):.3f} s "
+        f"({a.get('lease_waits', 0)} waits)",
+        f"  GPU now      utilisation {nvml.get('utilization_gpu', '–')}%, "
+        f"{g.get('kernels', 0)} share(s) on it",
+    ]
+    return "\n".join(lines)
+
+
+def _gpus_text(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "No GPUs in the ledger."
+    lines = [f"{'node':<16} {'type':<6} {'uuid':<42} {'free':>5} {'free memory':>12}  shares"]
+    for r in rows:
+        sim = " (simulated)" if r.get("simulated") else ""
+        lines.append(f"{r['node']:<16} {r['type']:<6} {r['uuid']:<42} {r['free_request']:>5g} "
+                     f"{format_bytes(int(r['free_memory'])):>12}  "
+                     f"{len(r.get('allocations') or [])}{sim}")
+    return "\n".join(lines)
+
+
+@magics_class
+class GpushareMagics(Magics):
+    @magic_arguments()
+    @argument("action", help="status | gpus | release | request")
+    @argument("--gpu-request", default=None, help="guaranteed fraction of the GPU, (0, 1]")
+    @argument("--gpu-limit", default=None, help="the most the kernel may use, (0, 1]")
+    @argument("--gpu-memory", default=None, help="memory cap, e.g. 10GiB")
+    @argument("--gpu-type", default=None, help="GPU type (new shares only), e.g. A100")
+    @line_magic
+    def gpushare(self, line: str) -> None:
+        """Your GPU share: ``status``, ``gpus`` (with free capacity), ``release`` (give the GPU
+        back; the kernel keeps running without one), ``request`` (change the share live, or
+        reserve a new one after a release)."""
+        usage = self.gpushare.parser.format_usage()
+        try:
+            args = parse_argstring(self.gpushare, line)
+        except UsageError as exc:
+            print(f"{usage}%gpushare: error: {exc}", file=sys.stderr)
+            return
+        if args.action not in ACTIONS:
+            print(f"{usage}%gpushare: error: unknown action {args.action!r} (choose from "
+                  f"{', '.join(ACTIONS)})", file=sys.stderr)
+            return
+        share = {"gpu_request": args.gpu_request, "gpu_limit": args.gpu_limit,
+                 "gpu_memory": args.gpu_memory, "gpu_type": args.gpu_type}
+        given = {k: v for k, v in share.items() if v is not None}
+        if given and args.action != "request":
+            print(f"{usage}%gpushare: error: --gpu-* options go with 'request' only",
+                  file=sys.stderr)
+            return
+        if args.action == "request":
+            try:  # refuse bad values here, before anything is asked of the daemon
+                ShareSpec.from_mapping(given, defaults=ShareSpec(gpu_request=0.01,
+                                                                 gpu_limit=1.0))
+            except ShareError as exc:
+                print(f"{usage}%gpushare: error: {exc}", file=sys.stderr)
+                return
+        try:
+            print(self._run(args.action, given))
+        except actions.GpushareError as exc:
+            print(f"%gpushare {args.action}: {exc}", file=sys.stderr)
+
+    @staticmethod
+    def _run(action: str, share: dict[str, Any]) -> str:
+        if action == "status":
+            return _status_text(actions.status())
+        if action == "gpus":
+            return _gpus_text(actions.gpus())
+        if action == "release":
+            return str(actions.release()["message"])
+        return str(actions.request(**share)["message"])
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    ipython.register_magics(GpushareMagics)

@@ -3,9 +3,12 @@
  * driver API, as any real program would.
  *
  *   sim_driver_test info                       devices as key=value lines
- *   sim_driver_test busy US COUNT [DEV] [nb]   COUNT launches of busy_us(US) on one stream
- *                                              (nb: a non-blocking stream); prints wall_ms and
- *                                              event_ms (cuEventElapsedTime around the launches)
+ *   sim_driver_test busy US COUNT [DEV [nb|b [START_NS]]]
+ *                                              COUNT launches of busy_us(US) on one stream
+ *                                              (nb: a non-blocking stream), from START_NS
+ *                                              (CLOCK_MONOTONIC) if given; prints wall_ms,
+ *                                              event_ms (cuEventElapsedTime around the launches),
+ *                                              start_ns and end_ns
  *   sim_driver_test hold BYTES MS [DEV]        allocate BYTES, keep the device busy for MS,
  *                                              print "ready", then sleep until killed
  *   sim_driver_test selftest                   exercise the whole API surface; exit 0 if all
@@ -22,6 +25,7 @@
 #include <unistd.h>
 
 #include "gpushare_cuda.h"
+#include "gpushare_nvml.h"
 
 static void *lib;
 
@@ -167,6 +171,7 @@ static int cmd_busy(int argc, char **argv)
     int count = atoi(argv[3]);
     int dev = argc > 4 ? atoi(argv[4]) : 0;
     int nb = argc > 5 && strcmp(argv[5], "nb") == 0;
+    uint64_t start_ns = argc > 6 ? strtoull(argv[6], NULL, 10) : 0;
     setup(dev);
     CUfunction f = busy_fn();
     CUstream s;
@@ -174,6 +179,11 @@ static int cmd_busy(int argc, char **argv)
     CHECK(p_cuStreamCreate(&s, nb ? CU_STREAM_NON_BLOCKING : CU_STREAM_DEFAULT));
     CHECK(p_cuEventCreate(&a, CU_EVENT_DEFAULT));
     CHECK(p_cuEventCreate(&b, CU_EVENT_DEFAULT));
+    if (start_ns) { /* a common start instant for several processes (CLOCK_MONOTONIC) */
+        struct timespec ts = {(time_t)(start_ns / 1000000000ull), (long)(start_ns % 1000000000ull)};
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) != 0) {
+        }
+    }
     double t0 = now_ms();
     CHECK(p_cuEventRecord(a, s));
     for (int i = 0; i < count; i++)
@@ -184,7 +194,8 @@ static int cmd_busy(int argc, char **argv)
     double t1 = now_ms();
     float ms;
     CHECK(p_cuEventElapsedTime_v2(&ms, a, b));
-    printf("launch_ms=%.3f\nwall_ms=%.3f\nevent_ms=%.3f\n", launched - t0, t1 - t0, ms);
+    printf("launch_ms=%.3f\nwall_ms=%.3f\nevent_ms=%.3f\nstart_ns=%.0f\nend_ns=%.0f\n",
+           launched - t0, t1 - t0, ms, t0 * 1e6, t1 * 1e6);
     CHECK(p_cuEventDestroy_v2(a));
     CHECK(p_cuEventDestroy_v2(b));
     CHECK(p_cuStreamDestroy_v2(s));
@@ -201,11 +212,14 @@ static int cmd_hold(int argc, char **argv)
     if (bytes)
         CHECK(p_cuMemAlloc_v2(&p, bytes));
     CUfunction f = busy_fn();
-    /* Busy in 10 ms kernels, so the device time line stays fine-grained. */
-    for (uint64_t done = 0; done < ms; done += 10)
+    /* Busy in 10 ms kernels (the launches block once a second of work is queued). */
+    for (uint64_t done = 0; done < ms; done += 10) {
         launch_busy(f, 10000, NULL);
-    printf("ready\n");
-    fflush(stdout);
+        if (done == 0) {
+            printf("ready\n");
+            fflush(stdout);
+        }
+    }
     for (;;)
         pause();
 }
@@ -462,6 +476,41 @@ static void test_library_and_threads(CUcontext ctx, CUfunction f)
     CHECK(p_cuCtxSynchronize());
 }
 
+/* The simulated NVML, loaded into the same process: it sees this process's memory and work. */
+static void test_nvml(CUfunction f)
+{
+    void *nv = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    TRUE(nv != NULL);
+#define NV(name) __typeof__(name) *nv_##name = (__typeof__(name) *)dlsym(nv, #name); TRUE(nv_##name);
+    NV(nvmlInit_v2) NV(nvmlShutdown) NV(nvmlDeviceGetCount_v2) NV(nvmlDeviceGetHandleByIndex_v2)
+    NV(nvmlDeviceGetName) NV(nvmlDeviceGetComputeRunningProcesses_v3)
+    NV(nvmlDeviceGetUtilizationRates) NV(nvmlDeviceGetMemoryInfo)
+    CUdeviceptr p;
+    CHECK(p_cuMemAlloc_v2(&p, 3u << 20));
+    launch_busy(f, 200000, NULL);
+    TRUE(nv_nvmlInit_v2() == NVML_SUCCESS);
+    unsigned n, k = 8, found = 0;
+    nvmlDevice_t h;
+    char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
+    TRUE(nv_nvmlDeviceGetCount_v2(&n) == NVML_SUCCESS && n >= 1);
+    TRUE(nv_nvmlDeviceGetHandleByIndex_v2(0, &h) == NVML_SUCCESS);
+    TRUE(nv_nvmlDeviceGetName(h, name, sizeof name) == NVML_SUCCESS && strlen(name) > 0);
+    nvmlProcessInfo_t info[8];
+    TRUE(nv_nvmlDeviceGetComputeRunningProcesses_v3(h, &k, info) == NVML_SUCCESS);
+    for (unsigned i = 0; i < k; i++)
+        found |= info[i].pid == (unsigned)getpid() && info[i].usedGpuMemory == 3u << 20;
+    TRUE(found);
+    nvmlUtilization_t util;
+    TRUE(nv_nvmlDeviceGetUtilizationRates(h, &util) == NVML_SUCCESS && util.gpu <= 100);
+    nvmlMemory_t mem;
+    TRUE(nv_nvmlDeviceGetMemoryInfo(h, &mem) == NVML_SUCCESS);
+    TRUE(mem.used >= 3u << 20 && mem.total == mem.used + mem.free);
+    TRUE(nv_nvmlShutdown() == NVML_SUCCESS);
+    CHECK(p_cuMemFree_v2(p));
+    CHECK(p_cuCtxSynchronize());
+    dlclose(nv);
+}
+
 static int cmd_selftest(void)
 {
     EXPECT(p_cuDeviceGetCount(&(int){0}), CUDA_ERROR_NOT_INITIALIZED);
@@ -472,6 +521,7 @@ static int cmd_selftest(void)
     test_memory();
     test_timing(f);
     test_library_and_threads(ctx, f);
+    test_nvml(f);
     CHECK(p_cuDevicePrimaryCtxRelease_v2(0));
     printf("selftest ok\n");
     return 0;
@@ -493,7 +543,9 @@ int main(int argc, char **argv)
         return cmd_hold(argc, argv);
     if (argc >= 2 && strcmp(argv[1], "selftest") == 0)
         return cmd_selftest();
-    fprintf(stderr, "usage: %s info | busy US COUNT [DEV] [nb] | hold BYTES MS [DEV] | selftest\n",
+    fprintf(stderr,
+            "usage: %s info | busy US COUNT [DEV [nb|b [START_NS]]] | hold BYTES MS [DEV] | "
+            "selftest\n",
             argv[0]);
     return 2;
 }

@@ -66,7 +66,7 @@ CUresult cuInit(unsigned int Flags)
         return CUDA_ERROR_INVALID_VALUE;
     if (atomic_load(&initialised))
         return CUDA_SUCCESS;
-    if (sim_open() != 0)
+    if (sim_open(0) != 0)
         return CUDA_ERROR_OPERATING_SYSTEM;
     const char *us = getenv("GPUSHARE_SIM_KERNEL_US");
     if (us && *us)

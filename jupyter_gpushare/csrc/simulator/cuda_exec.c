@@ -176,6 +176,11 @@ CUresult sim_enqueue(struct CUstream_st *s, uint64_t dur_ns)
 
 /* -- modules, libraries, functions ------------------------------------------------------------ */
 
+/* Loaded modules belong to the driver until unloaded (as with a real one, a program may drop
+ * its handle and keep using the functions). */
+static pthread_mutex_t modules_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct CUmod_st *modules;
+
 static CUresult module_new(CUmodule *out, uint32_t magic)
 {
     struct CUmod_st *m = calloc(1, sizeof *m);
@@ -183,6 +188,10 @@ static CUresult module_new(CUmodule *out, uint32_t magic)
         return CUDA_ERROR_OUT_OF_MEMORY;
     m->magic = magic;
     pthread_mutex_init(&m->lock, NULL);
+    pthread_mutex_lock(&modules_lock);
+    m->next = modules;
+    modules = m;
+    pthread_mutex_unlock(&modules_lock);
     *out = m;
     return CUDA_SUCCESS;
 }
@@ -223,6 +232,14 @@ CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin)
 
 static void module_free(struct CUmod_st *m)
 {
+    pthread_mutex_lock(&modules_lock);
+    for (struct CUmod_st **pp = &modules; *pp; pp = &(*pp)->next) {
+        if (*pp == m) {
+            *pp = m->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&modules_lock);
     m->magic = MAGIC_DEAD;
     for (struct CUfunc_st *f = m->funcs, *n; f; f = n) {
         n = f->next;

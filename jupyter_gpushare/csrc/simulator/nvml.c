@@ -53,7 +53,7 @@ static nvmlReturn_t device(nvmlDevice_t h, struct sim_device **out)
 nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
 {
     (void)flags;
-    if (sim_open() != 0)
+    if (sim_open(atomic_load(&init_count) == 0) != 0)
         return NVML_ERROR_DRIVER_NOT_LOADED;
     for (int i = 0; i < sim_machine_count(); i++) {
         handles[i].index = (unsigned)i;

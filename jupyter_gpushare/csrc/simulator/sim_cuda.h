@@ -85,6 +85,7 @@ struct CUmod_st {
     uint32_t magic;                 /* MAGIC_MODULE or MAGIC_LIBRARY (a CUlibrary is a module) */
     pthread_mutex_t lock;
     struct CUfunc_st *funcs;
+    struct CUmod_st *next;          /* all loaded modules */
 };
 
 enum node_kind { NODE_KERNEL, NODE_COPY, NODE_SET8, NODE_SET16, NODE_SET32 };

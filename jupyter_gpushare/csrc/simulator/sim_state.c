@@ -30,8 +30,9 @@ static int machine_count;
 static int cuda_idx[SIM_MAX_DEVICES];
 static int cuda_count;
 
-static pthread_once_t open_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t open_lock = PTHREAD_MUTEX_INITIALIZER;
 static int open_result = -1;
+static char opened_env[8192]; /* the environment the state was opened with */
 
 static uint64_t self_instance;
 static _Atomic int self_index = -1;
@@ -440,6 +441,7 @@ static void do_open(void)
         spec = "";
     static struct spec_entry entries[SIM_MAX_DEVICES];
     int n = parse_spec(spec, entries, SIM_MAX_DEVICES);
+    spec_count = 0;
 
     char path[4096];
     const char *env_path = getenv("GPUSHARE_SIM_STATE");
@@ -487,8 +489,7 @@ static void do_open(void)
             s->version = SIM_VERSION;
             s->max_devices = SIM_MAX_DEVICES;
             s->size = sizeof *s;
-            atomic_thread_fence(memory_order_release);
-            s->magic = SIM_MAGIC;
+            __atomic_store_n(&s->magic, SIM_MAGIC, __ATOMIC_RELEASE);
         } else if (!state_header_ok(s)) {
             sim_log("replacing %s (made by another simulator version)", path);
             munmap(map, sizeof *s);
@@ -506,16 +507,48 @@ static void do_open(void)
             all[i] = i;
         machine_count = apply_visible(getenv("NVIDIA_VISIBLE_DEVICES"), 1, all, spec_count, machine_idx);
         cuda_count = apply_visible(getenv("CUDA_VISIBLE_DEVICES"), 0, machine_idx, machine_count, cuda_idx);
-        pthread_atfork(NULL, NULL, atfork_child);
+        static int atfork_done;
+        if (!atfork_done++)
+            pthread_atfork(NULL, NULL, atfork_child);
         open_result = 0;
         return;
     }
 }
 
-int sim_open(void)
+static void environment_key(char *out, size_t cap)
 {
-    pthread_once(&open_once, do_open);
-    return open_result;
+    const char *names[] = {"GPUSHARE_SIM_DEVICES", "GPUSHARE_SIM_STATE", "NVIDIA_VISIBLE_DEVICES",
+                           "CUDA_VISIBLE_DEVICES"};
+    size_t used = 0;
+    out[0] = 0;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        const char *v = getenv(names[i]);
+        int n = snprintf(out + used, cap - used, "%s=%s\x1f", names[i], v ? v : "\x1e");
+        if (n < 0 || (size_t)n >= cap - used)
+            return;
+        used += (size_t)n;
+    }
+}
+
+int sim_open(int reopen_if_changed)
+{
+    char key[sizeof opened_env];
+    environment_key(key, sizeof key);
+    pthread_mutex_lock(&open_lock);
+    if (open_result != 0 || (reopen_if_changed && strcmp(key, opened_env) != 0)) {
+        if (sim_state && atomic_load(&self_index) < 0) {
+            munmap(sim_state, sizeof *sim_state);
+            sim_state = NULL;
+        }
+        if (!sim_state) {
+            open_result = -1;
+            do_open();
+            memcpy(opened_env, key, sizeof opened_env);
+        }
+    }
+    int r = open_result;
+    pthread_mutex_unlock(&open_lock);
+    return r;
 }
 
 /* -- scheduling ------------------------------------------------------------------------------- */
@@ -677,8 +710,8 @@ double sim_utilisation(int slot)
     } else if (gt_t != UINT64_MAX && gt_done != 0) {
         start = gt_t;
         done_start = gt_done;
-    } else { /* nothing was ever done before the oldest sample */
-        start = from > d->created_ns ? from : d->created_ns;
+    } else { /* nothing was ever done before the oldest sample (nor before the device existed) */
+        start = from;
         done_start = 0;
     }
     if (now < start + SIM_SAMPLE_NS / 5)

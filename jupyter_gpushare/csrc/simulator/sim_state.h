@@ -96,8 +96,10 @@ struct sim_visible {
 /* -- state (sim_state.c) ---------------------------------------------------------------------- */
 
 /* Maps the state file and registers the devices of GPUSHARE_SIM_DEVICES; 0 on success. Safe to
- * call from several threads (runs once per process). */
-int sim_open(void);
+ * call from several threads. The driver opens once per process (reopen_if_changed = 0); NVML
+ * opens again when the environment (GPUSHARE_SIM_*, *_VISIBLE_DEVICES) changed since, so that a
+ * process can look at several simulated machines one after another. */
+int sim_open(int reopen_if_changed);
 extern struct sim_state *sim_state;
 
 /* Devices of GPUSHARE_SIM_DEVICES after NVIDIA_VISIBLE_DEVICES (the "machine"); the CUDA view also

@@ -1,0 +1,248 @@
+"""The GPU simulator seen from Python: the environment that points a process at the simulated
+``libcuda.so.1`` / ``libnvidia-ml.so.1``, and a read-only view of the simulator's shared state.
+
+The simulator itself is C (``csrc/simulator/``, built into ``_lib/sim/``). Every process that
+loads it maps one state file (``GPUSHARE_SIM_STATE``) holding the simulated devices' time lines,
+memory in use and per-process accounting; :class:`SimState` reads that file with the same layout
+(``csrc/simulator/sim_state.h``), for tests and diagnostics.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import subprocess
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from jupyter_gpushare.inventory import Gpu, simulator_device_list
+from jupyter_gpushare.paths import lib_dir
+
+#: Marker set in every simulated process's environment; UIs show "simulated" when they see it.
+SIMULATED_MARKER = "GPUSHARE_SIMULATED"
+
+
+def sim_lib_dir() -> Path:
+    """Where the simulated ``libcuda.so.1`` and ``libnvidia-ml.so.1`` are built."""
+    return lib_dir() / "sim"
+
+
+def nvml_library() -> Path:
+    """The simulated NVML, for ``pynvml.nvmlLib = ctypes.CDLL(...)``."""
+    return sim_lib_dir() / "libnvidia-ml.so.1"
+
+
+def cuda_library() -> Path:
+    """The simulated CUDA driver."""
+    return sim_lib_dir() / "libcuda.so.1"
+
+
+def is_built() -> bool:
+    return cuda_library().exists() and nvml_library().exists()
+
+
+def build() -> None:
+    """Builds the C libraries (``make -C jupyter_gpushare/csrc``) in a source checkout; a wheel
+    ships them prebuilt."""
+    csrc = Path(__file__).resolve().parent / "csrc"
+    subprocess.run(["make", "-s", "-C", str(csrc)], check=True)
+
+
+def _fnv1a64(text: str) -> int:
+    value = 1469598103934665603
+    for byte in text.encode():
+        value ^= byte
+        value = (value * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return value
+
+
+def default_state_path(devices: str) -> Path:
+    """The state file the simulator uses when ``GPUSHARE_SIM_STATE`` is unset (same rule as the C
+    code: per user and per device list, in /dev/shm when it exists)."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    return base / f"gpushare-sim-{os.getuid()}-{_fnv1a64(devices):016x}"
+
+
+def simulator_env(
+    gpus: Iterable[Gpu],
+    state_path: str | os.PathLike[str] | None = None,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment variables that make a process use the simulated GPUs ``gpus``.
+
+    Returns only the variables to set (merge them into the process's environment):
+    ``GPUSHARE_SIMULATED=1``, ``GPUSHARE_SIM_DEVICES``, ``GPUSHARE_SIM_STATE`` and
+    ``LD_LIBRARY_PATH`` with ``_lib/sim`` first (keeping ``base``'s value after it; ``base``
+    defaults to ``os.environ``). Narrow the devices a process sees with ``CUDA_VISIBLE_DEVICES``
+    (UUIDs or indices), as on a real machine.
+    """
+    base = os.environ if base is None else base
+    devices = simulator_device_list(gpus)
+    state = Path(state_path) if state_path is not None else default_state_path(devices)
+    previous = base.get("LD_LIBRARY_PATH", "")
+    parts = [str(sim_lib_dir())] + [p for p in previous.split(":") if p and p != str(sim_lib_dir())]
+    return {
+        SIMULATED_MARKER: "1",
+        "GPUSHARE_SIM_DEVICES": devices,
+        "GPUSHARE_SIM_STATE": str(state),
+        "LD_LIBRARY_PATH": ":".join(parts),
+    }
+
+
+# -- reading the shared state (layout of csrc/simulator/sim_state.h) ------------------------------
+
+MAX_DEVICES = 64
+MAX_PROCS = 256
+SAMPLES = 64
+_MAGIC = 0x314D534853504721
+_VERSION = 1
+
+
+class _Sample(ctypes.Structure):
+    _fields_ = [("seq", ctypes.c_uint64), ("t", ctypes.c_uint64), ("done", ctypes.c_uint64),
+                ("until", ctypes.c_uint64)]
+
+
+class _Device(ctypes.Structure):
+    _fields_ = [
+        ("uuid", ctypes.c_char * 96),
+        ("name", ctypes.c_char * 96),
+        ("total_bytes", ctypes.c_uint64),
+        ("sms", ctypes.c_uint32),
+        ("reserved0", ctypes.c_uint32),
+        ("created_ns", ctypes.c_uint64),
+        ("busy_until", ctypes.c_uint64),
+        ("busy_total", ctypes.c_uint64),
+        ("mem_used", ctypes.c_uint64),
+        ("launches", ctypes.c_uint64),
+        ("samples", _Sample * SAMPLES),
+    ]
+
+
+class _ProcDevice(ctypes.Structure):
+    _fields_ = [
+        ("mem", ctypes.c_uint64),
+        ("busy", ctypes.c_uint64),
+        ("last_end", ctypes.c_uint64),
+        ("contexts", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+        ("sample_t", ctypes.c_uint64),
+        ("sample_busy", ctypes.c_uint64),
+    ]
+
+
+class _Proc(ctypes.Structure):
+    _fields_ = [
+        ("pid", ctypes.c_int32),
+        ("reserved", ctypes.c_uint32),
+        ("start_time", ctypes.c_uint64),
+        ("instance", ctypes.c_uint64),
+        ("dev", _ProcDevice * MAX_DEVICES),
+    ]
+
+
+class _State(ctypes.Structure):
+    _fields_ = [
+        ("magic", ctypes.c_uint64),
+        ("version", ctypes.c_uint32),
+        ("max_devices", ctypes.c_uint32),
+        ("size", ctypes.c_uint64),
+        ("ndev", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+        ("dev", _Device * MAX_DEVICES),
+        ("proc", _Proc * MAX_PROCS),
+    ]
+
+
+@dataclass(frozen=True)
+class SimDevice:
+    """One simulated device as the shared state holds it."""
+
+    uuid: str
+    name: str
+    total_bytes: int
+    sms: int
+    mem_used: int
+    busy_total_ns: int  # all kernel time ever scheduled on it
+    busy_until_ns: int  # CLOCK_MONOTONIC instant its last scheduled kernel ends
+    launches: int
+
+    def busy_done_ns(self, now_ns: int | None = None) -> int:
+        """Kernel time completed by ``now_ns`` (work ahead of now is one contiguous stretch)."""
+        now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        return max(0, self.busy_total_ns - max(0, self.busy_until_ns - now_ns))
+
+
+@dataclass(frozen=True)
+class SimProcess:
+    """A process using the simulated devices: its memory and kernel time per device UUID."""
+
+    pid: int
+    memory: dict[str, int]
+    busy_ns: dict[str, int]
+    contexts: dict[str, int]
+
+
+class SimState:
+    """A read-only snapshot reader of a simulator state file."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def _read(self) -> _State:
+        size = ctypes.sizeof(_State)
+        with open(self.path, "rb") as f:
+            if os.fstat(f.fileno()).st_size != size:
+                raise ValueError(f"{self.path} is not a simulator state file of this version")
+            with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as view:
+                state = _State.from_buffer_copy(view)
+        if state.magic != _MAGIC or state.version != _VERSION:
+            raise ValueError(f"{self.path} is not a simulator state file of this version")
+        return state
+
+    def devices(self) -> list[SimDevice]:
+        state = self._read()
+        return [_device(state.dev[i]) for i in range(min(state.ndev, MAX_DEVICES))]
+
+    def device(self, uuid: str) -> SimDevice:
+        for dev in self.devices():
+            if dev.uuid == uuid:
+                return dev
+        raise KeyError(uuid)
+
+    def processes(self) -> list[SimProcess]:
+        """Processes holding a record (the simulator reaps records of exited processes when it
+        next looks, so a just-killed process may still be listed)."""
+        state = self._read()
+        uuids = [state.dev[i].uuid.decode() for i in range(min(state.ndev, MAX_DEVICES))]
+        out = []
+        for proc in state.proc:
+            if proc.pid <= 0:
+                continue
+            out.append(
+                SimProcess(
+                    pid=proc.pid,
+                    memory={u: proc.dev[i].mem for i, u in enumerate(uuids) if proc.dev[i].mem},
+                    busy_ns={u: proc.dev[i].busy for i, u in enumerate(uuids) if proc.dev[i].busy},
+                    contexts={
+                        u: proc.dev[i].contexts for i, u in enumerate(uuids) if proc.dev[i].contexts
+                    },
+                )
+            )
+        return out
+
+
+def _device(raw: _Device) -> SimDevice:
+    return SimDevice(
+        uuid=raw.uuid.decode(),
+        name=raw.name.decode(),
+        total_bytes=raw.total_bytes,
+        sms=raw.sms,
+        mem_used=raw.mem_used,
+        busy_total_ns=raw.busy_total,
+        busy_until_ns=raw.busy_until,
+        launches=raw.launches,
+    )

@@ -1,0 +1,136 @@
+"""The simulated CUDA driver, driven by a real driver-API program (sim_driver_test.c)."""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+
+from simmachine import SimMachine
+
+MS = 1_000_000  # ns
+
+
+def hex_uuid(gpu_uuid: str) -> str:
+    return uuid.UUID(gpu_uuid.removeprefix("GPU-")).hex
+
+
+def test_devices_come_from_the_device_list(sim_machine: SimMachine) -> None:
+    info = sim_machine.run("info")
+    assert info["driver"] == "13000"
+    assert info["count"] == str(len(sim_machine.gpus))
+    for i, gpu in enumerate(sim_machine.gpus):
+        assert info[f"name{i}"] == gpu.name
+        assert info[f"uuid{i}"] == hex_uuid(gpu.uuid)
+        assert int(info[f"total{i}"]) == gpu.memory
+        assert info[f"sms{i}"] == "108"
+        assert info[f"cc{i}"] == "8.0"
+
+
+def test_cuda_visible_devices_by_uuid_index_and_prefix(sim_machine: SimMachine) -> None:
+    first, second = sim_machine.gpus
+    cases = {
+        second.uuid: [second],
+        f"{second.uuid},{first.uuid}": [second, first],
+        "1,0": [second, first],
+        "1": [second],
+        second.uuid[:12]: [second],  # a unique UUID prefix, as the real driver accepts
+        f"0,{first.uuid}": [first],  # a repeated device ends the list
+        "0,7,1": [first],  # so does an unknown one
+    }
+    for value, expected in cases.items():
+        info = sim_machine.run("info", env={**sim_machine.env, "CUDA_VISIBLE_DEVICES": value})
+        assert info["count"] == str(len(expected)), value
+        assert [info[f"uuid{i}"] for i in range(len(expected))] == [
+            hex_uuid(g.uuid) for g in expected
+        ], value
+
+
+def test_no_visible_device_fails_init(sim_machine: SimMachine) -> None:
+    proc = sim_machine.start("info", env={**sim_machine.env, "CUDA_VISIBLE_DEVICES": ""})
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert "CUDA_ERROR_NO_DEVICE" in err
+
+
+def test_driver_api_selftest(sim_machine: SimMachine) -> None:
+    """Contexts, streams, events, memory, copies, pools, VMM, arrays, graphs, entry points."""
+    proc = sim_machine.start("selftest")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "selftest ok" in out
+
+
+def test_busy_kernels_take_their_time(sim_machine: SimMachine) -> None:
+    out = sim_machine.run("busy", "1000", "500")
+    # Events measure device time exactly; launching is asynchronous and cheap.
+    assert 500.0 <= float(out["event_ms"]) <= 500.01
+    assert float(out["launch_ms"]) < 100
+    assert 500.0 <= float(out["wall_ms"]) < 650
+    dev = sim_machine.state().device(sim_machine.gpus[0].uuid)
+    assert dev.busy_total_ns == 500 * MS
+    assert dev.launches == 500
+
+
+def _together(machine: SimMachine, devices: tuple[int, int]) -> tuple[float, list[dict[str, str]]]:
+    """Two processes, each 500 x busy_us(1000), started at the same instant; returns the time
+    from that instant until the last one finished (ms) and their outputs."""
+    start = time.monotonic_ns() + 400 * MS
+    procs = [
+        machine.start("busy", "1000", "500", str(dev), "nb", str(start)) for dev in devices
+    ]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        outs.append(dict(line.split("=", 1) for line in out.splitlines()))
+    finished = max(float(o["end_ns"]) for o in outs)
+    return (finished - start) / MS, outs
+
+
+def test_two_processes_share_one_device_in_time(sim_machine: SimMachine) -> None:
+    span, outs = _together(sim_machine, (0, 0))
+    # The device runs one kernel at a time: 1 s of kernels takes 1 s, whoever launched them.
+    assert 1000.0 <= span < 1250, span
+    dev = sim_machine.state().device(sim_machine.gpus[0].uuid)
+    assert dev.busy_total_ns == 1000 * MS
+    first_launch = min(int(float(o["start_ns"])) for o in outs)
+    assert 1000 * MS <= dev.busy_until_ns - first_launch < 1010 * MS  # no idle gap inside
+
+
+def test_two_processes_on_two_devices_run_in_parallel(sim_machine: SimMachine) -> None:
+    span, _ = _together(sim_machine, (0, 1))
+    assert 500.0 <= span < 750, span
+    for gpu in sim_machine.gpus:
+        assert sim_machine.state().device(gpu.uuid).busy_total_ns == 500 * MS
+
+
+def test_memory_is_charged_and_returned_when_a_process_dies(sim_machine: SimMachine) -> None:
+    gpu = sim_machine.gpus[0]
+    holder = sim_machine.hold(3 << 30, 10)
+    state = sim_machine.state()
+    assert state.device(gpu.uuid).mem_used == 3 << 30
+    [proc] = [p for p in state.processes() if p.pid == holder.pid]
+    assert proc.memory == {gpu.uuid: 3 << 30}
+    assert proc.contexts == {gpu.uuid: 1}
+    # Another process sees the device's memory as taken.
+    second = sim_machine.hold(gpu.memory - (3 << 30), 10)
+    assert state.device(gpu.uuid).mem_used == gpu.memory
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    # Whoever looks next (here: a process that allocates) reaps the dead process's memory.
+    third = sim_machine.hold(1 << 30, 10)
+    assert state.device(gpu.uuid).mem_used == gpu.memory - (3 << 30) + (1 << 30)
+    assert {p.pid for p in state.processes()} == {second.pid, third.pid}
+    for proc in (second, third):
+        proc.send_signal(signal.SIGTERM)
+        proc.wait()
+
+
+def test_allocation_beyond_free_memory_fails(sim_machine: SimMachine) -> None:
+    gpu = sim_machine.gpus[0]
+    sim_machine.hold(gpu.memory - (1 << 20), 10)
+    proc = sim_machine.start("hold", str(2 << 20), "10")
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in err

@@ -1,0 +1,119 @@
+"""The simulated NVML, read through nvidia-ml-py (pynvml) in this process, while real processes
+use the simulated driver."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pynvml
+import pytest
+from simmachine import SimMachine
+
+from jupyter_gpushare.inventory import TypeAliases, discover_nvml
+from jupyter_gpushare.simulator import nvml_library
+
+
+@pytest.fixture
+def nvml(sim_machine: SimMachine, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """pynvml bound to the simulated libnvidia-ml.so.1, looking at this test's machine."""
+    for key, value in sim_machine.env.items():
+        if key.startswith("GPUSHARE_"):
+            monkeypatch.setenv(key, value)
+    monkeypatch.delenv("NVIDIA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(pynvml, "nvmlLib", ctypes.CDLL(str(nvml_library())))
+    monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
+    pynvml.nvmlInit()
+    yield pynvml
+    pynvml.nvmlShutdown()
+
+
+def handles(nvml: Any) -> list[Any]:
+    return [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+
+
+def test_devices_names_and_uuids(nvml: Any, sim_machine: SimMachine) -> None:
+    found = handles(nvml)
+    assert len(found) == len(sim_machine.gpus)
+    for i, (h, gpu) in enumerate(zip(found, sim_machine.gpus, strict=True)):
+        assert nvml.nvmlDeviceGetName(h) == gpu.name  # the product name, as a real GPU reports
+        assert nvml.nvmlDeviceGetUUID(h) == gpu.uuid
+        assert nvml.nvmlDeviceGetIndex(h) == i
+        same = nvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
+        assert nvml.nvmlDeviceGetIndex(same) == i
+        assert nvml.nvmlDeviceGetPciInfo(h).busId
+        assert nvml.nvmlDeviceGetRetiredPagesPendingStatus(h) == 0
+        assert nvml.nvmlDeviceGetCudaComputeCapability(h) == (8, 0)
+    with pytest.raises(nvml.NVMLError_NotFound):
+        nvml.nvmlDeviceGetHandleByUUID("GPU-00000000-0000-0000-0000-000000000000")
+    assert nvml.nvmlSystemGetCudaDriverVersion() == 13000
+    assert nvml.nvmlSystemGetDriverVersion()
+
+
+def test_idle_device(nvml: Any, sim_machine: SimMachine) -> None:
+    h = handles(nvml)[0]
+    mem = nvml.nvmlDeviceGetMemoryInfo(h)
+    assert (mem.total, mem.used, mem.free) == (sim_machine.gpus[0].memory, 0, mem.total)
+    mem2 = nvml.nvmlDeviceGetMemoryInfo(h, version=nvml.nvmlMemory_v2)
+    assert (mem2.total, mem2.used) == (mem.total, 0)
+    assert nvml.nvmlDeviceGetUtilizationRates(h).gpu == 0
+    assert nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU) == 35
+    assert nvml.nvmlDeviceGetPowerUsage(h) == 60_000  # mW
+    assert nvml.nvmlDeviceGetEnforcedPowerLimit(h) == 400_000
+    assert nvml.nvmlDeviceGetComputeRunningProcesses(h) == []
+
+
+def test_busy_process_shows_in_memory_utilisation_and_process_list(
+    nvml: Any, sim_machine: SimMachine
+) -> None:
+    busy, idle = handles(nvml)
+    holder = sim_machine.hold(5 << 30, 3000, device=0)
+    time.sleep(1.1)  # a full utilisation window into the 3 s of work
+    assert nvml.nvmlDeviceGetUtilizationRates(busy).gpu >= 98
+    assert nvml.nvmlDeviceGetUtilizationRates(idle).gpu == 0
+    assert nvml.nvmlDeviceGetTemperature(busy, 0) >= 78
+    assert nvml.nvmlDeviceGetPowerUsage(busy) >= 390_000
+    assert nvml.nvmlDeviceGetMemoryInfo(busy).used == 5 << 30
+    assert nvml.nvmlDeviceGetMemoryInfo(idle).used == 0
+    [proc] = nvml.nvmlDeviceGetComputeRunningProcesses(busy)
+    assert (proc.pid, proc.usedGpuMemory) == (holder.pid, 5 << 30)
+    assert nvml.nvmlDeviceGetComputeRunningProcesses(idle) == []
+    [sample] = nvml.nvmlDeviceGetProcessUtilization(busy, 0)
+    assert sample.pid == holder.pid
+
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    # The dead process's memory is back and it is no longer listed.
+    assert nvml.nvmlDeviceGetMemoryInfo(busy).used == 0
+    assert nvml.nvmlDeviceGetComputeRunningProcesses(busy) == []
+
+
+def test_utilisation_is_the_busy_fraction_of_the_last_second(
+    nvml: Any, sim_machine: SimMachine
+) -> None:
+    h = handles(nvml)[0]
+    # 400 ms of work, then idle: a second later the last second held none of it... but 700 ms
+    # after the start the window [-300 ms, 700 ms] held all 400 ms of it.
+    start = time.monotonic()
+    sim_machine.run("busy", "1000", "400")
+    time.sleep(max(0.0, start + 0.7 - time.monotonic()))
+    util = nvml.nvmlDeviceGetUtilizationRates(h).gpu
+    assert 35 <= util <= 45, util
+    time.sleep(1.05)
+    assert nvml.nvmlDeviceGetUtilizationRates(h).gpu == 0
+
+
+def test_inventory_discovers_the_simulated_gpus(nvml: Any, sim_machine: SimMachine) -> None:
+    """jupyter_gpushare.inventory reads the simulated NVML like a real one."""
+    pynvml.nvmlShutdown()  # discover_nvml initialises on its own
+    try:
+        gpus = discover_nvml(TypeAliases(), node="simtest", library=str(nvml_library()))
+    finally:
+        pynvml.nvmlInit()
+    assert [(g.uuid, g.name, g.memory) for g in gpus] == [
+        (g.uuid, g.name, g.memory) for g in sim_machine.gpus
+    ]
+    assert all(g.simulated and g.healthy for g in gpus)

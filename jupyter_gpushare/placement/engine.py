@@ -29,6 +29,7 @@ long-lived placer (a Kubernetes watch, a benchmark) pays O(GPUs + allocations) o
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -140,25 +141,34 @@ class Placer:
         policy: Policy | None = None,
     ) -> None:
         self.policy = policy if policy is not None else Policy()
+        self.inventory = tuple(gpus)
         self.gpus: dict[str, GpuState] = {}
         self.nodes: dict[str, NodeState] = {}
-        for gpu in gpus:
+        for gpu in self.inventory:
             state = GpuState(gpu)
             if gpu.uuid in self.gpus:  # a UUID published twice: the last one wins
                 self.nodes[self.gpus[gpu.uuid].node].gpus.remove(self.gpus[gpu.uuid])
             self.gpus[gpu.uuid] = state
-            self.nodes.setdefault(gpu.node, NodeState(gpu.node)).gpus.append(state)
+            node = self.nodes.get(gpu.node)
+            if node is None:
+                node = self.nodes[gpu.node] = NodeState(gpu.node)
+            node.gpus.append(state)
         for node in self.nodes.values():
             node.gpus.sort(key=lambda g: (g.index, g.uuid))
         self.kinds = frozenset(g.kind for g in self.gpus.values())
+        #: (node, kind) -> (how many GPUs, the most memory of one): what exists, used or not
+        self._census: dict[tuple[str, Kind], tuple[int, int]] = {}
+        for g in self.gpus.values():
+            n, memory = self._census.get((g.node, g.kind), (0, 0))
+            self._census[(g.node, g.kind)] = (n + 1, max(memory, g.gpu.memory))
         self.types = frozenset(g.type for g in self.gpus.values())
         self.allocations: dict[str, Allocation] = {}
         #: label -> GPU UUID -> number of holders with that label (also GPUs not in inventory)
         self.groups: dict[str, dict[str, Allocation]] = {}  # affinity label -> members
         self.anti: dict[str, dict[str, int]] = {}
         self._filters: dict[tuple[str | None, Policy, int], TypeFilter] = {}
-        self._checked: set[tuple[Any, ...]] = set()  # requests that passed check_request
-        for allocation in allocations:
+        self._limits: dict[TypeFilter, Limits] = {}
+        for allocation in {a.id: a for a in allocations}.values():  # an id counts once
             self._apply(allocation, +1, None)
         for node in self.nodes.values():
             node.refresh()
@@ -194,7 +204,7 @@ class Placer:
             self.remove(allocation_id)
         for allocation_id, allocation in current.items():
             known = self.allocations.get(allocation_id)
-            if known is None or (known is not allocation and _usage(known) != _usage(allocation)):
+            if known is None or (known is not allocation and not _same_usage(known, allocation)):
                 self.add(allocation)
             elif known is not allocation:
                 self.allocations[allocation_id] = allocation
@@ -276,11 +286,10 @@ class Placer:
     def check(self, spec: ShareSpec, policy: Policy) -> TypeFilter:
         """Refuse (:class:`ShareError`) what no state of this cluster could ever hold."""
         types = self.type_filter(spec, policy)
-        check_labels(spec)
-        key = (spec.gpu_count, spec.gpu_memory, spec.gpu_labels.affinity is not None, types)
-        if key not in self._checked:
-            check_request(spec, types, [g.gpu for g in self.gpus.values()])
-            self._checked.add(key)
+        limits = self._limits.get(types)
+        if limits is None:
+            limits = self._limits[types] = Limits.of(self._census, types)
+        limits.check(spec, types)
         return types
 
     def _place_share(self, spec: ShareSpec, policy: Policy, types: TypeFilter) -> Placement | None:
@@ -369,29 +378,52 @@ class Placer:
 
 
 
-def check_request(spec: ShareSpec, types: TypeFilter, gpus: Sequence[Gpu]) -> None:
-    """:class:`ShareError` for a request no state of this inventory could ever satisfy."""
-    if not gpus:
-        raise ShareError("gpu_type", spec.gpu_type, "a GPU in the inventory; there are none")
-    check_labels(spec)
-    pool = [g for g in gpus if types.admits((g.type, g.name))]
-    if spec.gpu_count > 1:
+@dataclass(frozen=True)
+class Limits:
+    """What the admitted GPUs of an inventory allow at most, whatever is running on them."""
+
+    gpus: int
+    most_on_one_node: int  # admitted GPUs of one type on one node
+    largest_memory: int
+
+    @classmethod
+    def of(cls, census: dict[tuple[str, Kind], tuple[int, int]], types: TypeFilter) -> Limits:
+        """From a census: (node, kind) -> (GPUs, most memory of one)."""
         per_node: dict[tuple[str, str], int] = {}
-        for g in pool:
-            per_node[(g.node, g.type)] = per_node.get((g.node, g.type), 0) + 1
-        most = max(per_node.values(), default=0)
-        if spec.gpu_count > most:
+        largest = 0
+        for (node, kind), (n, memory) in census.items():
+            if types.admits(kind):
+                per_node[(node, kind[0])] = per_node.get((node, kind[0]), 0) + n
+                largest = max(largest, memory)
+        total = sum(n for n, _ in census.values())
+        return cls(total, max(per_node.values(), default=0), largest)
+
+    def check(self, spec: ShareSpec, types: TypeFilter) -> None:
+        """:class:`ShareError` for a request no state of this inventory could ever satisfy."""
+        if not self.gpus:
+            raise ShareError("gpu_type", spec.gpu_type, "a GPU in the inventory; there are none")
+        check_labels(spec)
+        if spec.gpu_count > self.most_on_one_node and spec.gpu_count > 1:
             raise ShareError(
                 "gpu_count", spec.gpu_count,
-                f"at most {most} (the most {types.label}s of one type on one node)",
+                f"at most {self.most_on_one_node} (the most {types.label}s of one type on one "
+                "node)",
             )
-    if spec.gpu_memory is not None:
-        largest = max((g.memory for g in pool), default=0)
-        if spec.gpu_memory > largest:
+        if spec.gpu_memory is not None and spec.gpu_memory > self.largest_memory:
             raise ShareError(
                 "gpu_memory", format_bytes(spec.gpu_memory),
-                f"at most {format_bytes(largest)} (the memory of the largest {types.label})",
+                f"at most {format_bytes(self.largest_memory)} (the memory of the largest "
+                f"{types.label})",
             )
+
+
+def check_request(spec: ShareSpec, types: TypeFilter, gpus: Sequence[Gpu]) -> None:
+    """:class:`ShareError` for a request no state of ``gpus`` could ever satisfy."""
+    census: dict[tuple[str, Kind], tuple[int, int]] = {}
+    for g in gpus:
+        n, memory = census.get((g.node, (g.type, g.name)), (0, 0))
+        census[(g.node, (g.type, g.name))] = (n + 1, max(memory, g.memory))
+    Limits.of(census, types).check(spec, types)
 
 
 def check_labels(spec: ShareSpec) -> None:
@@ -431,10 +463,21 @@ def _count(index: dict[str, dict[str, int]], label: str | None, uuid: str, sign:
             del index[label]
 
 
-def _usage(a: Allocation) -> tuple[Any, ...]:
-    """What of an allocation placement depends on (an update changing anything else is a no-op
-    for the index)."""
-    return (a.gpus, a.spec.gpu_request, a.memory, a.spec.gpu_labels)
+def _same_usage(a: Allocation, b: Allocation) -> bool:
+    """Do ``a`` and ``b`` weigh the same in the index (a change of anything else, such as the
+    state or the pid, does not touch it)?"""
+    return (
+        a.gpus == b.gpus
+        and a.memory == b.memory
+        and a.created == b.created
+        and a.spec.gpu_request == b.spec.gpu_request
+        and a.spec.gpu_labels == b.spec.gpu_labels
+    )
+
+
+#: The last index each thread built for :func:`place`, reused when the next call has the same
+#: inventory (the ledger's retry loop, a server placing kernel after kernel).
+_recent = threading.local()
 
 
 def place(
@@ -443,6 +486,17 @@ def place(
     spec: ShareSpec,
     policy: Policy = Policy(),  # noqa: B008 - frozen, immutable default
 ) -> Placement:
-    """Where ``spec`` goes given ``gpus`` and the live ``allocations``: pure, builds a fresh
-    index (O(GPUs + allocations)); long-lived callers keep a :class:`Placer` instead."""
-    return Placer(gpus, allocations, policy).place(spec)
+    """Where ``spec`` goes given ``gpus`` and the live ``allocations``.
+
+    Pure: the answer depends on the arguments only. To stay fast on big clusters it reuses the
+    index this thread built on its previous call when the inventory is the same (compared in
+    full) and brings it up to date with :meth:`Placer.sync` (only allocations that changed are
+    touched); otherwise it builds a fresh one (O(GPUs + allocations))."""
+    inventory = tuple(gpus)
+    placer: Placer | None = getattr(_recent, "placer", None)
+    if placer is None or placer.inventory != inventory:
+        placer = Placer(inventory, allocations)
+        _recent.placer = placer
+    else:
+        placer.sync(allocations)
+    return placer.place(spec, policy)

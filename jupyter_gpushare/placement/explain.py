@@ -48,12 +48,11 @@ def _open(g: GpuState, policy: Policy) -> bool:
 
 
 def _share_reason(placer: Placer, spec: ShareSpec, policy: Policy, types: TypeFilter) -> str:
-    what = types.label
-    pool = [g for g in placer.gpus.values() if types.admits(g.kind)]
-    labels = spec.gpu_labels
-    anchor = placer.anchor(labels.affinity)
+    anchor = placer.anchor(spec.gpu_labels.affinity)
     if anchor is not None:
         return _affinity_reason(placer, spec, policy, types, anchor)
+    what = types.label
+    pool = [g for g in placer.gpus.values() if types.admits(g.kind)]
     request = to_units(spec.gpu_request)
     wanted = _fmt(spec.gpu_request)
     open_ = [g for g in pool if _open(g, policy)]
@@ -265,9 +264,10 @@ def _whole_reason(placer: Placer, spec: ShareSpec, policy: Policy, types: TypeFi
     pool = [g for g in placer.gpus.values() if types.admits(g.kind)]
     most = max(_whole_free(placer, spec, policy, types).values(), default=0)
     nodes = len({g.node for g in pool})
+    census = _census(pool, policy, what, f" on {_plural(nodes, 'node')}")
     return (
-        f"no node has {spec.gpu_count} whole {what}s free ({_census(pool, policy, what)} on "
-        f"{_plural(nodes, 'node')}, at most {most} whole free on one node)"
+        f"no node has {spec.gpu_count} whole {what}s free ({census}; at most {most} whole free "
+        "on one node)"
     )
 
 
@@ -287,8 +287,8 @@ def _whole_suggestions(
 # -- wording -------------------------------------------------------------------------------------
 
 
-def _census(pool: list[GpuState], policy: Policy, what: str) -> str:
-    text = _plural(len(pool), what)
+def _census(pool: list[GpuState], policy: Policy, what: str, where: str = "") -> str:
+    text = _plural(len(pool), what) + where
     unhealthy = sum(1 for g in pool if not g.gpu.healthy)
     cordoned = sum(1 for g in pool if g.gpu.healthy and not _open(g, policy))
     if unhealthy:

@@ -135,6 +135,19 @@ def test_type_is_case_insensitive_and_accepts_product_labels() -> None:
     assert place(gpus, [], share(), custom).node == "n1"
 
 
+def test_node_labels_and_product_names_map_to_aliases() -> None:
+    """``nvidia.com/gpu.product`` labels and NVML names select by alias, case-insensitively, and
+    a shorter alias does not swallow a longer one (A10 is not A100)."""
+    aliases = TypeAliases()
+    for label, alias in (("NVIDIA-A100-SXM4-80GB", "A100"), ("nvidia-a100-pcie-40gb", "A100"),
+                         ("NVIDIA-A10G", "A10"), ("Tesla-T4", "T4"), ("NVIDIA A10", "A10"),
+                         ("NVIDIA-H100-80GB-HBM3", "H100")):
+        assert aliases.alias_for(label) == alias, label
+    gpus = [*cluster("1xA100"), gpu("n1", 0, "L4")]
+    assert place(gpus, [], share(gpu_type="nvidia-l4")).node == "n1"
+    assert place(gpus, [], share(), Policy(exclude_types=("NVIDIA-A100-PCIE-40GB",))).node == "n1"
+
+
 def test_several_wanted_types_and_excluded_types() -> None:
     gpus = cluster("1xT4", "1xA100", "1xH100")
     policy = Policy(gpu_types=("A100", "H100"), node="spread")
@@ -236,12 +249,12 @@ def test_exclusive_gpus_hold_only_their_label() -> None:
     assert not violations(gpus, both)
     with pytest.raises(PlacementRefused) as refused:
         place(gpus, both, share(0.25, labels={"exclusive": "other"}))
-    assert "hold shares not labelled exclusive 'other'" in refused.value.message
+    assert "2 hold shares not labelled exclusive 'other'" in refused.value.message
     assert "0.25 without exclusive 'other'" in refused.value.suggestions
     full = [*both, record(Placement("n0", ("GPU-n0-0",), 1), share(0.5), gpus)]
     with pytest.raises(PlacementRefused) as refused:
         place(gpus, full, share(0.25))
-    assert "1 are exclusive to 'team'" in refused.value.message
+    assert "1 is exclusive to 'team'" in refused.value.message
 
 
 def test_conflicting_labels_are_errors() -> None:
@@ -311,6 +324,32 @@ def _outcome(fn, spec):  # type: ignore[no-untyped-def]
         return fn(spec)
     except PlacementRefused:
         return "refused"
+
+
+def test_place_is_pure_across_calls() -> None:
+    """place() reuses its thread's index between calls; a different inventory, a flag flipped
+    on one GPU, or a different snapshot must never leak from one call into the next."""
+    gpus = cluster("2xA100")
+    allocations = fill(gpus, [share(0.5)])
+    assert place(gpus, allocations, share(0.5)).gpus == ("GPU-n0-0",)
+    cordoned = [replace(gpus[0], cordoned=True), gpus[1]]
+    assert place(cordoned, allocations, share(0.5)).gpus == ("GPU-n0-1",)
+    assert place(gpus, [], share(0.75)).gpus == ("GPU-n0-0",)
+    moved = [replace(allocations[0], gpus=("GPU-n0-1",))]
+    assert place(gpus, moved, share(0.75)).gpus == ("GPU-n0-0",)
+    assert place(gpus, moved, share(0.5)).gpus == ("GPU-n0-1",)
+    assert place(gpus, [*moved, *moved], share(0.5)).gpus == ("GPU-n0-1",)  # an id counts once
+
+
+def test_affinity_anchor_is_the_earliest_member() -> None:
+    """Racing placers may leave a group on two GPUs for a moment; every placer agrees the group's
+    GPU is its earliest member's."""
+    gpus = cluster("2xA100")
+    spec = share(0.25, labels={"affinity": "g"})
+    later = replace(record(Placement("n0", ("GPU-n0-0",), 1), spec, gpus), created=2.0)
+    first = replace(record(Placement("n0", ("GPU-n0-1",), 1), spec, gpus), created=1.0)
+    assert place(gpus, [later, first], spec).gpus == ("GPU-n0-1",)
+    assert naive_place(gpus, [later, first], spec).gpus == ("GPU-n0-1",)
 
 
 # -- configuration -------------------------------------------------------------------------------

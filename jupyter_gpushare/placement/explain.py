@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from ..inventory import GiB
 from ..share import GpuLabels, ShareError, ShareSpec, format_bytes
 from .engine import UNITS, GpuState, PlacementRefused, from_units, to_units
 from .policy import Policy, TypeFilter, resolve_types
@@ -34,7 +35,7 @@ def refusal(placer: Placer, spec: ShareSpec, policy: Policy, types: TypeFilter) 
     if suggestions:
         message = f"{reason}; {' or '.join(suggestions)} would fit"
     else:
-        message = f"{reason}; nothing smaller fits now either"
+        message = f"{reason}; nothing else fits now either"
     return PlacementRefused(message, suggestions)
 
 
@@ -91,13 +92,13 @@ def _label_reasons(placer: Placer, spec: ShareSpec, gpus: list[GpuState]) -> str
     if foreign:
         if labels.exclusive:
             parts.append(
-                f"{len(foreign)} hold shares not labelled exclusive '{labels.exclusive}'"
+                f"{_verb(len(foreign), 'holds', 'hold')} shares not labelled exclusive "
+                f"'{labels.exclusive}'"
             )
         else:
             names = sorted({x for g in foreign for x in g.exclusive if x})
-            parts.append(
-                f"{len(foreign)} are exclusive to " + ", ".join(f"'{n}'" for n in names)
-            )
+            owners = ", ".join(f"'{n}'" for n in names)
+            parts.append(f"{_verb(len(foreign), 'is', 'are')} exclusive to {owners}")
     return "; ".join(parts) or "locality labels"
 
 
@@ -185,9 +186,16 @@ def _less_memory(
         ):
             best[g.type] = max(best.get(g.type, 0), g.mem_free)
     return [
-        f"{_fmt(spec.gpu_request)} with {format_bytes(mem)} on {t}"
+        f"{_fmt(spec.gpu_request)} with {format_bytes(_round_down(mem))} on {t}"
         for t, mem in sorted(best.items(), key=lambda kv: -kv[1])
+        if _round_down(mem) > 0
     ]
+
+
+def _round_down(memory: int) -> int:
+    """A size that prints exactly and is not more than ``memory``: whole GiB, else whole MiB."""
+    unit = GiB if memory >= GiB else 2**20
+    return memory // unit * unit
 
 
 def _labels_ok(placer: Placer, spec: ShareSpec, g: GpuState) -> bool:
@@ -265,10 +273,8 @@ def _whole_reason(placer: Placer, spec: ShareSpec, policy: Policy, types: TypeFi
     most = max(_whole_free(placer, spec, policy, types).values(), default=0)
     nodes = len({g.node for g in pool})
     census = _census(pool, policy, what, f" on {_plural(nodes, 'node')}")
-    return (
-        f"no node has {spec.gpu_count} whole {what}s free ({census}; at most {most} whole free "
-        "on one node)"
-    )
+    most_text = f"at most {most} whole free on one node" if most else "none is whole free"
+    return f"no node has {spec.gpu_count} whole {what}s free ({census}; {most_text})"
 
 
 def _whole_suggestions(
@@ -302,6 +308,10 @@ def _plural(n: int, what: str) -> str:
     if " or " in what:
         return f"{n} GPU{'s' if n != 1 else ''} ({what})"
     return f"{n} {what}{'s' if n != 1 else ''}"
+
+
+def _verb(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def _fmt(x: float) -> str:

@@ -70,7 +70,8 @@ async def nothing_left(kube: Kube, kernel_id: str, timeout: float = 30.0) -> Non
     await eventually(clean, timeout, f"kernel {kernel_id}'s pod, Secret and record to go")
 
 
-async def execute(server: Any, kernel_id: str, code: str, timeout: float = 60.0) -> str:
+async def execute(server: Any, kernel_id: str, code: str, timeout: float = 60.0,
+                  expect_error: bool = False) -> str:
     """Run ``code`` in the kernel through the server's websocket; returns its stdout."""
     url = server.url.replace("http", "ws") + f"/api/kernels/{kernel_id}/channels"
     request = HTTPRequest(url, headers={"Authorization": f"token {server.token}"})
@@ -96,6 +97,9 @@ async def execute(server: Any, kernel_id: str, code: str, timeout: float = 60.0)
             if kind == "stream":
                 out.append(msg["content"]["text"])
             elif kind == "error":
+                if expect_error:
+                    out.append(msg["content"]["ename"])
+                    continue
                 raise AssertionError("kernel error: " + "\n".join(msg["content"]["traceback"]))
             elif kind == "status" and msg["content"]["execution_state"] == "idle":
                 return "".join(out)
@@ -167,6 +171,13 @@ async def test_kernel_pod_runs_code_and_shutdown_removes_everything(
         out = await execute(server, kernel_id, code)
         assert out.split() == [*record.gpus, record.id, record.node, "42"]
 
+        # Interrupt: no process to signal from the server, so it goes as a message.
+        sleeping = asyncio.create_task(execute(server, kernel_id, "import time; time.sleep(60)",
+                                               timeout=30, expect_error=True))
+        await asyncio.sleep(2.0)
+        assert server.request("POST", f"/api/kernels/{kernel_id}/interrupt").status_code == 204
+        assert (await sleeping) == "KeyboardInterrupt"
+
         assert server.request("DELETE", f"/api/kernels/{kernel_id}").status_code == 204
         await nothing_left(kube, kernel_id, timeout=15)
     finally:
@@ -206,8 +217,6 @@ async def test_kernel_process_dies_and_is_restarted(
     kernel_id = start_kernel(server)
 
     async def die(_kube: Kube, _pod: dict[str, Any]) -> None:
-        reply = server.request("POST", f"/api/kernels/{kernel_id}/interrupt")
-        assert reply.status_code == 204
         task = asyncio.create_task(execute(server, kernel_id, "import os; os._exit(3)", 10))
         await asyncio.sleep(2)
         task.cancel()
@@ -276,7 +285,7 @@ async def test_unschedulable_kernel_fails_fast_with_the_schedulers_reason(
 ) -> None:
     server = jupyter_server_factory(extra='c.KubernetesBackendConfig.resources = '
                                           '{"requests": {"cpu": "64"}}')
-    started = time.monotonic()
+    wall, started = time.time(), time.monotonic()
     reply = server.request("POST", "/api/kernels", json={"name": "gpushare-k8s"})
     took = time.monotonic() - started
     assert reply.status_code >= 400
@@ -285,8 +294,11 @@ async def test_unschedulable_kernel_fails_fast_with_the_schedulers_reason(
     kube = await admin(control_plane)
     try:
         records = [a for a in await KubernetesLedger(kube, NAMESPACE).list()
-                   if a.extra.get("k8s_server") and a.state != "active"]
+                   if a.created >= wall - 1]
         assert records == []  # the reservation was released
+        pods = (await kube.list_pods(NAMESPACE, f"{manifests.LABEL_COMPONENT}="
+                                                f"{manifests.KERNEL_COMPONENT}"))["items"]
+        assert [p for p in pods if p["status"].get("phase") == "Pending"] == []
     finally:
         await kube.close()
     print(f"refused in {took:.1f} s")

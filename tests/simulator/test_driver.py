@@ -134,3 +134,26 @@ def test_allocation_beyond_free_memory_fails(sim_machine: SimMachine) -> None:
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 1
     assert "CUDA_ERROR_OUT_OF_MEMORY" in err
+
+
+def test_processes_starting_together_share_one_state(sim_machine: SimMachine) -> None:
+    """Many processes creating the state file at once: one initialisation, one device table."""
+    procs = [sim_machine.start("info") for _ in range(8)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert "count=2" in out
+    devices = sim_machine.state().devices()
+    assert [d.uuid for d in devices] == [g.uuid for g in sim_machine.gpus]
+
+
+def test_a_state_file_of_another_version_is_replaced(sim_machine: SimMachine) -> None:
+    for junk in (b"not a state file", bytes(4096)):
+        sim_machine.state_path.write_bytes(junk)
+        assert sim_machine.run("info")["count"] == "2"
+        assert len(sim_machine.state().devices()) == 2
+    # Same size, other magic: replaced as well.
+    size = sim_machine.state_path.stat().st_size
+    sim_machine.state_path.write_bytes(b"\x01" * size)
+    assert sim_machine.run("info")["count"] == "2"
+    assert len(sim_machine.state().devices()) == 2

@@ -196,8 +196,9 @@ static struct sim_proc *claim_self(void)
 
 struct sim_proc *sim_self(void)
 {
-    int idx = atomic_load(&self_index);
-    if (idx >= 0 && atomic_load(&self_pid) == getpid())
+    /* Fast path: no system call (a forked child resets self_index in its atfork handler). */
+    int idx = atomic_load_explicit(&self_index, memory_order_acquire);
+    if (idx >= 0)
         return &sim_state->proc[idx];
     static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
     pthread_mutex_lock(&lock);
@@ -408,11 +409,21 @@ static int state_header_ok(const struct sim_state *s)
            s->max_devices == SIM_MAX_DEVICES;
 }
 
-/* Opens (creating when needed) and locks the state file; returns the fd, locked, or -1. */
-static int open_locked(const char *path)
+/* Opens (creating when needed) and locks the state file; returns the fd, locked, or -1. A file
+ * named by GPUSHARE_SIM_STATE is shared by every user's processes (mode 0666, as /dev/nvidia*
+ * are); the per-user default one is private. */
+static int open_locked(const char *path, int shared)
 {
     for (int attempt = 0; attempt < 8; attempt++) {
-        int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+        int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        if (fd >= 0) {
+            if (shared)
+                fchmod(fd, 0666);
+        } else if (errno == EEXIST) {
+            fd = open(path, O_RDWR | O_CLOEXEC);
+            if (fd < 0 && errno == ENOENT)
+                continue; /* removed in between (being replaced): try again */
+        }
         if (fd < 0) {
             sim_log("cannot open the state file %s: %s", path, strerror(errno));
             return -1;
@@ -456,7 +467,7 @@ static void do_open(void)
     self_instance = r | 1;
 
     for (int attempt = 0; attempt < 2; attempt++) {
-        int fd = open_locked(path);
+        int fd = open_locked(path, env_path && *env_path);
         if (fd < 0)
             return;
         struct stat st;

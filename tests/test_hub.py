@@ -1,0 +1,200 @@
+"""JupyterHub GPU form (jupyter_gpushare.hub) with real JupyterHub and KubeSpawner objects.
+
+The inventory is a real SQLite ledger holding simulated GPUs and live allocations. The form is
+rendered by KubeSpawner from our callable ``profile_list``; the submitted form goes through the
+spawner's ``options_from_form`` and ``load_user_options``, exactly as JupyterHub calls them
+before starting a server (no Kubernetes API is contacted: only the kubeconfig is read).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jupyterhub import orm
+from jupyterhub.objects import Hub
+from jupyterhub.user import User
+from kubernetes_asyncio.config import kube_config
+from kubespawner import KubeSpawner
+from traitlets.config import Config
+
+from jupyter_gpushare.hub import (
+    ENV_DEFAULT,
+    ENV_MAX,
+    GPU_RESOURCE,
+    PRODUCT_LABEL,
+    GpuOptionError,
+    GpuProfiles,
+    ledger_inventory,
+    share_from_options,
+)
+from jupyter_gpushare.inventory import simulated_gpus
+from jupyter_gpushare.ledger.sqlite import SQLiteLedger
+from jupyter_gpushare.placement import place
+from jupyter_gpushare.share import ShareSpec, parse_memory
+
+KUBECONFIG = """\
+apiVersion: v1
+kind: Config
+clusters: [{name: none, cluster: {server: "https://127.0.0.1:9"}}]
+users: [{name: none, user: {token: none}}]
+contexts: [{name: none, context: {cluster: none, user: none, namespace: jhub}}]
+current-context: none
+"""
+
+
+@pytest.fixture
+async def ledger(tmp_path: Path) -> SQLiteLedger:
+    """Two A100s and a T4 (simulated), one A100 partly held."""
+    ledger = SQLiteLedger(tmp_path / "ledger.sqlite")
+    gpus = simulated_gpus("2xA100,1xT4", node="gpu-node-1")
+    await ledger.put_gpus("gpu-node-1", gpus)
+    await ledger.allocate(ShareSpec(0.5, 0.5, gpu_type="A100"), gpus, place, owner="kernel")
+    await ledger.allocate(ShareSpec(0.25, 0.5, gpu_type="A100"), gpus, place, owner="kernel")
+    return ledger
+
+
+@pytest.fixture(autouse=True)
+def kubeconfig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KubeSpawner reads a kubeconfig when created (it contacts no API server here)."""
+    path = tmp_path / "kubeconfig"
+    path.write_text(KUBECONFIG)
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(path))
+
+
+def make_spawner(tmp_path: Path, ledger: SQLiteLedger, **profiles: Any) -> tuple[Any, GpuProfiles]:
+    """A real KubeSpawner for a real JupyterHub user, configured with our profile list."""
+    c = Config()
+    c.KubeSpawner.namespace = "jhub"
+    c.GpuProfiles.inventory = ledger_inventory(ledger)
+    for key, value in profiles.items():
+        setattr(c.GpuProfiles, key, value)
+    gpu = GpuProfiles(config=c)
+    c.KubeSpawner.profile_list = gpu.profile_list
+    c.KubeSpawner.options_from_form = gpu.options_from_form
+    db = orm.new_session_factory("sqlite:///:memory:")()
+    orm_user = orm.User(name="alice")
+    db.add(orm_user)
+    db.commit()
+    settings = {"spawner_class": KubeSpawner, "config": c, "hub": Hub(), "db": db,
+                "users": {}, "domain": "", "statsd": None}
+    return User(orm_user, settings=settings).spawner, gpu
+
+
+async def submit(spawner: Any, form: dict[str, str]) -> dict[str, Any]:
+    """What JupyterHub does with a POSTed spawn form, up to just before ``start()``."""
+    formdata = {k: [v] for k, v in form.items()}
+    spawner.user_options = spawner.run_options_from_form(formdata)
+    await spawner.load_user_options()
+    return spawner.user_options
+
+
+def gpu_form(**options: str) -> dict[str, str]:
+    return {"profile": "gpu", **{f"profile-option-gpu--{k}": v for k, v in options.items()}}
+
+
+async def test_form_lists_live_inventory(tmp_path: Path, ledger: SQLiteLedger) -> None:
+    spawner, _ = make_spawner(tmp_path, ledger)
+    html = await spawner.get_options_form()
+    snap = await ledger.snapshot()
+    gpus = await ledger.gpus()
+    free = {
+        g.uuid: 1 - sum(a.spec.gpu_request for a in snap.allocations if g.uuid in a.gpus)
+        for g in gpus
+    }
+    most_free_a100 = max(free[g.uuid] for g in gpus if g.type == "A100")
+    assert f"up to {most_free_a100:g} of a GPU free now" in html
+    assert re.search(r"T4 \(15GiB\) — 1 GPU, up to 1 of a GPU free now", html)
+    assert 'value="A100"' in html and 'value="T4"' in html and 'value="any"' in html
+    assert 'value="0.25-0.5"' in html and 'value="auto"' in html
+    assert "profile-option-gpu--gpu_share--unlisted-choice" in html  # custom share allowed
+    assert "CPU only" in html
+    # live: a new allocation changes what the next rendering offers
+    await ledger.allocate(ShareSpec(1.0, 1.0, gpu_type="T4"), gpus, place, owner="kernel")
+    assert "T4 (15GiB) — 1 GPU, full now" in await spawner.get_options_form()
+
+
+async def test_gpu_choice_becomes_default_and_bound(tmp_path: Path, ledger: SQLiteLedger) -> None:
+    spawner, _ = make_spawner(tmp_path, ledger)
+    await submit(spawner, gpu_form(gpu_type="A100", gpu_share="0.25-0.5", gpu_memory="16GiB"))
+    default = json.loads(spawner.environment[ENV_DEFAULT])
+    assert default == {"gpu_request": 0.25, "gpu_limit": 0.5, "gpu_memory": 16 * 2**30,
+                       "gpu_type": "A100"}
+    assert json.loads(spawner.environment[ENV_MAX]) == default
+    assert spawner.environment["NVIDIA_VISIBLE_DEVICES"] == "void"  # kernels hold the GPU
+    assert GPU_RESOURCE not in spawner.extra_resource_limits
+    # a custom share within bounds
+    await submit(spawner, {**gpu_form(gpu_type="any", gpu_memory="auto"),
+                           "profile-option-gpu--gpu_share--unlisted-choice": "0.3-0.6"})
+    custom = json.loads(spawner.environment[ENV_DEFAULT])
+    assert (custom["gpu_request"], custom["gpu_limit"]) == (0.3, 0.6)
+    assert custom["gpu_type"] is None and custom["gpu_memory"] is None
+
+
+async def test_cpu_profile_does_not_inherit_gpu(tmp_path: Path, ledger: SQLiteLedger) -> None:
+    spawner, _ = make_spawner(tmp_path, ledger, mode="server-gpu")
+    await submit(spawner, gpu_form(gpu_type="A100", gpu_share="0.5-1", gpu_memory="auto"))
+    a100 = next(g for g in await ledger.gpus() if g.type == "A100")
+    assert spawner.extra_resource_limits[GPU_RESOURCE] == "1"
+    assert spawner.node_selector[PRODUCT_LABEL] == a100.name
+    assert "NVIDIA_VISIBLE_DEVICES" not in spawner.environment
+    assert ENV_DEFAULT in spawner.environment
+    # the same spawner object (JupyterHub keeps it across restarts), now CPU only
+    await submit(spawner, {"profile": "cpu"})
+    assert GPU_RESOURCE not in spawner.extra_resource_limits
+    assert GPU_RESOURCE not in spawner.extra_resource_guarantees
+    assert PRODUCT_LABEL not in spawner.node_selector
+    assert ENV_DEFAULT not in spawner.environment and ENV_MAX not in spawner.environment
+    assert spawner.environment["NVIDIA_VISIBLE_DEVICES"] == "void"
+    assert spawner.environment["GPUSHARE_DISABLED"] == "1"
+    # and back to a GPU profile: the CPU-only marks are gone again
+    await submit(spawner, gpu_form(gpu_type="T4", gpu_share="0.25-0.5", gpu_memory="auto"))
+    assert "GPUSHARE_DISABLED" not in spawner.environment
+    assert spawner.extra_resource_limits[GPU_RESOURCE] == "1"
+    assert spawner.node_selector[PRODUCT_LABEL] == "Tesla T4"
+
+
+@pytest.mark.parametrize(
+    ("custom", "message"),
+    [
+        ({"gpu_share--unlisted-choice": "0.6-0.5"}, "at most gpu_limit"),
+        ({"gpu_share--unlisted-choice": "1.5"}, "gpu_request='1.5' is not allowed"),
+        ({"gpu_memory--unlisted-choice": "12 parsecs"}, "gpu_memory='12 parsecs'"),
+    ],
+)
+async def test_bad_custom_values_refused_on_form(
+    tmp_path: Path, ledger: SQLiteLedger, custom: dict[str, str], message: str
+) -> None:
+    spawner, _ = make_spawner(tmp_path, ledger)
+    form = gpu_form(gpu_type="A100", gpu_share="0.25-0.5", gpu_memory="auto")
+    form.update({f"profile-option-gpu--{k}": v for k, v in custom.items()})
+    with pytest.raises(GpuOptionError, match=re.escape(message)):
+        spawner.run_options_from_form({k: [v] for k, v in form.items()})
+
+
+async def test_bad_values_refused_at_start(tmp_path: Path, ledger: SQLiteLedger) -> None:
+    """Options that bypass the form (JupyterHub REST API) are checked when the server starts,
+    against the live inventory and the admin's bounds."""
+    spawner, _ = make_spawner(tmp_path, ledger, max_request=0.5, max_memory="20GiB")
+    spawner.user_options = {"profile": "gpu", "gpu_type": "T4", "gpu_share": "0.25-0.5",
+                            "gpu_memory--unlisted-choice": "18GiB"}
+    with pytest.raises(GpuOptionError, match="at most 15GiB"):
+        await spawner.load_user_options()
+    spawner.user_options = {"profile": "gpu", "gpu_type": "A100", "gpu_share": "0.5-1"}
+    with pytest.raises(GpuOptionError, match=re.escape("at most 0.5 of a GPU per user")):
+        await spawner.load_user_options()
+    spawner.user_options = {"profile": "gpu", "gpu_type--unlisted-choice": "H100"}
+    with pytest.raises(ValueError, match="without being enabled"):
+        await spawner.load_user_options()  # KubeSpawner: type takes no custom value here
+
+
+def test_share_from_options_mirrors_share_spec() -> None:
+    spec = share_from_options({"gpu_type": "any", "gpu_share--unlisted-choice": "0.4",
+                               "gpu_memory--unlisted-choice": "10GiB"})
+    assert (spec.gpu_request, spec.gpu_limit, spec.gpu_type) == (0.4, 0.4, None)
+    assert spec.gpu_memory == parse_memory("10GiB")
+    with pytest.raises(GpuOptionError, match="no GPUs available"):
+        share_from_options({"gpu_share": "0.25-0.5"}, offers=[])

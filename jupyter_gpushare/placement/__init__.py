@@ -4,8 +4,17 @@ Interface (stable; the engine behind it may grow):
 
 ``place(gpus, allocations, spec, policy=Policy()) -> Placement``, or raise
 :class:`PlacementRefused` (nothing fits *now*; the message says why in user terms and what would
-fit) or :class:`~jupyter_gpushare.share.ShareError` (the request could never be valid here: an
-unknown or excluded type, affinity with whole GPUs, more GPUs than a node has, ...).
+fit) or :class:`~jupyter_gpushare.share.ShareError` (the request could never be valid on this
+inventory: a type that no GPU has, or every wanted type excluded; the same affinity and
+anti-affinity label; an affinity label with ``gpu_count > 1`` (whole GPUs share with nobody);
+more whole GPUs than any node has of one type; more memory than the largest admitted GPU).
+
+What may be chosen and in which order is written down in :mod:`.engine`; :class:`Policy`
+(:mod:`.policy`) says binpack or spread per node and per GPU, the types wanted and excluded
+(aliases, NVML product names or ``nvidia.com/gpu.product`` labels, case-insensitive) and the
+cordoned nodes and GPUs; a deployment configures it with :class:`.config.GpusharePlacement` and
+narrows it per request with :meth:`Policy.narrowed`. The request itself carries one wanted type
+(``spec.gpu_type``) and its locality labels (``spec.gpu_labels``).
 
 ``place`` builds a :class:`Placer` (an index over the inventory and the live allocations) per
 call; a long-lived caller (a watch on the Kubernetes ledger, a benchmark) keeps one and updates it

@@ -14,7 +14,9 @@ Rules (the same in :mod:`.naive`, the reference full-scan placer the tests compa
   ``anti_affinity`` L — no two shares labelled L on one GPU; ``exclusive`` E — a
   GPU holding a share labelled E holds only shares labelled E (and a share labelled E only goes
   where every holder is labelled E, or nobody is).
-* ``gpu_count > 1`` asks for that many whole GPUs (nothing else on them) of one type on one node.
+* ``gpu_count > 1`` asks for that many whole GPUs (nothing else on them) of one type on one node:
+  on the first node in policy order that has them, the lowest-indexed ones of the first type (by
+  name) with enough. Affinity makes no sense there (a :class:`ShareError`).
 * Among the GPUs that can be chosen, the policy orders nodes first, then GPUs. ``binpack``
   prefers the node with the least free compute (sum over its healthy, uncordoned GPUs) and the GPU
   with the least free compute, then least free memory; ``spread`` the most. Ties go to the node
@@ -144,6 +146,22 @@ class Placer:
         self.inventory = tuple(gpus)
         self.gpus: dict[str, GpuState] = {}
         self.nodes: dict[str, NodeState] = {}
+        self._index_inventory()
+        self.allocations: dict[str, Allocation] = {}
+        self.groups: dict[str, dict[str, Allocation]] = {}  # affinity label -> its members
+        #: anti-affinity label -> GPU UUID -> holders with that label (GPUs not in inventory too)
+        self.anti: dict[str, dict[str, int]] = {}
+        self._filters: dict[tuple[str | None, Policy, int], TypeFilter] = {}
+        self._limits: dict[TypeFilter, Limits] = {}
+        for allocation in {a.id: a for a in allocations}.values():  # an id counts once
+            self._apply(allocation, +1, None)
+        for node in self.nodes.values():
+            node.refresh()
+        self._by_free = sorted((n.free, n.name) for n in self.nodes.values())
+        self._by_free_desc = sorted((-n.free, n.name) for n in self.nodes.values())
+        self._keys = {n.name: n.free for n in self.nodes.values()}
+
+    def _index_inventory(self) -> None:
         for gpu in self.inventory:
             state = GpuState(gpu)
             if gpu.uuid in self.gpus:  # a UUID published twice: the last one wins
@@ -156,25 +174,12 @@ class Placer:
         for node in self.nodes.values():
             node.gpus.sort(key=lambda g: (g.index, g.uuid))
         self.kinds = frozenset(g.kind for g in self.gpus.values())
+        self.types = frozenset(g.type for g in self.gpus.values())
         #: (node, kind) -> (how many GPUs, the most memory of one): what exists, used or not
         self._census: dict[tuple[str, Kind], tuple[int, int]] = {}
         for g in self.gpus.values():
             n, memory = self._census.get((g.node, g.kind), (0, 0))
             self._census[(g.node, g.kind)] = (n + 1, max(memory, g.gpu.memory))
-        self.types = frozenset(g.type for g in self.gpus.values())
-        self.allocations: dict[str, Allocation] = {}
-        #: label -> GPU UUID -> number of holders with that label (also GPUs not in inventory)
-        self.groups: dict[str, dict[str, Allocation]] = {}  # affinity label -> members
-        self.anti: dict[str, dict[str, int]] = {}
-        self._filters: dict[tuple[str | None, Policy, int], TypeFilter] = {}
-        self._limits: dict[TypeFilter, Limits] = {}
-        for allocation in {a.id: a for a in allocations}.values():  # an id counts once
-            self._apply(allocation, +1, None)
-        for node in self.nodes.values():
-            node.refresh()
-        self._by_free = sorted((n.free, n.name) for n in self.nodes.values())
-        self._by_free_desc = sorted((-n.free, n.name) for n in self.nodes.values())
-        self._keys = {n.name: n.free for n in self.nodes.values()}
 
     # -- keeping the index current -----------------------------------------------------------
 

@@ -96,9 +96,11 @@ class PodWatcher:
     async def _relist(self) -> str:
         listing = await self.kube.list_pods(self.namespace, self.label_selector)
         seen = {p["metadata"]["name"]: p for p in listing.get("items") or []}
+        listed_at = _rv(listing)
         async with self._changed:
             for name in list(self._pods):
-                if name not in seen:
+                # Gone, unless we learnt of it after this listing was taken (a pod just created).
+                if name not in seen and _rv(self._pods[name]) <= listed_at:
                     self._pods.pop(name)
                     self._deleted.add(name)
             for name, pod in seen.items():

@@ -140,3 +140,19 @@ def test_stale_reasons() -> None:
     assert "pod p is gone" in stale_reason(base, leases, {}, now, 90.0, 5, 100.0)
     local = Allocation(id="a-2", node="n", gpus=("G",), spec=spec, memory=1)
     assert stale_reason(local, {}, {}, now, None, 5, 100.0) is None
+
+
+def test_every_setting_is_documented_and_feeds_the_pod() -> None:
+    from jupyter_gpushare.k8s.config import KubernetesBackendConfig
+
+    cfg = KubernetesBackendConfig(image="my/image:2", tolerations=[{"key": "k"}],
+                                  interposer_host_path="/host/lib", preload_interposer=False)
+    for name, trait in cfg.traits(config=True).items():
+        assert trait.help, f"{name} has no help"
+    settings = manifests.PodSettings.from_config(cfg)
+    pod = manifests.kernel_pod(request(), settings)
+    env = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
+    assert pod["spec"]["containers"][0]["image"] == "my/image:2"
+    assert pod["spec"]["tolerations"] == [{"key": "k"}] and "LD_PRELOAD" not in env
+    assert {"path": "/host/lib", "type": "DirectoryOrCreate"} in [
+        v.get("hostPath") for v in pod["spec"]["volumes"]]

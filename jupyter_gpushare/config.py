@@ -98,6 +98,45 @@ class GpuShare(SingletonConfigurable):
         help="Arguments appended to gpushare kernels' command line (the default loads the "
         "%gpushare magics into IPython kernels).",
     )
+    pools = List(
+        Dict(),
+        default_value=[],
+        config=True,
+        help="Kernel pools: warm kernels started ahead of time and handed to a matching kernel "
+        "start at once. A list of objects: name, kernelspec, share ({gpu_request, gpu_limit, "
+        "gpu_memory, gpu_type}), backend, size (warm kernels kept), schedule ([{days: "
+        "'mon-fri', hours: '08:00-18:00', size: 4}]). Needs ServerApp.kernel_manager_class = "
+        "jupyter_gpushare.pools.PoolKernelManager. See jupyter_gpushare.pools.config.",
+    )
+    reclaim_idle_after = Float(
+        0.0,
+        config=True,
+        help="Idle-GPU reclaim: seconds a kernel may hold a GPU share without launching GPU "
+        "work before it is warned (0: never). The share is released reclaim_grace seconds "
+        "after the warning unless the kernel uses the GPU again; the kernel keeps running.",
+    )
+    reclaim_grace = Float(
+        300.0,
+        config=True,
+        help="Seconds between the idle warning and the release of the share.",
+    )
+    reclaim_interval = Float(
+        10.0,
+        config=True,
+        help="Seconds between idle-reclaim checks.",
+    )
+    reclaim_exempt_users = List(
+        Unicode(),
+        default_value=[],
+        config=True,
+        help="Users whose kernels are never reclaimed.",
+    )
+    reclaim_exempt_profiles = List(
+        Unicode(),
+        default_value=[],
+        config=True,
+        help="Kernelspec names and pool names whose kernels are never reclaimed.",
+    )
 
     @default("simulate")
     def _default_simulate(self) -> str:
@@ -133,6 +172,13 @@ class GpuShare(SingletonConfigurable):
                 raise ShareError(f"presets[{i}].{exc.field}", exc.value, exc.allowed) from None
             checked.append(dict(preset))
         return checked
+
+    @validate("pools")
+    def _check_pools(self, proposal: dict) -> list:
+        from .pools.config import parse_pools
+
+        parse_pools(proposal["value"])  # raises PoolConfigError naming the pool and key
+        return [dict(p) for p in proposal["value"]]
 
     @validate("default_share")
     def _check_default_share(self, proposal: dict) -> dict:

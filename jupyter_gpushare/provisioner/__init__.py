@@ -86,6 +86,8 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         self.allocation: Allocation | None = None
         self._kernel_backend: KernelBackend | None = None
         self._crashed = False
+        self._owner = "kernel"  # "pool" for a warm pool kernel (see jupyter_gpushare.pools)
+        self._pool: str | None = None
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -142,12 +144,13 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             spec,
             await backend.inventory(),
             place,
-            owner="kernel",
+            owner=self._owner,
             kernel_id=self.kernel_id,
             backend=backend.name,
             server_pid=os.getpid(),
             user=getpass.getuser(),
-            extra={"server_start": process_start_time(os.getpid())},
+            extra={"server_start": process_start_time(os.getpid()),
+                   **({"pool": self._pool} if self._pool else {})},
         )
         self.log.info("gpushare: kernel %s holds %s on %s %s", self.kernel_id, spec.describe(),
                       allocation.node, ",".join(allocation.gpus))
@@ -157,6 +160,8 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         user_share = kwargs.pop("gpushare_share", None)
+        self._owner = kwargs.pop("gpushare_owner", None) or "kernel"  # pools start warm kernels
+        self._pool = kwargs.pop("gpushare_pool", None)
         if self._crashed:
             await self._release("the kernel process died; reserving again for its restart")
             self._crashed = False

@@ -19,6 +19,7 @@ from ..daemon.env import interposer_path
 from ..daemon.supervisor import ensure_daemon
 from ..inventory import Gpu, NoGpuError
 from ..ledger.reconcile import reconcile
+from .admin_handlers import admin_handlers, start_admin_tasks
 from .handlers import handlers
 from .ui_handlers import ui_handlers
 
@@ -95,6 +96,7 @@ async def _start(serverapp: Any, settings: GpuShare) -> None:
     reconciler = Reconciler(settings, serverapp.kernel_manager, serverapp.log)
     serverapp.web_app.settings["gpushare_reconciler"] = reconciler
     reconciler.start()
+    start_admin_tasks(serverapp, settings)  # warm pools, idle reclaim
 
 
 def _load_jupyter_server_extension(serverapp: Any) -> None:
@@ -102,7 +104,8 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
     web_app = serverapp.web_app
     web_app.settings["gpushare"] = settings
     base_url = web_app.settings["base_url"]
-    web_app.add_handlers(".*$", handlers(base_url) + ui_handlers(base_url))
+    web_app.add_handlers(".*$", admin_handlers(base_url) + handlers(base_url)
+                         + ui_handlers(base_url))
     serverapp.io_loop.call_later(0, lambda: asyncio.ensure_future(_start(serverapp, settings)))
     serverapp.log.info("gpushare: backend %s, ledger %s", settings.backend, settings.ledger_path)
 

@@ -1,0 +1,139 @@
+"""The server's kernel manager with warm pools: ``ServerApp.kernel_manager_class =
+jupyter_gpushare.pools.PoolKernelManager`` (shipped in ``jupyter-config/``; ``jupyter gpushare
+lab`` passes it too).
+
+``start_kernel(kernel_name=…, path=…, env=…, gpushare_share=…)`` resolves the share the way the
+provisioner will (server default < kernelspec config < the user's choice); when a pool's
+kernelspec and resolved share are equal to it, a ready warm kernel is bound to the session and
+its id returned at once. Otherwise — no pool matches, the pool is empty, its kernels died, the
+binding failed, or the caller asked for a specific kernel id — it is the normal start.
+
+Unclaimed warm kernels are left out of ``GET /api/kernels`` (they belong to nobody yet) and are
+never culled by the idle culler; they are in ``list_kernel_ids`` (so reconciliation keeps their
+shares) and are shut down with the server.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jupyter_client.kernelspec import NoSuchKernel
+from jupyter_server._tz import utcnow
+from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
+from jupyter_server.utils import ensure_async
+
+from ..config import GpuShare
+from ..share import SHARE_FIELDS, ShareError, ShareSpec
+from .config import PoolConfigError, PoolProfile, parse_pools
+from .manager import Pool, PoolManager
+
+PROVISIONER = "gpushare-provisioner"
+
+
+class PoolKernelManager(AsyncMappingKernelManager):  # type: ignore[misc]
+    """jupyter_server's kernel manager, plus gpushare's warm kernel pools."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.gpushare = GpuShare.instance(parent=self.parent)  # bad pools refused right here
+        pools = [self._pool(p) for p in parse_pools(self.gpushare.pools)]
+        self.pools = PoolManager(self, pools)
+        for pool in pools:
+            self.log.info("gpushare: pool %s: %d warm %s kernel(s) holding %s (%s)",
+                          pool.profile.name, pool.profile.target(), pool.profile.kernelspec,
+                          pool.spec.describe(), pool.backend)
+
+    # -- share resolution (the provisioner's rule, without a provisioner) ------------------------
+
+    def resolve(self, kernel_name: str, user_share: dict[str, Any] | None
+                ) -> tuple[ShareSpec, str] | None:
+        """``(spec, backend)`` a start of ``kernel_name`` with ``user_share`` will hold, or None
+        for a kernelspec that is not a gpushare one. Raises ShareError / NoSuchKernel."""
+        kernelspec = self.kernel_spec_manager.get_kernel_spec(kernel_name)
+        provisioner = (kernelspec.metadata or {}).get("kernel_provisioner") or {}
+        if provisioner.get("provisioner_name") != PROVISIONER:
+            return None
+        config = provisioner.get("config") or {}
+        given = {k: v for k, v in config.items() if k in SHARE_FIELDS and v is not None}
+        spec = ShareSpec.from_mapping(given, defaults=self.gpushare.default_spec())
+        if user_share:
+            spec = ShareSpec.from_mapping(user_share, defaults=spec)
+        return spec, config.get("backend") or self.gpushare.backend
+
+    def _pool(self, profile: PoolProfile) -> Pool:
+        where = f"pool {profile.name!r}"
+        try:
+            resolved = self.resolve(profile.kernelspec, dict(profile.share))
+        except NoSuchKernel:
+            raise PoolConfigError(f"{where}: no kernelspec named {profile.kernelspec!r} (see "
+                                  "`jupyter kernelspec list`)") from None
+        except ShareError as exc:
+            raise PoolConfigError(f"{where}.share.{exc.field}: {exc.value!r} is not allowed "
+                                  f"with kernelspec {profile.kernelspec!r} (allowed: "
+                                  f"{exc.allowed})") from None
+        if resolved is None:
+            raise PoolConfigError(f"{where}: kernelspec {profile.kernelspec!r} does not use the "
+                                  f"{PROVISIONER}; pool kernels must hold a GPU share")
+        spec, backend = resolved
+        if profile.backend is not None and profile.backend != backend:
+            raise PoolConfigError(f"{where}.backend: {profile.backend!r}, but kernelspec "
+                                  f"{profile.kernelspec!r} starts kernels on {backend!r}")
+        return Pool(profile=profile, spec=spec, backend=backend)
+
+    # -- starting ------------------------------------------------------------------------------
+
+    async def start_kernel(self, *, kernel_id: str | None = None, path: str | None = None,
+                           **kwargs: Any) -> str:
+        if kernel_id is None and self.pools.pools:
+            claimed = await self._claim(path, kwargs)
+            if claimed is not None:
+                return claimed
+        return await super().start_kernel(kernel_id=kernel_id, path=path, **kwargs)
+
+    async def _claim(self, path: str | None, kwargs: dict[str, Any]) -> str | None:
+        kernel_name = kwargs.get("kernel_name") or self.default_kernel_name
+        try:
+            resolved = self.resolve(kernel_name, kwargs.get("gpushare_share"))
+        except (NoSuchKernel, ShareError, ValueError):
+            return None  # the normal start reports it, as it would without pools
+        if resolved is None:
+            return None
+        pools = self.pools.matching(kernel_name, *resolved)
+        if not pools:
+            return None
+        env = dict(kwargs.get("env") or {})
+        cwd = self.cwd_for_path(path, env=env) if path is not None else self.root_dir
+        try:
+            return await self.pools.claim(pools, cwd, env, env.get("JPY_SESSION_NAME"))
+        except Exception:  # never an error the user would not see without pools
+            self.log.exception("gpushare: claiming a warm kernel failed; starting one")
+            return None
+
+    async def start_warm_kernel(self, profile: PoolProfile, kernel_id: str) -> str:
+        """Start one warm kernel for ``profile`` (the share owned by the pool)."""
+        return await super().start_kernel(
+            kernel_id=kernel_id, path="", kernel_name=profile.kernelspec,
+            env=dict(os.environ), gpushare_share=dict(profile.share), gpushare_owner="pool",
+            gpushare_pool=profile.name,
+        )
+
+    def mark_claimed(self, kernel_id: str) -> None:
+        kernel = self.get_kernel(kernel_id)
+        kernel.last_activity = utcnow()
+        self._kernel_connections.setdefault(kernel_id, 0)
+
+    # -- what pool kernels are spared ------------------------------------------------------------
+
+    def list_kernels(self) -> list[dict[str, Any]]:
+        hidden = self.pools.unclaimed()
+        return [k for k in super().list_kernels() if k["id"] not in hidden]
+
+    async def cull_kernel_if_idle(self, kernel_id: str) -> None:
+        if kernel_id in self.pools.unclaimed():
+            return  # a warm kernel is idle by design
+        await super().cull_kernel_if_idle(kernel_id)
+
+    async def shutdown_all(self, now: bool = False) -> None:
+        await self.pools.stop()  # no refill while the server shuts down
+        await ensure_async(super().shutdown_all(now=now))

@@ -1,0 +1,249 @@
+"""Idle-GPU reclaim: a kernel that holds a GPU share and runs no GPU work gives it back.
+
+The node daemon knows when each allocation last launched (a lease is granted only to launch);
+its status reports ``idle_s`` per allocation. The server's :class:`IdleReclaimer` reads it every
+``GpuShare.reclaim_interval`` seconds and applies the admin's policy (:func:`decide`, pure):
+
+- idle for ``reclaim_idle_after`` seconds: *warn*. The warning is written into the allocation
+  (``extra.reclaim_warning``: when, why, when the share goes) with a compare-and-swap, so every
+  reader sees it: the daemon's status carries it to the kernel, where the notebook panel shows it
+  and the next cell prints it (:func:`install_notice`); REST shows it in the allocation.
+- still idle ``reclaim_grace`` seconds after the warning: *release* the share the way the panel's
+  Release does — it leaves the ledger, the daemon marks it released, the interposer frees the
+  process's GPU memory and refuses further CUDA work; the kernel process and its variables live.
+- GPU work again before that: the warning is withdrawn.
+
+Exempt: kernels of users in ``reclaim_exempt_users``; kernels whose kernelspec or pool is named
+in ``reclaim_exempt_profiles``; pool kernels nobody has claimed; batch shares (``gpushare run``).
+Every warning, withdrawal and release is logged for admins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .daemon.client import DaemonClient, DaemonUnavailable
+from .ledger import Allocation, AllocationNotFound, Ledger
+from .share import format_bytes
+
+WARN, RELEASE, WITHDRAW = "warn", "release", "withdraw"
+
+
+@dataclass(frozen=True)
+class ReclaimPolicy:
+    idle_after: float  # seconds; 0 turns reclaim off
+    grace: float
+    exempt_users: frozenset[str] = frozenset()
+    exempt_profiles: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> ReclaimPolicy:
+        return cls(
+            idle_after=float(settings.reclaim_idle_after),
+            grace=float(settings.reclaim_grace),
+            exempt_users=frozenset(settings.reclaim_exempt_users),
+            exempt_profiles=frozenset(settings.reclaim_exempt_profiles),
+        )
+
+    def exempt(self, allocation: Allocation, profiles: Collection[str]) -> bool:
+        return allocation.user in self.exempt_users or any(
+            p in self.exempt_profiles for p in profiles)
+
+
+def decide(allocation: Allocation, idle_s: float | None, policy: ReclaimPolicy,
+           profiles: Collection[str], now: float) -> str | None:
+    """What to do with ``allocation`` idle for ``idle_s`` seconds (None: unknown) at wall time
+    ``now``; ``profiles`` are its kernelspec and pool names. Returns WARN, RELEASE, WITHDRAW or
+    None."""
+    warning = allocation.extra.get("reclaim_warning")
+    if (policy.idle_after <= 0 or allocation.owner != "kernel" or idle_s is None
+            or policy.exempt(allocation, profiles)):
+        return WITHDRAW if warning else None
+    if idle_s < policy.idle_after:
+        return WITHDRAW if warning else None
+    if not warning:
+        return WARN
+    return RELEASE if now >= float(warning.get("release_at", 0)) else None
+
+
+def warning_for(allocation: Allocation, idle_s: float, policy: ReclaimPolicy,
+                now: float) -> dict[str, Any]:
+    release_at = now + policy.grace
+    message = (
+        f"gpushare: this kernel has not used its GPU share ({allocation.spec.describe()}, "
+        f"{format_bytes(allocation.memory)}) for {_duration(idle_s)}. It will be released at "
+        f"{time.strftime('%H:%M:%S', time.localtime(release_at))} (in {_duration(policy.grace)})"
+        " unless the kernel runs GPU work; the kernel keeps running either way."
+    )
+    return {"warned_at": now, "release_at": release_at, "idle_s": round(idle_s, 1),
+            "message": message}
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 120:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds:.0f} s"
+
+
+class IdleReclaimer:
+    """The server's background task applying :func:`decide` to this node's allocations."""
+
+    def __init__(self, settings: Any, ledger: Callable[[], Ledger],
+                 profiles_of: Callable[[Allocation], Collection[str]], log: Any) -> None:
+        self.settings = settings
+        self.ledger = ledger
+        self.profiles_of = profiles_of
+        self.log = log
+        self._task: asyncio.Task[None] | None = None
+        self._daemon_missing_logged = False
+
+    def daemon(self) -> DaemonClient:
+        return DaemonClient(self.settings.socket_path, timeout=2.0)
+
+    async def idle_times(self) -> dict[str, float | None] | None:
+        """``{allocation id: idle seconds}`` from the node daemon; None when none answers."""
+        try:
+            status = await asyncio.to_thread(self.daemon().status)
+        except (DaemonUnavailable, OSError, ValueError) as exc:
+            if not self._daemon_missing_logged:
+                self.log.warning("gpushare: idle reclaim needs the node daemon: %s", exc)
+                self._daemon_missing_logged = True
+            return None
+        self._daemon_missing_logged = False
+        return {a["id"]: a.get("idle_s") for a in status.get("allocations", [])}
+
+    async def run_once(self, now: float | None = None) -> dict[str, list[str]]:
+        """One pass; returns the allocation ids per action taken."""
+        done: dict[str, list[str]] = {WARN: [], RELEASE: [], WITHDRAW: []}
+        policy = ReclaimPolicy.from_settings(self.settings)
+        idle = await self.idle_times()
+        if idle is None:
+            return done
+        ledger = self.ledger()
+        now = time.time() if now is None else now
+        for allocation in await ledger.list(self.settings.node_name):
+            action = decide(allocation, idle.get(allocation.id), policy,
+                            self.profiles_of(allocation), now)
+            if action is None:
+                continue
+            with contextlib.suppress(AllocationNotFound):
+                await self._apply(ledger, allocation, action, idle.get(allocation.id) or 0.0,
+                                  policy, now)
+                done[action].append(allocation.id)
+        if any(done.values()):
+            await asyncio.to_thread(self._refresh_daemon)
+        return done
+
+    async def _apply(self, ledger: Ledger, allocation: Allocation, action: str, idle_s: float,
+                     policy: ReclaimPolicy, now: float) -> None:
+        who = f"{allocation.id} (kernel {allocation.kernel_id}, user {allocation.user or '?'})"
+        if action == RELEASE:
+            if await ledger.release(allocation.id) is not None:
+                self.log.warning("gpushare: reclaimed idle GPU share %s: idle %.0f s, warned "
+                                 "%.0f s ago; the kernel keeps running", who, idle_s,
+                                 now - allocation.extra["reclaim_warning"]["warned_at"])
+            return
+        warning = warning_for(allocation, idle_s, policy, now) if action == WARN else None
+
+        def change(current: Allocation, _others: list[Allocation]) -> Allocation:
+            extra = {k: v for k, v in current.extra.items() if k != "reclaim_warning"}
+            if warning is not None:
+                extra["reclaim_warning"] = warning
+            return replace(current, extra=extra)
+
+        await ledger.update(allocation.id, change)
+        if warning is not None:
+            self.log.warning("gpushare: idle GPU share %s warned: idle %.0f s, release in "
+                             "%.0f s", who, idle_s, policy.grace)
+        else:
+            self.log.info("gpushare: idle warning of %s withdrawn (GPU work again, or exempt)",
+                          who)
+
+    def _refresh_daemon(self) -> None:
+        with contextlib.suppress(DaemonUnavailable, OSError, ValueError):
+            self.daemon().refresh()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.1, float(self.settings.reclaim_interval)))
+            if self.settings.reclaim_idle_after <= 0:
+                continue
+            try:
+                await self.run_once()
+            except Exception:  # keep going; report
+                self.log.exception("gpushare: idle reclaim pass failed")
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+# -- inside the kernel: the warning in the next cell's output ----------------------------------
+
+
+class ReclaimNotice:
+    """Prints the reclaim warning (once per warning) and the release (once) before a cell runs.
+
+    Installed by the notebook extension (``%load_ext jupyter_gpushare``) as a ``pre_run_cell``
+    hook; one status request on the daemon's unix socket per cell (~1 ms), silent when no
+    daemon answers."""
+
+    def __init__(self, allocation_id: str, socket_path: str) -> None:
+        self.allocation_id = allocation_id
+        self.client = DaemonClient(socket_path, timeout=0.5)
+        self.shown_warning: float | None = None
+        self.held = True
+
+    def check(self) -> str | None:
+        """The text to print now, if any."""
+        if not self.held:
+            return None
+        try:
+            status = self.client.status(self.allocation_id)
+        except (DaemonUnavailable, OSError, ValueError):
+            return None
+        if not status.get("ok"):
+            if status.get("error") != "unknown_allocation":
+                return None
+            self.held = False
+            why = "after the idle warning" if self.shown_warning else "(idle reclaim or Release)"
+            return (f"gpushare: this kernel's GPU share {self.allocation_id} was released "
+                    f"{why}; the kernel and its variables are still here. GPU work needs a new "
+                    "share: `%gpushare request …`, then restart the kernel.")
+        [mine] = status.get("allocations") or [{}]
+        warning = mine.get("reclaim_warning")
+        if warning and warning.get("warned_at") != self.shown_warning:
+            self.shown_warning = warning.get("warned_at")
+            return str(warning.get("message"))
+        if not warning:
+            self.shown_warning = None
+        return None
+
+    def __call__(self, *_args: Any) -> None:
+        text = self.check()
+        if text:
+            print(text, flush=True)
+
+
+def install_notice(ipython: Any) -> ReclaimNotice | None:
+    """Register :class:`ReclaimNotice` as a ``pre_run_cell`` hook in a gpushare kernel."""
+    allocation_id = os.environ.get("GPUSHARE_ALLOCATION_ID")
+    socket_path = os.environ.get("GPUSHARE_SOCKET")
+    if not allocation_id or not socket_path:
+        return None
+    notice = ReclaimNotice(allocation_id, socket_path)
+    ipython.events.register("pre_run_cell", notice)
+    return notice

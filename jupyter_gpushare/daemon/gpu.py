@@ -35,6 +35,8 @@ class Tenant:
     last_grant_ns: int = 0
     grants: int = 0
     connections: int = 0
+    #: when this daemon started tracking it (the idle clock of a share that never launched)
+    created_ns: int = field(default_factory=monotonic_ns)
 
 
 class GpuLoop:
@@ -272,6 +274,11 @@ class GpuLoop:
             "holding": self.holder is tenant,
             "waiting": slot.waiters > 0,
             "processes": tenant.connections,
+            # idle-GPU reclaim: a lease is granted only to launch, so the last grant is the
+            # last launch; a share holding or waiting for a lease is not idle
+            "last_launch_ago_s": (now - tenant.last_grant_ns) / 1e9 if tenant.grants else None,
+            "idle_s": 0.0 if self.holder is tenant or slot.waiters > 0 else
+            (now - (tenant.last_grant_ns if tenant.grants else tenant.created_ns)) / 1e9,
         }
 
     def status(self, now: int) -> dict[str, Any]:

@@ -335,6 +335,10 @@ class Daemon:
                 "lease_waits": sum(g["lease_waits"] for g in per_gpu),
                 "lease_wait_seconds": sum(g["lease_wait_seconds"] for g in per_gpu),
                 "connected": sum(g["processes"] for g in per_gpu) > 0,
+                "idle_s": min((g["idle_s"] for g in per_gpu), default=None),
+                "last_launch_ago_s": min((g["last_launch_ago_s"] for g in per_gpu
+                                          if g["last_launch_ago_s"] is not None), default=None),
+                "reclaim_warning": allocation.extra.get("reclaim_warning"),
                 "gpus": per_gpu,
             })
         if allocation_id is not None and not allocations:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from jupyterhub import orm
 from jupyterhub.objects import Hub
 from jupyterhub.user import User
@@ -36,6 +37,7 @@ from jupyter_gpushare.ledger.sqlite import SQLiteLedger
 from jupyter_gpushare.placement import place
 from jupyter_gpushare.share import ShareSpec, parse_memory
 
+REPO = Path(__file__).resolve().parent.parent
 KUBECONFIG = """\
 apiVersion: v1
 kind: Config
@@ -68,20 +70,24 @@ def kubeconfig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def make_spawner(tmp_path: Path, ledger: SQLiteLedger, **profiles: Any) -> tuple[Any, GpuProfiles]:
     """A real KubeSpawner for a real JupyterHub user, configured with our profile list."""
     c = Config()
-    c.KubeSpawner.namespace = "jhub"
     c.GpuProfiles.inventory = ledger_inventory(ledger)
     for key, value in profiles.items():
         setattr(c.GpuProfiles, key, value)
     gpu = GpuProfiles(config=c)
     c.KubeSpawner.profile_list = gpu.profile_list
     c.KubeSpawner.options_from_form = gpu.options_from_form
+    return spawner_for(c), gpu
+
+
+def spawner_for(c: Config) -> Any:
+    c.KubeSpawner.namespace = "jhub"
     db = orm.new_session_factory("sqlite:///:memory:")()
     orm_user = orm.User(name="alice")
     db.add(orm_user)
     db.commit()
     settings = {"spawner_class": KubeSpawner, "config": c, "hub": Hub(), "db": db,
                 "users": {}, "domain": "", "statsd": None}
-    return User(orm_user, settings=settings).spawner, gpu
+    return User(orm_user, settings=settings).spawner
 
 
 async def submit(spawner: Any, form: dict[str, str]) -> dict[str, Any]:
@@ -198,3 +204,24 @@ def test_share_from_options_mirrors_share_spec() -> None:
     assert spec.gpu_memory == parse_memory("10GiB")
     with pytest.raises(GpuOptionError, match="no GPUs available"):
         share_from_options({"gpu_share": "0.25-0.5"}, offers=[])
+
+
+async def test_z2jh_values_example(tmp_path: Path, ledger: SQLiteLedger) -> None:
+    """deploy/z2jh/values.yaml's hub.extraConfig, run as z2jh runs it (with this test's ledger
+    as the inventory instead of the cluster's)."""
+    values = yaml.safe_load((REPO / "deploy" / "z2jh" / "values.yaml").read_text())
+    c = Config()
+    c.GpuProfiles.inventory = ledger_inventory(ledger)
+    exec(values["hub"]["extraConfig"]["gpushare"], {"c": c})
+    spawner = spawner_for(c)
+    html = await spawner.get_options_form()
+    assert "A100 (80GiB)" in html and "T4 (15GiB)" in html and 'value="40GiB"' in html
+    await submit(spawner, gpu_form(gpu_type="A100", gpu_share="0.25-0.5", gpu_memory="10GiB"))
+    assert json.loads(spawner.environment[ENV_DEFAULT])["gpu_memory"] == 10 * 2**30
+    assert spawner.cpu_guarantee == 1
+    await submit(spawner, {"profile": "cpu"})
+    assert spawner.cpu_limit == 2 and ENV_DEFAULT not in spawner.environment
+    form = gpu_form(gpu_type="A100", gpu_share="0.25-0.5")
+    form["profile-option-gpu--gpu_memory--unlisted-choice"] = "60GiB"
+    with pytest.raises(GpuOptionError, match="at most 40GiB per user"):
+        spawner.run_options_from_form({k: [v] for k, v in form.items()})

@@ -1,0 +1,136 @@
+"""``jupyter_gpushare.panel()`` in real kernels: live updates over the widget comms while another
+cell runs, values equal to the daemon's status, the Release button, and a daemon that goes away
+and comes back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from nbkit import (
+    ALLOCATE,
+    MIB,
+    allocations_of,
+    click,
+    daemon_allocation,
+    fields,
+    gpu_memory_used,
+    run_collecting,
+    start_kernel,
+    widget_updates,
+)
+from support import stop_daemons, wait_for
+
+from jupyter_gpushare.share import format_bytes
+
+SHOW = "import jupyter_gpushare, json\np = jupyter_gpushare.panel()\np"
+IDS = ("print(json.dumps({n: getattr(p, n).model_id for n in ('title', 'info', 'plot', "
+       "'message', 'release_button', 'confirm_button')} | {'confirm': p.confirm.layout.model_id}))")
+
+
+def _show_panel(client):
+    reply, opened = run_collecting(client.client, SHOW)
+    assert reply["content"]["status"] == "ok"
+    ids = json.loads(client.execute(IDS).strip().splitlines()[-1])
+    return ids, opened
+
+
+def _latest(messages, comm_id, trait="value"):
+    """The last value of a widget trait seen in comm_open / update messages."""
+    value = None
+    for m in messages:
+        if m["msg_type"] in ("comm_open", "comm_msg") and m["content"]["comm_id"] == comm_id:
+            state = m["content"]["data"].get("state") or {}
+            if trait in state:
+                value = state[trait]
+    return value
+
+
+def test_panel_updates_while_a_cell_runs_and_matches_the_daemon(jupyter_server):
+    server = jupyter_server("1xA100")
+    kernel, alloc = start_kernel(server, {"gpu_request": 0.25, "gpu_limit": 0.5})
+    client = server.client(kernel["id"])
+    assert "alloc 0" in client.execute(ALLOCATE)
+    ids, opened = _show_panel(client)
+
+    reply, seen = run_collecting(client.client, "import time; time.sleep(3)")
+    assert reply["content"]["status"] == "ok"
+    during = [m for m in seen if m["during"]]
+    updates = widget_updates(during, {ids["message"], ids["info"], ids["plot"]})
+    assert len(updates) >= 2, [m["msg_type"] for m in seen]
+    stamps = {u["value"] for u in updates if "value" in u and "updated" in u["value"]}
+    assert len(stamps) >= 2  # distinct seconds: the thread kept going while the cell slept
+
+    everything = opened + seen
+    shown = fields(_latest(everything, ids["info"]))
+    truth = daemon_allocation(server, alloc["id"])
+    assert shown["gpu_uuid"] == alloc["gpus"][0] == truth["gpus"][0]["gpu"]
+    assert shown["gpu_type"].startswith("A100")
+    assert (shown["request"], shown["limit"]) == (f"{truth['request']:g}", f"{truth['limit']:g}")
+    assert shown["memory_cap"] == format_bytes(truth["memory_cap"]) == "20GiB"
+    assert shown["memory_used"] == format_bytes(truth["memory_used"]) == "256MiB"
+    assert shown["lease_waits"] == f"{truth['lease_waits']} waits"
+    assert shown["kernels"] == "1 share(s) on this GPU"
+    assert shown["achieved_share"].endswith("%")
+    assert "simulated GPU" in _latest(everything, ids["title"])
+    assert "<svg" in _latest(everything, ids["plot"]) and "polyline" in _latest(everything,
+                                                                                 ids["plot"])
+    assert "active" in fields(_latest(everything, ids["message"]))["state"]
+    client.close()
+
+
+def test_release_button_returns_the_share_and_the_kernel_lives_on(jupyter_server):
+    server = jupyter_server("1xA100")
+    kernel, alloc = start_kernel(server)
+    uuid = alloc["gpus"][0]
+    client = server.client(kernel["id"])
+    assert "alloc 0" in client.execute(ALLOCATE)
+    wait_for(lambda: (gpu_memory_used(server, uuid) or 0) >= 256 * MIB, timeout=10)
+    ids, _ = _show_panel(client)
+
+    click(client.client, ids["release_button"])  # asks for confirmation first
+    _, seen = run_collecting(client.client, "print(p.confirm.layout.display)")
+    assert _latest(seen, ids["confirm"], "display") == "flex"
+    assert allocations_of(server, kernel["id"]) == [alloc]  # nothing released yet
+
+    click(client.client, ids["confirm_button"])
+    _, seen = run_collecting(client.client, "print(p.last_status['state'])")
+    assert [m["content"]["text"].strip() for m in seen if m["msg_type"] == "stream"] == [
+        "released"]
+    # the ledger, the daemon and the simulator's memory all show it gone
+    assert allocations_of(server, kernel["id"]) == []
+    assert daemon_allocation(server, alloc["id"]) is None
+    wait_for(lambda: gpu_memory_used(server, uuid) == 0, timeout=10)
+    message = _latest(seen, ids["message"])
+    assert "Released 0.25–0.5 of an A100" in message and "256MiB of GPU memory freed" in message
+    assert "Restart the kernel to get a new share" in message
+    assert _latest(seen, ids["release_button"], "disabled") is True
+    assert client.execute("1+1").strip() == "2"
+    client.close()
+
+
+def test_panel_says_when_the_daemon_is_gone_and_recovers(jupyter_server):
+    from jupyter_gpushare.daemon.supervisor import ensure_daemon, stop
+    from jupyter_gpushare.inventory import local_node_name, simulated_gpus
+
+    server = jupyter_server("1xA100")
+    kernel, alloc = start_kernel(server)
+    client = server.client(kernel["id"])
+    ids, _ = _show_panel(client)
+    socket = server.env["GPUSHARE_SOCKET"]
+    stop_daemons(socket)
+    wait_for(lambda: "unreachable" in client.execute("print(p.last_status['state'])"), 10)
+    _, seen = run_collecting(client.client, "import time; time.sleep(1.5)")
+    text = _latest(seen, ids["message"])
+    assert "daemon is unreachable" in text and "retrying" in text
+    assert "1" == client.execute("print(1)").strip()
+
+    node = local_node_name()
+    proc = ensure_daemon(Path(socket), Path(server.env["GPUSHARE_LEDGER"]),
+                         simulated_gpus("1xA100", node), node)
+    try:
+        wait_for(lambda: "active" in client.execute("print(p.last_status['state'])"), 15)
+        assert fields(client.execute("print(p.info.value)"))["gpu_uuid"] == alloc["gpus"][0]
+    finally:
+        client.close()
+        stop(proc)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import wire
-from .scheduler import MIN_LEASE_NS, Grant, TenantView, UsageWindow, pick
+from .scheduler import Grant, LimitCredit, TenantView, UsageWindow, pick
 from .shm import GpuShm, monotonic_ns
 
 log = logging.getLogger("jupyter_gpushare.daemon")
@@ -32,6 +32,7 @@ class Tenant:
     limit: float
     memory: int
     window: UsageWindow = field(default_factory=UsageWindow)
+    credit: LimitCredit | None = None
     last_grant_ns: int = 0
     grants: int = 0
     connections: int = 0
@@ -69,6 +70,7 @@ class GpuLoop:
                 log.error("GPU %s: no free slot for %s", self.uuid, allocation)
                 return None
             tenant = Tenant(allocation, index, request, limit, memory)
+            tenant.credit = LimitCredit(monotonic_ns(), 2 * self.quantum_ns)
             tenant.window.total_ns = self.shm.slots[index].used_ns
             self.tenants[allocation] = tenant
         elif (tenant.request, tenant.limit, tenant.memory) != (request, limit, memory):
@@ -99,10 +101,14 @@ class GpuLoop:
     # -- events from clients ------------------------------------------------------------------
 
     def want(self, tenant: Tenant) -> None:
+        self._sync_holder()
         self.schedule()
         self._publish_waiting()
+        self._update_next()
 
     def done(self, tenant: Tenant, lease: int) -> None:
+        if self._sync_holder():
+            return
         if self.holder is tenant and lease == self.lease_until:
             self._maybe_finish()
 
@@ -132,17 +138,22 @@ class GpuLoop:
                     used_ns=t.window.used(now, self.window_ns),
                     waiting=slot.waiters > 0,
                     last_grant_ns=t.last_grant_ns,
+                    credit_ns=self._credit(t).value(now, t.limit),
                 )
             )
         return views
+
+    def _credit(self, t: Tenant) -> LimitCredit:
+        if t.credit is None:
+            t.credit = LimitCredit(monotonic_ns(), 2 * self.quantum_ns)
+        return t.credit
 
     def _next_eligible(self, views: list[TenantView], now: int) -> int:
         soonest = now + self.window_ns
         for v in views:
             if v.waiting:
-                allowed = int(v.limit * self.window_ns) - MIN_LEASE_NS
-                t = self.tenants[v.key].window.time_when_below(allowed, now, self.window_ns)
-                soonest = min(soonest, max(t, now + 100_000))
+                t = self._credit(self.tenants[v.key]).eligible_at(now, v.limit)
+                soonest = min(soonest, max(t, now + 50_000))
         return soonest
 
     def _retry_at(self, when_ns: int) -> None:
@@ -158,23 +169,79 @@ class GpuLoop:
     def _grant(self, grant: Grant, now: int) -> None:
         tenant = self.tenants[grant.key]
         slot = self.shm.slots[tenant.slot]
-        self.holder = tenant
-        self.lease_start = now
-        self.lease_until = now + grant.lease_ns
-        self.draining = False
-        tenant.last_grant_ns = now
-        tenant.grants += 1
-        self.handoffs += 1
+        until = now + grant.lease_ns
         slot.lease_start_ns = now
         slot.drain_end_ns = now
-        slot.lease_until_ns = self.lease_until
+        slot.first_launch_ns = 0
+        slot.lease_until_ns = until
         self.shm.header.holder = tenant.slot + 1
         self.shm.wake(tenant.slot)
+        self._begin(tenant, now, until)
+
+    def _begin(self, tenant: Tenant, start: int, until: int) -> None:
+        """``tenant`` holds the GPU from ``start`` to ``until`` (granted by us or handed to it
+        by the previous holder)."""
+        self.holder = tenant
+        self.lease_start = start
+        self.lease_until = until
+        self.draining = False
+        tenant.last_grant_ns = start
+        tenant.grants += 1
+        self.handoffs += 1
         self._publish_waiting()
         loop = asyncio.get_running_loop()
         self._cancel_timers()
-        self._timers.append(loop.call_at(self.lease_until / 1e9, self._expire))
-        self._timers.append(loop.call_at((now + UNUSED_LEASE_NS) / 1e9, self._check_unused))
+        self._timers.append(loop.call_at(until / 1e9, self._expire))
+        self._timers.append(loop.call_at((start + UNUSED_LEASE_NS) / 1e9, self._check_unused))
+        self._update_next()
+
+    def _update_next(self) -> None:
+        """Publish who the holder should hand the GPU to when its lease ends."""
+        header = self.shm.header
+        if self.holder is None:
+            header.next_slot = 0
+            return
+        now = monotonic_ns()
+        left = max(0, self.lease_until - now)
+        views = []
+        for v in self._views(now):
+            if v.key == self.holder.allocation:
+                running = self.holder.window.used(now, self.window_ns, self.lease_start)
+                v = replace(v, used_ns=running + left, credit_ns=v.credit_ns - left,
+                            waiting=True)
+            views.append(v)
+        grant = pick(views, self.quantum_ns, self.window_ns)
+        if grant is None:
+            header.next_slot = 0
+        else:
+            header.next_lease_ns = grant.lease_ns
+            header.next_slot = self.tenants[grant.key].slot + 1
+
+    def _sync_holder(self) -> bool:
+        """Adopt a handoff a client made: ``holder`` moved off our holder's slot, or our holder
+        handed the GPU to itself (its ``lease_until_ns`` is a lease we did not grant)."""
+        if self.holder is None:
+            return False
+        moved = int(self.shm.header.holder)
+        if moved == 0:
+            return False
+        if moved == self.holder.slot + 1:
+            until = int(self.shm.slots[self.holder.slot].lease_until_ns)
+            if until == 0 or until == self.lease_until:
+                return False
+        old = self.holder
+        self._charge(old, int(self.shm.slots[old.slot].drain_end_ns))
+        new = next((t for t in self.tenants.values() if t.slot == moved - 1), None)
+        if new is None:  # handed to a slot that was released meanwhile: take it back
+            self.shm.slots[moved - 1].lease_until_ns = 0
+            self.holder = None
+            self.shm.header.holder = 0
+            self._cancel_timers()
+            self.schedule()
+            return True
+        slot = self.shm.slots[new.slot]
+        self._begin(new, int(slot.lease_start_ns), int(slot.lease_until_ns))
+        return True
 
     def _check_unused(self) -> None:
         """Take back a lease its holder never launched under (its waiter left)."""
@@ -187,7 +254,7 @@ class GpuLoop:
             self._maybe_finish()
 
     def _expire(self) -> None:
-        if self.holder is None:
+        if self.holder is None or self._sync_holder():
             return
         slot = self.shm.slots[self.holder.slot]
         slot.lease_until_ns = 0  # revoke (it has also run out by the clock)
@@ -213,8 +280,21 @@ class GpuLoop:
         now = monotonic_ns()
         if slot.lease_until_ns > now or slot.joined > 0:
             return
+        if self._sync_holder():  # after reading joined: a handoff is visible before it drops
+            return
         end = min(max(slot.drain_end_ns, self.lease_start), now)
         self._end_lease(end)
+
+    def _charge(self, tenant: Tenant, end: int) -> None:
+        slot = self.shm.slots[tenant.slot]
+        first = int(slot.first_launch_ns)
+        # charged from the first launch: the wake-up before it is nobody's device time (a lease
+        # never launched under is charged whole: it kept the others out)
+        start = first if self.lease_start <= first <= end else self.lease_start
+        end = max(end, start)
+        tenant.window.charge(start, end)
+        self._credit(tenant).charge(end - start)
+        slot.used_ns = tenant.window.total_ns
 
     def _end_lease(self, end: int) -> None:
         tenant = self.holder
@@ -222,11 +302,11 @@ class GpuLoop:
             return
         slot = self.shm.slots[tenant.slot]
         slot.lease_until_ns = 0
-        tenant.window.charge(self.lease_start, max(end, self.lease_start))
-        slot.used_ns = tenant.window.total_ns
+        self._charge(tenant, end)
         self.holder = None
         self.draining = False
         self.shm.header.holder = 0
+        self.shm.header.next_slot = 0
         self._cancel_timers()
         self.schedule()
 
@@ -245,7 +325,9 @@ class GpuLoop:
     def tick(self) -> None:
         """Periodic: heartbeat, waiting count, and a schedule in case a wake-up was lost."""
         self.shm.heartbeat()
+        self._sync_holder()
         self._publish_waiting()
+        self._update_next()
         if self.holder is not None and not self.draining:
             if self.shm.slots[self.holder.slot].lease_until_ns == 0:
                 self._maybe_finish()  # handed back early without a message
@@ -294,5 +376,6 @@ class GpuLoop:
             "holder": self.holder.allocation if self.holder else None,
             "busy_share": round(busy / self.window_ns, 4),
             "handoffs": self.handoffs,
+            "direct_handoffs": int(self.shm.header.direct_handoffs),
             "allocations": sorted(self.tenants),
         }

@@ -4,9 +4,12 @@ Pure functions over plain data (no clock, no I/O), so they can be tested exhaust
 
 Policy (per GPU, leases exclusive, time measured as device time charged in a sliding window):
 
-1. Only tenants that wait for a lease and have used less than ``limit * window`` are eligible;
-   nobody is ever granted time that would take it past its limit in the window (the lease is
-   shortened to what is left, and refused below :data:`MIN_LEASE_NS`).
+1. Only tenants that wait for a lease and have limit credit left are eligible. Credit
+   (:class:`LimitCredit`) accrues at ``limit`` ns per ns, is capped at a small burst (two quanta),
+   and every lease's device time is charged against it; so over any stretch of time a tenant
+   uses at most ``limit`` of it plus one burst. (A sliding-window check "used < limit * window"
+   fragments the GPU when limits add up to 1: both tenants sit at their limit and wait for their
+   own usage to slide out, leaving gaps; credit has no such gaps.)
 2. Eligible tenants below their request go first, most behind first (smallest
    ``used / (request * window)``), like a deficit round robin.
 3. Otherwise idle time goes to tenants below their limit, shared in proportion to their
@@ -37,6 +40,7 @@ class TenantView:
     used_ns: int  # device time charged within the window (including a running lease)
     waiting: bool
     last_grant_ns: int = 0
+    credit_ns: int = 1  # limit credit (LimitCredit.value); > 0 means it may run
 
 
 @dataclass(frozen=True)
@@ -50,12 +54,11 @@ def pick(
     tenants: Sequence[TenantView], quantum_ns: int, window_ns: int
 ) -> Grant | None:
     """The next lease, or None when no waiting tenant may run now."""
-    best: tuple[tuple[int, float, int], TenantView, int] | None = None
+    best: tuple[tuple[int, float, int], TenantView] | None = None
     for t in tenants:
         if not t.waiting or t.limit <= 0:
             continue
-        room = int(t.limit * window_ns) - t.used_ns
-        if room < MIN_LEASE_NS:
+        if t.limit < 1.0 and t.credit_ns <= 0:
             continue
         owed = t.request * window_ns
         below = t.used_ns < owed
@@ -64,17 +67,36 @@ def pick(
         else:
             rank = (1, t.used_ns / max(t.request, 1e-9), t.last_grant_ns)
         if best is None or rank < best[0]:
-            best = (rank, t, room)
+            best = (rank, t)
     if best is None:
         return None
-    rank, tenant, room = best
-    return Grant(tenant.key, min(quantum_ns, room), rank[0] == 0)
+    rank, tenant = best
+    return Grant(tenant.key, quantum_ns, rank[0] == 0)
 
 
-def next_eligible_ns(tenant: TenantView, window: UsageWindow, now: int, window_ns: int) -> int:
-    """When a tenant over its limit will have room for :data:`MIN_LEASE_NS` again (≥ now)."""
-    allowed = int(tenant.limit * window_ns) - MIN_LEASE_NS
-    return window.time_when_below(allowed, now, window_ns)
+class LimitCredit:
+    """How much device time a tenant may still use under its limit."""
+
+    def __init__(self, now: int, cap_ns: int) -> None:
+        self.credit = 0.0
+        self.t = now
+        self.cap_ns = cap_ns
+
+    def value(self, now: int, limit: float) -> int:
+        if now > self.t:
+            self.credit = min(self.credit + limit * (now - self.t), float(self.cap_ns))
+            self.t = now
+        return int(self.credit)
+
+    def charge(self, ns: int) -> None:
+        self.credit -= ns
+
+    def eligible_at(self, now: int, limit: float) -> int:
+        """When the credit turns positive again (assuming no new charges)."""
+        credit = self.value(now, limit)
+        if credit > 0 or limit <= 0:
+            return now
+        return now + int(-credit / limit) + 1
 
 
 class UsageWindow:
@@ -83,23 +105,34 @@ class UsageWindow:
     def __init__(self) -> None:
         self.intervals: deque[tuple[int, int]] = deque()
         self.total_ns = 0  # all time ever charged
+        self._in_deque_ns = 0  # sum of the intervals still kept
 
     def charge(self, start: int, end: int) -> None:
         if end <= start:
             return
         self.intervals.append((start, end))
         self.total_ns += end - start
+        self._in_deque_ns += end - start
 
     def used(self, now: int, window_ns: int, running_since: int | None = None) -> int:
         """Device time within ``[now - window_ns, now]``; a running lease counts from
-        ``running_since`` to ``now``."""
+        ``running_since`` to ``now``. O(1) amortised (a running sum of kept intervals)."""
         lo = now - window_ns
-        while self.intervals and self.intervals[0][1] <= lo:
-            self.intervals.popleft()
-        used = sum(min(e, now) - max(s, lo) for s, e in self.intervals if min(e, now) > max(s, lo))
+        intervals = self.intervals
+        while intervals and intervals[0][1] <= lo:
+            s, e = intervals.popleft()
+            self._in_deque_ns -= e - s
+        used = self._in_deque_ns
+        if intervals:
+            s0 = intervals[0][0]
+            if s0 < lo:
+                used -= lo - s0
+            e1 = intervals[-1][1]
+            if e1 > now:  # charged into the future (clock skew between writers)
+                used -= min(e1 - now, e1 - max(intervals[-1][0], lo))
         if running_since is not None and now > running_since:
             used += now - max(running_since, lo)
-        return used
+        return max(used, 0)
 
     def time_when_below(self, allowed_ns: int, now: int, window_ns: int) -> int:
         """The earliest time ≥ now at which usage in the window is ≤ ``allowed_ns`` (assuming

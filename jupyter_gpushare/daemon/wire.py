@@ -120,7 +120,11 @@ class Header(ctypes.Structure):
         ("holder", ctypes.c_uint32),  # 56: slot index + 1 of the lease holder, 0 none
         ("waiting_slots", ctypes.c_uint32),  # 60: slots other than the holder that wait
         ("uuid", ctypes.c_char * 64),  # 64
-        ("_pad", ctypes.c_uint8 * 128),  # 128
+        ("next_slot", ctypes.c_uint32),  # 128: slot + 1 the holder may hand the GPU to, 0 none
+        ("_pad0", ctypes.c_uint32),  # 132
+        ("next_lease_ns", ctypes.c_uint64),  # 136: the lease to give it
+        ("direct_handoffs", ctypes.c_uint64),  # 144: handoffs done by clients (atomic add)
+        ("_pad", ctypes.c_uint8 * 104),  # 152
     ]
 
 
@@ -148,7 +152,8 @@ class Slot(ctypes.Structure):
         ("generation", ctypes.c_uint64),  # 104
         ("allocation", ctypes.c_char * 32),  # 112 allocation id, NUL-padded
         ("launches", ctypes.c_uint64),  # 144 atomic add (clients), batched per lease
-        ("_pad", ctypes.c_uint8 * 104),  # 152
+        ("first_launch_ns", ctypes.c_uint64),  # 152 atomic min (clients): first join of a lease
+        ("_pad", ctypes.c_uint8 * 96),  # 160
     ]
 
 

@@ -38,7 +38,11 @@ struct gpushare_wire_header {
     _Atomic uint32_t holder;         /* 56: slot + 1 of the lease holder, 0 none */
     _Atomic uint32_t waiting_slots;  /* 60: slots other than the holder waiting for a lease */
     char uuid[64];                   /* 64 */
-    uint8_t pad[128];                /* 128 */
+    _Atomic uint32_t next_slot;      /* 128: slot + 1 the holder may hand the GPU to (daemon) */
+    uint32_t pad0;                   /* 132 */
+    _Atomic uint64_t next_lease_ns;  /* 136: the lease to give it */
+    _Atomic uint64_t direct_handoffs; /* 144: handoffs done by clients */
+    uint8_t pad[104];                /* 152 */
 };
 
 struct gpushare_wire_slot {
@@ -61,7 +65,8 @@ struct gpushare_wire_slot {
     _Atomic uint64_t generation;     /* 104 */
     char allocation[32];             /* 112 */
     _Atomic uint64_t launches;       /* 144 */
-    uint8_t pad[104];                /* 152 */
+    _Atomic uint64_t first_launch_ns; /* 152: atomic min (clients): first join of the lease */
+    uint8_t pad[96];                 /* 160 */
 };
 
 _Static_assert(sizeof(struct gpushare_wire_header) == GPUSHARE_WIRE_HEADER_SIZE, "header size");
@@ -74,10 +79,10 @@ _Static_assert(offsetof(struct gpushare_wire_slot, launches) == 144, "launches o
 /* The offsets by name, for the wire-format test (tools/wire_offsets in the build). */
 #define GPUSHARE_WIRE_HEADER_FIELDS(X) X(magic) X(version) X(slot_count) X(slot_size) \
     X(daemon_pid) X(epoch) X(heartbeat_ns) X(quantum_ns) X(window_ns) X(holder) \
-    X(waiting_slots) X(uuid)
+    X(waiting_slots) X(uuid) X(next_slot) X(next_lease_ns) X(direct_handoffs)
 #define GPUSHARE_WIRE_SLOT_FIELDS(X) X(lease_until_ns) X(lease_start_ns) X(grant_seq) X(state) \
     X(joined) X(waiters) X(mem_cap) X(mem_used) X(used_ns) X(drain_end_ns) X(request_ppm) \
     X(limit_ppm) X(lease_waits) X(wait_ns) X(oom_count) X(mem_peak) X(generation) \
-    X(allocation) X(launches)
+    X(allocation) X(launches) X(first_launch_ns)
 
 #endif

@@ -39,7 +39,8 @@
 /* Real entry points we call but do not wrap. */
 #define GS_USES(X)                                                                            \
     X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuCtxGetDevice) X(cuEventCreate)                   \
-    X(cuEventRecord) X(cuEventSynchronize) X(cuEventQuery) X(cuEventDestroy_v2)                \
+    X(cuEventRecord) X(cuEventSynchronize) X(cuEventQuery) X(cuEventDestroy_v2)            \
+    X(cuEventElapsedTime_v2)                \
     X(cuStreamIsCapturing) X(cuThreadExchangeStreamCaptureMode) X(cuCtxSynchronize)            \
     X(cuDeviceGetCount) X(cuDevicePrimaryCtxReset_v2) X(cuDevicePrimaryCtxRelease_v2)          \
     X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2)
@@ -85,6 +86,7 @@ struct gs_gpu {
     struct gpushare_wire_slot *_Atomic slot; /* the shared slot, or `local` before connecting */
     struct gpushare_wire_slot local;     /* stand-in slot before the first connection */
     uint64_t generation;
+    int slot_index;                      /* our slot in the shared file (-1: local) */
     void *map;
     _Atomic uint64_t joined_lease;       /* lease this process joined (0: none) */
     _Atomic uint64_t last_launch_ns;
@@ -92,6 +94,11 @@ struct gs_gpu {
     _Atomic uint64_t fs_next_on;         /* fail static: next self-granted lease */
     pthread_mutex_t streams_lock;
     struct gs_stream *streams;
+    /* device-side timing of a lease: an event recorded at this process's first launch */
+    CUevent start_event;
+    CUcontext start_ctx;
+    uint64_t start_lease;    /* lease the start event belongs to */
+    uint64_t join_ns;        /* CLOCK_MONOTONIC when this process joined it */
 };
 
 struct gs_global {

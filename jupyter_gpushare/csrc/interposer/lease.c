@@ -158,6 +158,7 @@ static void setup_gpus_from_env(void) {
         atomic_store(&g->local.limit_ppm, 1000000u);
         atomic_store(&g->local.state, GPUSHARE_SLOT_ACTIVE);
         g->slot = &g->local;
+        g->slot_index = -1;
         g->header = NULL;
         pthread_mutex_init(&g->streams_lock, NULL);
     }
@@ -293,6 +294,7 @@ static int attach(struct gs_gpu *g, const char *path, int index, uint64_t genera
         atomic_fetch_add(&slot->mem_used, mine); /* reserved before we knew the slot */
     g->map = map; /* an old mapping is left in place: threads may still read it */
     g->generation = generation;
+    g->slot_index = index;
     g->header = h;
     atomic_store_explicit(&g->slot, slot, memory_order_release);
     return 0;
@@ -416,6 +418,17 @@ static struct gs_stream *note_stream(struct gs_gpu *g, CUstream stream, uint64_t
         }
     }
     if (e) e->lease = lease;
+    if (e && g->start_lease != lease && real_cuEventCreate && real_cuEventRecord) {
+        /* the first launch of this process under the lease: mark the device timeline */
+        if (g->start_event && g->start_ctx != ctx) {
+            if (real_cuEventDestroy_v2) real_cuEventDestroy_v2(g->start_event);
+            g->start_event = NULL;
+        }
+        if (!g->start_event) real_cuEventCreate(&g->start_event, CU_EVENT_DEFAULT);
+        g->start_ctx = ctx;
+        if (g->start_event && real_cuEventRecord(g->start_event, e->stream) == CUDA_SUCCESS)
+            g->start_lease = lease;
+    }
     pthread_mutex_unlock(&g->streams_lock);
     return e;
 }
@@ -429,7 +442,7 @@ void gs_stream_forget(CUstream stream) {
             if (e->stream == stream) {
                 /* keep waiting for its queued work at the drain: record now, forget the stream */
                 if (e->lease && real_cuEventRecord) {
-                    if (!e->event && real_cuEventCreate) real_cuEventCreate(&e->event, CU_EVENT_DISABLE_TIMING);
+                    if (!e->event && real_cuEventCreate) real_cuEventCreate(&e->event, CU_EVENT_DEFAULT);
                     if (e->event) real_cuEventRecord(e->event, stream);
                 }
                 e->stream = NULL; /* NULL never matches a normalised stream */
@@ -443,24 +456,35 @@ void gs_stream_forget(CUstream stream) {
     if (gs_tl.stream == stream) gs_tl.stream = (CUstream)-1;
 }
 
-/* Waits until every stream this process used under `lease` has finished its queued work. */
-static void drain(struct gs_gpu *g, uint64_t lease) {
+/* Waits until every stream this process used under `lease` has finished its queued work;
+ * returns when the device finished it (CLOCK_MONOTONIC): measured with events against the start
+ * event where possible (so the agent's own wake-up latency is not charged), else the wall clock. */
+static uint64_t drain(struct gs_gpu *g, uint64_t lease) {
     CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
     if (real_cuThreadExchangeStreamCaptureMode) real_cuThreadExchangeStreamCaptureMode(&mode);
     pthread_mutex_lock(&g->streams_lock);
     for (struct gs_stream *e = g->streams; e; e = e->next) {
         if (e->lease != lease) continue;
         if (real_cuCtxSetCurrent) real_cuCtxSetCurrent(e->ctx);
-        if (!e->event && real_cuEventCreate) real_cuEventCreate(&e->event, CU_EVENT_DISABLE_TIMING);
+        if (!e->event && real_cuEventCreate) real_cuEventCreate(&e->event, CU_EVENT_DEFAULT);
         if (e->stream && e->event && real_cuEventRecord &&
             real_cuEventRecord(e->event, e->stream) != CUDA_SUCCESS && real_cuCtxSynchronize)
             real_cuCtxSynchronize();
     }
+    int timed = g->start_lease == lease && g->start_event && real_cuEventElapsedTime_v2;
+    float longest_ms = 0;
     for (struct gs_stream *e = g->streams; e; e = e->next) {
         if (e->lease != lease) continue;
         if (e->event && real_cuEventSynchronize) {
             if (real_cuCtxSetCurrent) real_cuCtxSetCurrent(e->ctx);
             real_cuEventSynchronize(e->event);
+            float ms = 0;
+            if (timed && e->ctx == g->start_ctx &&
+                real_cuEventElapsedTime_v2(&ms, g->start_event, e->event) == CUDA_SUCCESS) {
+                if (ms > longest_ms) longest_ms = ms;
+            } else {
+                timed = 0;
+            }
         }
         e->lease = 0;
     }
@@ -477,29 +501,76 @@ static void drain(struct gs_gpu *g, uint64_t lease) {
     }
     pthread_mutex_unlock(&g->streams_lock);
     if (real_cuThreadExchangeStreamCaptureMode) real_cuThreadExchangeStreamCaptureMode(&mode);
+    uint64_t now = gs_now();
+    if (timed && g->join_ns) {
+        uint64_t end = g->join_ns + (uint64_t)((double)longest_ms * 1e6);
+        if (end < now) return end;
+    }
+    return now;
 }
 
-/* The agent's end of a lease: drain, publish, tell the daemon. */
-static void finish_lease(struct gs_gpu *g, uint64_t lease) {
-    drain(g, lease);
+/* Direct handoff (see wire.py): the last process to drain grants the GPU to the holder the
+ * daemon picked in advance, without a round trip through the daemon. Returns the slot it handed
+ * the GPU to, or -1 (then the daemon decides, as usual). */
+static int try_handoff(struct gs_gpu *g) {
+    struct gpushare_wire_header *h = g->header;
     struct gpushare_wire_slot *s = g->slot;
-    atomic_max64(&s->drain_end_ns, gs_now());
+    if (!h || g->slot_index < 0 || !atomic_load(&gs.connected) || atomic_load(&s->joined) != 1)
+        return -1;
+    uint32_t next = atomic_load(&h->next_slot);
+    if (next == 0 || next > GPUSHARE_WIRE_SLOTS) return -1;
+    struct gpushare_wire_slot *n =
+        (struct gpushare_wire_slot *)((char *)h + GPUSHARE_WIRE_HEADER_SIZE +
+                                      (size_t)(next - 1) * GPUSHARE_WIRE_SLOT_SIZE);
+    if (atomic_load(&n->state) != GPUSHARE_SLOT_ACTIVE || atomic_load(&n->waiters) == 0)
+        return -1;
+    uint64_t now = gs_now(), lease_ns = atomic_load(&h->next_lease_ns);
+    if (lease_ns == 0 || lease_ns > 1000000000ull) return -1;
+    atomic_store(&n->lease_start_ns, now);
+    atomic_store(&n->drain_end_ns, now);
+    atomic_store(&n->first_launch_ns, 0);
+    uint32_t mine = (uint32_t)g->slot_index + 1;
+    if (!atomic_compare_exchange_strong(&h->holder, &mine, next)) return -1;
+    atomic_store(&h->next_slot, 0);
+    atomic_store_explicit(&n->lease_until_ns, now + lease_ns, memory_order_release);
+    atomic_fetch_add(&n->grant_seq, 1);
+    syscall(SYS_futex, (uint32_t *)&n->grant_seq, FUTEX_WAKE, 1 << 30, NULL, NULL, 0);
+    atomic_fetch_add(&h->direct_handoffs, 1);
+    return (int)next - 1;
+}
+
+/* The agent's end of a lease: drain, publish, hand over (or tell the daemon). */
+static void finish_lease(struct gs_gpu *g, uint64_t lease) {
+    uint64_t end = drain(g, lease);
+    struct gpushare_wire_slot *s = g->slot;
+    atomic_max64(&s->drain_end_ns, end);
+    int handed = atomic_load(&g->joined_lease) == lease ? try_handoff(g) : -1;
     uint64_t expected = lease;
     if (atomic_compare_exchange_strong(&g->joined_lease, &expected, 0)) dec_floor(&s->joined);
-    send_lease_msg("done", g, lease);
+    if (handed >= 0 && atomic_load(&gs.connected)) {
+        char line[256];
+        snprintf(line, sizeof line, "{\"op\":\"done\",\"gpu\":\"%s\",\"lease\":%llu,\"handoff\":%d}\n",
+                 g->uuid, (unsigned long long)lease, handed);
+        send_line(line);
+    } else {
+        send_lease_msg("done", g, lease);
+    }
 }
 
 /* -- admission (slow path) ------------------------------------------------------------------ */
 
 /* Runahead limit: at most ~2 x runahead_launches launches queued on a stream beyond the last
  * completed mark, so that the drain at a lease's end stays short. */
-static void runahead_check(struct gs_stream *e) {
+static void runahead_check(struct gs_gpu *g, struct gs_stream *e) {
     if (!e || !real_cuEventRecord || !real_cuEventQuery) return;
-    if (!e->event && real_cuEventCreate) real_cuEventCreate(&e->event, CU_EVENT_DISABLE_TIMING);
-    if (!e->event || !e->stream) return;
-    if (real_cuEventQuery(e->event) == CUDA_ERROR_NOT_READY && real_cuEventSynchronize)
-        real_cuEventSynchronize(e->event);
-    real_cuEventRecord(e->event, e->stream);
+    pthread_mutex_lock(&g->streams_lock);
+    if (!e->event && real_cuEventCreate) real_cuEventCreate(&e->event, CU_EVENT_DEFAULT);
+    if (e->event && e->stream) {
+        if (real_cuEventQuery(e->event) == CUDA_ERROR_NOT_READY && real_cuEventSynchronize)
+            real_cuEventSynchronize(e->event);
+        real_cuEventRecord(e->event, e->stream);
+    }
+    pthread_mutex_unlock(&g->streams_lock);
 }
 
 static int join(struct gs_gpu *g, uint64_t lease) {
@@ -510,6 +581,9 @@ static int join(struct gs_gpu *g, uint64_t lease) {
         return atomic_load(&g->joined_lease) == lease ? 0 : -1;
     struct gpushare_wire_slot *s = g->slot;
     atomic_fetch_add(&s->joined, 1);
+    uint64_t zero = 0;
+    g->join_ns = gs_now();
+    atomic_compare_exchange_strong(&s->first_launch_ns, &zero, g->join_ns);
     if (atomic_load(&s->lease_until_ns) != lease) { /* revoked meanwhile: undo */
         uint64_t mine = lease;
         if (atomic_compare_exchange_strong(&g->joined_lease, &mine, 0)) dec_floor(&s->joined);
@@ -557,7 +631,7 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
         uint64_t until = atomic_load_explicit(&s->lease_until_ns, memory_order_acquire);
         if (now < until && join(g, until) == 0) {
             struct gs_stream *e = note_stream(g, stream, until);
-            if (gs_tl.lease == until && gs_tl.stream == stream && gs_tl.gpu == g) runahead_check(e);
+            if (gs_tl.lease == until && gs_tl.stream == stream && gs_tl.gpu == g) runahead_check(g, e);
             gs_tl.lease = until;
             gs_tl.stream = stream;
             gs_tl.gpu = g;

@@ -33,6 +33,7 @@ FN(cuStreamSynchronize); FN(cuMemAlloc_v2); FN(cuMemFree_v2); FN(cuMemGetInfo_v2
 FN(cuDeviceTotalMem_v2); FN(cuDeviceGetCount); FN(cuGetProcAddress_v2); FN(cuCtxSynchronize);
 FN(cuMemAllocAsync); FN(cuMemFreeAsync); FN(cuMemAllocManaged); FN(cuMemAllocPitch_v2);
 FN(cuMemCreate); FN(cuMemRelease); FN(cuLaunchKernelEx); FN(cuGraphLaunch);
+FN(cuEventCreate); FN(cuEventRecord); FN(cuEventSynchronize);
 
 static CUcontext ctx;
 static CUfunction busy;
@@ -70,7 +71,7 @@ static void load(void) {
     LOAD(cuDeviceTotalMem_v2); LOAD(cuDeviceGetCount); LOAD(cuGetProcAddress_v2);
     LOAD(cuCtxSynchronize); LOAD(cuMemAllocAsync); LOAD(cuMemFreeAsync); LOAD(cuMemAllocManaged);
     LOAD(cuMemAllocPitch_v2); LOAD(cuMemCreate); LOAD(cuMemRelease); LOAD(cuLaunchKernelEx);
-    LOAD(cuGraphLaunch);
+    LOAD(cuGraphLaunch); LOAD(cuEventCreate); LOAD(cuEventRecord); LOAD(cuEventSynchronize);
     CHECK(p_cuInit(0));
     /* launches go through cuGetProcAddress_v2 like the CUDA runtime's */
     CUdriverProcAddressQueryResult q;
@@ -89,18 +90,27 @@ static CUresult launch_us(CUstream s, uint64_t us) {
     return p_cuLaunchKernel(busy, 1, 1, 1, 1, 1, 1, 0, s, params, NULL);
 }
 
-/* Saturating tenant: progress lines {"t": ns, "done_us": device µs completed}. */
+/* Saturating tenant: batches of SYNC_EVERY kernels, two batches always queued behind the one
+ * being waited for (like a framework running ahead), so the tenant's own wake-ups do not leave
+ * the device idle. Progress lines {"t": ns, "done_us": device µs completed}. */
 static int spin(double seconds, uint64_t kernel_us, int sync_every) {
     load();
     CUstream s;
     CHECK(p_cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    CUevent ev[3];
+    for (int i = 0; i < 3; i++) CHECK(p_cuEventCreate(&ev[i], CU_EVENT_DISABLE_TIMING));
     uint64_t start = now_ns(), end = start + (uint64_t)(seconds * 1e9), next_print = 0;
     uint64_t done = 0;
+    long batch = 0;
     printf("{\"start\":%llu,\"pid\":%d}\n", (unsigned long long)start, (int)getpid());
     while (now_ns() < end) {
         for (int i = 0; i < sync_every; i++) CHECK(launch_us(s, kernel_us));
-        CHECK(p_cuStreamSynchronize(s));
-        done += (uint64_t)sync_every * kernel_us;
+        CHECK(p_cuEventRecord(ev[batch % 3], s));
+        if (batch > 1) { /* two batches stay queued */
+            CHECK(p_cuEventSynchronize(ev[(batch - 2) % 3]));
+            done += (uint64_t)sync_every * kernel_us;
+        }
+        batch++;
         uint64_t t = now_ns();
         if (t >= next_print) {
             printf("{\"t\":%llu,\"done_us\":%llu}\n", (unsigned long long)t,
@@ -109,6 +119,8 @@ static int spin(double seconds, uint64_t kernel_us, int sync_every) {
             next_print = t + 50000000ull;
         }
     }
+    CHECK(p_cuStreamSynchronize(s));
+    done += (uint64_t)sync_every * kernel_us * (uint64_t)(batch > 1 ? 2 : batch);
     printf("{\"t\":%llu,\"done_us\":%llu,\"end\":true}\n", (unsigned long long)now_ns(),
            (unsigned long long)done);
     return 0;

@@ -1,0 +1,228 @@
+"""End to end on the simulated GPU: a real daemon process, a real SQLite ledger, tenants that
+drive the simulated driver with libgpushare.so preloaded.
+
+Shares are measured by the tenants themselves (device time of the kernels they saw complete), over
+5 s of steady state (5 scheduler windows of 1 s) rather than the promise's 10 s, to keep the
+default run short; benchmarks/enforcement.py measures 10 s windows.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import (
+    GiB,
+    add_allocation,
+    remove_allocation,
+    restart_daemon,
+    shares,
+    spawn_tenant,
+    start_daemon,
+)
+
+from jupyter_gpushare.ledger.sqlite import SQLiteLedger
+
+pytestmark = pytest.mark.timeout(120)
+
+SPIN = ["spin", "7", "1000", "8"]  # 7 s of 1 ms kernels, batches of 8, one batch queued
+
+
+def steady(tenants, skip=1.5, length=5.0):
+    t0 = max(t.lines[0]["start"] for t in tenants) + int(skip * 1e9)
+    return shares(tenants, t0, t0 + int(length * 1e9))
+
+
+def test_two_tenants_get_their_requests(daemon, ledger, gpus, tmp_path):
+    a = add_allocation(ledger, gpus[0], 0.3, 0.3)
+    b = add_allocation(ledger, gpus[0], 0.7, 0.7)
+    ta = spawn_tenant(daemon, ledger, a, gpus, SPIN, tmp_path)
+    tb = spawn_tenant(daemon, ledger, b, gpus, SPIN, tmp_path)
+    ta.finish()
+    tb.finish()
+    sa, sb = steady([ta, tb])
+    assert abs(sa - 0.3) <= 0.03, (sa, sb)
+    assert abs(sb - 0.7) <= 0.03, (sa, sb)
+
+
+def test_limit_alone_and_work_conserving(daemon, ledger, gpus, tmp_path):
+    capped = add_allocation(ledger, gpus[0], 0.5, 0.5)
+    t = spawn_tenant(daemon, ledger, capped, gpus, ["spin", "4.5", "1000", "8"], tmp_path)
+    t.finish()
+    (share,) = steady([t], skip=1.0, length=3.0)
+    assert share <= 0.53, share
+    assert share >= 0.40, share  # and it does run
+    remove_allocation(ledger, capped.id)
+    burst = add_allocation(ledger, gpus[0], 0.3, 1.0)
+    t = spawn_tenant(daemon, ledger, burst, gpus, ["spin", "4.5", "1000", "8"], tmp_path)
+    t.finish()
+    (share,) = steady([t], skip=1.0, length=3.0)
+    assert share >= 0.95, share
+
+
+def test_idle_tenant_time_is_taken_up(daemon, ledger, gpus, tmp_path):
+    a = add_allocation(ledger, gpus[0], 0.3, 1.0)
+    b = add_allocation(ledger, gpus[0], 0.7, 1.0)
+    ta = spawn_tenant(daemon, ledger, a, gpus, ["spin", "6", "1000", "8"], tmp_path)
+    tb = spawn_tenant(daemon, ledger, b, gpus, ["spin", "2.5", "1000", "8"], tmp_path)
+    tb.finish()
+    ta.finish()
+    stop = tb.lines[-1]["t"]
+    start = max(ta.lines[0]["start"], tb.lines[0]["start"])
+    before = shares([ta, tb], start + int(0.8e9), stop - int(0.2e9))
+    assert abs(before[0] - 0.3) <= 0.05 and abs(before[1] - 0.7) <= 0.05, before
+    # within one window (1 s) after b went idle, a has the GPU
+    after = shares([ta], stop + int(1e9), stop + int(3e9))
+    assert after[0] >= 0.93, after
+
+
+def test_small_launch_next_to_saturating_neighbour(daemon, ledger, gpus, tmp_path):
+    big = add_allocation(ledger, gpus[0], 0.5, 1.0)
+    small = add_allocation(ledger, gpus[0], 0.5, 1.0)
+    tb = spawn_tenant(daemon, ledger, big, gpus, ["spin", "5", "1000", "4"], tmp_path)
+    time.sleep(0.5)
+    ts = spawn_tenant(daemon, ledger, small, gpus, ["small", "3.5", "20"], tmp_path)
+    (result,) = ts.finish()
+    tb.finish()
+    # one quantum (20 ms) plus the neighbour's queued batch (<= 2 x 4 ms) plus handoffs
+    assert result["n"] > 50
+    assert result["p50_us"] <= 30_000, result
+    assert result["p99_us"] <= 45_000, result
+
+
+def test_memory_cap_under_concurrency(daemon, ledger, gpus, tmp_path):
+    cap = 64 * 2**20
+    allocations = [add_allocation(ledger, gpus[0], 0.2, 1.0, memory=cap) for _ in range(4)]
+    tenants = [
+        spawn_tenant(daemon, ledger, a, gpus, ["mem", "8", "400", str(16 * 2**20), str(i)],
+                     tmp_path)
+        for i, a in enumerate(allocations)
+    ]
+    results = [t.finish()[-1] for t in tenants]
+    for t, r in zip(tenants, results, strict=True):
+        assert t.proc.returncode == 0, (r, t.stderr)
+        assert r["errors"] == 0 and r["over_cap"] == 0, r
+        assert r["total"] == cap, r
+        assert r["ooms"] > 0, r  # the cap was reached, and refused with OUT_OF_MEMORY
+        assert r["free_after"] == cap, r  # nothing leaked
+    status = daemon.client.status()
+    for allocation in status["allocations"]:
+        g = allocation["gpus"][0]
+        assert g["memory_peak"] <= g["memory_cap"] == cap
+        assert g["memory_used"] == 0
+        assert g["oom_refusals"] > 0
+
+
+def test_memory_info_reports_the_cap(daemon, ledger, gpus, tmp_path):
+    a = add_allocation(ledger, gpus[0], 0.2, 1.0, memory=3 * GiB)
+    (info,) = spawn_tenant(daemon, ledger, a, gpus, ["info"], tmp_path).finish()
+    assert info["total"] == info["device_total"] == 3 * GiB
+    assert info["free"] == 3 * GiB
+    assert info["over_total"] == 2  # CUDA_ERROR_OUT_OF_MEMORY
+
+
+def test_refused_without_or_with_someone_elses_allocation(daemon, ledger, gpus, tmp_path):
+    t = spawn_tenant(daemon, ledger, None, gpus, SPIN, tmp_path)
+    lines = t.finish()
+    assert t.proc.returncode == 3, (lines, t.stderr)
+    assert lines[-1]["error"] == 800  # CUDA_ERROR_NOT_PERMITTED
+    assert "GPUSHARE_ALLOCATION_ID" in t.stderr
+    other = add_allocation(ledger, gpus[0], 0.5, 1.0, pid=daemon.proc.pid)  # someone else's
+    t = spawn_tenant(daemon, ledger, other, gpus, SPIN, tmp_path, register=False)
+    lines = t.finish()
+    assert t.proc.returncode == 3, (lines, t.stderr)
+    assert "is not allocation" in t.stderr
+    assert daemon.client.status()["daemon"]["refused"] >= 1  # the first never got to ask
+
+
+def test_released_share_refuses_further_work(daemon, ledger, gpus, tmp_path):
+    a = add_allocation(ledger, gpus[0], 0.5, 1.0)
+    t = spawn_tenant(daemon, ledger, a, gpus, ["spin", "20", "1000", "4"], tmp_path)
+    time.sleep(1.5)
+    remove_allocation(ledger, a.id)
+    lines = t.finish(timeout=15)
+    assert t.proc.returncode == 3, (lines[-1], t.stderr)
+    assert lines[-1]["error"] == 800
+    assert "released" in t.stderr
+
+
+def test_daemon_kill9_fail_static_and_takeover(daemon, ledger, gpus, tmp_path):
+    a = add_allocation(ledger, gpus[0], 0.3, 0.3)
+    b = add_allocation(ledger, gpus[0], 0.7, 0.7)
+    ta = spawn_tenant(daemon, ledger, a, gpus, ["spin", "9", "1000", "8"], tmp_path)
+    tb = spawn_tenant(daemon, ledger, b, gpus, ["spin", "9", "1000", "8"], tmp_path)
+    time.sleep(2.0)
+    daemon.kill9()
+    time.sleep(1.5)  # fail static: each runs at its request share on its own
+    new = restart_daemon(daemon)
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            status = new.client.status()
+            if all(x["connected"] for x in status["allocations"]):
+                break
+            time.sleep(0.1)
+        assert all(x["connected"] for x in status["allocations"]), status
+        restarted = time.monotonic_ns()
+        ta.finish()
+        tb.finish()
+        assert ta.proc.returncode == 0 and tb.proc.returncode == 0, (ta.stderr, tb.stderr)
+        # enforced again within a few windows
+        sa, sb = shares([ta, tb], restarted + int(2e9), restarted + int(5e9))
+        assert abs(sa - 0.3) <= 0.05 and abs(sb - 0.7) <= 0.05, (sa, sb)
+    finally:
+        new.stop()
+
+
+def test_forked_children_share_one_budget(daemon, ledger, gpus, tmp_path):
+    a = add_allocation(ledger, gpus[0], 0.4, 0.4)
+    t = spawn_tenant(daemon, ledger, a, gpus, ["fork", "4", "1000"], tmp_path)
+    lines = t.finish()
+    assert t.proc.returncode == 0, (lines, t.stderr)
+    child = next(x for x in lines if x.get("who") == "child")
+    parent = next(x for x in lines if x.get("who") == "parent")
+    assert parent["child_status"] == 0
+    total = (child["done_us"] + parent["done_us"]) / 4e6
+    assert child["done_us"] > 0 and parent["done_us"] > 0
+    assert total <= 0.4 + 0.05, total
+
+
+def test_live_resize(daemon, ledger, gpus, tmp_path):
+    from dataclasses import replace
+
+    a = add_allocation(ledger, gpus[0], 0.2, 0.2)
+    t = spawn_tenant(daemon, ledger, a, gpus, ["spin", "6", "1000", "8"], tmp_path)
+    time.sleep(2.5)
+    changed_at = time.monotonic_ns()
+    snap = ledger.snapshot_sync()
+    current = snap.find(a.id)
+    spec = replace(current.spec, gpu_request=0.6, gpu_limit=0.6)
+    rest = [x for x in snap.on_node(current.node) if x.id != a.id]
+    assert ledger.compare_and_swap_sync(current.node, snap.versions[current.node],
+                                        [*rest, replace(current, spec=spec)])
+    t.finish()
+    start = t.lines[0]["start"]
+    (before,) = shares([t], start + int(0.8e9), changed_at)
+    (after,) = shares([t], changed_at + int(1.2e9), changed_at + int(3.2e9))
+    assert abs(before - 0.2) <= 0.04, before
+    assert abs(after - 0.6) <= 0.05, after
+
+
+def test_metrics_and_status(built, tmp_path: Path, gpus):
+    d = start_daemon(tmp_path, extra=("--metrics-port", "-1"))
+    try:
+        ledger = SQLiteLedger(d.ledger_path)
+        a = add_allocation(ledger, gpus[0], 0.25, 0.5, memory=GiB)
+        d.client.refresh()
+        status = d.client.status(a.id)
+        assert status["ok"] and status["allocations"][0]["memory_cap"] == GiB
+        assert not d.client.status("a-unknown")["ok"]
+        port = d.client.status()["daemon"]["metrics_port"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        text = text.decode()
+        assert f'gpushare_allocation_memory_cap_bytes{{allocation="{a.id}"' in text
+        assert "gpushare_allocation_share{" in text and "gpushare_daemon_clients" in text
+    finally:
+        d.stop()

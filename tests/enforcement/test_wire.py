@@ -17,8 +17,9 @@ INCLUDE = Path(__file__).resolve().parents[2] / "jupyter_gpushare" / "csrc" / "i
 PROGRAM = r"""
 #include <stdio.h>
 #include "gpushare_wire.h"
-#define H(f) printf("%s\"%s\":%zu", first ? "" : ",", #f, offsetof(struct gpushare_wire_header, f)), first = 0;
-#define S(f) printf("%s\"%s\":%zu", first ? "" : ",", #f, offsetof(struct gpushare_wire_slot, f)), first = 0;
+#define P(t, f) printf("%s\"%s\":%zu", first ? "" : ",", #f, offsetof(struct t, f)), first = 0;
+#define H(f) P(gpushare_wire_header, f)
+#define S(f) P(gpushare_wire_slot, f)
 int main(void) {
     int first = 1;
     printf("{\"version\":%u,\"magic\":%u,\"slots\":%d,\"file\":%d,\"header\":{",

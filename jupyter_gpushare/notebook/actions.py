@@ -71,6 +71,11 @@ def allocation_id() -> str | None:
     return os.environ.get("GPUSHARE_ALLOCATION_ID") or None
 
 
+def released() -> dict[str, Any] | None:
+    """The share this process released (Allocation JSON), or None."""
+    return _state.released
+
+
 def _client(timeout: float = 5.0) -> DaemonClient:
     path = os.environ.get("GPUSHARE_SOCKET")
     if not path:
@@ -138,13 +143,22 @@ def status() -> dict[str, Any]:
                 "message": "This kernel holds no GPU share: it was not started with one."}
     try:
         reply = _client(timeout=2.0).status(current)
+        if reply.get("error") == "unknown_allocation":  # the daemon may not have polled yet
+            _client(timeout=2.0).refresh()
+            reply = _client(timeout=2.0).status(current)
     except (DaemonUnavailable, OSError) as exc:
         return {**base, "state": "unreachable", "allocation_id": current,
                 "message": f"The gpushare daemon is unreachable ({exc}); retrying."}
+    if reply.get("error") == "unknown_allocation":  # released from outside (REST, an admin)
+        freed = _free_process_memory()  # the interposer's agent may have done it already
+        with _state.lock:
+            _state.released = {"id": current}
+            _state.memory_freed = freed
+        return {**base, "state": "released", "released": _state.released, "memory_freed": freed,
+                "message": "It was released from outside this kernel. " + RELEASED_MESSAGE}
     if not reply.get("ok"):
         return {**base, "state": "unreachable", "allocation_id": current,
-                "message": f"The daemon does not know this kernel's share {current}: "
-                           f"{reply.get('message')}"}
+                "message": f"The daemon refused the status of {current}: {reply.get('message')}"}
     allocation = reply["allocations"][0]
     uuid = allocation["gpus"][0]["gpu"] if allocation.get("gpus") else None
     gpu: dict[str, Any] | None = None
@@ -249,6 +263,8 @@ def request(
 
 def describe(allocation: dict[str, Any]) -> str:
     """``0.25–0.5 of an A100 (a-…, 20GiB, GPU-…)`` for an Allocation JSON."""
+    if "gpu_request" not in allocation:
+        return f"the share {allocation.get('id')}"
     kind = allocation.get("gpu_type") or "GPU"
     request, limit = allocation.get("gpu_request"), allocation.get("gpu_limit")
     part = f"{request:g}" if request == limit else f"{request:g}–{limit:g}"
@@ -268,6 +284,7 @@ __all__ = [
     "describe",
     "gpus",
     "release",
+    "released",
     "request",
     "status",
 ]

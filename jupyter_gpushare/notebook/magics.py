@@ -118,5 +118,22 @@ class GpushareMagics(Magics):
         return str(actions.request(**share)["message"])
 
 
+def explain_released(result: Any) -> None:
+    """``post_run_cell``: after a release, a cell that failed on a GPU error gets the reason and
+    what to do (frameworks only say "operation not permitted")."""
+    error = getattr(result, "error_in_exec", None)
+    if error is None or actions.allocation_id() is not None or not actions.released():
+        return
+    text = f"{type(error).__name__} {error}".lower()
+    if any(word in text for word in GPU_ERROR_WORDS):
+        print(f"gpushare: {actions.RELEASED_MESSAGE}", file=sys.stderr)
+
+
+GPU_ERROR_WORDS = ("cuda", "gpu", "not permitted", "not_permitted", "cublas", "cudnn", "nvml",
+                   "device")
+
+
 def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(GpushareMagics)
+    if explain_released not in ipython.events.callbacks["post_run_cell"]:
+        ipython.events.register("post_run_cell", explain_released)

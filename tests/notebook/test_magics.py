@@ -177,3 +177,21 @@ def test_actions_without_a_share_or_daemon(monkeypatch, tmp_path):
         assert "nobody.sock" in str(exc)
     else:
         raise AssertionError("release did not refuse")
+
+
+def test_release_from_outside_frees_the_kernels_memory(jupyter_server):
+    """DELETE /gpushare/api/allocations/{id}: the interposer's agent notices on its own and frees
+    the process's GPU memory; the kernel then reports the share as released."""
+    server = jupyter_server("1xA100")
+    kernel, alloc = start_kernel(server)
+    uuid = alloc["gpus"][0]
+    client = server.client(kernel["id"])
+    assert "alloc 0" in client.execute(ALLOCATE)
+    wait_for(lambda: (gpu_memory_used(server, uuid) or 0) >= 256 * MIB, timeout=10)
+    assert server.delete(f"/gpushare/api/allocations/{alloc['id']}").status_code == 204
+    wait_for(lambda: gpu_memory_used(server, uuid) == 0, timeout=10)  # nothing ran in the kernel
+    text = client.execute("%gpushare status")
+    assert "GPU share: released" in text and "released from outside" in text, text
+    code = client.execute("print(cu.cuMemAlloc_v2(ctypes.byref(ptr), 1 << 20))")
+    assert code.strip() == str(CUDA_ERROR_NOT_PERMITTED)
+    client.close()

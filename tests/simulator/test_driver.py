@@ -72,12 +72,15 @@ def test_busy_kernels_take_their_time(sim_machine: SimMachine) -> None:
     assert dev.launches == 500
 
 
-def _together(machine: SimMachine, devices: tuple[int, int]) -> tuple[float, list[dict[str, str]]]:
+def _together(
+    machine: SimMachine, devices: tuple[int, int], env: dict[str, str] | None = None
+) -> tuple[float, list[dict[str, str]]]:
     """Two processes, each 500 x busy_us(1000), started at the same instant; returns the time
     from that instant until the last one finished (ms) and their outputs."""
     start = time.monotonic_ns() + 400 * MS
     procs = [
-        machine.start("busy", "1000", "500", str(dev), "nb", str(start)) for dev in devices
+        machine.start("busy", "1000", "500", str(dev), "nb", str(start), env=env)
+        for dev in devices
     ]
     outs = []
     for proc in procs:
@@ -96,6 +99,19 @@ def test_two_processes_share_one_device_in_time(sim_machine: SimMachine) -> None
     assert dev.busy_total_ns == 1000 * MS
     first_launch = min(int(float(o["start_ns"])) for o in outs)
     assert 1000 * MS <= dev.busy_until_ns - first_launch < 1010 * MS  # no idle gap inside
+
+
+def test_queue_bound_sets_how_processes_interleave(sim_machine: SimMachine) -> None:
+    """Work runs in the order it was queued. With the default bound (1 s of work ahead) the
+    first process's 500 ms are all queued before the second's; with a 5 ms bound the two
+    alternate in slices of about 5 ms and finish together, like a time-sliced GPU."""
+    _, outs = _together(sim_machine, (0, 0))
+    first, second = sorted(float(o["wall_ms"]) for o in outs)
+    assert 500 <= first < 750 and second >= 950, (first, second)
+    sliced = {**sim_machine.env, "GPUSHARE_SIM_QUEUE_AHEAD_US": "5000"}
+    span, outs = _together(sim_machine, (0, 0), env=sliced)
+    assert 1000.0 <= span < 1250, span
+    assert min(float(o["wall_ms"]) for o in outs) >= 950
 
 
 def test_two_processes_on_two_devices_run_in_parallel(sim_machine: SimMachine) -> None:

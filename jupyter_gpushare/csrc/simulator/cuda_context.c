@@ -8,6 +8,7 @@
 
 static _Atomic int initialised;
 static uint64_t kernel_default_ns = 5000;
+static uint64_t queue_ahead_ns = SIM_QUEUE_AHEAD_NS;
 
 static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct CUctx_st *all_contexts;
@@ -21,6 +22,7 @@ static __thread struct CUctx_st *ctx_stack[CTX_STACK];
 static __thread int ctx_depth;
 
 uint64_t sim_kernel_default_ns(void) { return kernel_default_ns; }
+uint64_t sim_queue_ahead_ns(void) { return queue_ahead_ns; }
 
 CUresult sim_ready(void)
 {
@@ -68,9 +70,14 @@ CUresult cuInit(unsigned int Flags)
         return CUDA_SUCCESS;
     if (sim_open(0) != 0)
         return CUDA_ERROR_OPERATING_SYSTEM;
+    /* Tunables: the duration of kernels other than busy_us, and how much work a stream may
+     * have queued beyond now before a launch blocks. */
     const char *us = getenv("GPUSHARE_SIM_KERNEL_US");
     if (us && *us)
         kernel_default_ns = strtoull(us, NULL, 10) * 1000ull;
+    const char *ahead = getenv("GPUSHARE_SIM_QUEUE_AHEAD_US");
+    if (ahead && *ahead && strtoull(ahead, NULL, 10) > 0)
+        queue_ahead_ns = strtoull(ahead, NULL, 10) * 1000ull;
     if (sim_cuda_count() == 0)
         return CUDA_ERROR_NO_DEVICE;
     atomic_store_explicit(&initialised, 1, memory_order_release);

@@ -158,16 +158,18 @@ CUresult sim_enqueue(struct CUstream_st *s, uint64_t dur_ns)
     if (sim_capture_node(s, &node))
         return CUDA_SUCCESS;
     /* The queue bound: a stream holds at most SIM_QUEUE_DEPTH launches, and not more than
-     * SIM_QUEUE_AHEAD_NS of work beyond now; past that the launch blocks like a real one. */
+     * sim_queue_ahead_ns() of work beyond now; past that the launch blocks like a real one. The
+     * device runs work in the order it was placed (first come, first served across processes):
+     * the bound is also how far one process's backlog can delay another's kernels. */
     uint64_t n = atomic_fetch_add(&s->queued, 1);
     a64 *cell = &s->ring[n % SIM_QUEUE_DEPTH];
     uint64_t oldest = atomic_load(cell);
     uint64_t now = sim_now_ns();
     if (oldest > now)
         sim_sleep_until(oldest);
-    uint64_t ready = sim_stream_ready(s);
-    if (ready > now + SIM_QUEUE_AHEAD_NS)
-        sim_sleep_until(ready - SIM_QUEUE_AHEAD_NS);
+    uint64_t ready = sim_stream_ready(s), ahead = sim_queue_ahead_ns();
+    if (ready > now + ahead)
+        sim_sleep_until(ready - ahead);
     uint64_t end = sim_schedule(s->ctx->slot, ready, dur_ns);
     atomic_store(cell, end);
     note_end(s, end);

@@ -18,7 +18,8 @@
 
 #define SIM_DRIVER_VERSION 13000
 #define SIM_QUEUE_DEPTH 1024                 /* launches in flight per stream before one blocks */
-#define SIM_QUEUE_AHEAD_NS 1000000000ull     /* ... or work queued this far ahead of now */
+#define SIM_QUEUE_AHEAD_NS 1000000000ull     /* ... or work queued this far ahead of now
+                                                (GPUSHARE_SIM_QUEUE_AHEAD_US overrides) */
 #define SIM_VMM_GRANULARITY (2ull << 20)
 #define SIM_MAX_JOINED 64
 
@@ -136,6 +137,7 @@ struct CUctx_st *sim_current(void);                /* this thread's current cont
 CUresult sim_current_ctx(struct CUctx_st **out);   /* ... or an error */
 CUresult sim_device_ordinal(CUdevice dev);         /* CUDA_SUCCESS when dev names a device */
 uint64_t sim_kernel_default_ns(void);
+uint64_t sim_queue_ahead_ns(void);
 
 /* -- cuda_exec.c ------------------------------------------------------------------------------ */
 /* Resolves a stream handle (NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD or a stream); ptds says

@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from .server import Client, Daemon
 
 E_NO_FIT = "no_fit"
-E_INVALID_SHARE = "invalid_share"
 E_NOTHING_RELEASED = "nothing_released"
 
 
@@ -70,34 +69,22 @@ def _share_error(exc: ShareError) -> dict[str, Any]:
 
 
 async def resize(daemon: Daemon, client: Client, message: dict[str, Any]) -> dict[str, Any]:
+    """The rules are :func:`jupyter_gpushare.resize.resized`'s (as for ``PATCH`` over REST)."""
+    from ..resize import BelowUse, resized
+
     allocation, refusal = await _own_allocation(daemon, client, str(message.get("allocation")))
     if refusal is not None:
         return refusal
     assert allocation is not None
-    share = dict(message.get("share") or {})
-    if set(share) - {"gpu_request", "gpu_limit", "gpu_memory"}:
-        return wire.refusal(E_INVALID_SHARE, "a live change may set gpu_request, gpu_limit and "
-                            "gpu_memory; other keys need a new share")
-    try:
-        spec = ShareSpec.from_mapping(share, defaults=allocation.spec)
-    except ShareError as exc:
-        return _share_error(exc)
-    gpus = [g for g in await daemon.ledger.gpus() if g.uuid in allocation.gpus]
+    change = dict(message.get("share") or {})
+    gpus = await daemon.ledger.gpus()
     used = _memory_used(daemon, allocation)
-
-    def change(current: Allocation, others: list[Allocation]) -> Allocation:
-        placement = place(gpus, others, spec)  # only its own GPUs: the share stays where it is
-        if spec.gpu_memory is not None and used > spec.gpu_memory:
-            raise ShareError("gpu_memory", spec.gpu_memory,
-                             f"at least the {used} bytes the kernel uses now")
-        return replace(current, spec=replace(spec, gpu_memory=placement.memory),
-                       memory=placement.memory)
-
     try:
-        changed = await daemon.ledger.update(allocation.id, change)
+        changed = await daemon.ledger.update(
+            allocation.id, lambda current, others: resized(current, others, gpus, change, used))
     except ShareError as exc:
         return _share_error(exc)
-    except PlacementRefused as exc:
+    except (PlacementRefused, BelowUse) as exc:
         return {"ok": False, **exc.to_json()}
     except AllocationNotFound:
         return wire.refusal(wire.E_UNKNOWN_ALLOCATION, f"no allocation {allocation.id!r}")

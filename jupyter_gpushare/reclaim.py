@@ -219,7 +219,11 @@ class ReclaimNotice:
             if status.get("error") != "unknown_allocation":
                 return None
             self.held = False
-            why = "after the idle warning" if self.shown_warning else "(idle reclaim or Release)"
+            from .notebook import actions
+
+            if actions.released() and not self.shown_warning:
+                return None  # released by the kernel (Release) or seen by the panel already
+            why = "after the idle warning" if self.shown_warning else "from outside the kernel"
             return (f"gpushare: this kernel's GPU share {self.allocation_id} was released "
                     f"{why}; the kernel and its variables are still here. GPU work needs a new "
                     "share: `%gpushare request …`, then restart the kernel.")
@@ -244,6 +248,9 @@ def install_notice(ipython: Any) -> ReclaimNotice | None:
     socket_path = os.environ.get("GPUSHARE_SOCKET")
     if not allocation_id or not socket_path:
         return None
+    for callback in ipython.events.callbacks["pre_run_cell"]:
+        if isinstance(callback, ReclaimNotice):  # loaded twice
+            return callback
     notice = ReclaimNotice(allocation_id, socket_path)
     ipython.events.register("pre_run_cell", notice)
     return notice

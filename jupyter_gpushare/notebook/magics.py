@@ -137,3 +137,6 @@ def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(GpushareMagics)
     if explain_released not in ipython.events.callbacks["post_run_cell"]:
         ipython.events.register("post_run_cell", explain_released)
+    from ..reclaim import install_notice
+
+    install_notice(ipython)  # idle-reclaim warning and release, printed before the next cell

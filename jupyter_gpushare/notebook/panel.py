@@ -198,6 +198,10 @@ class GpuPanel(widgets.VBox):
             msg = (f'<span class="gpushare-msg" data-field="state">active</span> '
                    f'<span class="gpushare-msg">· {html.escape(status["allocation_id"])} · '
                    f"updated {stamp}</span>")
+            if a.get("reclaim_warning"):  # idle reclaim (jupyter_gpushare.reclaim)
+                msg += (' <span class="gpushare-msg" data-field="reclaim_warning" '
+                        'style="color:#b06000">'
+                        f'{html.escape(str(a["reclaim_warning"].get("message")))}</span>')
             return title, share_table(status), plot, msg
         text = html.escape(status.get("message") or state)
         if state == "released":

@@ -193,6 +193,7 @@ class ControlPlane:
             "--service-cluster-ip-range=10.96.0.0/24",
             "--api-audiences=https://kubernetes.default.svc",
             "--max-requests-inflight=800", "--max-mutating-requests-inflight=400",
+            "--endpoint-reconciler-type=none",
         ])
         self._wait_http("/readyz", "kube-apiserver", deadline)
 

@@ -38,6 +38,15 @@ static uint64_t self_instance;
 static _Atomic int self_index = -1;
 static _Atomic pid_t self_pid;
 
+/* Liveness: a process holds an open-file-description lock on one byte per record it owns (past
+ * the end of the state file). The kernel drops it when the process exits, whatever its PID
+ * namespace, so a reaper that can take the lock knows the owner is gone. Kernels without OFD
+ * locks fall back to kill(pid, 0). */
+static int state_fd = -1;
+static pid_t state_fd_owner;
+static int ofd_locks = 1;
+static char state_path[4096];
+
 void sim_log(const char *fmt, ...)
 {
     char buf[512];
@@ -148,6 +157,34 @@ static void reap_record(struct sim_proc *p, int32_t pid)
     atomic_store(&p->pid, 0);
 }
 
+static int slot_lock(int i, short type)
+{
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = type;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = (off_t)sizeof(struct sim_state) + i;
+    fl.l_len = 1;
+    return fcntl(state_fd, F_OFD_SETLK, &fl);
+}
+
+/* 1: record i's owner lives. 0: it is gone, and this process now holds the record's lock (give
+ * it back with slot_lock(i, F_UNLCK) once done). -1: cannot tell by locks (use pids). */
+static int owner_alive(int i)
+{
+    if (i == atomic_load(&self_index))
+        return 1;
+    if (!ofd_locks || state_fd < 0)
+        return -1;
+    if (slot_lock(i, F_WRLCK) == 0)
+        return 0;
+    if (errno == EINVAL) {
+        ofd_locks = 0;
+        return -1;
+    }
+    return 1; /* EAGAIN/EACCES: held */
+}
+
 void sim_reap(void)
 {
     if (!sim_state)
@@ -157,36 +194,72 @@ void sim_reap(void)
         int32_t pid = atomic_load(&p->pid);
         if (pid <= 0)
             continue;
-        uint64_t st = atomic_load(&p->start_time);
-        if (st == 0 && atomic_load(&p->instance) == 0)
-            continue; /* being claimed right now */
-        if (!sim_pid_alive(pid, st))
+        int alive = owner_alive(i);
+        if (alive == 0) {
             reap_record(p, pid);
+            slot_lock(i, F_UNLCK);
+        } else if (alive < 0) {
+            uint64_t st = atomic_load(&p->start_time);
+            if (st == 0 && atomic_load(&p->instance) == 0)
+                continue; /* being claimed right now */
+            if (!sim_pid_alive(pid, st))
+                reap_record(p, pid);
+        }
     }
+}
+
+/* A forked child shares its parent's open file description, and with it the parent's locks:
+ * it needs one of its own before it can hold a record. */
+static void own_state_fd(void)
+{
+    if (state_fd >= 0 && state_fd_owner == getpid())
+        return;
+    int fd = open(state_path, O_RDWR | O_CLOEXEC);
+    if (state_fd >= 0)
+        close(state_fd);
+    state_fd = fd;
+    state_fd_owner = getpid();
 }
 
 static struct sim_proc *claim_self(void)
 {
     pid_t me = getpid();
     uint64_t st = sim_proc_start_time(me);
-    /* A record with our pid but another instance belongs to the image we were exec'd from. */
-    for (int i = 0; i < SIM_MAX_PROCS; i++) {
-        struct sim_proc *p = &sim_state->proc[i];
-        if (atomic_load(&p->pid) == me && atomic_load(&p->instance) != self_instance)
-            reap_record(p, me);
+    own_state_fd();
+    if (!ofd_locks || state_fd < 0) {
+        /* Without locks: a record with our pid but another instance is the image we were
+         * exec'd from. */
+        for (int i = 0; i < SIM_MAX_PROCS; i++) {
+            struct sim_proc *p = &sim_state->proc[i];
+            if (atomic_load(&p->pid) == me && atomic_load(&p->instance) != self_instance)
+                reap_record(p, me);
+        }
     }
     for (int pass = 0; pass < 2; pass++) {
         for (int i = 0; i < SIM_MAX_PROCS; i++) {
             struct sim_proc *p = &sim_state->proc[i];
+            if (atomic_load(&p->pid) != 0)
+                continue;
+            int locked = 0;
+            if (ofd_locks && state_fd >= 0) {
+                if (slot_lock(i, F_WRLCK) == 0)
+                    locked = 1;
+                else if (errno == EINVAL)
+                    ofd_locks = 0;
+                else
+                    continue; /* a reaper holds it for a moment */
+            }
             int32_t expected = 0;
             if (atomic_compare_exchange_strong(&p->pid, &expected, (int32_t)me)) {
                 release_record(p); /* clean slate (a reaper zeroed it already; be sure) */
                 atomic_store(&p->start_time, st ? st : 1);
                 atomic_store(&p->instance, self_instance);
-                atomic_store(&self_index, i);
                 atomic_store(&self_pid, me);
+                atomic_store_explicit(&self_index, i, memory_order_release);
                 return p;
             }
+            if (locked)
+                slot_lock(i, F_UNLCK);
         }
         sim_reap();
     }
@@ -511,7 +584,11 @@ static void do_open(void)
         sim_state = s;
         register_devices(entries, n);
         flock(fd, LOCK_UN);
-        close(fd);
+        if (state_fd >= 0)
+            close(state_fd);
+        state_fd = fd; /* kept: our record's liveness lock is taken through it */
+        state_fd_owner = getpid();
+        snprintf(state_path, sizeof state_path, "%s", path);
 
         int all[SIM_MAX_DEVICES];
         for (int i = 0; i < spec_count; i++)

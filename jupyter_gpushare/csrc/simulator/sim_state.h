@@ -69,6 +69,10 @@ struct sim_proc_device {
     a64 sample_busy;
 };
 
+/* One process's record. Its owner holds an OFD lock on byte sizeof(struct sim_state) + index of
+ * the state file for as long as it lives (the kernel drops it at exit, in any PID namespace);
+ * whoever can take that lock frees the record and gives its memory back. start_time and instance
+ * serve the fallback (kill(pid, 0)) on kernels without OFD locks. */
 struct sim_proc {
     ai32 pid;            /* 0: free; -pid: being reaped */
     a32 reserved;

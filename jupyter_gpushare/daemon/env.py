@@ -55,9 +55,11 @@ def kernel_env(
         "GPUSHARE_GPU_REQUEST": repr(float(allocation.request)),
         "GPUSHARE_GPU_MEMORY": str(int(allocation.memory)),
     }
-    preload = [str(interposer_path())]
-    preload += [p for p in base.get("LD_PRELOAD", "").split(":") if p and p not in preload]
-    env["LD_PRELOAD"] = ":".join(preload)
+    # last: libgpushare defines dlsym, and a dlsym(RTLD_NEXT, …) that goes through it resolves
+    # after libgpushare; preloads that look themselves up that way must come before it
+    ours = str(interposer_path())
+    preload = [p for p in base.get("LD_PRELOAD", "").split(":") if p and p != ours]
+    env["LD_PRELOAD"] = ":".join([*preload, ours])
     if any(g.simulated for g in gpus):
         env.update(simulator_environ(gpus, socket_path))
     return env

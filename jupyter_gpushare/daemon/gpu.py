@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -53,6 +54,9 @@ class GpuLoop:
         self._timers: list[asyncio.TimerHandle] = []
         self._retry: asyncio.TimerHandle | None = None
         self.handoffs = 0
+        #: handoff gaps under contention: previous holder's device end -> next first launch (ns)
+        self.handoff_gaps: deque[int] = deque(maxlen=4096)
+        self._prev_end = 0
         self.draining = False
 
     # -- tenants ------------------------------------------------------------------------------
@@ -292,6 +296,9 @@ class GpuLoop:
         # never launched under is charged whole: it kept the others out)
         start = first if self.lease_start <= first <= end else self.lease_start
         end = max(end, start)
+        if first and self._prev_end and 0 <= self.lease_start - self._prev_end < 5_000_000:
+            self.handoff_gaps.append(max(0, first - self._prev_end))  # granted on the spot
+        self._prev_end = end
         tenant.window.charge(start, end)
         self._credit(tenant).charge(end - start)
         slot.used_ns = tenant.window.total_ns
@@ -377,5 +384,19 @@ class GpuLoop:
             "busy_share": round(busy / self.window_ns, 4),
             "handoffs": self.handoffs,
             "direct_handoffs": int(self.shm.header.direct_handoffs),
+            "handoff_us": _percentiles(self.handoff_gaps),
             "allocations": sorted(self.tenants),
         }
+
+
+def _percentiles(values: deque[int]) -> dict[str, float | int]:
+    if not values:
+        return {"n": 0}
+    ordered = sorted(values)
+    n = len(ordered)
+    return {
+        "n": n,
+        "p50": round(ordered[n // 2] / 1e3, 1),
+        "p99": round(ordered[min(n - 1, (n * 99) // 100)] / 1e3, 1),
+        "max": round(ordered[-1] / 1e3, 1),
+    }

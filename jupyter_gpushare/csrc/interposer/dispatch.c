@@ -11,6 +11,11 @@
  *     wrapper never ends up calling itself.
  * Real symbols are looked up in libcuda.so.1 / libnvidia-ml.so.1 opened explicitly (they are often
  * dlopen-ed RTLD_LOCAL by the application, out of reach of RTLD_NEXT).
+ *
+ * Known limit of replacing dlsym: glibc resolves dlsym(RTLD_NEXT, name) relative to its caller,
+ * which is now this library; such lookups find the next definition after libgpushare.so rather
+ * than after the original caller. kernel_env() therefore puts libgpushare.so last in LD_PRELOAD
+ * (a preloaded library that looks itself up with RTLD_NEXT then still finds the real function).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -56,10 +61,18 @@ static void *lookup(void *lib, const char *name) {
     return p;
 }
 
+/* Only glibc's dlsym, without pthread_once or locks: sanitizer runtimes call dlsym while they
+ * start, before their interceptors work. Idempotent, so a race just repeats it. */
+static void resolve_dlsym(void) {
+    if (__atomic_load_n(&real_dlsym, __ATOMIC_ACQUIRE)) return;
+    void *(*p)(void *, const char *) = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+    if (!p) p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+    if (!p) p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.17"); /* aarch64 */
+    __atomic_store_n(&real_dlsym, p, __ATOMIC_RELEASE);
+}
+
 static void resolve(void) {
-    real_dlsym = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
-    if (!real_dlsym) real_dlsym = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
-    if (!real_dlsym) real_dlsym = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.17"); /* aarch64 */
+    resolve_dlsym();
     libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
     libnvml = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD);
     if (!libnvml) libnvml = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
@@ -95,12 +108,15 @@ static void *wrapper_for_pointer(void *p) {
 }
 
 __attribute__((visibility("default"))) void *dlsym(void *handle, const char *name) {
-    gs_resolve();
+    resolve_dlsym();
     if (!real_dlsym) return NULL;
     void *p = real_dlsym(handle, name);
     if (p && (strncmp(name, "cu", 2) == 0 || strncmp(name, "nvml", 4) == 0)) {
         void *w = gs_wrapper_for(name);
-        if (w) return w;
+        if (w) {
+            gs_resolve(); /* the wrapper needs the real symbols */
+            return w;
+        }
     }
     return p;
 }

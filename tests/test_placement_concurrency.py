@@ -2,9 +2,11 @@
 
 Every snapshot a placer decided on, every refusal and the final state are checked with the
 independent rule checker of ``test_placement_support``: compute and memory are never
-over-allocated, anti-affinity and exclusive labels hold at every instant, affinity groups hold once
-the racing placers settled, cordoned and unhealthy GPUs are never chosen, and a refusal was given
-only when nothing valid existed in the snapshot it was decided on.
+over-allocated, anti-affinity and exclusive labels hold at every instant, the members of an affinity
+group that were handed out are on one GPU at every instant (two placers may record a group on two
+nodes for a moment; one of them gives way before returning), cordoned and unhealthy GPUs are
+never chosen, and a refusal was given only when nothing valid existed in the snapshot it was
+decided on.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from hypothesis import strategies as st
 from jupyter_gpushare.inventory import Gpu
 from jupyter_gpushare.ledger import Allocation
 from jupyter_gpushare.ledger.sqlite import SQLiteLedger
-from jupyter_gpushare.placement import PlacementRefused, Policy, allocate, bind, place
+from jupyter_gpushare.placement import PlacementRefused, Policy, allocate, place
 from jupyter_gpushare.placement.concurrent import settle_affinity
+from jupyter_gpushare.placement.engine import SETTLED
 from jupyter_gpushare.share import GpuLabels, ShareError, ShareSpec
 
 try:
@@ -56,18 +59,41 @@ class Recorder:
         return placement
 
 
-async def worker(ledger: SQLiteLedger, gpus: list[Gpu], recorder: Recorder, plan) -> None:  # type: ignore[no-untyped-def]
+class HandedOut:
+    """The allocations placers handed out and did not release yet; an affinity group's are
+    checked to be on one GPU each time one more is handed out (kernels may run on them)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.live: dict[str, Allocation] = {}
+
+    def add(self, allocation: Allocation) -> None:
+        label = allocation.spec.gpu_labels.affinity
+        with self.lock:
+            if label:
+                where = {a.gpus for a in self.live.values() if a.spec.gpu_labels.affinity == label}
+                assert where <= {allocation.gpus}, f"group {label} handed out on {where} and " \
+                    f"{allocation.gpus}"
+            self.live[allocation.id] = allocation
+
+    def take(self, allocation: Allocation) -> None:
+        with self.lock:
+            del self.live[allocation.id]
+
+
+async def worker(ledger, gpus, recorder: Recorder, plan, handed: HandedOut) -> None:  # type: ignore[no-untyped-def]
     mine: list[Allocation] = []
     for i, spec in enumerate(plan):
         try:
-            allocation = await ledger.allocate(spec, gpus, recorder)
-            if spec.gpu_labels.affinity:
-                allocation = await settle_affinity(ledger, allocation, spec, gpus, recorder, {})
+            allocation = await allocate(ledger, spec, gpus, place_fn=recorder)
+            handed.add(allocation)
             mine.append(allocation)
         except (PlacementRefused, ShareError):
             pass
         if i % 3 == 2 and mine:
-            await ledger.release(mine.pop(0).id)
+            gone = mine.pop(0)
+            handed.take(gone)
+            await ledger.release(gone.id)
 
 
 def check_decisions(gpus: list[Gpu], recorder: Recorder) -> Counter[str]:
@@ -127,11 +153,12 @@ def test_threads_racing_through_the_ledger(gpus, policy, plan) -> None:  # type:
     with tempfile.TemporaryDirectory() as tmp:
         ledger = SQLiteLedger(Path(tmp) / "ledger.sqlite")
         recorder = Recorder(policy)
+        handed = HandedOut()
         errors: list[BaseException] = []
 
         def run(chunk) -> None:  # type: ignore[no-untyped-def]
             try:
-                asyncio.run(worker(ledger, gpus, recorder, chunk))
+                asyncio.run(worker(ledger, gpus, recorder, chunk, handed))
             except BaseException as exc:  # surfaced below
                 errors.append(exc)
 
@@ -151,17 +178,16 @@ def test_asyncio_tasks_racing_to_start_affinity_groups(tmp_path) -> None:  # typ
     makes their snapshots differ; every group ends on one GPU, nothing is over-allocated."""
     gpus = cluster("2xA100", "2xA100", "2xA100")
     ledger = SQLiteLedger(tmp_path / "ledger.sqlite")
-    policy = Policy(node="spread", gpu="spread")
-    recorder = Recorder(policy)
+    recorder = Recorder(Policy(node="spread", gpu="spread"))
+    handed = HandedOut()
 
     async def one(spec: ShareSpec) -> Allocation | None:
         try:
-            allocation = await ledger.allocate(spec, gpus, recorder)
-            if spec.gpu_labels.affinity:
-                allocation = await settle_affinity(ledger, allocation, spec, gpus, recorder, {})
-            return allocation
+            allocation = await allocate(ledger, spec, gpus, place_fn=recorder)
         except PlacementRefused:
             return None
+        handed.add(allocation)
+        return allocation
 
     async def go() -> list[Allocation | None]:
         specs = []
@@ -171,18 +197,16 @@ def test_asyncio_tasks_racing_to_start_affinity_groups(tmp_path) -> None:  # typ
         return await asyncio.gather(*(one(s) for s in specs))
 
     results = asyncio.run(go())
-    final = ledger.snapshot_sync().allocations
-    assert not violations(gpus, final)
+    assert not violations(gpus, ledger.snapshot_sync().allocations)
     grouped = [a for a in results if a is not None and a.spec.gpu_labels.affinity]
     assert len(grouped) == 18  # 6 per group, 0.6 of one GPU each: all fit
-    seen = check_decisions(gpus, recorder)
-    assert seen["placed"] >= 36
+    assert check_decisions(gpus, recorder)["placed"] >= 36
 
 
 def test_two_servers_start_one_group_on_two_nodes_at_once(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The race affinity settling exists for, forced: two servers (one binpacks nodes, one
-    spreads them) both decide where group "g" starts before either records it, so both record
-    it, on different nodes. After settling, the group is on one GPU."""
+    """The race settling exists for, forced: two servers (one binpacks nodes, one spreads them)
+    both decide where group "g" starts before either records it, so both record it, on different
+    nodes. Both are handed out on one GPU."""
     gpus = cluster("1xA100", "1xA100")
     ledger = SQLiteLedger(tmp_path / "ledger.sqlite")
     asyncio.run(allocate(ledger, ShareSpec(0.25, 0.5), gpus))  # n0 is fuller than n1
@@ -201,11 +225,7 @@ def test_two_servers_start_one_group_on_two_nodes_at_once(tmp_path) -> None:  # 
                 both_decided.wait()
             return placement
 
-        async def go() -> Allocation:
-            allocation = await ledger.allocate(spec, gpus, racing)
-            return await settle_affinity(ledger, allocation, spec, gpus, racing, {})
-
-        results[name] = asyncio.run(go())
+        results[name] = asyncio.run(allocate(ledger, spec, gpus, place_fn=racing))
 
     threads = [threading.Thread(target=server, args=("packer", Policy(node="binpack"))),
                threading.Thread(target=server, args=("spreader", Policy(node="spread")))]
@@ -215,42 +235,48 @@ def test_two_servers_start_one_group_on_two_nodes_at_once(tmp_path) -> None:  # 
         t.join()
     assert sorted(first_calls) == [("GPU-n0-0",), ("GPU-n1-0",)]  # the race did happen
     assert results["packer"].gpus == results["spreader"].gpus
+    assert all(a.extra[SETTLED] for a in results.values())
     assert not violations(gpus, ledger.snapshot_sync().allocations)
 
 
-def test_settle_moves_the_member_that_lost_the_race(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Two placers both started group "g", on two nodes: the later member moves to the earlier
-    member's GPU (the group's anchor), keeping its id."""
+def _member(n: int, node: str, created: float, settled: bool, request: float = 0.25) -> Allocation:
+    spec = ShareSpec(request, request, gpu_labels=GpuLabels(affinity="g"))
+    return Allocation(f"a-{n:016x}", node, (f"GPU-{node}-0",), spec, 10, created=created,
+                      extra={SETTLED: True} if settled else {})
+
+
+def test_settling_gives_way_to_a_settled_member_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Of two members just recorded on two nodes, the first to settle keeps its GPU, whichever
+    was created first; the other gives its place up."""
     gpus = cluster("1xA100", "1xA100")
     ledger = SQLiteLedger(tmp_path / "ledger.sqlite")
-    spec = ShareSpec(0.25, 0.5, gpu_labels=GpuLabels(affinity="g"))
-    first = Allocation("a-0000000000000001", "n1", ("GPU-n1-0",), spec, 10, created=1.0)
-    later = Allocation("a-0000000000000002", "n0", ("GPU-n0-0",), spec, 10, created=2.0)
-    assert ledger.compare_and_swap_sync("n1", 0, [first])
+    earlier, later = _member(1, "n1", 1.0, False), _member(2, "n0", 2.0, False)
+    assert ledger.compare_and_swap_sync("n1", 0, [earlier])
     assert ledger.compare_and_swap_sync("n0", 0, [later])
-    settled = asyncio.run(settle_affinity(ledger, later, spec, gpus, bind(), {}))
-    assert settled.id == later.id and settled.gpus == ("GPU-n1-0",)
+    kept = asyncio.run(settle_affinity(ledger, later))  # no *settled* rival yet: it stays
+    assert kept is not None and kept.extra[SETTLED] and kept.gpus == ("GPU-n0-0",)
+    assert asyncio.run(settle_affinity(ledger, earlier)) is None  # sees `later` settled: yields
+    assert [a.id for a in ledger.snapshot_sync().allocations] == [later.id]
+    # Placed again, the member goes to the settled member's GPU.
+    again = asyncio.run(allocate(ledger, earlier.spec, gpus, id=earlier.id))
+    assert again.id == earlier.id and again.gpus == ("GPU-n0-0",)
     assert not violations(gpus, ledger.snapshot_sync().allocations)
-    # And the winner stays where it is.
-    assert asyncio.run(settle_affinity(ledger, first, spec, gpus, bind(), {})) == first
 
 
-def test_settle_refuses_when_the_group_gpu_is_full(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_full_group_gpu_refuses_with_the_reason(tmp_path) -> None:  # type: ignore[no-untyped-def]
     gpus = cluster("1xA100", "1xA100")
     ledger = SQLiteLedger(tmp_path / "ledger.sqlite")
-    spec = ShareSpec(0.5, 0.5, gpu_labels=GpuLabels(affinity="g"))
     filler = Allocation("a-00000000000000ff", "n1", ("GPU-n1-0",), ShareSpec(0.5, 0.5), 10)
-    first = Allocation("a-0000000000000001", "n1", ("GPU-n1-0",), spec, 10, created=1.0)
-    later = Allocation("a-0000000000000002", "n0", ("GPU-n0-0",), spec, 10, created=2.0)
-    assert ledger.compare_and_swap_sync("n1", 0, [filler, first])
-    assert ledger.compare_and_swap_sync("n0", 0, [later])
+    assert ledger.compare_and_swap_sync("n1", 0, [filler, _member(1, "n1", 1.0, True, 0.5)])
+    spec = ShareSpec(0.5, 0.5, gpu_labels=GpuLabels(affinity="g"))
     try:
-        asyncio.run(settle_affinity(ledger, later, spec, gpus, bind(), {}))
+        asyncio.run(allocate(ledger, spec, gpus, Policy(node="spread")))
     except PlacementRefused as refused:
         assert "affinity group 'g' is on n1 GPU 0 (A100), which has 0 free" in refused.message
+        assert "0.5 without affinity 'g'" in refused.suggestions
     else:
-        raise AssertionError("the member that lost the race was not refused")
-    assert ledger.snapshot_sync().find(later.id) is None  # nothing held after the refusal
+        raise AssertionError("a share was placed off its group's GPU or over-allocated")
+    assert len(ledger.snapshot_sync().allocations) == 2  # nothing held after the refusal
 
 
 _CHILD = """

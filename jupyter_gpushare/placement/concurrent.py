@@ -6,26 +6,38 @@ memory, anti-affinity and exclusive labels right: they are rules about one GPU, 
 that could break them touch the same node and one of them is retried.
 
 Affinity is the one rule that spans nodes: two placers that each start group L at the same time,
-on different nodes, both succeed. :func:`allocate` settles that after the fact, before any kernel
-runs: every member agrees the group's GPU is its earliest member's (by ``created``, then id, the
-same rule the engine uses), and a member that lost the race is released and placed again, which
-now puts it on the group's GPU or refuses it with the reason. Backends should reserve through
+on different nodes, both succeed, and no single compare-and-swap can see both. :func:`allocate`
+settles that before returning, so no two members of a group that were handed out (whose kernels
+may run) are ever on different GPUs:
+
+1. record the member (``Ledger.allocate``);
+2. mark it *settled* (``extra["affinity_settled"]``, a compare-and-swap on its node);
+3. read the ledger again: if another settled member of the group is on another GPU, give the
+   place up (release) and go back to 1 after a random pause; else return it.
+
+Of two members settled on different GPUs, the one marked second reads after both marks, so it
+sees the other and gives up; if each sees the other, both give up and retry (the random pause
+breaks the tie). A member placed again goes to the group's anchor, the GPU of its earliest
+settled member (see :mod:`.engine`), or is refused with the reason. Backends should reserve through
 :func:`allocate` rather than call ``Ledger.allocate`` directly.
 """
 
 from __future__ import annotations
 
+import asyncio
+import random
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..inventory import Gpu
 from ..ledger import Allocation, Ledger, LedgerConflict
 from ..share import ShareSpec
-from .engine import Placement, place
+from .engine import SETTLED, Placement, place
 from .policy import Policy
 
-#: How many times a member that lost a race to start its affinity group is moved.
-SETTLE_ATTEMPTS = 20
+#: How many times a member that lost a race to start its affinity group is placed again.
+SETTLE_ATTEMPTS = 50
 
 
 def bind(policy: Policy | None = None) -> Any:
@@ -45,37 +57,49 @@ async def allocate(
     spec: ShareSpec,
     inventory: Sequence[Gpu],
     policy: Policy | None = None,
+    *,
+    place_fn: Any = None,
     **fields: Any,
 ) -> Allocation:
     """Place ``spec`` and record it in ``ledger`` (raises ``PlacementRefused`` / ``ShareError``
-    like :func:`.place`); ``fields`` fill the allocation (owner, kernel_id, ...)."""
-    placer = bind(policy)
-    allocation = await ledger.allocate(spec, inventory, placer, **fields)
-    if spec.gpu_labels.affinity:
-        allocation = await settle_affinity(ledger, allocation, spec, inventory, placer, fields)
-    return allocation
+    like :func:`.place`, holding nothing); ``fields`` fill the allocation (owner, kernel_id, ...).
+    ``place_fn`` replaces ``place`` with ``policy`` (``(gpus, allocations, spec) -> Placement``,
+    for example a long-lived :class:`.Placer`'s method behind a watch)."""
+    placer = place_fn if place_fn is not None else bind(policy)
+    if not spec.gpu_labels.affinity:
+        return await ledger.allocate(spec, inventory, placer, **fields)
+    allocation_id = fields.pop("id", None) or Allocation.new_id()
+    for attempt in range(SETTLE_ATTEMPTS):
+        allocation = await ledger.allocate(spec, inventory, placer, id=allocation_id, **fields)
+        settled = await settle_affinity(ledger, allocation)
+        if settled is not None:
+            return settled
+        await asyncio.sleep(random.uniform(0, min(0.1, 0.002 * (attempt + 1))))
+    raise LedgerConflict(
+        f"affinity group {spec.gpu_labels.affinity!r} kept being started on several GPUs at "
+        f"once; gave up after {SETTLE_ATTEMPTS} tries"
+    )
 
 
-async def settle_affinity(
-    ledger: Ledger,
-    allocation: Allocation,
-    spec: ShareSpec,
-    inventory: Sequence[Gpu],
-    placer: Any,
-    fields: dict[str, Any],
-) -> Allocation:
-    """Move ``allocation`` onto its affinity group's GPU if a racing placer started the group
-    elsewhere first. Returns the allocation as it stands (the same id throughout)."""
-    label = spec.gpu_labels.affinity
-    for _ in range(SETTLE_ATTEMPTS):
-        snap = await ledger.snapshot()
-        members = [a for a in snap.allocations if a.spec.gpu_labels.affinity == label]
-        if all(a.id != allocation.id for a in members):
-            return allocation  # released meanwhile (by its kernel): nothing to settle
-        first = min(members, key=lambda a: (a.created, a.id))
-        if first.gpus[0] == allocation.gpus[0]:
-            return allocation
-        await ledger.release(allocation.id)
-        fields = {k: v for k, v in fields.items() if k not in ("id", "created")}
-        allocation = await ledger.allocate(spec, inventory, placer, id=allocation.id, **fields)
-    raise LedgerConflict(f"affinity group {label!r} kept moving; {allocation.id} not settled")
+async def settle_affinity(ledger: Ledger, allocation: Allocation) -> Allocation | None:
+    """Steps 2 and 3 above: the allocation marked settled, or None when it had to be released
+    because another settled member of its group holds another GPU."""
+    label = allocation.spec.gpu_labels.affinity
+
+    def mark(current: Allocation, _others: list[Allocation]) -> Allocation:
+        return replace(current, extra={**current.extra, SETTLED: True})
+
+    marked = await ledger.update(allocation.id, mark)
+    snap = await ledger.snapshot()
+    rivals = [
+        a
+        for a in snap.allocations
+        if a.id != marked.id
+        and a.spec.gpu_labels.affinity == label
+        and a.extra.get(SETTLED)
+        and a.gpus[0] != marked.gpus[0]
+    ]
+    if not rivals:
+        return marked
+    await ledger.release(marked.id)
+    return None

@@ -9,8 +9,9 @@ Rules (the same in :mod:`.naive`, the reference full-scan placer the tests compa
   the allocations listing it (limits are burst, work-conserving); memory used is the sum of their
   memory caps. Compute is counted in integer millionths of a GPU, so sums are exact.
 * Labels (after KubeShare): ``affinity`` L — every share labelled L is on one GPU, the group's
-  *anchor*: the GPU of its earliest member (by ``created``, then id; the first one placed decides,
-  and placers that raced to start a group agree on who won, see :func:`.allocate`);
+  *anchor*: the GPU of its earliest settled member, or of its earliest member while none has
+  settled (by ``created``, then id; placers that raced to start a group on two nodes sort it
+  out before any of them returns, see :mod:`.concurrent`);
   ``anti_affinity`` L — no two shares labelled L on one GPU; ``exclusive`` E — a
   GPU holding a share labelled E holds only shares labelled E (and a share labelled E only goes
   where every holder is labelled E, or nobody is).
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
 
 #: Compute is counted in millionths of a GPU.
 UNITS = 1_000_000
+
+#: ``Allocation.extra`` key set on an affinity group member once it has checked, after being
+#: recorded, that no other settled member of its group is on another GPU (see :mod:`.concurrent`).
+SETTLED = "affinity_settled"
 
 
 def to_units(fraction: float) -> int:
@@ -331,7 +336,7 @@ class Placer:
         members = self.groups.get(label) if label else None
         if not members:
             return None
-        return min(members.values(), key=lambda a: (a.created, a.id)).gpus[0]
+        return min(members.values(), key=anchor_order).gpus[0]
 
     def fits(
         self, g: GpuState, spec: ShareSpec, request: int, policy: Policy, types: TypeFilter
@@ -468,6 +473,11 @@ def _count(index: dict[str, dict[str, int]], label: str | None, uuid: str, sign:
             del index[label]
 
 
+def anchor_order(a: Allocation) -> tuple[bool, float, str]:
+    """Sort key of affinity group members: the first one's GPU is the group's."""
+    return (not a.extra.get(SETTLED), a.created, a.id)
+
+
 def _same_usage(a: Allocation, b: Allocation) -> bool:
     """Do ``a`` and ``b`` weigh the same in the index (a change of anything else, such as the
     state or the pid, does not touch it)?"""
@@ -477,6 +487,7 @@ def _same_usage(a: Allocation, b: Allocation) -> bool:
         and a.created == b.created
         and a.spec.gpu_request == b.spec.gpu_request
         and a.spec.gpu_labels == b.spec.gpu_labels
+        and a.extra.get(SETTLED) == b.extra.get(SETTLED)
     )
 
 

@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING
 
 from ..inventory import Gpu
 from ..share import ShareSpec
-from .engine import UNITS, Placement, PlacementRefused, check_request, to_units
+from .engine import (
+    UNITS,
+    Placement,
+    PlacementRefused,
+    anchor_order,
+    check_request,
+    to_units,
+)
 from .policy import Policy, resolve_types
 
 if TYPE_CHECKING:
@@ -62,7 +69,7 @@ def naive_place(
     request = to_units(spec.gpu_request)
     members = [a for a in allocations if labels.affinity and a.spec.gpu_labels.affinity ==
                labels.affinity]
-    anchor = min(members, key=lambda a: (a.created, a.id)).gpus[0] if members else None
+    anchor = min(members, key=anchor_order).gpus[0] if members else None
 
     def fits(g: Gpu) -> bool:
         if not usable(g) or UNITS - used[g.uuid] < request:

@@ -20,6 +20,7 @@ to every ConfigMap), a schema, ``kubectl get gpuledgers``, and watches scoped to
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -41,6 +42,7 @@ class KubernetesLedger(Ledger):
         self.inventory_ttl = inventory_ttl
         self._nodes: tuple[float, list[dict[str, Any]]] | None = None
         self._node_uids: dict[str, str] = {}
+        self._streak: dict[str, int] = {}
 
     # -- primitives ----------------------------------------------------------------------------
 
@@ -58,6 +60,7 @@ class KubernetesLedger(Ledger):
         self, node: str, expected_version: int, allocations: Sequence[Allocation]
     ) -> bool:
         records = [a.to_json() for a in allocations]
+        started = time.monotonic()
         try:
             if expected_version == 0:
                 owner = await self._node_owner(node)
@@ -68,12 +71,20 @@ class KubernetesLedger(Ledger):
                     node, self.namespace, records, await self._node_owner(node),
                     resource_version=str(expected_version)))
         except ApiException as exc:
-            if exc.status == 409:  # Conflict (stale resourceVersion) or AlreadyExists
-                return False
-            if exc.status == 404 and expected_version:  # deleted with its node meanwhile
+            if exc.status == 409 or (exc.status == 404 and expected_version):
+                # 409: Conflict (stale resourceVersion) or AlreadyExists; 404: the object went
+                # with its node meanwhile. Lost the race: back off before the caller re-reads.
+                await self._back_off(node, time.monotonic() - started)
                 return False
             raise
+        self._streak.pop(node, None)
         return True
+
+    async def _back_off(self, node: str, round_trip: float) -> None:
+        """Randomised exponential backoff in units of the API round trip, per node: placers
+        that keep losing on a hot node spread out instead of re-reading in lockstep."""
+        streak = self._streak[node] = self._streak.get(node, 0) + 1
+        await asyncio.sleep(random.uniform(0, min(0.5, round_trip * 2 ** min(streak, 6))))
 
     async def put_gpus(self, node: str, gpus: Sequence[Gpu]) -> None:
         await self.kube.patch_node(node, manifests.node_gpu_patch(list(gpus)))

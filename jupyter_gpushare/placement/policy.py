@@ -67,7 +67,8 @@ class Policy:
         excluded = changes.pop("exclude_types", None)
         policy = replace(self, **changes)
         if excluded:
-            policy = replace(policy, exclude_types=(*self.exclude_types, *_names(excluded, "x")))
+            added = _names(excluded, "exclude_types")
+            policy = replace(policy, exclude_types=(*self.exclude_types, *added))
         if wanted:
             wanted = _names(wanted, "gpu_types")
             if self.gpu_types:

@@ -45,6 +45,8 @@ def cmd_lab(args: argparse.Namespace, rest: list[str]) -> int:
     env = dict(os.environ)
     argv = [sys.executable, "-m", "jupyterlab", *rest]
     argv.append("--ServerApp.jpserver_extensions=jupyter_gpushare=True")
+    if not any(a.startswith("--ServerApp.kernel_manager_class") for a in rest):
+        argv.append("--ServerApp.kernel_manager_class=jupyter_gpushare.pools.PoolKernelManager")
     if args.simulate:
         parse_simulate(args.simulate)
         env["GPUSHARE_SIMULATE"] = args.simulate
@@ -133,6 +135,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("no allocations")
     for a in status["allocations"]:
         holder = f"kernel {a['kernel_id']}" if a["kernel_id"] else f"{a['owner']} pid {a['pid']}"
+        if a["owner"] == "pool":  # a warm kernel nobody has claimed yet (jupyter_gpushare.pools)
+            holder = f"warm pool kernel {a['kernel_id']} (pool {a['extra'].get('pool', '?')})"
+        elif a["extra"].get("claimed_from_pool"):
+            holder += f" (from pool {a['extra']['claimed_from_pool']})"
+        if a["extra"].get("reclaim_warning"):
+            holder += ", idle: reclaim warned"
         print(
             f"  {a['id']}: {a['gpu_request']:g}–{a['gpu_limit']:g} of {a['gpu_type']} "
             f"{','.join(a['gpus'])}, {format_bytes(a['gpu_memory'])}, {holder} ({a['state']})"

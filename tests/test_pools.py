@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +104,9 @@ def test_pool_serves_two_warm_then_cold_and_refills(jupyter_server, gpushare_env
     assert {by_id[k]["owner"] for k in warm} == {"pool"}  # counted against capacity, as pool
     listed = {k["id"] for k in server.get("/api/kernels").json()}
     assert not listed & set(warm)  # unclaimed warm kernels belong to nobody yet
+    status = subprocess.run([sys.executable, "-m", "jupyter_gpushare", "status"],
+                            env=server.env, capture_output=True, text=True, timeout=60)
+    assert status.stdout.count("warm pool kernel") == 2, status.stdout + status.stderr
 
     # 1: a notebook session in a sub-directory gets a warm kernel, bound to the session
     (server.root / "work").mkdir()
@@ -157,3 +163,22 @@ def test_pool_refill_errors_are_shown_and_starts_fall_back(jupyter_server, gpush
         "name": "gpushare-python", "share": {"gpu_request": 0.5, "gpu_limit": 1.0}})
     assert served.status_code == 201, served.text
     assert served.json()["id"] in [k["kernel_id"] for k in view["kernels"]]
+
+
+def test_the_idle_culler_spares_warm_kernels(jupyter_server, gpushare_env):
+    write_config(gpushare_env, {"pools": [
+        {"name": "small", "kernelspec": "gpushare-python", "share": SMALL, "size": 1},
+    ]})
+    server = jupyter_server("1xA100", MANAGER, "--MappingKernelManager.cull_idle_timeout=2",
+                            "--MappingKernelManager.cull_interval=1")
+    [warm] = ready_ids(server, 1)
+    claimed = server.start_kernel("gpushare-python")["id"]
+    assert claimed == warm
+    [refilled] = ready_ids(server, 1)
+    # the claimed kernel is an ordinary kernel now: idle, unconnected, it is culled
+    wait_for(lambda: claimed not in {k["id"] for k in server.get("/api/kernels").json()},
+             timeout=30)
+    time.sleep(3)  # well past the idle timeout for the warm one as well
+    assert [k["kernel_id"] for k in pool_view(server)["kernels"]] == [refilled]
+    assert refilled in {a["kernel_id"] for a in server.allocations()}
+    assert "Culling" in server.log_path.read_text()

@@ -61,7 +61,8 @@ static void *sym(const char *name)
     X(cuMemUnmap) X(cuMemSetAccess) X(cuArrayCreate_v2) X(cuArrayDestroy)                          \
     X(cuStreamBeginCapture_v2) X(cuStreamEndCapture) X(cuGraphInstantiateWithFlags)                \
     X(cuGraphLaunch) X(cuGraphExecDestroy) X(cuGraphDestroy) X(cuGetErrorName)                     \
-    X(cuGetErrorString) X(cuGetProcAddress_v2) X(cuGetExportTable)
+    X(cuGetErrorString) X(cuGetProcAddress_v2) X(cuGetExportTable) X(cuMemPrefetchAsync_v2)      \
+    X(cuMemAdvise_v2) X(cuStreamGetDevice) X(cuOccupancyMaxPotentialBlockSize)
 FNS(FN)
 #define LOAD(name) p_##name = (__typeof__(name) *)sym(#name);
 
@@ -336,6 +337,10 @@ static void test_memory(void)
     CUdeviceptr m, pitched;
     size_t pitch;
     CHECK(p_cuMemAllocManaged(&m, 4096, CU_MEM_ATTACH_GLOBAL));
+    CUmemLocation here = {CU_MEM_LOCATION_TYPE_DEVICE, 0};
+    CHECK(p_cuMemAdvise_v2(m, 4096, 1, here));
+    CHECK(p_cuMemPrefetchAsync_v2(m, 4096, here, 0, NULL));
+    EXPECT(p_cuMemPrefetchAsync_v2(m + 8192, 4096, here, 0, NULL), CUDA_ERROR_INVALID_VALUE);
     CHECK(p_cuMemFree_v2(m));
     CHECK(p_cuMemAllocPitch_v2(&pitched, &pitch, 1000, 10, 4));
     TRUE(pitch >= 1000);
@@ -465,6 +470,15 @@ static void test_library_and_threads(CUcontext ctx, CUfunction f)
     launch_busy(kf, 100, NULL);
     CHECK(p_cuCtxSynchronize());
     CHECK(p_cuLibraryUnload(lib));
+    int grid, block;
+    CHECK(p_cuOccupancyMaxPotentialBlockSize(&grid, &block, f, NULL, 0, 256));
+    TRUE(block == 256 && grid > 0);
+    CUstream s;
+    CUdevice dev = -1;
+    CHECK(p_cuStreamCreate(&s, 0));
+    CHECK(p_cuStreamGetDevice(s, &dev));
+    TRUE(dev == 0);
+    CHECK(p_cuStreamDestroy_v2(s));
 
     enum { THREADS = 4 };
     pthread_t t[THREADS];

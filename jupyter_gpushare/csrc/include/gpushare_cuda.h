@@ -125,6 +125,10 @@ typedef int CUmemAccess_flags;
 typedef int CUmemAllocationGranularity_flags;
 typedef int CUstreamCaptureMode;
 typedef int CUstreamCaptureStatus;
+typedef int CUfunc_cache;
+typedef int CUdevice_P2PAttribute;
+typedef int CUmem_advise;
+typedef size_t (*CUoccupancyB2DSize)(int blockSize);
 
 typedef enum CUdriverProcAddressQueryResult_enum {
     CU_GET_PROC_ADDRESS_SUCCESS = 0,
@@ -398,6 +402,9 @@ CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev);
 CUresult cuDeviceComputeCapability(int *major, int *minor, CUdevice dev);
 CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev);
 CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDev);
+CUresult cuDeviceGetP2PAttribute(int *value, CUdevice_P2PAttribute attrib, CUdevice srcDevice,
+                                 CUdevice dstDevice);
+CUresult cuDeviceGetByPCIBusId(CUdevice *dev, const char *pciBusId);
 
 /* primary contexts and contexts */
 CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);
@@ -431,6 +438,13 @@ CUresult cuCtxSynchronize(void);
 CUresult cuCtxGetLimit(size_t *pvalue, CUlimit limit);
 CUresult cuCtxSetLimit(CUlimit limit, size_t value);
 CUresult cuCtxGetStreamPriorityRange(int *leastPriority, int *greatestPriority);
+CUresult cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx);
+CUresult cuCtxSetCacheConfig(CUfunc_cache config);
+CUresult cuCtxGetCacheConfig(CUfunc_cache *pconfig);
+CUresult cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Flags);
+CUresult cuCtxDisablePeerAccess(CUcontext peerContext);
+CUresult cuProfilerStart(void);
+CUresult cuProfilerStop(void);
 
 /* modules, libraries, functions */
 CUresult cuModuleLoad(CUmodule *module, const char *fname);
@@ -454,6 +468,10 @@ CUresult cuFuncSetAttribute(CUfunction hfunc, CUfunction_attribute attrib, int v
 CUresult cuFuncGetName(const char **name, CUfunction hfunc);
 CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *numBlocks, CUfunction func,
                                                      int blockSize, size_t dynamicSMemSize);
+CUresult cuOccupancyMaxPotentialBlockSize(int *minGridSize, int *blockSize, CUfunction func,
+                                          CUoccupancyB2DSize blockSizeToDynamicSMemSize,
+                                          size_t dynamicSMemSize, int blockSizeLimit);
+CUresult cuFuncSetCacheConfig(CUfunction hfunc, CUfunc_cache config);
 
 /* launches (the _ptsz variants take the same arguments; the default stream is per thread) */
 CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
@@ -500,6 +518,8 @@ CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx);
 CUresult cuStreamGetCtx_ptsz(CUstream hStream, CUcontext *pctx);
 CUresult cuStreamGetId(CUstream hStream, unsigned long long *streamId);
 CUresult cuStreamGetId_ptsz(CUstream hStream, unsigned long long *streamId);
+CUresult cuStreamGetDevice(CUstream hStream, CUdevice *device);
+CUresult cuStreamGetDevice_ptsz(CUstream hStream, CUdevice *device);
 CUresult cuStreamAddCallback(CUstream hStream, CUstreamCallback callback, void *userData,
                              unsigned int flags);
 CUresult cuStreamAddCallback_ptsz(CUstream hStream, CUstreamCallback callback, void *userData,
@@ -532,6 +552,19 @@ CUresult cuMemFreeHost(void *p);
 CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags);
 CUresult cuMemHostUnregister(void *p);
 CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr);
+CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned int Flags);
+/* cuMemPrefetchAsync and cuMemAdvise are the CUDA 11 forms (a device ordinal); cuda.h 13 maps
+ * both names to the _v2 forms (a CUmemLocation). */
+CUresult cuMemPrefetchAsync(CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream hStream);
+CUresult cuMemPrefetchAsync_ptsz(CUdeviceptr devPtr, size_t count, CUdevice dstDevice,
+                                 CUstream hStream);
+CUresult cuMemPrefetchAsync_v2(CUdeviceptr devPtr, size_t count, CUmemLocation location,
+                               unsigned int flags, CUstream hStream);
+CUresult cuMemPrefetchAsync_v2_ptsz(CUdeviceptr devPtr, size_t count, CUmemLocation location,
+                                    unsigned int flags, CUstream hStream);
+CUresult cuMemAdvise(CUdeviceptr devPtr, size_t count, CUmem_advise advice, CUdevice device);
+CUresult cuMemAdvise_v2(CUdeviceptr devPtr, size_t count, CUmem_advise advice,
+                        CUmemLocation location);
 CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
 CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
 CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream);

@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "sim_cuda.h"
 
@@ -659,3 +660,104 @@ CUresult cuCtxGetStreamPriorityRange(int *leastPriority, int *greatestPriority)
         *greatestPriority = -5;
     return CUDA_SUCCESS;
 }
+
+CUresult cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx)
+{
+    CUresult r = sim_ready();
+    if (r)
+        return r;
+    if (!ctx)
+        return cuCtxGetDevice(device);
+    if ((r = check_ctx(ctx)))
+        return r;
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    *device = ctx->ordinal;
+    return CUDA_SUCCESS;
+}
+
+/* Cache preferences have no effect on a simulated device; they are accepted and remembered. */
+static __thread CUfunc_cache cache_config;
+
+CUresult cuCtxSetCacheConfig(CUfunc_cache config)
+{
+    struct CUctx_st *c;
+    CUresult r = sim_current_ctx(&c);
+    if (r)
+        return r;
+    if (config < 0 || config > 3)
+        return CUDA_ERROR_INVALID_VALUE;
+    cache_config = config;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxGetCacheConfig(CUfunc_cache *pconfig)
+{
+    struct CUctx_st *c;
+    CUresult r = sim_current_ctx(&c);
+    if (r)
+        return r;
+    if (!pconfig)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pconfig = cache_config;
+    return CUDA_SUCCESS;
+}
+
+/* Peer access: every simulated device can reach every other one (memory is host memory). */
+CUresult cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Flags)
+{
+    struct CUctx_st *c;
+    CUresult r = sim_current_ctx(&c);
+    if (r)
+        return r;
+    if ((r = check_ctx(peerContext)))
+        return r;
+    if (Flags != 0 || peerContext->ordinal == c->ordinal)
+        return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxDisablePeerAccess(CUcontext peerContext)
+{
+    struct CUctx_st *c;
+    CUresult r = sim_current_ctx(&c);
+    if (r)
+        return r;
+    return check_ctx(peerContext);
+}
+
+CUresult cuDeviceGetP2PAttribute(int *value, CUdevice_P2PAttribute attrib, CUdevice srcDevice,
+                                 CUdevice dstDevice)
+{
+    CUresult r = sim_device_ordinal(srcDevice);
+    if (!r)
+        r = sim_device_ordinal(dstDevice);
+    if (r)
+        return r;
+    if (!value || srcDevice == dstDevice || attrib < 1 || attrib > 4)
+        return CUDA_ERROR_INVALID_VALUE;
+    *value = attrib == 1 ? 0 : 1; /* performance rank 0; access, atomics, arrays supported */
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetByPCIBusId(CUdevice *dev, const char *pciBusId)
+{
+    CUresult r = sim_ready();
+    if (r)
+        return r;
+    if (!dev || !pciBusId)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (int i = 0; i < sim_cuda_count(); i++) {
+        char id[32];
+        cuDeviceGetPCIBusId(id, sizeof id, i);
+        if (strcasecmp(id, pciBusId) == 0 || strcasecmp(id + 5, pciBusId) == 0) {
+            *dev = i;
+            return CUDA_SUCCESS;
+        }
+    }
+    return CUDA_ERROR_INVALID_DEVICE;
+}
+
+CUresult cuProfilerStart(void) { return sim_ready(); }
+CUresult cuProfilerStop(void) { return sim_ready(); }
+

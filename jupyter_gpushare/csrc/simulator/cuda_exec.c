@@ -424,6 +424,33 @@ CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *numBlocks, CUfunction 
     return CUDA_SUCCESS;
 }
 
+CUresult cuOccupancyMaxPotentialBlockSize(int *minGridSize, int *blockSize, CUfunction func,
+                                          CUoccupancyB2DSize blockSizeToDynamicSMemSize,
+                                          size_t dynamicSMemSize, int blockSizeLimit)
+{
+    (void)blockSizeToDynamicSMemSize;
+    (void)dynamicSMemSize;
+    struct CUctx_st *c;
+    CUresult r = sim_current_ctx(&c);
+    if (r)
+        return r;
+    if (!func || func->magic != MAGIC_FUNC)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (!minGridSize || !blockSize)
+        return CUDA_ERROR_INVALID_VALUE;
+    int block = blockSizeLimit > 0 && blockSizeLimit < 1024 ? blockSizeLimit : 1024;
+    *blockSize = block;
+    *minGridSize = (int)sim_dev(c->slot)->sms * (2048 / block);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuFuncSetCacheConfig(CUfunction hfunc, CUfunc_cache config)
+{
+    if (!hfunc || hfunc->magic != MAGIC_FUNC)
+        return CUDA_ERROR_INVALID_HANDLE;
+    return config >= 0 && config <= 3 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
 /* -- launches --------------------------------------------------------------------------------- */
 
 /* The kernel's duration: busy_us reads its first parameter (u64 µs) from kernelParams or from
@@ -738,6 +765,8 @@ STREAM_GETTER(cuStreamGetCtx, 0, CUcontext, s->ctx)
 STREAM_GETTER(cuStreamGetCtx_ptsz, 1, CUcontext, s->ctx)
 STREAM_GETTER(cuStreamGetId, 0, unsigned long long, s->id)
 STREAM_GETTER(cuStreamGetId_ptsz, 1, unsigned long long, s->id)
+STREAM_GETTER(cuStreamGetDevice, 0, CUdevice, s->ctx->ordinal)
+STREAM_GETTER(cuStreamGetDevice_ptsz, 1, CUdevice, s->ctx->ordinal)
 
 /* -- events ----------------------------------------------------------------------------------- */
 

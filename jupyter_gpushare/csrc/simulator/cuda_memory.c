@@ -288,6 +288,61 @@ CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdevi
     return CUDA_SUCCESS;
 }
 
+/* Unified memory hints: the simulator keeps every byte in host memory, so prefetching and
+ * advice only need a valid range. */
+static CUresult um_hint(CUdeviceptr ptr, size_t count, CUstream h, int ptds)
+{
+    struct CUstream_st *s;
+    CUresult r = h || ptds >= 0 ? sim_stream(h, ptds > 0, &s) : sim_ready();
+    if (r)
+        return r;
+    return count && device_range(ptr, count) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemPrefetchAsync(CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream hStream)
+{
+    (void)dstDevice;
+    return um_hint(devPtr, count, hStream, 0);
+}
+
+CUresult cuMemPrefetchAsync_ptsz(CUdeviceptr devPtr, size_t count, CUdevice dstDevice,
+                                 CUstream hStream)
+{
+    (void)dstDevice;
+    return um_hint(devPtr, count, hStream, 1);
+}
+
+CUresult cuMemPrefetchAsync_v2(CUdeviceptr devPtr, size_t count, CUmemLocation location,
+                               unsigned int flags, CUstream hStream)
+{
+    (void)location;
+    return flags ? CUDA_ERROR_INVALID_VALUE : um_hint(devPtr, count, hStream, 0);
+}
+
+CUresult cuMemPrefetchAsync_v2_ptsz(CUdeviceptr devPtr, size_t count, CUmemLocation location,
+                                    unsigned int flags, CUstream hStream)
+{
+    (void)location;
+    return flags ? CUDA_ERROR_INVALID_VALUE : um_hint(devPtr, count, hStream, 1);
+}
+
+CUresult cuMemAdvise(CUdeviceptr devPtr, size_t count, CUmem_advise advice, CUdevice device)
+{
+    (void)device;
+    if (advice < 1 || advice > 6)
+        return sim_ready() ? sim_ready() : CUDA_ERROR_INVALID_VALUE;
+    return um_hint(devPtr, count, NULL, -1);
+}
+
+CUresult cuMemAdvise_v2(CUdeviceptr devPtr, size_t count, CUmem_advise advice,
+                        CUmemLocation location)
+{
+    (void)location;
+    if (advice < 1 || advice > 6)
+        return sim_ready() ? sim_ready() : CUDA_ERROR_INVALID_VALUE;
+    return um_hint(devPtr, count, NULL, -1);
+}
+
 /* -- host memory ------------------------------------------------------------------------------ */
 
 CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)
@@ -305,6 +360,18 @@ CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)
 }
 
 CUresult cuMemAllocHost_v2(void **pp, size_t bytesize) { return cuMemHostAlloc(pp, bytesize, 0); }
+
+/* Unified addressing: a host allocation's device pointer is its address. */
+CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned int Flags)
+{
+    CUresult r = sim_ready();
+    if (r)
+        return r;
+    if (!pdptr || !p || Flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pdptr = (CUdeviceptr)(uintptr_t)p;
+    return CUDA_SUCCESS;
+}
 
 CUresult cuMemFreeHost(void *p)
 {

@@ -190,7 +190,10 @@ function plugin(
         return;
       }
       const notebook = panel.content;
-      NotebookActions.insertBelow(notebook);
+      const active = notebook.activeCell;
+      if (!active || active.model.type !== 'code' || active.model.sharedModel.getSource()) {
+        NotebookActions.insertBelow(notebook); // keep the user's cells; reuse an empty one
+      }
       const cell = notebook.activeCell;
       if (cell) {
         cell.model.sharedModel.setSource(PANEL_CODE);

@@ -33,6 +33,12 @@ page.on('console', msg => {
     console.error(`[browser ${msg.type()}] ${msg.text()}`);
   }
 });
+const rest = async path => {
+  const response = await fetch(`${LAB_URL}${path}`, {
+    headers: { Authorization: `token ${LAB_TOKEN}` }
+  });
+  return response.json();
+};
 const shot = name => page.screenshot({ path: `${ARTIFACTS}/${name}.png` });
 const dialog = page.locator('.jp-Dialog');
 const picker = dialog.locator('.jp-gpushare-picker');
@@ -104,6 +110,28 @@ try {
     'import os; os.environ["GPUSHARE_ALLOCATION_ID"] + " " + os.environ["CUDA_VISIBLE_DEVICES"]'
   );
   await shot('03-kernel-running');
+  // the server's view now, while this kernel holds the pick (checked by test_picker.py)
+  seen.afterPick = {
+    sessions: await rest('/api/sessions'),
+    allocations: (await rest('/gpushare/api/allocations')).allocations
+  };
+
+  // 1b. restart this notebook's kernel with a new share (palette), 1c. open the GPU panel
+  await palette('Restart kernel with a new GPU share');
+  await fillPicker({ request: '0.5', limit: '1', type: 'A100' });
+  await accept();
+  await dialog.waitFor({ state: 'detached' });
+  seen.statusRestarted = await statusText('0.5–1');
+  seen.cellRestarted = await runCell('import os; os.environ["GPUSHARE_ALLOCATION_ID"]');
+  await palette('Open the GPU panel');
+  const panelCell = page
+    .locator('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell', { hasText: 'jupyter_gpushare.panel()' })
+    .last();
+  await panelCell.locator('.jp-OutputArea-output').first().waitFor();
+  seen.panelSource = await panelCell.locator('.cm-content').innerText();
+  seen.panelOutput = await panelCell.locator('.jp-OutputArea-output').allInnerTexts();
+  await page.waitForTimeout(1500); // let the widget render for the screenshot
+  await shot('03b-restarted-with-panel');
 
   // 2. refusals: first the picker's own check, then the server's explanation
   await page.locator('.lm-TabBar-addButton:not(.lm-mod-hidden)').first().click();

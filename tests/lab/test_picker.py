@@ -2,9 +2,10 @@
 
 Simulated GPUs: one A100 and one T4. The browser picks 0.25 of an A100 with limit 0.5 for a new
 notebook; the kernel must hold exactly that allocation (checked over REST and inside the
-kernel). Then a pick above its limit is refused by the picker, a pick that does not fit is
-refused by the server with its explanation (shown in the dialog), a pick that fits starts, and
-the palette command releases that kernel's share. Screenshots: test-artifacts/lab/<test>/.
+kernel). The palette restarts it with a new share (0.5-1) and opens the GPU panel. Then a pick
+above its limit is refused by the picker, a pick that does not fit is refused by the server
+with its explanation (shown in the dialog), a pick that fits starts, and the palette command
+releases that kernel's share. Screenshots: test-artifacts/lab/<test>/.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from labdriver import run_driver
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(420)]
 
 KERNEL = "gpushare-python"
-TOO_BIG = 0.9  # the A100 has 0.75 free once the first kernel holds 0.25
+TOO_BIG = 0.9  # the A100 has 0.5 free once the first kernel holds 0.5
 
 
-def _kernel_of(server: Any, notebook: str) -> str:
-    sessions = server.get("/api/sessions").json()
+def _kernel_of(server: Any, notebook: str, sessions: list[dict[str, Any]] | None = None) -> str:
+    if sessions is None:
+        sessions = server.get("/api/sessions").json()
     ids = [s["kernel"]["id"] for s in sessions if s["path"] == notebook]
     assert len(ids) == 1, sessions
     return ids[0]
@@ -42,8 +44,10 @@ def test_pick_share_in_lab(lab_server: Any, artifacts: Path) -> None:
     )
 
     # 1. the first notebook's kernel holds exactly the pick
-    kernel1 = _kernel_of(server, "Untitled.ipynb")
-    allocations = {a["kernel_id"]: a for a in server.allocations()}
+    # (GET /api/sessions and /gpushare/api/allocations, read by the driver at that moment)
+    kernel1 = _kernel_of(server, "Untitled.ipynb", seen["afterPick"]["sessions"])
+    allocations = {a["kernel_id"]: a for a in seen["afterPick"]["allocations"]}
+    assert len(allocations) == 1
     mine = allocations[kernel1]
     assert mine["gpu_request"] == 0.25
     assert mine["gpu_limit"] == 0.5
@@ -54,6 +58,20 @@ def test_pick_share_in_lab(lab_server: Any, artifacts: Path) -> None:
     assert "A100" in seen["status1"] and "0.25–0.5" in seen["status1"]
     assert any(row.startswith("A100") for row in seen["pickerTypes"])
     assert any(row.startswith("T4") for row in seen["pickerTypes"])
+
+    # 1b. "Restart kernel with a new GPU share": a new kernel holds the new share, the old
+    # kernel and its share are gone; 1c. the panel command inserted and ran the panel cell
+    restarted = _kernel_of(server, "Untitled.ipynb")
+    assert restarted != kernel1
+    assert server.get(f"/api/kernels/{kernel1}").status_code == 404
+    now = {a["kernel_id"]: a for a in server.allocations()}
+    assert kernel1 not in now
+    assert (now[restarted]["gpu_request"], now[restarted]["gpu_limit"]) == (0.5, 1.0)
+    assert seen["cellRestarted"].strip("'\" \n") == now[restarted]["id"]
+    assert "0.5–1" in seen["statusRestarted"]
+    assert "jupyter_gpushare.panel()" in seen["panelSource"]
+    assert not any("Traceback" in out or "Error" in out for out in seen["panelOutput"])
+    kernel1 = restarted
 
     # 2. refusals carry the explanation: the picker's own check, then the server's
     assert "gpu_request" in seen["clientRefusal"] and "at most gpu_limit" in seen["clientRefusal"]

@@ -92,7 +92,10 @@ c.KubernetesBackendConfig.resources = {{"requests": {{"cpu": "100m", "memory": "
 """
     config = root / "jupyter_server_config.py"
     config.write_text(f"""
-c.ServerApp.token = {token!r}
+c.IdentityProvider.token = {token!r}
+c.ServerApp.allow_root = True
+c.ServerApp.jpserver_extensions = {{"jupyterlab": False, "jupyter_lsp": False,
+    "notebook_shim": False, "jupyter_server_terminals": False, "jupyter_gpushare": True}}
 c.ServerApp.ip = "127.0.0.1"
 c.ServerApp.port = {port}
 c.ServerApp.open_browser = False

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import stat
 import time
 import uuid
+from pathlib import Path
 
 from simmachine import SimMachine
+
+from jupyter_gpushare.inventory import simulated_gpus, simulator_device_list
+from jupyter_gpushare.simulator import SimState, default_state_path, simulator_env
 
 MS = 1_000_000  # ns
 
@@ -161,6 +167,8 @@ def test_processes_starting_together_share_one_state(sim_machine: SimMachine) ->
         assert "count=2" in out
     devices = sim_machine.state().devices()
     assert [d.uuid for d in devices] == [g.uuid for g in sim_machine.gpus]
+    # A state file named by GPUSHARE_SIM_STATE is the machine's: every user's processes use it.
+    assert stat.S_IMODE(sim_machine.state_path.stat().st_mode) == 0o666
 
 
 def test_a_state_file_of_another_version_is_replaced(sim_machine: SimMachine) -> None:
@@ -173,3 +181,21 @@ def test_a_state_file_of_another_version_is_replaced(sim_machine: SimMachine) ->
     sim_machine.state_path.write_bytes(b"\x01" * size)
     assert sim_machine.run("info")["count"] == "2"
     assert len(sim_machine.state().devices()) == 2
+
+
+def test_default_state_path_is_shared_by_c_and_python(sim_machine: SimMachine) -> None:
+    """Without GPUSHARE_SIM_STATE the simulator picks a per-user, per-device-list file; the
+    Python helper computes the same name."""
+    gpus = simulated_gpus("1xH100", node=f"default-path-{os.getpid()}")
+    env = {k: v for k, v in sim_machine.env.items() if k != "GPUSHARE_SIM_STATE"}
+    env.update(simulator_env(gpus, base=env))
+    path = Path(env.pop("GPUSHARE_SIM_STATE"))
+    assert path == default_state_path(simulator_device_list(gpus))
+    assert not path.exists()
+    try:
+        info = sim_machine.run("info", env=env)
+        assert info["name0"] == "NVIDIA H100 80GB HBM3" and info["cc0"] == "9.0"
+        assert [d.uuid for d in SimState(path).devices()] == [gpus[0].uuid]
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600  # private to the user
+    finally:
+        path.unlink(missing_ok=True)

@@ -169,8 +169,11 @@ def test_bad_type_requests_are_errors() -> None:
         place(gpus, [], share(gpu_type="T4"), Policy(gpu_types=("A100",)))
     with pytest.raises(ShareError, match="exclude_types"):
         place(gpus, [], share(), Policy(exclude_types=("Banana",)))
-    # A known alias that this cluster lacks may be excluded (a deployment-wide setting).
+    # A known alias that this cluster lacks may be listed (deployment-wide settings).
     assert place(gpus, [], share(), Policy(exclude_types=("V100",)))
+    assert place(gpus, [], share(), Policy(gpu_types=("V100", "T4"))).node == "n0"
+    with pytest.raises(ShareError, match=r"policy\.gpu_types"):
+        place(gpus, [], share(), Policy(gpu_types=("T4", "Banana")))
     with pytest.raises(ShareError, match="gpu_memory"):
         place(gpus, [], share(gpu_type="T4", gpu_memory=40 * GiB))
 

@@ -81,6 +81,7 @@ def policies(draw: st.DrawFn) -> Policy:
     return Policy(
         node=draw(st.sampled_from(("binpack", "spread"))),
         gpu=draw(st.sampled_from(("binpack", "spread"))),
+        gpu_types=draw(st.sampled_from(((),) * 6 + (("A100", "T4"), ("t4",)))),
         exclude_types=draw(st.sampled_from(((),) * 4 + (("H100",), ("T4",)))),
         cordoned_nodes=frozenset(draw(st.sets(st.sampled_from(("n0", "n3")), max_size=1))),
     )

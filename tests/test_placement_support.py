@@ -109,8 +109,8 @@ def valid_choices(
 ) -> list[tuple[str, ...]]:
     """Every placement that keeps all rules (single GPUs, or whole-GPU sets for gpu_count > 1),
     found by trying each one and checking the result with :func:`violations`."""
-    wanted = {t.lower() for t in policy.gpu_types} | ({spec.gpu_type.lower()}
-                                                       if spec.gpu_type else set())
+    allowed = {t.lower() for t in policy.gpu_types}
+    wanted = spec.gpu_type.lower() if spec.gpu_type else None
     excluded = {t.lower() for t in policy.exclude_types}
 
     def eligible(g: Gpu) -> bool:
@@ -120,7 +120,8 @@ def valid_choices(
             and g.node not in policy.cordoned_nodes
             and g.uuid not in policy.cordoned_gpus
             and g.type.lower() not in excluded
-            and (not wanted or g.type.lower() in wanted)
+            and (not allowed or g.type.lower() in allowed)
+            and (wanted is None or g.type.lower() == wanted)
         )
 
     def trial(choice: tuple[Gpu, ...]) -> bool:

@@ -151,6 +151,8 @@ def resolve_types(spec: ShareSpec, policy: Policy, known: Iterable[Kind]) -> Typ
         matched = set()
         for name in group:
             found = _match(name, kinds, aliases)
+            if not found and source == "policy.gpu_types" and aliases.canonical(name):
+                continue  # a deployment may list a known type that this cluster lacks
             if not found:
                 raise ShareError(source, name, "one of " + _listing(types))
             matched |= found

@@ -300,9 +300,18 @@ static void test_contexts(void)
     TRUE(popped == prim);
     CHECK(p_cuCtxGetDevice(&d));
     TRUE(d == 0);
+    size_t free0, free1, total;
+    CHECK(p_cuMemGetInfo_v2(&free0, &total));
     CUdeviceptr p;
+    CUarray arr;
+    CUDA_ARRAY_DESCRIPTOR desc = {256, 256, 0x20, 1};
     CHECK(p_cuMemAlloc_v2(&p, 1 << 20));
-    CHECK(p_cuCtxDestroy_v2(mine)); /* frees p with the context */
+    CHECK(p_cuArrayCreate_v2(&arr, &desc));
+    CHECK(p_cuMemGetInfo_v2(&free1, &total));
+    TRUE(free0 - free1 == (1 << 20) + 256 * 256 * 4);
+    CHECK(p_cuCtxDestroy_v2(mine)); /* frees p and arr with the context */
+    CHECK(p_cuMemGetInfo_v2(&free1, &total));
+    TRUE(free1 == free0);
     CHECK(p_cuCtxGetCurrent(&cur));
     TRUE(cur == prim);
     EXPECT(p_cuCtxPushCurrent_v2(mine), CUDA_ERROR_CONTEXT_IS_DESTROYED);

@@ -53,6 +53,7 @@ static struct alloc *buckets[BUCKETS];
 static struct phys *physs;
 static struct mapping *mappings;
 static struct reservation *reservations;
+static struct CUarray_st *arrays;
 static struct CUmemPoolHandle_st default_pools[SIM_MAX_DEVICES];
 static struct CUmemPoolHandle_st *current_pools[SIM_MAX_DEVICES];
 static struct CUmemPoolHandle_st *user_pools[256];
@@ -143,10 +144,27 @@ void sim_free_context_memory(struct CUctx_st *ctx)
             }
         }
     }
+    struct CUarray_st *dead_arrays = NULL;
+    for (struct CUarray_st **pp = &arrays; *pp;) {
+        struct CUarray_st *a = *pp;
+        if (a->ctx == ctx) {
+            *pp = a->next;
+            a->next = dead_arrays;
+            dead_arrays = a;
+        } else {
+            pp = &a->next;
+        }
+    }
     pthread_mutex_unlock(&mem_lock);
     for (struct alloc *a = dead, *n; a; a = n) {
         n = a->next;
         alloc_release(a);
+    }
+    for (struct CUarray_st *a = dead_arrays, *n; a; a = n) {
+        n = a->next;
+        a->magic = MAGIC_DEAD;
+        sim_mem_release(a->slot, a->bytes);
+        free(a);
     }
 }
 
@@ -923,6 +941,11 @@ static CUresult array_create(CUarray *pHandle, uint64_t w, uint64_t h, uint64_t 
     a->magic = MAGIC_ARRAY;
     a->slot = c->slot;
     a->bytes = bytes;
+    a->ctx = c;
+    pthread_mutex_lock(&mem_lock);
+    a->next = arrays;
+    arrays = a;
+    pthread_mutex_unlock(&mem_lock);
     *pHandle = a;
     return CUDA_SUCCESS;
 }
@@ -949,7 +972,19 @@ CUresult cuArrayDestroy(CUarray hArray)
     CUresult r = sim_ready();
     if (r)
         return r;
-    if (!hArray || hArray->magic != MAGIC_ARRAY)
+    if (!hArray)
+        return CUDA_ERROR_INVALID_HANDLE;
+    int found = 0;
+    pthread_mutex_lock(&mem_lock);
+    for (struct CUarray_st **pp = &arrays; *pp; pp = &(*pp)->next) {
+        if (*pp == hArray) {
+            *pp = hArray->next;
+            found = 1;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&mem_lock);
+    if (!found) /* not a live array (checked by identity, not by reading the handle) */
         return CUDA_ERROR_INVALID_HANDLE;
     hArray->magic = MAGIC_DEAD;
     sim_mem_release(hArray->slot, hArray->bytes);

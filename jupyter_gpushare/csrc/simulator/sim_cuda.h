@@ -128,7 +128,8 @@ struct CUarray_st {
     uint32_t magic;
     int slot;
     uint64_t bytes;
-    void *mem;
+    struct CUctx_st *ctx;           /* freed with its context */
+    struct CUarray_st *next;
 };
 
 /* -- cuda_context.c --------------------------------------------------------------------------- */

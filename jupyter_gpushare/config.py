@@ -180,6 +180,15 @@ class GpuShare(SingletonConfigurable):
         parse_pools(proposal["value"])  # raises PoolConfigError naming the pool and key
         return [dict(p) for p in proposal["value"]]
 
+    @default("default_share")
+    def _default_default_share(self) -> dict:
+        from .hub import ENV_DEFAULT, share_from_environment  # the share picked in JupyterHub
+
+        picked = share_from_environment(ENV_DEFAULT)
+        if picked is None:
+            return {"gpu_request": 0.25, "gpu_limit": 0.5}
+        return {k: v for k, v in picked.to_json().items() if v is not None}
+
     @validate("default_share")
     def _check_default_share(self, proposal: dict) -> dict:
         value = dict(proposal["value"])

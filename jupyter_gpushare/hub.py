@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -209,6 +210,50 @@ def share_environment(spec: ShareSpec) -> dict[str, str | None]:
     data.pop("gpu_count", None)
     text = json.dumps(data, sort_keys=True)
     return {ENV_DEFAULT: text, ENV_MAX: text, ENV_DISABLED: None}
+
+
+def share_from_environment(name: str, environ: Mapping[str, str] | None = None) -> ShareSpec | None:
+    """The share JupyterHub put in ``GPUSHARE_DEFAULT_SHARE`` / ``GPUSHARE_MAX_SHARE`` (None when
+    unset). Read by the user's server: the default share and the bound of its kernels."""
+    text = (environ if environ is not None else os.environ).get(name, "")
+    if not text.strip():
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        raise ShareError(name, text, "a JSON object with share keys (set by JupyterHub)") from None
+    return ShareSpec.from_mapping({k: v for k, v in data.items() if v is not None})
+
+
+def apply_user_bound(spec: ShareSpec, bound: ShareSpec | None) -> ShareSpec:
+    """``spec`` within the server's upper bound (what the user picked in JupyterHub).
+
+    Over the bound is refused with a :class:`ShareError`; a type or memory cap left open is
+    filled in from the bound.
+    """
+    if bound is None:
+        return spec
+    why = "(the most this server's kernels may use, picked when it was started in JupyterHub)"
+    if spec.gpu_count > 1:
+        raise ShareError("gpu_count", spec.gpu_count, f"1 {why}")
+    if spec.gpu_request > bound.gpu_request:
+        raise ShareError("gpu_request", spec.gpu_request, f"at most {bound.gpu_request:g} {why}")
+    if spec.gpu_limit > bound.gpu_limit:
+        raise ShareError("gpu_limit", spec.gpu_limit, f"at most {bound.gpu_limit:g} {why}")
+    if bound.gpu_type is not None:
+        if spec.gpu_type is None:
+            spec = spec.with_changes(gpu_type=bound.gpu_type)
+        elif spec.gpu_type.lower() != bound.gpu_type.lower():
+            raise ShareError("gpu_type", spec.gpu_type, f"{bound.gpu_type} {why}")
+    if bound.gpu_memory is not None:
+        if spec.gpu_memory is None:
+            spec = spec.with_changes(gpu_memory=bound.gpu_memory)
+        elif spec.gpu_memory > bound.gpu_memory:
+            raise ShareError(
+                "gpu_memory", format_bytes(spec.gpu_memory),
+                f"at most {format_bytes(bound.gpu_memory)} {why}",
+            )
+    return spec
 
 
 #: What a CPU-only profile applies, whatever was applied before (dict overrides merge).
@@ -484,12 +529,16 @@ def _merged(
 
 
 __all__ = [
+    "ENV_DEFAULT",
+    "ENV_MAX",
     "GpuOptionError",
     "GpuProfiles",
     "TypeOffer",
+    "apply_user_bound",
     "kubernetes_inventory",
     "ledger_inventory",
     "offers_from",
     "share_environment",
+    "share_from_environment",
     "share_from_options",
 ]

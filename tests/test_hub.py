@@ -29,13 +29,15 @@ from jupyter_gpushare.hub import (
     PRODUCT_LABEL,
     GpuOptionError,
     GpuProfiles,
+    apply_user_bound,
     ledger_inventory,
+    share_environment,
     share_from_options,
 )
 from jupyter_gpushare.inventory import simulated_gpus
 from jupyter_gpushare.ledger.sqlite import SQLiteLedger
 from jupyter_gpushare.placement import place
-from jupyter_gpushare.share import ShareSpec, parse_memory
+from jupyter_gpushare.share import ShareError, ShareSpec, parse_memory
 
 REPO = Path(__file__).resolve().parent.parent
 KUBECONFIG = """\
@@ -225,3 +227,48 @@ async def test_z2jh_values_example(tmp_path: Path, ledger: SQLiteLedger) -> None
     form["profile-option-gpu--gpu_memory--unlisted-choice"] = "60GiB"
     with pytest.raises(GpuOptionError, match="at most 40GiB per user"):
         spawner.run_options_from_form({k: [v] for k, v in form.items()})
+
+
+def test_apply_user_bound() -> None:
+    bound = ShareSpec(0.5, 1.0, gpu_memory=parse_memory("16GiB"), gpu_type="A100")
+    within = apply_user_bound(ShareSpec(0.25, 0.5), bound)
+    assert (within.gpu_type, within.gpu_memory) == ("A100", bound.gpu_memory)  # filled in
+    assert apply_user_bound(ShareSpec(0.25, 0.5), None) == ShareSpec(0.25, 0.5)
+    refusals = [
+        (ShareSpec(0.75, 1.0), "gpu_request"),
+        (ShareSpec(0.5, 1.0, gpu_type="T4"), "gpu_type"),
+        (ShareSpec(0.5, 1.0, gpu_memory=parse_memory("20GiB")), "gpu_memory"),
+        (ShareSpec(1.0, 1.0, gpu_count=2), "gpu_count"),
+    ]
+    for spec, field in refusals:
+        with pytest.raises(ShareError) as caught:
+            apply_user_bound(spec, bound)
+        assert caught.value.field == field and "JupyterHub" in caught.value.allowed
+    limit_bound = ShareSpec(0.25, 0.5)
+    with pytest.raises(ShareError, match="gpu_limit"):
+        apply_user_bound(ShareSpec(0.25, 0.75), limit_bound)
+
+
+def test_user_server_honours_hub_choice(gpushare_env: dict[str, str], jupyter_server: Any) -> None:
+    """A real jupyter_server started with the environment the GPU profile sets: the pick is the
+    default share (what the Lab picker starts from) and the most any kernel may ask for."""
+    picked = share_from_options({"gpu_type": "A100", "gpu_share": "0.25-0.5",
+                                 "gpu_memory": "16GiB"})
+    gpushare_env.update({k: v for k, v in share_environment(picked).items() if v is not None})
+    server = jupyter_server("1xA100,1xT4")
+    default = server.get("/gpushare/api/presets").json()["default"]
+    assert (default["gpu_type"], default["gpu_memory"]) == ("A100", 16 * 2**30)
+    too_much = server.post("/gpushare/api/kernels", {
+        "name": "gpushare-python", "share": {"gpu_request": 0.5, "gpu_limit": 1}})
+    assert too_much.status_code == 400, too_much.text
+    assert too_much.json()["field"] == "gpu_request"
+    assert "JupyterHub" in too_much.json()["message"]
+    other_type = server.post("/gpushare/api/kernels", {
+        "name": "gpushare-python", "share": {"gpu_type": "T4", "gpu_memory": "8GiB"}})
+    assert other_type.status_code == 400 and other_type.json()["field"] == "gpu_type"
+    ok = server.post("/gpushare/api/kernels", {
+        "name": "gpushare-python", "share": {"gpu_request": 0.25, "gpu_limit": 0.5}})
+    assert ok.status_code == 201, ok.text
+    allocation = ok.json()["allocation"]
+    assert (allocation["gpu_type"], allocation["gpu_memory"]) == ("A100", 16 * 2**30)
+    assert server.delete(f"/api/kernels/{ok.json()['id']}").status_code == 204

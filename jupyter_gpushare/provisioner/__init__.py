@@ -30,6 +30,7 @@ from traitlets import Any as AnyTrait
 from traitlets import Unicode
 
 from ..config import GpuShare
+from ..hub import ENV_MAX, apply_user_bound, share_from_environment
 from ..inventory import check_spec
 from ..ledger import Allocation, AllocationNotFound, Ledger
 from ..ledger.reconcile import process_start_time
@@ -118,7 +119,7 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         spec = self.kernelspec_spec()
         if user_share:
             spec = ShareSpec.from_mapping(user_share, defaults=spec)
-        return spec
+        return apply_user_bound(spec, share_from_environment(ENV_MAX))  # JupyterHub's bound
 
     async def _ledger(self) -> Ledger:
         return await self.kernel_backend.ledger()

@@ -219,14 +219,12 @@ class ReclaimNotice:
             if status.get("error") != "unknown_allocation":
                 return None
             self.held = False
-            from .notebook import actions
-
-            if actions.released() and not self.shown_warning:
-                return None  # released by the kernel (Release) or seen by the panel already
-            why = "after the idle warning" if self.shown_warning else "from outside the kernel"
-            return (f"gpushare: this kernel's GPU share {self.allocation_id} was released "
-                    f"{why}; the kernel and its variables are still here. GPU work needs a new "
-                    "share: `%gpushare request …`, then restart the kernel.")
+            if not (status.get("reclaimed") or self.shown_warning):
+                return None  # released otherwise (Release, REST): the panel says so
+            return (f"gpushare: this kernel's GPU share {self.allocation_id} was released by "
+                    "idle-GPU reclaim after its warning; the kernel and its variables are still "
+                    "here. GPU work needs a new share: `%gpushare request …`, then restart the "
+                    "kernel.")
         [mine] = status.get("allocations") or [{}]
         warning = mine.get("reclaim_warning")
         if warning and warning.get("warned_at") != self.shown_warning:

@@ -79,6 +79,8 @@ class Daemon:
         self.refused = 0
         #: allocations released by their own process (``kernel_ops.release``), for ``reserve``
         self.released: dict[str, Allocation] = {}
+        #: idle-reclaim warnings of allocations that left the ledger (told to their kernels)
+        self.reclaimed: dict[str, dict[str, Any]] = {}
         self.metrics_port: int | None = None
         self.nvml: dict[str, dict[str, Any]] = {}
         self._tasks: list[asyncio.Task[Any]] = []
@@ -149,6 +151,11 @@ class Daemon:
             for gone in set(self.allocations) - set(current):
                 for gpu in self.gpus.values():
                     gpu.forget(gone)
+                warning = self.allocations[gone].extra.get("reclaim_warning")
+                if warning:
+                    self.reclaimed[gone] = warning
+                    while len(self.reclaimed) > 1024:
+                        self.reclaimed.pop(next(iter(self.reclaimed)))
             self.allocations = current
 
     def _apply(self, allocation: Allocation) -> None:
@@ -342,7 +349,10 @@ class Daemon:
                 "gpus": per_gpu,
             })
         if allocation_id is not None and not allocations:
-            return wire.refusal(wire.E_UNKNOWN_ALLOCATION, f"no allocation {allocation_id!r}")
+            refusal = wire.refusal(wire.E_UNKNOWN_ALLOCATION, f"no allocation {allocation_id!r}")
+            if allocation_id in self.reclaimed:  # released by idle reclaim after this warning
+                refusal["reclaimed"] = self.reclaimed[allocation_id]
+            return refusal
         gpus = []
         for gpu in self.gpus.values():
             entry = gpu.status(now)

@@ -140,7 +140,7 @@ CUresult sim_device_ordinal(CUdevice dev);         /* CUDA_SUCCESS when dev name
 uint64_t sim_kernel_default_ns(void);
 uint64_t sim_queue_ahead_ns(void);
 
-/* -- cuda_exec.c ------------------------------------------------------------------------------ */
+/* -- cuda_stream.c ---------------------------------------------------------------------------- */
 /* Resolves a stream handle (NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD or a stream); ptds says
  * the call came through a per-thread-default-stream entry point. */
 CUresult sim_stream(CUstream h, int ptds, struct CUstream_st **out);

@@ -61,31 +61,34 @@ def share_table(status: dict[str, Any]) -> str:
         return ""
     nvml = g.get("nvml") or {}
     uuid = g.get("uuid") or (a["gpus"][0]["gpu"] if a.get("gpus") else "")
-    kind = g.get("type") or "GPU"
+    kind = f"{g.get('type') or 'GPU'} ({g.get('name', '')})".replace(" ()", "")
     window = (status.get("daemon") or {}).get("window_ms", 0) / 1000
+
+    def maybe(value: Any, fmt: str = "{}") -> str:
+        return "–" if value is None else fmt.format(value)
+
+    def size(value: Any) -> str:
+        return "–" if value is None else format_bytes(int(value))
+
     rows = [
-        _row("GPU", _cell("gpu_type", f"{kind} ({g.get('name', '')})".replace(" ()", "")),
-             _cell("gpu_uuid", uuid)),
-        _row("share", _cell("request", f"{a['request']:g}"), _cell("limit", f"{a['limit']:g}")),
-        _row("achieved", _cell("achieved_share", _pct(a.get("achieved_share"))),
-             _cell("window", f"over the last {window:g} s")),
-        _row("memory", _cell("memory_used", format_bytes(int(a.get("memory_used") or 0))),
-             _cell("memory_cap", format_bytes(int(a.get("memory_cap") or 0)))),
-        _row("waiting", _cell("lease_wait_seconds", f"{a.get('lease_wait_seconds', 0.0):.3f} s"),
-             _cell("lease_waits", f"{a.get('lease_waits', 0)} waits")),
+        ("GPU", ("gpu_type", kind), ("gpu_uuid", uuid)),
+        ("request / limit", ("request", f"{a['request']:g}"), ("limit", f"{a['limit']:g}")),
+        ("achieved share", ("achieved_share", _pct(a.get("achieved_share"))),
+         ("window", f"over the last {window:g} s")),
+        ("memory used / cap", ("memory_used", size(a.get("memory_used") or 0)),
+         ("memory_cap", size(a.get("memory_cap") or 0))),
+        ("waiting for leases",
+         ("lease_wait_seconds", f"{float(a.get('lease_wait_seconds') or 0):.3f} s"),
+         ("lease_waits", f"{a.get('lease_waits', 0)} waits")),
+        ("GPU utilisation", ("gpu_utilization", maybe(nvml.get("utilization_gpu"), "{}%")),
+         ("kernels", f"{g.get('kernels', 0)} share(s) on this GPU")),
+        ("GPU memory used / total", ("gpu_memory_used", size(nvml.get("memory_used"))),
+         ("gpu_memory_total", size(nvml.get("memory_total")))),
+        ("temperature / power", ("temperature", maybe(nvml.get("temperature_c"), "{} °C")),
+         ("power", maybe(nvml.get("power_w"), "{:g} W"))),
     ]
-    util = nvml.get("utilization_gpu")
-    rows.append(_row("GPU now", _cell("gpu_utilization", "–" if util is None else f"{util}%"),
-                     _cell("kernels", f"{g.get('kernels', 0)} share(s) on this GPU")))
-    used, total = nvml.get("memory_used"), nvml.get("memory_total")
-    rows.append(_row("GPU memory", _cell("gpu_memory_used",
-                                         "–" if used is None else format_bytes(int(used))),
-                     _cell("gpu_memory_total",
-                           "–" if total is None else format_bytes(int(total)))))
-    temp, power = nvml.get("temperature_c"), nvml.get("power_w")
-    rows.append(_row("temp / power", _cell("temperature", "–" if temp is None else f"{temp} °C"),
-                     _cell("power", "–" if power is None else f"{power:g} W")))
-    return f"<table>{''.join(rows)}</table>"
+    body = "".join(_row(label, *(_cell(f, v) for f, v in cells)) for label, *cells in rows)
+    return f"<table>{body}</table>"
 
 
 def sparkline(points: list[tuple[float, float, float]], request: float, limit: float,
@@ -95,6 +98,7 @@ def sparkline(points: list[tuple[float, float, float]], request: float, limit: f
     if not points:
         return ""
     now = points[-1][0]
+    span = min(span, max(60.0, now - points[0][0]))  # fill the width while history is short
 
     def xy(t: float, v: float) -> str:
         x = width * (1 - (now - t) / span)
@@ -113,10 +117,14 @@ def sparkline(points: list[tuple[float, float, float]], request: float, limit: f
         f'style="background:#fafafa;border:1px solid #ddd">{lines}'
         f'<polyline fill="none" stroke="#1a73e8" stroke-width="1.5" points="{share}"/>'
         f'<polyline fill="none" stroke="#188038" stroke-width="1.5" points="{memory}"/></svg>'
-        f'<div style="font-size:11px;color:#666">last {span // 60:g} min: '
+        f'<div style="font-size:11px;color:#666">last {_span_text(span)}: '
         f'<span style="color:#1a73e8">share</span>, <span style="color:#188038">memory / cap'
         f'</span>, dashed: request / limit</div>'
     )
+
+
+def _span_text(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
 
 
 class GpuPanel(widgets.VBox):

@@ -154,5 +154,7 @@ void sim_atomic_max(a64 *a, uint64_t v);
 
 /* -- cuda_memory.c ---------------------------------------------------------------------------- */
 void sim_free_context_memory(struct CUctx_st *ctx);
+/* Whether [ptr, ptr+n) is device memory of this process: an allocation or a VMM mapping. */
+int sim_device_range(uint64_t ptr, uint64_t n);
 
 #endif

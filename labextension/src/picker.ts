@@ -182,7 +182,7 @@ export class SharePicker extends Widget implements Dialog.IBodyWidget<IShareFiel
     bar.append(el('span', { textContent: 'Presets:' }));
     for (const preset of presets.presets) {
       const button = el('button', {
-        className: 'jp-mod-styled jp-mod-reject jp-gpushare-preset',
+        className: 'jp-mod-styled jp-gpushare-preset',
         textContent: preset.name,
         title: describeShare(preset),
         type: 'button'

@@ -52,7 +52,7 @@ async function fillPicker({ request, limit, memory = '', type = '' }) {
 }
 
 async function accept() {
-  await dialog.locator('button.jp-mod-accept').click();
+  await dialog.locator('button.jp-Dialog-button.jp-mod-accept').click();
 }
 
 async function newNotebookFromLauncher() {
@@ -156,6 +156,17 @@ try {
   await palette('Release this kernel');
   seen.status3 = await statusText('released');
   await shot('07-released');
+
+  // 4. cancelling the picker starts no kernel and says so
+  await page.locator('.lm-TabBar-addButton:not(.lm-mod-hidden)').first().click();
+  await newNotebookFromLauncher();
+  await picker.waitFor();
+  await dialog.locator('button.jp-Dialog-button.jp-mod-reject').click();
+  const error = page.locator('.jp-Dialog', { hasText: 'No GPU share was chosen' });
+  await error.waitFor();
+  seen.cancelled = await error.innerText();
+  await shot('08-cancelled');
+  await error.locator('button.jp-Dialog-button').first().click();
 } catch (err) {
   failed = String(err && err.stack ? err.stack : err);
   await shot('zz-failure').catch(() => undefined);

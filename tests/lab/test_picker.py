@@ -94,5 +94,9 @@ def test_pick_share_in_lab(lab_server: Any, artifacts: Path) -> None:
     assert [a["kernel_id"] for a in left] == [kernel1]
     assert server.get(f"/api/kernels/{kernel2}").status_code == 200  # kernel kept, GPU freed
 
+    # 4. cancel: no kernel, and the dialog says why
+    assert "No GPU share was chosen" in seen["cancelled"]
+    assert len(server.get("/api/kernels").json()) == 2  # the two notebooks' kernels only
+
     for name in ("02-picker", "03-kernel-running", "05-refused-by-server", "07-released"):
         assert (artifacts / f"{name}.png").stat().st_size > 10_000

@@ -21,7 +21,7 @@ from .config import GpuShare
 from .inventory import NoGpuError, check_spec, parse_simulate
 from .ledger import Allocation
 from .ledger.reconcile import process_start_time, reconcile
-from .placement import PlacementRefused, place
+from .placement import PlacementRefused, allocate
 from .provisioner.environment import kernel_environment
 from .serverext import start_node_daemon
 from .serverext.handlers import gpu_usage
@@ -159,10 +159,10 @@ async def _run(settings: GpuShare, spec: ShareSpec, command: Sequence[str]) -> i
         await start_node_daemon(settings, inventory, _log)
     except RuntimeError as exc:  # enforcement falls back to the interposer's fail-static mode
         print(f"gpushare: {exc}", file=sys.stderr)
-    allocation = await ledger.allocate(
-        spec, inventory, place, owner="run", backend="local", server_pid=os.getpid(),
-        user=getpass.getuser(), extra={"server_start": process_start_time(os.getpid()),
-                                       "command": list(command)[:8]},
+    extra = {"server_start": process_start_time(os.getpid()), "command": list(command)[:8]}
+    allocation = await allocate(
+        ledger, spec, inventory, settings.policy(), owner="run", backend="local",
+        server_pid=os.getpid(), user=getpass.getuser(), extra=extra,
     )
     try:
         env = {**os.environ, **kernel_environment(allocation, inventory, settings)}

@@ -26,6 +26,8 @@ from .inventory import (
     parse_simulate,
 )
 from .ledger.sqlite import SQLiteLedger
+from .placement import Policy
+from .placement.config import GpusharePlacement
 from .share import SHARE_FIELDS, ShareError, ShareSpec
 
 
@@ -205,6 +207,10 @@ class GpuShare(SingletonConfigurable):
 
     def aliases(self) -> TypeAliases:
         return TypeAliases(self.type_aliases)
+
+    def policy(self) -> Policy:
+        """The deployment's placement policy (``c.GpusharePlacement.*``) with these aliases."""
+        return GpusharePlacement(parent=self).policy(self.aliases())
 
     def default_spec(self) -> ShareSpec:
         return ShareSpec.from_mapping(

@@ -365,8 +365,8 @@ def test_traitlets_configuration_builds_the_policy() -> None:
     config.GpusharePlacement.node_policy = "spread"
     config.GpusharePlacement.exclude_types = ["T4"]
     config.GpusharePlacement.cordoned_nodes = ["n9"]
-    config.GpusharePlacement.type_aliases = {"big": ["A100"], "small": ["T4"]}
-    policy = GpusharePlacement(config=config).policy()
+    aliases = TypeAliases({"big": ["A100"], "small": ["T4"]})
+    policy = GpusharePlacement(config=config).policy(aliases)
     assert replace(policy, aliases=None) == Policy(
         node="spread", exclude_types=("T4",), cordoned_nodes=frozenset({"n9"})
     )

@@ -6,10 +6,10 @@ the server extension builds one :class:`Policy` from it and narrows it per reque
 
 from __future__ import annotations
 
-from traitlets import Dict, Enum, List, Unicode
+from traitlets import Enum, List, Unicode
 from traitlets.config import Configurable
 
-from ..inventory import DEFAULT_TYPE_ALIASES, TypeAliases
+from ..inventory import TypeAliases
 from .policy import POLICIES, Policy
 
 
@@ -54,14 +54,10 @@ class GpusharePlacement(Configurable):
         help="GPU UUIDs that take no new shares; shares already running there keep running.",
     ).tag(config=True)
 
-    type_aliases = Dict(
-        default_value=DEFAULT_TYPE_ALIASES,
-        help="Type alias -> list of case-insensitive patterns matched (as whole tokens) against "
-        "NVML product names and the nvidia.com/gpu.product node label, e.g. "
-        "{'A100': ['A100'], 'A10': ['A10G?']}.",
-    ).tag(config=True)
 
-    def policy(self) -> Policy:
+    def policy(self, aliases: TypeAliases | None = None) -> Policy:
+        """The deployment's policy; ``aliases`` are the server's GPU type aliases
+        (``GpuShare.type_aliases``), the one place they are configured."""
         return Policy(
             node=self.node_policy,
             gpu=self.gpu_policy,
@@ -69,5 +65,5 @@ class GpusharePlacement(Configurable):
             exclude_types=tuple(self.exclude_types),
             cordoned_nodes=frozenset(self.cordoned_nodes),
             cordoned_gpus=frozenset(self.cordoned_gpus),
-            aliases=TypeAliases(self.type_aliases),
+            aliases=aliases or TypeAliases(),
         )

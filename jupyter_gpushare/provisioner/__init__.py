@@ -34,7 +34,7 @@ from ..hub import ENV_MAX, apply_user_bound, share_from_environment
 from ..inventory import check_spec
 from ..ledger import Allocation, AllocationNotFound, Ledger
 from ..ledger.reconcile import process_start_time
-from ..placement import PlacementRefused, place
+from ..placement import PlacementRefused, allocate
 from ..share import SHARE_FIELDS, ShareError, ShareSpec
 from .backend import KernelBackend
 
@@ -141,10 +141,11 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
                 return await ledger.get(self.allocation.id)
             except AllocationNotFound:
                 self.allocation = None
-        allocation = await ledger.allocate(
+        allocation = await allocate(
+            ledger,
             spec,
             await backend.inventory(),
-            place,
+            self.settings.policy(),
             owner=self._owner,
             kernel_id=self.kernel_id,
             backend=backend.name,

@@ -57,6 +57,7 @@ class _KernelState:
     released: dict[str, Any] | None = None
     reserved: dict[str, Any] | None = None
     memory_freed: int | None = None
+    seen_active: bool = False  # the daemon reported this process's share at least once
     inventory: dict[str, dict[str, Any]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -149,8 +150,12 @@ def status() -> dict[str, Any]:
     except (DaemonUnavailable, OSError) as exc:
         return {**base, "state": "unreachable", "allocation_id": current,
                 "message": f"The gpushare daemon is unreachable ({exc}); retrying."}
-    if reply.get("error") == "unknown_allocation":  # released from outside (REST, an admin)
-        freed = _free_process_memory()  # the interposer's agent may have done it already
+    gone = reply.get("error") == "unknown_allocation"
+    freed = _free_process_memory() if gone else None
+    if gone and ((freed is not None and freed >= 0) or _state.seen_active):
+        # released from outside (REST, an admin): the interposer saw its slot released (and
+        # freed the memory), or the daemon knew the share before
+        freed = None if freed is None else max(freed, 0)
         with _state.lock:
             _state.released = {"id": current}
             _state.memory_freed = freed
@@ -159,6 +164,7 @@ def status() -> dict[str, Any]:
     if not reply.get("ok"):
         return {**base, "state": "unreachable", "allocation_id": current,
                 "message": f"The daemon refused the status of {current}: {reply.get('message')}"}
+    _state.seen_active = True
     allocation = reply["allocations"][0]
     uuid = allocation["gpus"][0]["gpu"] if allocation.get("gpus") else None
     gpu: dict[str, Any] | None = None
@@ -174,14 +180,13 @@ def status() -> dict[str, Any]:
 
 def _free_process_memory() -> int | None:
     """Asks the interposer (preloaded into this process) to free the process's GPU memory now;
-    the bytes it freed, or None when there is no interposer here."""
+    the bytes it freed, -1 when its slots are not released, None without an interposer."""
     try:
         fn = ctypes.CDLL(None).gpushare_release_memory
     except AttributeError:
         return None
     fn.restype = ctypes.c_longlong
-    freed = int(fn())
-    return freed if freed >= 0 else 0
+    return int(fn())  # -1: the interposer does not see the share released
 
 
 def release() -> dict[str, Any]:
@@ -198,6 +203,7 @@ def release() -> dict[str, Any]:
     if not reply.get("ok"):
         raise _refused(reply)
     freed = _free_process_memory()
+    freed = None if freed is None else max(freed, 0)  # -1: this process never used the GPU
     with _state.lock:
         _state.released = reply["released"]
         _state.memory_freed = freed

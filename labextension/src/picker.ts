@@ -55,6 +55,15 @@ function el<K extends keyof HTMLElementTagNameMap>(
   return node;
 }
 
+/**
+ * A placement suggestion such as `0.5 on A100` (see placement/explain.py) as field values, or
+ * null when it has another form (then it is only shown).
+ */
+export function parseSuggestion(text: string): { request: string; type: string } | null {
+  const match = /^\s*(\d*\.?\d+)\s+on\s+(?:an?\s+)?([A-Za-z0-9][A-Za-z0-9 _.-]*?)\s*$/.exec(text);
+  return match ? { request: match[1], type: match[2] } : null;
+}
+
 /** The dialog body; `getValue()` returns the fields as typed. */
 export class SharePicker extends Widget implements Dialog.IBodyWidget<IShareFields> {
   private inputs: Record<keyof IShareFields, HTMLInputElement | HTMLSelectElement>;
@@ -135,7 +144,28 @@ export class SharePicker extends Widget implements Dialog.IBodyWidget<IShareFiel
     if (problem.suggestions?.length) {
       const list = el('ul', { className: 'jp-gpushare-suggestions' });
       for (const s of problem.suggestions) {
-        list.append(el('li', { textContent: `would fit: ${s}` }));
+        const item = el('li', { textContent: `would fit: ${s} ` });
+        const parsed = parseSuggestion(s);
+        if (parsed) {
+          const use = el('button', {
+            className: 'jp-mod-styled jp-gpushare-preset jp-gpushare-use',
+            textContent: 'Use',
+            title: `Fill in ${s}`,
+            type: 'button'
+          });
+          use.addEventListener('click', () => {
+            this.inputs.gpu_request.value = parsed.request;
+            if (Number(this.inputs.gpu_limit.value) < Number(parsed.request)) {
+              this.inputs.gpu_limit.value = parsed.request;
+            }
+            const select = this.inputs.gpu_type as HTMLSelectElement;
+            if (Array.from(select.options).some(o => o.value === parsed.type)) {
+              select.value = parsed.type;
+            }
+          });
+          item.append(use);
+        }
+        list.append(item);
       }
       box.append(list);
     }

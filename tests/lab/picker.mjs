@@ -146,7 +146,15 @@ try {
   await picker.locator('.jp-gpushare-problem', { hasText: 'would fit' }).waitFor();
   seen.serverRefusal = await picker.locator('.jp-gpushare-problem').innerText();
   await shot('05-refused-by-server');
-  await fillPicker({ request: '0.5', limit: '0.75', type: 'A100' });
+  // "Use" next to a suggestion fills it in; then the limit is set by hand
+  await picker.locator('.jp-gpushare-suggestions li', { hasText: ' on A100' })
+    .locator('button.jp-gpushare-use')
+    .click();
+  seen.afterUse = {
+    request: await picker.locator('input[name="gpu_request"]').inputValue(),
+    type: await picker.locator('select[name="gpu_type"]').inputValue()
+  };
+  await picker.locator('input[name="gpu_limit"]').fill('0.75');
   await accept();
   await dialog.waitFor({ state: 'detached' });
   seen.status2 = await statusText('0.5–0.75');

@@ -85,6 +85,11 @@ def test_pick_share_in_lab(lab_server: Any, artifacts: Path) -> None:
     for suggestion in refusal["suggestions"]:
         assert suggestion in seen["serverRefusal"]
 
+    a100_free = next(t for t in server.get("/gpushare/api/gpus").json()["types"]
+                     if t["type"] == "A100")["most_free_request"]
+    assert f"{a100_free:g} on A100" in refusal["suggestions"]  # (its "Use" button was clicked)
+    assert seen["afterUse"] == {"request": f"{a100_free:g}", "type": "A100"}
+
     # 3. the second kernel started with the corrected pick, then released its share by command
     kernel2 = _kernel_of(server, "Untitled1.ipynb")
     assert kernel2 != kernel1

@@ -19,6 +19,8 @@ log = logging.getLogger("jupyter_gpushare.daemon")
 
 #: A lease nobody launched under for this long is taken back (the waiter went away).
 UNUSED_LEASE_NS = 3_000_000
+#: How long the daemon lets a lone holder's agent extend its own lease before revoking.
+EXTEND_GRACE_NS = 10_000_000
 #: How long to wait for the holder's processes to drain after its lease ended.
 DRAIN_GRACE_NS = 2_000_000_000
 
@@ -54,10 +56,13 @@ class GpuLoop:
         self._timers: list[asyncio.TimerHandle] = []
         self._retry: asyncio.TimerHandle | None = None
         self.handoffs = 0
-        #: handoff gaps under contention: previous holder's device end -> next first launch (ns)
+        #: handoffs between tenants under contention: previous holder's device end -> next
+        #: holder's first launch (ns)
         self.handoff_gaps: deque[int] = deque(maxlen=4096)
         self._prev_end = 0
+        self._prev_holder: Tenant | None = None
         self.draining = False
+        self._deferred = False
 
     # -- tenants ------------------------------------------------------------------------------
 
@@ -189,6 +194,7 @@ class GpuLoop:
         self.lease_start = start
         self.lease_until = until
         self.draining = False
+        self._deferred = False
         tenant.last_grant_ns = start
         tenant.grants += 1
         self.handoffs += 1
@@ -208,11 +214,14 @@ class GpuLoop:
         now = monotonic_ns()
         left = max(0, self.lease_until - now)
         views = []
-        for v in self._views(now):
+        for v in self._views(now):  # as they will be when the lease ends
+            cap = 2 * self.quantum_ns
+            credit = min(v.credit_ns + int(v.limit * left), cap)
             if v.key == self.holder.allocation:
                 running = self.holder.window.used(now, self.window_ns, self.lease_start)
-                v = replace(v, used_ns=running + left, credit_ns=v.credit_ns - left,
-                            waiting=True)
+                v = replace(v, used_ns=running + left, credit_ns=credit - left, waiting=True)
+            else:
+                v = replace(v, credit_ns=credit)
             views.append(v)
         grant = pick(views, self.quantum_ns, self.window_ns)
         if grant is None:
@@ -260,6 +269,15 @@ class GpuLoop:
     def _expire(self) -> None:
         if self.holder is None or self._sync_holder():
             return
+        header = self.shm.header
+        if not self._deferred and header.next_slot == self.holder.slot + 1:
+            # the holder is next (nobody else may run now): its agent extends the lease itself
+            # without draining; look again shortly (then revoke as usual)
+            self._deferred = True
+            loop = asyncio.get_running_loop()
+            self._timers.append(loop.call_at((monotonic_ns() + EXTEND_GRACE_NS) / 1e9,
+                                             self._expire))
+            return
         slot = self.shm.slots[self.holder.slot]
         slot.lease_until_ns = 0  # revoke (it has also run out by the clock)
         self.draining = True
@@ -296,9 +314,15 @@ class GpuLoop:
         # never launched under is charged whole: it kept the others out)
         start = first if self.lease_start <= first <= end else self.lease_start
         end = max(end, start)
-        if first and self._prev_end and 0 <= self.lease_start - self._prev_end < 5_000_000:
+        handed = self._prev_holder is not None and self._prev_holder is not tenant
+        if handed and first and 0 <= self.lease_start - self._prev_end < 5_000_000:
             self.handoff_gaps.append(max(0, first - self._prev_end))  # granted on the spot
+            if first - self._prev_end > 5_000_000:
+                log.debug("GPU %s: slow handoff to %s: %.1f ms (granted %.1f ms after the end)",
+                          self.uuid, tenant.allocation, (first - self._prev_end) / 1e6,
+                          (self.lease_start - self._prev_end) / 1e6)
         self._prev_end = end
+        self._prev_holder = tenant
         tenant.window.charge(start, end)
         self._credit(tenant).charge(end - start)
         slot.used_ns = tenant.window.total_ns

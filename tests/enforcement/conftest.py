@@ -172,6 +172,8 @@ def spawn_tenant(daemon: DaemonProc, ledger: SQLiteLedger, allocation: Allocatio
     if preload is not None:
         env["LD_PRELOAD"] = preload
     env["GS_TENANT_WAIT_FILE"] = str(gate)
+    if os.environ.get("GS_DEBUG_TENANTS"):
+        env["GPUSHARE_DEBUG"] = "1"
     env.update(extra_env or {})
     proc = subprocess.Popen([str(binary), *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)

@@ -98,6 +98,7 @@ struct gs_gpu {
     CUevent start_event;
     CUcontext start_ctx;
     uint64_t start_lease;    /* lease the start event belongs to */
+    uint64_t untimed_lease;  /* an extended lease: charged by the wall clock (see try_extend) */
     uint64_t join_ns;        /* CLOCK_MONOTONIC when this process joined it */
 };
 

@@ -418,7 +418,8 @@ static struct gs_stream *note_stream(struct gs_gpu *g, CUstream stream, uint64_t
         }
     }
     if (e) e->lease = lease;
-    if (e && g->start_lease != lease && real_cuEventCreate && real_cuEventRecord) {
+    if (e && g->start_lease != lease && g->untimed_lease != lease && real_cuEventCreate &&
+        real_cuEventRecord) {
         /* the first launch of this process under the lease: mark the device timeline */
         if (g->start_event && g->start_ctx != ctx) {
             if (real_cuEventDestroy_v2) real_cuEventDestroy_v2(g->start_event);
@@ -471,7 +472,8 @@ static uint64_t drain(struct gs_gpu *g, uint64_t lease) {
             real_cuEventRecord(e->event, e->stream) != CUDA_SUCCESS && real_cuCtxSynchronize)
             real_cuCtxSynchronize();
     }
-    int timed = g->start_lease == lease && g->start_event && real_cuEventElapsedTime_v2;
+    int timed = g->start_lease == lease && g->untimed_lease != lease && g->start_event &&
+                real_cuEventElapsedTime_v2;
     float longest_ms = 0;
     for (struct gs_stream *e = g->streams; e; e = e->next) {
         if (e->lease != lease) continue;
@@ -557,6 +559,51 @@ static void finish_lease(struct gs_gpu *g, uint64_t lease) {
     }
 }
 
+/* The daemon picked us again (nobody else may run now): keep the GPU without draining (nothing
+ * can spill into another tenant's slice). The old lease is charged up to now, the new one starts
+ * now; this process stays joined. Returns 0 when it extended. */
+static int try_extend(struct gs_gpu *g, uint64_t lease) {
+    struct gpushare_wire_header *h = g->header;
+    struct gpushare_wire_slot *s = g->slot;
+    if (!h || g->slot_index < 0 || !atomic_load(&gs.connected)) return -1;
+    uint32_t mine = (uint32_t)g->slot_index + 1;
+    if (atomic_load(&s->lease_until_ns) != lease || atomic_load(&s->joined) != 1 ||
+        atomic_load(&h->next_slot) != mine ||
+        atomic_load(&h->holder) != mine || atomic_load(&s->state) != GPUSHARE_SLOT_ACTIVE)
+        return -1;
+    uint64_t now = gs_now(), lease_ns = atomic_load(&h->next_lease_ns);
+    if (atomic_load(&g->last_launch_ns) < atomic_load(&s->lease_start_ns) &&
+        atomic_load(&s->waiters) == 0)
+        return -1; /* no launch during this lease: let it end (the process went idle) */
+    if (lease_ns == 0 || lease_ns > 1000000000ull) return -1;
+    uint64_t until = now + lease_ns;
+    pthread_mutex_lock(&g->streams_lock);
+    /* work queued under the old lease runs in the new one, which starts now on the wall clock:
+     * a device-side start event would only complete after that work, so charge by the clock */
+    g->untimed_lease = until;
+    g->join_ns = now;
+    for (struct gs_stream *e = g->streams; e; e = e->next)
+        if (e->lease == lease) e->lease = until; /* drained at the end of the new lease */
+    pthread_mutex_unlock(&g->streams_lock);
+    atomic_store(&s->drain_end_ns, now);
+    atomic_store(&s->first_launch_ns, 0);
+    atomic_store(&s->lease_start_ns, now);
+    uint64_t expected = lease;
+    if (!atomic_compare_exchange_strong(&s->lease_until_ns, &expected, until)) return -1;
+    atomic_store(&h->next_slot, 0);
+    expected = lease;
+    atomic_compare_exchange_strong(&g->joined_lease, &expected, until);
+    atomic_fetch_add(&s->grant_seq, 1);
+    syscall(SYS_futex, (uint32_t *)&s->grant_seq, FUTEX_WAKE, 1 << 30, NULL, NULL, 0);
+    atomic_fetch_add(&h->direct_handoffs, 1);
+    char line[256];
+    snprintf(line, sizeof line,
+             "{\"op\":\"done\",\"gpu\":\"%s\",\"lease\":%llu,\"handoff\":%d,\"extended\":true}\n",
+             g->uuid, (unsigned long long)lease, g->slot_index);
+    send_line(line);
+    return 0;
+}
+
 /* -- admission (slow path) ------------------------------------------------------------------ */
 
 /* Runahead limit: at most ~2 x runahead_launches launches queued on a stream beyond the last
@@ -616,6 +663,7 @@ static void failstatic_grant(struct gs_gpu *g, uint64_t now) {
 CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
     if (!gs.enabled) return CUDA_SUCCESS;
     uint64_t waited_from = 0;
+    int spins = 0, waits = 0;
     for (;;) {
         if (atomic_load(&gs.denied)) {
             gs_deny_message();
@@ -640,11 +688,16 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
             if (waited_from) {
                 atomic_fetch_add(&s->lease_waits, 1);
                 atomic_fetch_add(&s->wait_ns, now - waited_from);
+                uint64_t late = now - atomic_load(&s->lease_start_ns);
+                if (late > 5000000ull)
+                    gs_log("joined %.1f ms after the grant (waited %.1f ms, %d drain spins, "
+                           "%d futex waits)", late / 1e6, (now - waited_from) / 1e6, spins, waits);
             }
             return CUDA_SUCCESS;
         }
         if (!waited_from) waited_from = now;
         if (now < until) { /* our previous lease is still being drained by the agent */
+            spins++;
             sleep_ns(20000);
             continue;
         }
@@ -653,6 +706,7 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
             continue;
         }
         atomic_fetch_add(&s->waiters, 1);
+        waits++;
         send_lease_msg("want", g, 0);
         futex_wait(&s->grant_seq, seq, WAIT_SLICE_NS);
         dec_floor(&s->waiters);
@@ -680,7 +734,7 @@ static void *agent_main(void *arg) {
             struct gpushare_wire_slot *s = g->slot;
             uint64_t current = atomic_load(&s->lease_until_ns);
             if (now >= lease || current != lease) {
-                finish_lease(g, lease);
+                if (current != lease || try_extend(g, lease) != 0) finish_lease(g, lease);
                 continue;
             }
             uint64_t wake = lease;

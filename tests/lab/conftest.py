@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,8 @@ def lab_server(gpushare_env: dict[str, str]) -> Iterator[Any]:
     """Factory: ``lab_server(simulate="1xA100,1xT4")`` -> a started JupyterLab."""
     reason = driver_missing()
     if reason:
+        if os.environ.get("CI", "").lower() == "true":  # never a silent pass in CI
+            pytest.fail(f"the browser tests need Chromium under CI: {reason}")
         pytest.skip(reason)
     servers: list[LabServer] = []
 

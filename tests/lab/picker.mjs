@@ -12,6 +12,27 @@ const { LAB_URL, LAB_TOKEN, ARTIFACTS, CHROMIUM } = process.env;
 const params = JSON.parse(process.env.PARAMS || '{}');
 const seen = {};
 
+// Busy loop on the simulated GPU in a kernel thread (the simulator runs a function named
+// `busy_us` for its argument's microseconds; the interposer meters and limits it).
+const GPU_WORK = `import ctypes, threading
+cu = ctypes.CDLL("libcuda.so.1")
+P = ctypes.c_void_p
+cu.cuLaunchKernel.argtypes = [P] + [ctypes.c_uint] * 7 + [P, P, P]
+dev, ctx, mod, fn = ctypes.c_int(), P(), P(), P()
+assert cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
+assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0 and cu.cuCtxSetCurrent(ctx) == 0
+assert cu.cuModuleLoadData(ctypes.byref(mod), b"any module") == 0
+assert cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"busy_us") == 0
+us = ctypes.c_uint64(3000)
+params = (P * 1)(ctypes.cast(ctypes.byref(us), P))
+def spin():
+    cu.cuCtxSetCurrent(ctx)
+    while True:
+        cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, None, params, None)
+        cu.cuCtxSynchronize()
+threading.Thread(target=spin, daemon=True).start()
+"busy"`;
+
 const browser = await chromium.launch({
   executablePath: CHROMIUM,
   headless: true,
@@ -65,7 +86,7 @@ async function runCell(code) {
   const cells = page.locator('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell');
   const cell = cells.nth((await cells.count()) - 1); // fixed index: Shift+Enter adds a cell
   await cell.locator('.cm-content').click();
-  await page.keyboard.type(code);
+  await page.keyboard.insertText(code); // as a paste: no auto-indent or bracket closing
   await page.keyboard.press('Shift+Enter');
   const output = cell.locator('.jp-OutputArea-output');
   await output.first().waitFor();
@@ -110,6 +131,15 @@ try {
     'import os; os.environ["GPUSHARE_ALLOCATION_ID"] + " " + os.environ["CUDA_VISIBLE_DEVICES"]'
   );
   await shot('03-kernel-running');
+  // GPU work on the simulated GPU: the status bar shows the share achieved now
+  await runCell(GPU_WORK);
+  await page.waitForFunction(() => {
+    const el = document.querySelector('.jp-gpushare-status');
+    const m = el && /now (\d\.\d\d)/.exec(el.textContent);
+    return !!m && Number(m[1]) > 0;
+  });
+  seen.statusBusy = await page.locator('.jp-gpushare-status').innerText();
+  await shot('03a-status-bar-busy');
   // the server's view now, while this kernel holds the pick (checked by test_picker.py)
   seen.afterPick = {
     sessions: await rest('/api/sessions'),

@@ -10,6 +10,7 @@ releases that kernel's share. Screenshots: test-artifacts/lab/<test>/.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,8 @@ def test_pick_share_in_lab(lab_server: Any, artifacts: Path) -> None:
     assert mine["gpu_memory"] == gpus["A100"]["memory"] // 4  # default: request × GPU memory
     assert seen["cell1"].strip("'\" \n") == f"{mine['id']} {gpus['A100']['uuid']}"
     assert "A100" in seen["status1"] and "0.25–0.5" in seen["status1"]
+    achieved = float(re.search(r"now (\d\.\d\d)", seen["statusBusy"]).group(1))
+    assert achieved > 0  # live achieved share of the busy kernel, from the node daemon
     assert any(row.startswith("A100") for row in seen["pickerTypes"])
     assert any(row.startswith("T4") for row in seen["pickerTypes"])
 

@@ -38,6 +38,10 @@ $(LIB)/test/gs_tenant-tsan: $(GS_DIR)/tests/gs_tenant.c $(GS_HDR)
 	@mkdir -p $(LIB)/test
 	$(CC) $(TSAN) $(BASEFLAGS) -o $@ $< $(GS_LIBS)
 
+$(LIB)/test/gs_fastpath: $(GS_DIR)/tests/gs_fastpath.c $(GS_HDR)
+	@mkdir -p $(LIB)/test
+	$(CC) -O2 $(BASEFLAGS) -o $@ $<
+
 .PHONY: interposer-tests
-interposer-tests: $(LIB)/libgpushare.so $(LIB)/test/gs_tenant $(LIB)/test/gs_tenant-asan \
+interposer-tests: $(LIB)/libgpushare.so $(LIB)/test/gs_tenant $(LIB)/test/gs_fastpath $(LIB)/test/gs_tenant-asan \
 	$(LIB)/test/gs_tenant-tsan $(LIB)/test/libgpushare-asan.so $(LIB)/test/libgpushare-tsan.so

@@ -79,20 +79,28 @@ def test_busy_kernels_take_their_time(sim_machine: SimMachine) -> None:
 
 
 def _together(
-    machine: SimMachine, devices: tuple[int, int], env: dict[str, str] | None = None
+    machine: SimMachine,
+    devices: tuple[int, int],
+    env: dict[str, str] | None = None,
+    stagger_ms: int = 0,
 ) -> tuple[float, list[dict[str, str]]]:
-    """Two processes, each 500 x busy_us(1000), started at the same instant; returns the time
-    from that instant until the last one finished (ms) and their outputs."""
+    """Two processes, each 500 x busy_us(1000), started at one instant (the second `stagger_ms`
+    later); returns the time from that instant until the last one finished (ms) and their
+    outputs, with "finish_ms" (from the common instant) added."""
     start = time.monotonic_ns() + 400 * MS
     procs = [
-        machine.start("busy", "1000", "500", str(dev), "nb", str(start), env=env)
-        for dev in devices
+        machine.start(
+            "busy", "1000", "500", str(dev), "nb", str(start + i * stagger_ms * MS), env=env
+        )
+        for i, dev in enumerate(devices)
     ]
     outs = []
     for proc in procs:
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
         outs.append(dict(line.split("=", 1) for line in out.splitlines()))
+    for o in outs:
+        o["finish_ms"] = str((float(o["end_ns"]) - start) / MS)
     finished = max(float(o["end_ns"]) for o in outs)
     return (finished - start) / MS, outs
 
@@ -108,16 +116,18 @@ def test_two_processes_share_one_device_in_time(sim_machine: SimMachine) -> None
 
 
 def test_queue_bound_sets_how_processes_interleave(sim_machine: SimMachine) -> None:
-    """Work runs in the order it was queued. With the default bound (1 s of work ahead) the
-    first process's 500 ms are all queued before the second's; with a 5 ms bound the two
-    alternate in slices of about 5 ms and finish together, like a time-sliced GPU."""
-    _, outs = _together(sim_machine, (0, 0))
-    first, second = sorted(float(o["wall_ms"]) for o in outs)
-    assert 500 <= first < 750 and second >= 950, (first, second)
+    """Work runs in the order it was queued. The second process starts 100 ms after the first.
+    With the default bound (1 s of work ahead) the first has queued all its 500 ms by then and
+    finishes at 500 ms; with a 5 ms bound it has only 5 ms queued, so from 100 ms on the two
+    alternate in slices of about 5 ms, like a time-sliced GPU, and the first finishes near
+    100 + 2 x 400 = 900 ms."""
+    _, outs = _together(sim_machine, (0, 0), stagger_ms=100)
+    first, second = (float(o["finish_ms"]) for o in outs)
+    assert 500 <= first < 650 and 1000 <= second < 1250, (first, second)
     sliced = {**sim_machine.env, "GPUSHARE_SIM_QUEUE_AHEAD_US": "5000"}
-    span, outs = _together(sim_machine, (0, 0), env=sliced)
-    assert 1000.0 <= span < 1250, span
-    assert min(float(o["wall_ms"]) for o in outs) >= 950
+    _, outs = _together(sim_machine, (0, 0), env=sliced, stagger_ms=100)
+    first, second = (float(o["finish_ms"]) for o in outs)
+    assert 850 <= first < 1000 <= second < 1250, (first, second)
 
 
 def test_two_processes_on_two_devices_run_in_parallel(sim_machine: SimMachine) -> None:

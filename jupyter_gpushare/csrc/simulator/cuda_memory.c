@@ -20,6 +20,7 @@ struct alloc {
     uint64_t base;
     uint64_t length;   /* mapped bytes (whole pages) */
     uint64_t bytes;    /* bytes charged to the device */
+    uint64_t gen;      /* the charge's generation */
     int slot;
     enum alloc_kind kind;
     struct CUctx_st *ctx;
@@ -30,6 +31,7 @@ struct alloc {
 /* VMM: a physical allocation (cuMemCreate) and one mapping of it into a reserved range. */
 struct phys {
     uint64_t size;
+    uint64_t gen;
     int slot;
     int fd;            /* memfd so that several mappings share the bytes; -1 if unavailable */
     int refs;          /* the handle itself + live mappings */
@@ -73,7 +75,8 @@ static CUresult dev_alloc(struct CUctx_st *ctx, int slot, uint64_t bytes, enum a
 {
     if (!out || bytes == 0)
         return CUDA_ERROR_INVALID_VALUE;
-    if (sim_mem_reserve(slot, bytes) != 0)
+    uint64_t gen = sim_mem_reserve(slot, bytes);
+    if (!gen)
         return CUDA_ERROR_OUT_OF_MEMORY;
     uint64_t length = page_round(bytes);
     void *p = mmap(NULL, length, PROT_READ | PROT_WRITE,
@@ -82,11 +85,11 @@ static CUresult dev_alloc(struct CUctx_st *ctx, int slot, uint64_t bytes, enum a
     if (!a) {
         if (p != MAP_FAILED)
             munmap(p, length);
-        sim_mem_release(slot, bytes);
+        sim_mem_release(slot, bytes, gen);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     *a = (struct alloc){.base = (uint64_t)(uintptr_t)p, .length = length, .bytes = bytes,
-                        .slot = slot, .kind = kind, .ctx = ctx, .pool = pool};
+                        .gen = gen, .slot = slot, .kind = kind, .ctx = ctx, .pool = pool};
     pthread_mutex_lock(&mem_lock);
     size_t b = bucket_of(a->base);
     a->next = buckets[b];
@@ -105,7 +108,7 @@ static void alloc_release(struct alloc *a)
     if (a->pool)
         atomic_fetch_sub(&a->pool->used, a->bytes);
     munmap((void *)(uintptr_t)a->base, a->length);
-    sim_mem_release(a->slot, a->bytes);
+    sim_mem_release(a->slot, a->bytes, a->gen);
     free(a);
 }
 
@@ -163,7 +166,7 @@ void sim_free_context_memory(struct CUctx_st *ctx)
     for (struct CUarray_st *a = dead_arrays, *n; a; a = n) {
         n = a->next;
         a->magic = MAGIC_DEAD;
-        sim_mem_release(a->slot, a->bytes);
+        sim_mem_release(a->slot, a->bytes, a->gen);
         free(a);
     }
 }
@@ -678,14 +681,16 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     if (!handle || size == 0 || size % SIM_VMM_GRANULARITY || flags != 0)
         return CUDA_ERROR_INVALID_VALUE;
     int slot = sim_cuda_slot(prop->location.id);
-    if (sim_mem_reserve(slot, size) != 0)
+    uint64_t gen = sim_mem_reserve(slot, size);
+    if (!gen)
         return CUDA_ERROR_OUT_OF_MEMORY;
     struct phys *ph = calloc(1, sizeof *ph);
     if (!ph) {
-        sim_mem_release(slot, size);
+        sim_mem_release(slot, size, gen);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     ph->size = size;
+    ph->gen = gen;
     ph->slot = slot;
     ph->refs = 1;
     ph->fd = memfd_create("gpushare-sim-vmm", MFD_CLOEXEC);
@@ -723,7 +728,7 @@ static void phys_unref(struct phys *ph)
     }
     if (ph->fd >= 0)
         close(ph->fd);
-    sim_mem_release(ph->slot, ph->size);
+    sim_mem_release(ph->slot, ph->size, ph->gen);
     free(ph);
 }
 
@@ -934,7 +939,8 @@ static CUresult array_create(CUarray *pHandle, uint64_t w, uint64_t h, uint64_t 
     struct CUarray_st *a = calloc(1, sizeof *a);
     if (!a)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    if (sim_mem_reserve(c->slot, bytes) != 0) {
+    a->gen = sim_mem_reserve(c->slot, bytes);
+    if (!a->gen) {
         free(a);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -987,7 +993,7 @@ CUresult cuArrayDestroy(CUarray hArray)
     if (!found) /* not a live array (checked by identity, not by reading the handle) */
         return CUDA_ERROR_INVALID_HANDLE;
     hArray->magic = MAGIC_DEAD;
-    sim_mem_release(hArray->slot, hArray->bytes);
+    sim_mem_release(hArray->slot, hArray->bytes, hArray->gen);
     free(hArray);
     return CUDA_SUCCESS;
 }

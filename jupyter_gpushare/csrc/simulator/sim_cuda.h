@@ -128,6 +128,7 @@ struct CUarray_st {
     uint32_t magic;
     int slot;
     uint64_t bytes;
+    uint64_t gen;                   /* generation of the memory charge (sim_mem_reserve) */
     struct CUctx_st *ctx;           /* freed with its context */
     struct CUarray_st *next;
 };

@@ -37,6 +37,9 @@ static char opened_env[8192]; /* the environment the state was opened with */
 static uint64_t self_instance;
 static _Atomic int self_index = -1;
 static _Atomic pid_t self_pid;
+/* Changes whenever this process claims a record: memory charged under an older generation was
+ * given back by whoever reaped that record (see sim_mem_release). */
+static a64 self_generation;
 
 /* Liveness: a process holds an open-file-description lock on one byte per record it owns (past
  * the end of the state file). The kernel drops it when the process exits, whatever its PID
@@ -255,6 +258,7 @@ static struct sim_proc *claim_self(void)
                 atomic_store(&p->start_time, st ? st : 1);
                 atomic_store(&p->instance, self_instance);
                 atomic_store(&self_pid, me);
+                atomic_fetch_add(&self_generation, 1);
                 atomic_store_explicit(&self_index, i, memory_order_release);
                 return p;
             }
@@ -269,15 +273,19 @@ static struct sim_proc *claim_self(void)
 
 struct sim_proc *sim_self(void)
 {
-    /* Fast path: no system call (a forked child resets self_index in its atfork handler). */
+    /* Fast path: no system call (a forked child resets self_index in its atfork handler). The
+     * record is still ours unless someone reaped it (we closed the descriptor holding its
+     * lock): then we claim a new one. */
     int idx = atomic_load_explicit(&self_index, memory_order_acquire);
-    if (idx >= 0)
+    if (idx >= 0 && atomic_load_explicit(&sim_state->proc[idx].pid, memory_order_relaxed) ==
+                        atomic_load_explicit(&self_pid, memory_order_relaxed))
         return &sim_state->proc[idx];
     static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
     pthread_mutex_lock(&lock);
     struct sim_proc *p;
     idx = atomic_load(&self_index);
-    if (idx >= 0 && atomic_load(&self_pid) == getpid())
+    if (idx >= 0 && atomic_load(&self_pid) == getpid() &&
+        atomic_load(&sim_state->proc[idx].pid) == getpid())
         p = &sim_state->proc[idx];
     else
         p = claim_self();
@@ -673,39 +681,55 @@ uint64_t sim_schedule(int slot, uint64_t dep_ns, uint64_t dur_ns)
 
 /* -- memory ----------------------------------------------------------------------------------- */
 
-int sim_mem_reserve(int slot, uint64_t bytes)
+static void sub_clamped(a64 *a, uint64_t v)
+{
+    uint64_t cur = atomic_load(a), next;
+    do {
+        next = cur > v ? cur - v : 0;
+    } while (!atomic_compare_exchange_weak(a, &cur, next));
+}
+
+uint64_t sim_mem_reserve(int slot, uint64_t bytes)
 {
     struct sim_device *d = &sim_state->dev[slot];
     struct sim_proc *p = sim_self();
     if (!p)
-        return -1;
+        return 0;
     for (int pass = 0; pass < 2; pass++) {
         uint64_t used = atomic_load(&d->mem_used);
         while (used + bytes <= d->total_bytes && used + bytes >= used) {
             if (atomic_compare_exchange_weak(&d->mem_used, &used, used + bytes)) {
                 atomic_fetch_add(&p->dev[slot].mem, bytes);
-                return 0;
+                return atomic_load(&self_generation);
             }
         }
         sim_reap(); /* memory of processes that died may come back */
     }
-    return -1;
+    return 0;
 }
 
-void sim_mem_release(int slot, uint64_t bytes)
+void sim_mem_release(int slot, uint64_t bytes, uint64_t generation)
 {
     struct sim_proc *p = sim_self();
-    if (!p)
-        return;
-    atomic_fetch_sub(&p->dev[slot].mem, bytes);
-    atomic_fetch_sub(&sim_state->dev[slot].mem_used, bytes);
+    if (!p || generation != atomic_load(&self_generation))
+        return; /* charged to a record that was reaped: already given back */
+    sub_clamped(&p->dev[slot].mem, bytes);
+    sub_clamped(&sim_state->dev[slot].mem_used, bytes);
 }
 
 void sim_context_count(int slot, int delta)
 {
     struct sim_proc *p = sim_self();
-    if (p)
+    if (!p)
+        return;
+    if (delta >= 0) {
         atomic_fetch_add(&p->dev[slot].contexts, (uint32_t)delta);
+        return;
+    }
+    uint32_t cur = atomic_load(&p->dev[slot].contexts), next;
+    do {
+        next = cur > (uint32_t)-delta ? cur - (uint32_t)-delta : 0;
+    } while (!atomic_compare_exchange_weak(&p->dev[slot].contexts, &cur, next));
 }
 
 /* -- utilisation ------------------------------------------------------------------------------ */

@@ -126,9 +126,10 @@ void sim_sleep_until(uint64_t t_ns);
 uint64_t sim_schedule(int slot, uint64_t dep_ns, uint64_t dur_ns);
 
 /* -- memory ----------------------------------------------------------------------------------- */
-/* Reserves bytes on a device for this process; 0 on success, -1 when the device is full. */
-int sim_mem_reserve(int slot, uint64_t bytes);
-void sim_mem_release(int slot, uint64_t bytes);
+/* Reserves bytes on a device for this process: returns the charge's generation (non-zero), or 0
+ * when the device is full. Give the same generation back to sim_mem_release. */
+uint64_t sim_mem_reserve(int slot, uint64_t bytes);
+void sim_mem_release(int slot, uint64_t bytes, uint64_t generation);
 void sim_context_count(int slot, int delta);
 
 /* -- utilisation ------------------------------------------------------------------------------ */

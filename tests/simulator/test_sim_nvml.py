@@ -81,8 +81,11 @@ def test_busy_process_shows_in_memory_utilisation_and_process_list(
     [proc] = nvml.nvmlDeviceGetComputeRunningProcesses(busy)
     assert (proc.pid, proc.usedGpuMemory) == (holder.pid, 5 << 30)
     assert nvml.nvmlDeviceGetComputeRunningProcesses(idle) == []
+    nvml.nvmlDeviceGetProcessUtilization(busy, 0)  # starts a per-process sample
+    time.sleep(0.3)
     [sample] = nvml.nvmlDeviceGetProcessUtilization(busy, 0)
     assert sample.pid == holder.pid
+    assert sample.smUtil >= 90, sample.smUtil
 
     holder.send_signal(signal.SIGKILL)
     holder.wait()

@@ -75,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     total_ms = 400 if args.quick else 1000
 
-    build()
+    build("sim")
     with tempfile.TemporaryDirectory(prefix="gs-simbench-") as tmp:
         program = compile_program(Path(tmp) / "sim_driver_test", "-O2")
         gpus = simulated_gpus("2xA100", node="bench")

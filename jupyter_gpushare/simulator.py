@@ -44,11 +44,11 @@ def is_built() -> bool:
     return cuda_library().exists() and nvml_library().exists()
 
 
-def build() -> None:
-    """Builds the C libraries (``make -C jupyter_gpushare/csrc``) in a source checkout; a wheel
-    ships them prebuilt."""
+def build(target: str = "all") -> None:
+    """Builds the C libraries (``make -C jupyter_gpushare/csrc [target]``; ``sim``: only the
+    simulator's) in a source checkout; a wheel ships them prebuilt."""
     csrc = Path(__file__).resolve().parent / "csrc"
-    subprocess.run(["make", "-s", "-C", str(csrc)], check=True)
+    subprocess.run(["make", "-s", "-C", str(csrc), target], check=True)
 
 
 def _fnv1a64(text: str) -> int:

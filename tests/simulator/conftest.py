@@ -22,7 +22,7 @@ def sim_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
     nothing but the driver API declarations."""
     if shutil.which("make") is None or shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("needs make and a C compiler")
-    build()
+    build("sim")
     return compile_program(tmp_path_factory.mktemp("simprog") / "sim_driver_test", "-O1")
 
 

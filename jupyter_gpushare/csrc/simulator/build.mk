@@ -1,4 +1,5 @@
-# The GPU simulator: stand-ins for libcuda.so.1 and libnvidia-ml.so.1 in _lib/sim/.
+# The GPU simulator: stand-ins for libcuda.so.1 and libnvidia-ml.so.1 in _lib/sim/ (`make sim`
+# builds only these).
 # `make asan` / `make tsan` (or sim-asan / sim-tsan) build sanitizer variants of both libraries
 # outside the package, in build/sanitize/sim-{asan,tsan}/ at the repository root.
 SIM_DIR := $(CURDIR)/simulator
@@ -29,6 +30,10 @@ $(SIM_OUT)/libnvidia-ml.so: $(SIM_OUT)/libnvidia-ml.so.1
 
 ALL += $(SIM_OUT)/libcuda.so.1 $(SIM_OUT)/libnvidia-ml.so.1 $(SIM_OUT)/libcuda.so \
        $(SIM_OUT)/libnvidia-ml.so
+
+.PHONY: sim
+sim: $(SIM_OUT)/libcuda.so.1 $(SIM_OUT)/libnvidia-ml.so.1 $(SIM_OUT)/libcuda.so \
+     $(SIM_OUT)/libnvidia-ml.so
 
 # Sanitizer variants (same sources, instrumented, unoptimised enough to give good reports).
 define SIM_SANITIZED

@@ -134,3 +134,26 @@ def test_panel_says_when_the_daemon_is_gone_and_recovers(jupyter_server):
     finally:
         client.close()
         stop(proc)
+
+
+def test_panel_without_a_share_says_so_and_keeps_checking(monkeypatch):
+    """Outside a gpushare kernel (no share): a clear message, Release disabled, and the thread
+    keeps checking until the panel is closed."""
+    import time
+
+    from jupyter_gpushare.notebook.panel import GpuPanel
+
+    for name in ("GPUSHARE_ALLOCATION_ID", "GPUSHARE_SOCKET", "GPUSHARE_SIMULATED"):
+        monkeypatch.delenv(name, raising=False)
+    panel = GpuPanel(interval=0.05).start()
+    try:
+        wait_for(lambda: panel.updates >= 4, timeout=10, interval=0.05)
+        assert fields(panel.message.value)["state"] == "none"
+        assert "holds no GPU share" in panel.message.value
+        assert panel.release_button.disabled and panel.info.value == ""
+    finally:
+        panel.close()
+    time.sleep(0.2)
+    after = panel.updates
+    time.sleep(0.3)
+    assert panel.updates == after  # closing stopped the thread

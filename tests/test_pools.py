@@ -117,6 +117,13 @@ def test_pool_serves_two_warm_then_cold_and_refills(jupyter_server, gpushare_env
     assert session.status_code == 201, session.text
     first = session.json()["kernel"]["id"]
     assert first in warm
+    # 2: a plain kernel start with the same kernelspec and share is served warm too
+    second = server.start_kernel("gpushare-python")["id"]
+    assert second in warm and second != first
+    # 3: the pool is empty (a refill takes seconds): a normal (cold) start, no error
+    third = server.start_kernel("gpushare-python")["id"]
+    assert third not in warm
+
     client = server.client(first)
     seen = json.loads(client.execute(
         "import os, json; print(json.dumps([os.getcwd(), os.environ.get('JPY_SESSION_NAME'), "
@@ -125,13 +132,6 @@ def test_pool_serves_two_warm_then_cold_and_refills(jupyter_server, gpushare_env
     assert seen[0] == str(server.root / "work")
     assert seen[1] == seen[2] == str(server.root / "work" / "analysis.ipynb")
     assert seen[3] == by_id[first]["id"]  # the share it held warm is its share now
-
-    # 2: a plain kernel start with the same kernelspec and share is served warm too
-    second = server.start_kernel("gpushare-python")["id"]
-    assert second in warm and second != first
-    # 3: the pool is empty: a normal (cold) start, no error
-    third = server.start_kernel("gpushare-python")["id"]
-    assert third not in warm
 
     owners = {a["kernel_id"]: a["owner"] for a in server.allocations()}
     assert owners[first] == owners[second] == owners[third] == "kernel"

@@ -39,7 +39,8 @@ def bind_code(cwd: str, env: Mapping[str, str], session_name: str | None) -> str
     """Python run silently in the kernel: working directory, environment, ``__session__``."""
     lines = [
         "import os as __gpushare_os",
-        f"__gpushare_os.chdir({cwd!r})",
+        # a remote kernel (a pod) may not have the server's directory: then it stays put
+        f"if __gpushare_os.path.isdir({cwd!r}): __gpushare_os.chdir({cwd!r})",
         f"__gpushare_os.environ.update({dict(env)!r})",
     ]
     if session_name:

@@ -17,6 +17,7 @@ kernel restart; :func:`request` can reserve the new share first, and the restart
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import threading
@@ -130,8 +131,9 @@ def status() -> dict[str, Any]:
 
     ``state`` is ``active`` (``allocation``: request, limit, achieved share over the daemon's
     window, memory used and cap, lease waits; ``gpu``: the GPU's facts, NVML readings and how
-    many shares it holds), ``released``, ``none`` (no share given) or ``unreachable`` (no daemon
-    answers; ``message`` says why). Never raises for these states: the panel shows them."""
+    many shares it holds), ``released``, ``none`` (no share given), ``unreachable`` (no daemon
+    answers; ``message`` says why) or ``unenforced`` (no daemon and no interposer: enforcement
+    is off, the share is bookkeeping only). Never raises for these states: the panel shows them."""
     simulated = os.environ.get("GPUSHARE_SIMULATED") == "1"
     base: dict[str, Any] = {"simulated": simulated, "allocation": None, "gpu": None,
                             "reserved": _state.reserved, "memory_freed": _state.memory_freed}
@@ -148,6 +150,10 @@ def status() -> dict[str, Any]:
             _client(timeout=2.0).refresh()
             reply = _client(timeout=2.0).status(current)
     except (DaemonUnavailable, OSError) as exc:
+        if not _interposed():
+            return {**base, "state": "unenforced", "allocation_id": current,
+                    "message": f"This kernel holds the share {current}, but shares are not "
+                               "enforced here (no gpushare daemon), so there is no live usage."}
         return {**base, "state": "unreachable", "allocation_id": current,
                 "message": f"The gpushare daemon is unreachable ({exc}); retrying."}
     gone = reply.get("error") == "unknown_allocation"
@@ -199,7 +205,10 @@ def release() -> dict[str, Any]:
             raise NoShare("This kernel's GPU share was already released. " + RELEASED_MESSAGE,
                           "released")
         raise NoShare("This kernel holds no GPU share.", "no_share")
-    reply = _ask(_client().release, current)
+    try:
+        reply = _ask(_client().release, current)
+    except DaemonUnreachable:
+        reply = _release_without_daemon(current)  # enforcement off: bookkeeping only
     if not reply.get("ok"):
         raise _refused(reply)
     freed = _free_process_memory()
@@ -212,6 +221,51 @@ def release() -> dict[str, Any]:
         text += f" {format_bytes(freed)} of GPU memory freed."
     return {"released": reply["released"], "memory_freed": freed,
             "message": f"{text} {RELEASED_MESSAGE}"}
+
+
+def _release_without_daemon(current: str) -> dict[str, Any]:
+    """With enforcement off there is no daemon: a local kernel releases its own allocation in the
+    ledger directly (``GPUSHARE_LEDGER``). With the interposer loaded the daemon is needed (it
+    frees the memory and tells the interposer), so that case stays an error."""
+    path = os.environ.get("GPUSHARE_LEDGER")
+    if not path or _interposed():
+        raise DaemonUnreachable(
+            "The gpushare daemon is unreachable, so the share cannot be released now; try again "
+            "in a moment, or shut the kernel down to give the GPU back.", "daemon")
+    from ..ledger.sqlite import SQLiteLedger
+
+    async def run() -> dict[str, Any]:
+        ledger = SQLiteLedger(path)
+        try:
+            found = (await ledger.snapshot()).find(current)
+            if found is None:
+                return {"ok": False, "error": "unknown_allocation",
+                        "message": f"no allocation {current!r} in the ledger"}
+            if found.pid != os.getpid():
+                return {"ok": False, "error": "not_permitted",
+                        "message": f"allocation {current} is held by process {found.pid}"}
+            released = await ledger.release(current)
+            return {"ok": True, "released": (released or found).to_json()}
+        finally:
+            await ledger.close()
+
+    box: dict[str, Any] = {}
+
+    def work() -> None:  # own thread: the kernel's main thread runs an event loop
+        try:
+            box["reply"] = asyncio.run(run())
+        except Exception as exc:  # the ledger is unreadable: say so
+            box["reply"] = {"ok": False, "error": "ledger", "message": f"the ledger {path}: {exc}"}
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    return dict(box["reply"])
+
+
+def _interposed() -> bool:
+    """Whether libgpushare.so is loaded in this process (enforcement on)."""
+    return hasattr(ctypes.CDLL(None), "gpushare_release_memory")
 
 
 def _share_args(gpu_request: Any, gpu_limit: Any, gpu_memory: Any, gpu_type: Any

@@ -184,7 +184,7 @@ class GpuPanel(widgets.VBox):
             with self.title.hold_sync(), self.info.hold_sync(), self.plot.hold_sync(), \
                     self.message.hold_sync(), self.release_button.hold_sync():
                 self.title.value, self.info.value, self.plot.value, self.message.value = views
-                self.release_button.disabled = status["state"] != "active"
+                self.release_button.disabled = status["state"] not in ("active", "unenforced")
             self.updates += 1
 
     def _record(self, status: dict[str, Any]) -> None:

@@ -169,14 +169,34 @@ def test_actions_without_a_share_or_daemon(monkeypatch, tmp_path):
             raise AssertionError(f"{call.__name__} did not refuse")
     monkeypatch.setenv("GPUSHARE_ALLOCATION_ID", "a-0123456789abcdef")
     monkeypatch.setenv("GPUSHARE_SOCKET", str(tmp_path / "nobody.sock"))
-    status = actions.status()
-    assert status["state"] == "unreachable" and "daemon is unreachable" in status["message"]
+    monkeypatch.delenv("GPUSHARE_LEDGER", raising=False)
+    status = actions.status()  # no daemon, no interposer in this process: not enforced
+    assert status["state"] == "unenforced" and "not enforced here" in status["message"]
     try:
         actions.release()
     except actions.DaemonUnreachable as exc:
-        assert "nobody.sock" in str(exc)
+        assert "daemon is unreachable" in str(exc) and "shut the kernel down" in str(exc)
     else:
         raise AssertionError("release did not refuse")
+    try:
+        actions.gpus()
+    except actions.DaemonUnreachable as exc:
+        assert "nobody.sock" in str(exc)
+    else:
+        raise AssertionError("gpus did not refuse")
+
+
+def test_release_with_enforcement_off_goes_to_the_ledger(jupyter_server):
+    server = jupyter_server("1xA100", "--GpuShare.enforce=False")
+    kernel, alloc = start_kernel(server)
+    client = server.client(kernel["id"])
+    text = client.execute("%gpushare status")
+    assert "GPU share: unenforced" in text and "not enforced here" in text, text
+    text = client.execute("%gpushare release")
+    assert f"Released 0.25–0.5 of an A100 ({alloc['id']}" in text, text
+    assert server.allocations() == []
+    assert client.execute("print(1 + 1)").strip() == "2"
+    client.close()
 
 
 def test_release_from_outside_frees_the_kernels_memory(jupyter_server):

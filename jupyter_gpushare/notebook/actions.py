@@ -3,8 +3,10 @@
 ``status()``, ``gpus()``, ``release()`` and ``request(...)`` are what the panel's Release button
 and the ``%gpushare`` magics call, and what scripts use (``jupyter_gpushare.status()``). They
 talk to the node daemon on ``GPUSHARE_SOCKET`` — the daemon holds the ledger and checks that the
-calling process is the one holding the share — so they work the same for local and Kubernetes
-kernels.
+calling process is the one holding the share — so Kubernetes kernels go the same way as local
+ones (given a node daemon that follows the Kubernetes ledger and recognises pod processes). With
+enforcement off (no daemon, no interposer) a local kernel releases its allocation in the ledger
+itself.
 
 Releasing (the semantics, also in the README, "Releasing the GPU"): the share leaves the ledger
 and the daemon, so placement can hand it to someone else at once; the interposer frees every byte

@@ -152,8 +152,9 @@ class Daemon:
                 for gpu in self.gpus.values():
                     gpu.forget(gone)
                 warning = self.allocations[gone].extra.get("reclaim_warning")
-                if warning:
+                if warning:  # idle reclaim released it, as a Release would: ``reserve`` works
                     self.reclaimed[gone] = warning
+                    self.released[gone] = self.allocations[gone]
                     while len(self.reclaimed) > 1024:
                         self.reclaimed.pop(next(iter(self.reclaimed)))
             self.allocations = current

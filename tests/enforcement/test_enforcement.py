@@ -226,3 +226,38 @@ def test_metrics_and_status(built, tmp_path: Path, gpus):
         assert "gpushare_allocation_share{" in text and "gpushare_daemon_clients" in text
     finally:
         d.stop()
+
+
+LAUNCHES = ["cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx",
+            "cuLaunchCooperativeKernel", "cuGraphLaunch"]
+ALLOCATIONS = ["cuMemAlloc_v2", "cuMemAllocPitch_v2", "cuMemAllocManaged", "cuMemAllocAsync",
+               "cuMemAllocFromPoolAsync", "cuMemCreate", "cuArrayCreate_v2"]
+
+
+def test_every_path_is_enforced(daemon, ledger, gpus, tmp_path):
+    """All launch and allocation paths, reached through cuGetProcAddress_v2 (as the CUDA runtime
+    does, including the per-thread-stream variant): allowed under a share, refused without."""
+    a = add_allocation(ledger, gpus[0], 0.5, 1.0, memory=GiB)
+    (ok,) = spawn_tenant(daemon, ledger, a, gpus, ["paths"], tmp_path).finish()
+    for name in LAUNCHES + ALLOCATIONS + ["captured_launch"]:
+        assert ok[name] == 0, (name, ok)
+    status = daemon.client.status(a.id)["allocations"][0]["gpus"][0]
+    assert status["memory_used"] == 0 and status["memory_peak"] >= 2 << 20  # cuMemCreate
+    # a process without a share cannot even get a context
+    refused = spawn_tenant(daemon, ledger, None, gpus, ["paths"], tmp_path)
+    (no,) = refused.finish()
+    assert no["error"] == 800 and refused.proc.returncode == 3
+    # a share released while the process runs: every path is refused from then on
+    b = add_allocation(ledger, gpus[0], 0.5, 1.0, memory=GiB)
+    gate = tmp_path / "release-gate"
+    t = spawn_tenant(daemon, ledger, b, gpus, ["paths"], tmp_path,
+                     extra_env={"GS_TENANT_GATE2": str(gate)})
+    assert t.proc.stdout.readline().startswith('{"ready"')
+    remove_allocation(ledger, b.id)
+    daemon.client.refresh()
+    gate.touch()
+    (released,) = t.finish()
+    for name in LAUNCHES + ALLOCATIONS:
+        assert released[name] == 800, (name, released)  # CUDA_ERROR_NOT_PERMITTED
+    assert released["captured_launch"] == 0  # captured work is not run; launching the graph is
+    assert "released" in t.stderr

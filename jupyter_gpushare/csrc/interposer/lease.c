@@ -710,6 +710,13 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
         send_lease_msg("want", g, 0);
         futex_wait(&s->grant_seq, seq, WAIT_SLICE_NS);
         dec_floor(&s->waiters);
+        if (gs_now() - now > WAIT_SLICE_NS - 1000000ull)
+            gs_log("waited a whole slice: seq %u->%u lease %llu joined %llu holder %u next %u",
+                   seq, atomic_load(&s->grant_seq),
+                   (unsigned long long)atomic_load(&s->lease_until_ns),
+                   (unsigned long long)atomic_load(&g->joined_lease),
+                   g->header ? atomic_load(&g->header->holder) : 0,
+                   g->header ? atomic_load(&g->header->next_slot) : 0);
     }
 }
 
@@ -734,7 +741,16 @@ static void *agent_main(void *arg) {
             struct gpushare_wire_slot *s = g->slot;
             uint64_t current = atomic_load(&s->lease_until_ns);
             if (now >= lease || current != lease) {
-                if (current != lease || try_extend(g, lease) != 0) finish_lease(g, lease);
+                if (current == lease && try_extend(g, lease) == 0) {
+                    deadline = now + 1000000ull; /* look at the new lease right away */
+                } else {
+                    uint64_t t0 = gs_now();
+                    finish_lease(g, lease);
+                    if (t0 - lease > 5000000ull && t0 > lease)
+                        gs_log("lease ended %.1f ms late (%s), drained in %.2f ms",
+                               (t0 - lease) / 1e6, current != lease ? "revoked" : "not extended",
+                               (gs_now() - t0) / 1e6);
+                }
                 continue;
             }
             uint64_t wake = lease;

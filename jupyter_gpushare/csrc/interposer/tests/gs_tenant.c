@@ -8,6 +8,7 @@
  *   gs_tenant bench N                             ns per launch (busy_us(0)) and per direct call
  *   gs_tenant info                                memory as the process sees it
  *   gs_tenant fork SECONDS KERNEL_US              spin in a forked child and in the parent
+ *   gs_tenant paths                               every launch and allocation path once
  *
  * With GS_TENANT_WAIT_FILE=path it waits for that file before its first CUDA call (tests record
  * the pid in the ledger meanwhile). Output: JSON lines on stdout. Exit 3 when CUDA refuses
@@ -34,6 +35,9 @@ FN(cuDeviceTotalMem_v2); FN(cuDeviceGetCount); FN(cuGetProcAddress_v2); FN(cuCtx
 FN(cuMemAllocAsync); FN(cuMemFreeAsync); FN(cuMemAllocManaged); FN(cuMemAllocPitch_v2);
 FN(cuMemCreate); FN(cuMemRelease); FN(cuLaunchKernelEx); FN(cuGraphLaunch);
 FN(cuEventCreate); FN(cuEventRecord); FN(cuEventSynchronize);
+FN(cuLaunchCooperativeKernel); FN(cuStreamBeginCapture_v2); FN(cuStreamEndCapture);
+FN(cuGraphInstantiateWithFlags); FN(cuArrayCreate_v2); FN(cuArrayDestroy); FN(cuMemAllocFromPoolAsync);
+FN(cuDeviceGetDefaultMemPool);
 
 static CUcontext ctx;
 static CUfunction busy;
@@ -72,6 +76,9 @@ static void load(void) {
     LOAD(cuCtxSynchronize); LOAD(cuMemAllocAsync); LOAD(cuMemFreeAsync); LOAD(cuMemAllocManaged);
     LOAD(cuMemAllocPitch_v2); LOAD(cuMemCreate); LOAD(cuMemRelease); LOAD(cuLaunchKernelEx);
     LOAD(cuGraphLaunch); LOAD(cuEventCreate); LOAD(cuEventRecord); LOAD(cuEventSynchronize);
+    LOAD(cuLaunchCooperativeKernel); LOAD(cuStreamBeginCapture_v2); LOAD(cuStreamEndCapture);
+    LOAD(cuGraphInstantiateWithFlags); LOAD(cuArrayCreate_v2); LOAD(cuArrayDestroy);
+    LOAD(cuMemAllocFromPoolAsync); LOAD(cuDeviceGetDefaultMemPool);
     CHECK(p_cuInit(0));
     /* launches go through cuGetProcAddress_v2 like the CUDA runtime's */
     CUdriverProcAddressQueryResult q;
@@ -267,6 +274,117 @@ static int info(void) {
     return 0;
 }
 
+/* Every launch and allocation path once; prints {"path": CUresult, ...}. Under a refused or
+ * released share every one must return CUDA_ERROR_NOT_PERMITTED (800), except launches captured
+ * into a graph (they run when the graph is launched). */
+static int paths(void) {
+    const char *wait = getenv("GS_TENANT_WAIT_FILE");
+    while (wait && access(wait, F_OK) != 0) usleep(2000);
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return 2;
+#define L(name) p_##name = (__typeof__(&name))dlsym(lib, #name)
+    L(cuInit); L(cuDeviceGet); L(cuDevicePrimaryCtxRetain); L(cuCtxSetCurrent);
+    L(cuModuleLoadData); L(cuModuleGetFunction); L(cuStreamCreate); L(cuStreamSynchronize);
+    L(cuGetProcAddress_v2); L(cuMemFree_v2);
+    if (!p_cuInit || p_cuInit(0) != CUDA_SUCCESS) return 2;
+    CUdriverProcAddressQueryResult q;
+    /* everything else through cuGetProcAddress_v2, like the CUDA runtime does */
+    /* base names, as the runtime asks: the driver picks the versioned symbol (cuMemAlloc ->
+     * cuMemAlloc_v2, cuStreamBeginCapture -> _v2, ...) and the interposer must map it to its
+     * wrapper of that version */
+#define GP(name, base) p_cuGetProcAddress_v2(base, (void **)&p_##name, 12000, 0, &q)
+    GP(cuLaunchKernel, "cuLaunchKernel"); GP(cuLaunchKernelEx, "cuLaunchKernelEx");
+    GP(cuLaunchCooperativeKernel, "cuLaunchCooperativeKernel");
+    GP(cuGraphLaunch, "cuGraphLaunch"); GP(cuStreamBeginCapture_v2, "cuStreamBeginCapture");
+    GP(cuStreamEndCapture, "cuStreamEndCapture");
+    GP(cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags");
+    GP(cuMemAlloc_v2, "cuMemAlloc"); GP(cuMemAllocPitch_v2, "cuMemAllocPitch");
+    GP(cuMemAllocManaged, "cuMemAllocManaged"); GP(cuMemAllocAsync, "cuMemAllocAsync");
+    GP(cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync");
+    GP(cuDeviceGetDefaultMemPool, "cuDeviceGetDefaultMemPool"); GP(cuMemCreate, "cuMemCreate");
+    GP(cuMemRelease, "cuMemRelease"); GP(cuArrayCreate_v2, "cuArrayCreate");
+    GP(cuArrayDestroy, "cuArrayDestroy"); GP(cuMemFreeAsync, "cuMemFreeAsync");
+#define NEED(name) if (!p_##name) { printf("{\"error\":-1,\"where\":\"%s\"}\n", #name); return 2; }
+    NEED(cuLaunchKernel) NEED(cuLaunchKernelEx) NEED(cuLaunchCooperativeKernel) NEED(cuGraphLaunch)
+    NEED(cuStreamBeginCapture_v2) NEED(cuStreamEndCapture) NEED(cuGraphInstantiateWithFlags)
+    NEED(cuMemAlloc_v2) NEED(cuMemAllocPitch_v2) NEED(cuMemAllocManaged) NEED(cuMemAllocAsync)
+    NEED(cuMemAllocFromPoolAsync) NEED(cuDeviceGetDefaultMemPool) NEED(cuMemCreate)
+    NEED(cuMemRelease) NEED(cuArrayCreate_v2) NEED(cuArrayDestroy) NEED(cuMemFreeAsync)
+    __typeof__(&cuLaunchKernel) ptsz = NULL;
+    p_cuGetProcAddress_v2("cuLaunchKernel", (void **)&ptsz, 12000,
+                          CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, &q);
+    CUdevice dev;
+    CHECK(p_cuDeviceGet(&dev, 0));
+    CHECK(p_cuDevicePrimaryCtxRetain(&ctx, dev));
+    CHECK(p_cuCtxSetCurrent(ctx));
+    CUmodule mod;
+    CHECK(p_cuModuleLoadData(&mod, "gs_tenant"));
+    CHECK(p_cuModuleGetFunction(&busy, mod, "busy_us"));
+    CUstream s;
+    CHECK(p_cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    const char *gate2 = getenv("GS_TENANT_GATE2"); /* the test may release the share here */
+    if (gate2) {
+        printf("{\"ready\":true}\n");
+        fflush(stdout);
+        while (access(gate2, F_OK) != 0) usleep(2000);
+    }
+    uint64_t us = 10;
+    void *params[] = {&us};
+    CUlaunchConfig cfg = {1, 1, 1, 1, 1, 1, 0, s, NULL, 0};
+    printf("{\"cuLaunchKernel\":%d", (int)p_cuLaunchKernel(busy, 1, 1, 1, 1, 1, 1, 0, s, params, NULL));
+    printf(",\"cuLaunchKernel_ptsz\":%d", ptsz ? (int)ptsz(busy, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL) : -1);
+    printf(",\"cuLaunchKernelEx\":%d", (int)p_cuLaunchKernelEx(&cfg, busy, params, NULL));
+    printf(",\"cuLaunchCooperativeKernel\":%d",
+           (int)p_cuLaunchCooperativeKernel(busy, 1, 1, 1, 1, 1, 1, 0, s, params));
+    CUstream cap;
+    CHECK(p_cuStreamCreate(&cap, CU_STREAM_NON_BLOCKING));
+    CUgraph graph = NULL;
+    CUgraphExec exec = NULL;
+    CUresult r = p_cuStreamBeginCapture_v2(cap, CU_STREAM_CAPTURE_MODE_RELAXED);
+    CUresult captured = p_cuLaunchKernel(busy, 1, 1, 1, 1, 1, 1, 0, cap, params, NULL);
+    CUresult end = p_cuStreamEndCapture(cap, &graph);
+    printf(",\"capture\":%d,\"captured_launch\":%d,\"end_capture\":%d", (int)r, (int)captured, (int)end);
+    r = graph ? p_cuGraphInstantiateWithFlags(&exec, graph, 0) : CUDA_ERROR_INVALID_VALUE;
+    printf(",\"cuGraphLaunch\":%d", exec ? (int)p_cuGraphLaunch(exec, s) : -(int)r);
+    CUdeviceptr d = 0;
+    size_t pitch;
+    r = p_cuMemAlloc_v2(&d, 1 << 20);
+    printf(",\"cuMemAlloc_v2\":%d", (int)r);
+    if (r == CUDA_SUCCESS) p_cuMemFree_v2(d);
+    r = p_cuMemAllocPitch_v2(&d, &pitch, 1000, 100, 4);
+    printf(",\"cuMemAllocPitch_v2\":%d", (int)r);
+    if (r == CUDA_SUCCESS) p_cuMemFree_v2(d);
+    r = p_cuMemAllocManaged(&d, 1 << 20, CU_MEM_ATTACH_GLOBAL);
+    printf(",\"cuMemAllocManaged\":%d", (int)r);
+    if (r == CUDA_SUCCESS) p_cuMemFree_v2(d);
+    r = p_cuMemAllocAsync(&d, 1 << 20, s);
+    printf(",\"cuMemAllocAsync\":%d", (int)r);
+    if (r == CUDA_SUCCESS) p_cuMemFreeAsync(d, s);
+    CUmemoryPool pool;
+    if (p_cuDeviceGetDefaultMemPool(&pool, dev) == CUDA_SUCCESS) {
+        r = p_cuMemAllocFromPoolAsync(&d, 1 << 20, pool, s);
+        printf(",\"cuMemAllocFromPoolAsync\":%d", (int)r);
+        if (r == CUDA_SUCCESS) p_cuMemFreeAsync(d, s);
+    }
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = 0;
+    CUmemGenericAllocationHandle h;
+    r = p_cuMemCreate(&h, 2 << 20, &prop, 0);
+    printf(",\"cuMemCreate\":%d", (int)r);
+    if (r == CUDA_SUCCESS) p_cuMemRelease(h);
+    CUDA_ARRAY_DESCRIPTOR desc = {256, 256, 0x20, 1};
+    CUarray arr;
+    r = p_cuArrayCreate_v2(&arr, &desc);
+    printf(",\"cuArrayCreate_v2\":%d", (int)r);
+    if (r == CUDA_SUCCESS) p_cuArrayDestroy(arr);
+    p_cuStreamSynchronize(s);
+    printf("}\n");
+    return 0;
+}
+
 static int forked(double seconds, uint64_t kernel_us) {
     load();
     fflush(stdout);
@@ -310,6 +428,7 @@ int main(int argc, char **argv) {
                    (unsigned)atoi(argv[5]));
     if (argc >= 3 && strcmp(argv[1], "bench") == 0) return bench(atol(argv[2]));
     if (argc >= 2 && strcmp(argv[1], "info") == 0) return info();
+    if (argc >= 2 && strcmp(argv[1], "paths") == 0) return paths();
     if (argc >= 4 && strcmp(argv[1], "fork") == 0)
         return forked(atof(argv[2]), strtoull(argv[3], NULL, 10));
     fprintf(stderr, "usage: see the comment at the top of gs_tenant.c\n");

@@ -221,6 +221,12 @@ class ReclaimNotice:
             self.held = False
             if not (status.get("reclaimed") or self.shown_warning):
                 return None  # released otherwise (Release, REST): the panel says so
+            from .notebook import actions
+
+            # the daemon knew the share (it says so): let the notebook side record the release,
+            # so that `%gpushare request` reserves a new share for the restart
+            actions._state.seen_active = True
+            actions.status()
             return (f"gpushare: this kernel's GPU share {self.allocation_id} was released by "
                     "idle-GPU reclaim after its warning; the kernel and its variables are still "
                     "here. GPU work needs a new share: `%gpushare request …`, then restart the "

@@ -48,7 +48,7 @@ def test_idle_kernel_is_warned_then_released_busy_kernel_keeps_its_share(
     config = Path(gpushare_env["JUPYTER_CONFIG_DIR"])
     config.mkdir(parents=True, exist_ok=True)
     (config / "jupyter_server_config.json").write_text(json.dumps({"GpuShare": {
-        "reclaim_idle_after": 3, "reclaim_grace": 4, "reclaim_interval": 0.5,
+        "reclaim_idle_after": 4, "reclaim_grace": 4, "reclaim_interval": 0.5,
         "reclaim_exempt_profiles": ["gpushare-exempt"],
     }}))
     add_kernelspec(gpushare_env, "gpushare-exempt", {"gpu_request": 0.25, "gpu_limit": 0.5})
@@ -56,11 +56,11 @@ def test_idle_kernel_is_warned_then_released_busy_kernel_keeps_its_share(
     daemon = DaemonClient(server.env["GPUSHARE_SOCKET"])
     wait_for(daemon.alive, timeout=30)
     busy = server.start_kernel("gpushare-python")
+    busy_client = server.client(busy["id"])
+    busy_client.execute(BUSY)  # busy from (nearly) its first second
     idle = server.start_kernel("gpushare-python")
     exempt = server.start_kernel("gpushare-exempt")
     ids = {a["kernel_id"]: a["id"] for a in server.allocations()}
-    busy_client = server.client(busy["id"])
-    busy_client.execute(BUSY)
     idle_client = server.client(idle["id"])
 
     def warned():
@@ -69,7 +69,7 @@ def test_idle_kernel_is_warned_then_released_busy_kernel_keeps_its_share(
     assert wait_for(warned, timeout=30) == {idle["id"]}
     [mine] = daemon.status(ids[idle["id"]])["allocations"]
     assert "has not used its GPU share" in mine["reclaim_warning"]["message"]
-    assert mine["idle_s"] >= 3
+    assert mine["idle_s"] >= 4
     out = idle_client.execute("print('cell ran')")  # the next cell shows the warning
     assert "has not used its GPU share" in out and "cell ran" in out
     assert "has not used" not in idle_client.execute("1 + 1")  # once per warning
@@ -81,6 +81,11 @@ def test_idle_kernel_is_warned_then_released_busy_kernel_keeps_its_share(
     assert told["error"] == "unknown_allocation" and "message" in told["reclaimed"]
     out = idle_client.execute("print('still here')")  # the kernel lives on
     assert "still here" in out and "released by idle-GPU reclaim" in out
+    # as after the panel's Release: a new share can be reserved for the kernel's restart
+    reserved = idle_client.execute(
+        "from jupyter_gpushare.notebook import actions; "
+        "print(actions.request(gpu_request=0.25)['allocation']['id'])").strip()
+    assert reserved in {a["id"] for a in server.allocations()}
     holders = {a["kernel_id"] for a in server.allocations()}
     assert busy["id"] in holders and exempt["id"] in holders  # busy and exempt keep theirs
     assert warned() == set()

@@ -76,6 +76,7 @@ struct gs_stream {            /* a stream this process launched on */
     CUcontext ctx;
     CUstream stream;          /* normalised: 0/per-thread -> CU_STREAM_LEGACY */
     CUevent event;            /* created lazily in ctx */
+    CUevent probe;            /* "is work still queued?" (the agent's idle check) */
     uint64_t lease;           /* lease_until of the last lease it was used under */
     struct gs_stream *next;
 };

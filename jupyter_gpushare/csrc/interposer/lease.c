@@ -496,6 +496,7 @@ static uint64_t drain(struct gs_gpu *g, uint64_t lease) {
         if (!e->stream && !e->lease) {
             *pp = e->next;
             if (e->event && real_cuEventDestroy_v2) real_cuEventDestroy_v2(e->event);
+            if (e->probe && real_cuEventDestroy_v2) real_cuEventDestroy_v2(e->probe);
             free(e);
         } else {
             pp = &e->next;
@@ -539,6 +540,23 @@ static int try_handoff(struct gs_gpu *g) {
     syscall(SYS_futex, (uint32_t *)&n->grant_seq, FUTEX_WAKE, 1 << 30, NULL, NULL, 0);
     atomic_fetch_add(&h->direct_handoffs, 1);
     return (int)next - 1;
+}
+
+/* Whether work this process queued under `lease` is still running: a process that is not
+ * launching but still has queued work is not idle. */
+static int streams_busy(struct gs_gpu *g, uint64_t lease) {
+    int busy = 0;
+    pthread_mutex_lock(&g->streams_lock);
+    for (struct gs_stream *e = g->streams; e && !busy; e = e->next) {
+        if (e->lease != lease || !e->stream || !real_cuEventRecord || !real_cuEventQuery) continue;
+        if (real_cuCtxSetCurrent) real_cuCtxSetCurrent(e->ctx);
+        if (!e->probe && real_cuEventCreate) real_cuEventCreate(&e->probe, CU_EVENT_DISABLE_TIMING);
+        if (e->probe && real_cuEventRecord(e->probe, e->stream) == CUDA_SUCCESS &&
+            real_cuEventQuery(e->probe) == CUDA_ERROR_NOT_READY)
+            busy = 1;
+    }
+    pthread_mutex_unlock(&g->streams_lock);
+    return busy;
 }
 
 /* The agent's end of a lease: drain, publish, hand over (or tell the daemon). */
@@ -756,13 +774,14 @@ static void *agent_main(void *arg) {
             uint64_t wake = lease;
             if (g->header && atomic_load(&g->header->waiting_slots) > 0) {
                 uint64_t idle_at = atomic_load(&g->last_launch_ns) + IDLE_HANDBACK_NS;
-                if (now >= idle_at) { /* idle while others wait: hand the lease back */
+                if (now >= idle_at && !streams_busy(g, lease)) {
+                    /* idle (no launch, nothing queued) while others wait: hand the lease back */
                     uint64_t expected = lease;
                     atomic_compare_exchange_strong(&s->lease_until_ns, &expected, 0);
                     finish_lease(g, lease);
                     continue;
                 }
-                if (idle_at < wake) wake = idle_at;
+                if (idle_at < wake) wake = idle_at > now ? idle_at : now + 1000000ull;
             }
             if (g->header && wake > now + 1000000ull) wake = now + 1000000ull; /* watch waiters */
             if (wake < deadline) deadline = wake;

@@ -290,6 +290,8 @@ static void test_contexts(void)
     CHECK(p_cuDevicePrimaryCtxRetain(&prim, d));
     CHECK(p_cuDevicePrimaryCtxGetState(d, &flags, &active));
     TRUE(active == 1);
+    size_t free0, free1, total;
+    CHECK(p_cuMemGetInfo_v2(&free0, &total)); /* the primary context is current */
     CHECK(p_cuCtxCreate_v4(&mine, NULL, 0, d));
     CHECK(p_cuCtxGetCurrent(&cur));
     TRUE(cur == mine);
@@ -300,15 +302,13 @@ static void test_contexts(void)
     TRUE(popped == prim);
     CHECK(p_cuCtxGetDevice(&d));
     TRUE(d == 0);
-    size_t free0, free1, total;
-    CHECK(p_cuMemGetInfo_v2(&free0, &total));
     CUdeviceptr p;
     CUarray arr;
     CUDA_ARRAY_DESCRIPTOR desc = {256, 256, 0x20, 1};
     CHECK(p_cuMemAlloc_v2(&p, 1 << 20));
     CHECK(p_cuArrayCreate_v2(&arr, &desc));
     CHECK(p_cuMemGetInfo_v2(&free1, &total));
-    TRUE(free0 - free1 == (1 << 20) + 256 * 256 * 4);
+    TRUE(free0 - free1 >= (1 << 20) + 256 * 256 * 4); /* and what the context takes */
     CHECK(p_cuCtxDestroy_v2(mine)); /* frees p and arr with the context */
     CHECK(p_cuMemGetInfo_v2(&free1, &total));
     TRUE(free1 == free0);
@@ -521,7 +521,7 @@ static void test_nvml(CUfunction f)
     nvmlProcessInfo_t info[8];
     TRUE(nv_nvmlDeviceGetComputeRunningProcesses_v3(h, &k, info) == NVML_SUCCESS);
     for (unsigned i = 0; i < k; i++)
-        found |= info[i].pid == (unsigned)getpid() && info[i].usedGpuMemory == 3u << 20;
+        found |= info[i].pid == (unsigned)getpid() && info[i].usedGpuMemory >= 3u << 20;
     TRUE(found);
     nvmlUtilization_t util;
     TRUE(nv_nvmlDeviceGetUtilizationRates(h, &util) == NVML_SUCCESS && util.gpu <= 100);

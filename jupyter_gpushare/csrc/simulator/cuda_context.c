@@ -10,6 +10,7 @@
 static _Atomic int initialised;
 static uint64_t kernel_default_ns = 5000;
 static uint64_t queue_ahead_ns = SIM_QUEUE_AHEAD_NS;
+static uint64_t context_bytes; /* device memory a context takes for itself (default none) */
 
 static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct CUctx_st *all_contexts;
@@ -71,11 +72,15 @@ CUresult cuInit(unsigned int Flags)
         return CUDA_SUCCESS;
     if (sim_open(0) != 0)
         return CUDA_ERROR_OPERATING_SYSTEM;
+    sim_reap(); /* processes that exited since anyone looked give their memory back */
     /* Tunables: the duration of kernels other than busy_us, and how much work a stream may
      * have queued beyond now before a launch blocks. */
     const char *us = getenv("GPUSHARE_SIM_KERNEL_US");
     if (us && *us)
         kernel_default_ns = strtoull(us, NULL, 10) * 1000ull;
+    const char *ctx_bytes = getenv("GPUSHARE_SIM_CONTEXT_BYTES");
+    if (ctx_bytes && *ctx_bytes)
+        context_bytes = strtoull(ctx_bytes, NULL, 10);
     const char *ahead = getenv("GPUSHARE_SIM_QUEUE_AHEAD_US");
     if (ahead && *ahead && strtoull(ahead, NULL, 10) > 0)
         queue_ahead_ns = strtoull(ahead, NULL, 10) * 1000ull;
@@ -306,6 +311,27 @@ CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDe
 
 /* -- contexts --------------------------------------------------------------------------------- */
 
+/* A context counts for its process in NVML's list and, with GPUSHARE_SIM_CONTEXT_BYTES, takes
+ * that much device memory (a real one takes a few hundred MiB). */
+static CUresult ctx_charge(struct CUctx_st *c)
+{
+    if (context_bytes) {
+        c->charge = sim_mem_reserve(c->slot, context_bytes);
+        if (!c->charge)
+            return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    sim_context_count(c->slot, 1);
+    return CUDA_SUCCESS;
+}
+
+static void ctx_uncharge(struct CUctx_st *c)
+{
+    if (c->charge)
+        sim_mem_release(c->slot, context_bytes, c->charge);
+    c->charge = 0;
+    sim_context_count(c->slot, -1);
+}
+
 static void ctx_init(struct CUctx_st *c, CUdevice dev, unsigned flags, int is_primary)
 {
     memset(c, 0, sizeof *c);
@@ -350,10 +376,15 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&ctx_lock);
     struct CUctx_st *c = &primary[dev];
-    if (primary_refs[dev]++ == 0) {
+    if (primary_refs[dev] == 0) {
         ctx_init(c, dev, primary_flags[dev], 1);
-        sim_context_count(c->slot, 1);
+        if ((r = ctx_charge(c))) {
+            atomic_store(&c->alive, 0);
+            pthread_mutex_unlock(&ctx_lock);
+            return r;
+        }
     }
+    primary_refs[dev]++;
     pthread_mutex_unlock(&ctx_lock);
     *pctx = c;
     return CUDA_SUCCESS;
@@ -364,7 +395,7 @@ static void primary_destroy(CUdevice dev)
     struct CUctx_st *c = &primary[dev];
     atomic_store(&c->alive, 0);
     sim_free_context_memory(c);
-    sim_context_count(c->slot, -1);
+    ctx_uncharge(c);
     primary_refs[dev] = 0;
 }
 
@@ -445,7 +476,10 @@ CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
     if (!c)
         return CUDA_ERROR_OUT_OF_MEMORY;
     ctx_init(c, dev, flags, 0);
-    sim_context_count(c->slot, 1);
+    if ((r = ctx_charge(c))) {
+        free(c);
+        return r;
+    }
     pthread_mutex_lock(&ctx_lock);
     c->next_ctx = all_contexts;
     all_contexts = c;
@@ -487,7 +521,7 @@ CUresult cuCtxDestroy_v2(CUcontext ctx)
     atomic_store(&ctx->alive, 0);
     ctx_forget(ctx);
     sim_free_context_memory(ctx);
-    sim_context_count(ctx->slot, -1);
+    ctx_uncharge(ctx);
     return CUDA_SUCCESS;
 }
 

@@ -60,6 +60,7 @@ struct CUctx_st {
     unsigned flags;
     _Atomic int alive;
     unsigned long long id;
+    uint64_t charge;                /* generation of its GPUSHARE_SIM_CONTEXT_BYTES charge, or 0 */
     a64 blocking_end;               /* latest end on the legacy stream and the blocking streams */
     a64 all_end;                    /* latest end of anything in this context */
     struct CUstream_st legacy;      /* the legacy default stream (NULL, CU_STREAM_LEGACY) */

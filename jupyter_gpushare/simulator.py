@@ -5,6 +5,11 @@ The simulator itself is C (``csrc/simulator/``, built into ``_lib/sim/``). Every
 loads it maps one state file (``GPUSHARE_SIM_STATE``) holding the simulated devices' time lines,
 memory in use and per-process accounting; :class:`SimState` reads that file with the same layout
 (``csrc/simulator/sim_state.h``), for tests and diagnostics.
+
+Tunables (environment of the processes using the simulated driver): ``GPUSHARE_SIM_KERNEL_US``
+(duration of kernels other than ``busy_us``, default 5), ``GPUSHARE_SIM_QUEUE_AHEAD_US`` (work a
+stream may queue beyond now before a launch blocks, default 1 s; a few ms interleaves processes
+like time slices) and ``GPUSHARE_SIM_CONTEXT_BYTES`` (device memory each context takes, default 0).
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def test_idle_kernel_is_warned_then_released_busy_kernel_keeps_its_share(
     assert reserved in {a["id"] for a in server.allocations()}
     holders = {a["kernel_id"] for a in server.allocations()}
     assert busy["id"] in holders and exempt["id"] in holders  # busy and exempt keep theirs
-    assert warned() == set()
+    assert not warned() & {busy["id"], exempt["id"]}
     [kept] = daemon.status(ids[busy["id"]])["allocations"]
     assert kept["achieved_share"] > 0.3 and kept["idle_s"] < 1
     busy_client.execute("stop.set(); spinner.join()")

@@ -123,6 +123,7 @@ class PoolManager:
 
     async def _run(self) -> None:
         while True:
+            self._wake.clear()  # a wake() from here on means: go round again at once
             for pool in self.pools.values():
                 try:
                     await self._tend(pool)
@@ -131,7 +132,6 @@ class PoolManager:
                 except Exception as exc:  # one pool's trouble must not stop the others
                     self.log.exception("gpushare: pool %s", pool.profile.name)
                     pool.error(f"pool manager: {exc}")
-            self._wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.interval)
 

@@ -172,7 +172,11 @@ try {
   seen.clientRefusal = await picker.locator('.jp-gpushare-problem').innerText();
   await shot('04-refused-by-picker');
   await fillPicker({ request: String(params.tooBig), limit: '1', type: 'A100' });
+  const refused = page.waitForResponse(
+    r => r.url().includes('/gpushare/api/kernels') && r.request().method() === 'POST'
+  );
   await accept();
+  seen.serverAnswer = { status: (await refused).status(), body: await (await refused).json() };
   await picker.locator('.jp-gpushare-problem', { hasText: 'would fit' }).waitFor();
   seen.serverRefusal = await picker.locator('.jp-gpushare-problem').innerText();
   await shot('05-refused-by-server');
@@ -193,6 +197,8 @@ try {
   // 3. release the second kernel's share from the command palette
   await palette('Release this kernel');
   seen.status3 = await statusText('released');
+  seen.afterRelease = (await rest('/gpushare/api/allocations')).allocations;
+  seen.afterReleaseSessions = await rest('/api/sessions');
   await shot('07-released');
 
   // 4. cancelling the picker starts no kernel and says so
@@ -205,6 +211,27 @@ try {
   seen.cancelled = await error.innerText();
   await shot('08-cancelled');
   await error.locator('button.jp-Dialog-button').first().click();
+  // Lab then offers its kernel chooser for the kernel-less notebook: keep it without a kernel
+  const chooserAfter = page.locator('.jp-Dialog', { hasText: 'Select Kernel' });
+  await chooserAfter.waitFor({ timeout: 15000 }).catch(() => undefined);
+  if (await chooserAfter.count()) {
+    await chooserAfter.locator('button.jp-Dialog-button.jp-mod-reject').click();
+    await chooserAfter.waitFor({ state: 'detached' });
+  }
+
+  // 5. Kernel › Change Kernel… to another gpushare kernelspec: the picker again
+  await page.locator('.lm-TabBar-tab', { hasText: 'Untitled1.ipynb' }).click();
+  await palette('Change Kernel');
+  const chooser = page.locator('.jp-Dialog select');
+  await chooser.waitFor();
+  await chooser.selectOption({ label: params.otherKernelLabel });
+  await dialog.locator('button.jp-Dialog-button.jp-mod-accept').click();
+  await fillPicker({ request: '0.25', limit: '0.5', type: 'T4' });
+  await shot('09-change-kernel-picker');
+  await accept();
+  await dialog.waitFor({ state: 'detached' });
+  seen.status5 = await statusText('T4');
+  await shot('10-changed-kernel');
 } catch (err) {
   failed = String(err && err.stack ? err.stack : err);
   await shot('zz-failure').catch(() => undefined);

@@ -20,6 +20,7 @@ from labdriver import run_driver
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(420)]
 
 KERNEL = "gpushare-python"
+OTHER_KERNEL = "gpushare-python-half"
 TOO_BIG = 0.9  # the A100 has 0.5 free once the first kernel holds 0.5
 
 
@@ -39,9 +40,11 @@ def test_pick_share_in_lab(lab_server: Any, artifacts: Path) -> None:
     )
     gpus = {g["type"]: g for g in server.get("/gpushare/api/gpus").json()["gpus"]}
 
+    other = server.get(f"/api/kernelspecs/{OTHER_KERNEL}").json()
     seen = run_driver(
         "picker.mjs", server, artifacts,
         kernelLabel=spec["spec"]["display_name"], tooBig=TOO_BIG,
+        otherKernelLabel=other["spec"]["display_name"],
     )
 
     # 1. the first notebook's kernel holds exactly the pick
@@ -78,29 +81,40 @@ def test_pick_share_in_lab(lab_server: Any, artifacts: Path) -> None:
 
     # 2. refusals carry the explanation: the picker's own check, then the server's
     assert "gpu_request" in seen["clientRefusal"] and "at most gpu_limit" in seen["clientRefusal"]
-    again = server.post(
-        "/gpushare/api/kernels",
-        {"name": KERNEL, "share": {"gpu_request": TOO_BIG, "gpu_limit": 1, "gpu_type": "A100"}},
-    )
-    assert again.status_code == 409, again.text
-    refusal = again.json()
+    # the dialog shows what the server answered to the picker's POST (seen on the wire)
+    assert seen["serverAnswer"]["status"] == 409
+    refusal = seen["serverAnswer"]["body"]
+    assert refusal["error"] == "no_fit"
     assert refusal["message"] in seen["serverRefusal"]
     for suggestion in refusal["suggestions"]:
         assert suggestion in seen["serverRefusal"]
-
-    a100_free = next(t for t in server.get("/gpushare/api/gpus").json()["types"]
-                     if t["type"] == "A100")["most_free_request"]
+    # at that moment only the restarted first kernel held a share (as after the release below)
+    a100_free = 1 - sum(a["gpu_request"] for a in seen["afterRelease"]
+                        if gpus["A100"]["uuid"] in a["gpus"])
     assert f"{a100_free:g} on A100" in refusal["suggestions"]  # (its "Use" button was clicked)
     assert seen["afterUse"] == {"request": f"{a100_free:g}", "type": "A100"}
 
     # 3. the second kernel started with the corrected pick, then released its share by command
-    kernel2 = _kernel_of(server, "Untitled1.ipynb")
+    kernel2 = _kernel_of(server, "Untitled1.ipynb", seen["afterReleaseSessions"])
     assert kernel2 != kernel1
     assert "0.5–0.75" in seen["status2"]
     assert "released" in seen["status3"]
-    left = server.allocations()
-    assert [a["kernel_id"] for a in left] == [kernel1]
-    assert server.get(f"/api/kernels/{kernel2}").status_code == 200  # kernel kept, GPU freed
+    assert [a["kernel_id"] for a in seen["afterRelease"]] == [kernel1]
+    # the kernel kept running without its share (its session still had it after the release)
+    state = {s["kernel"]["id"]: s["kernel"]["execution_state"]
+             for s in seen["afterReleaseSessions"]}
+    assert state[kernel2] in ("idle", "busy")
+
+    # 5. Change Kernel to another gpushare kernelspec went through the picker: T4, 0.25-0.5
+    changed = _kernel_of(server, "Untitled1.ipynb")
+    assert changed != kernel2
+    assert server.get(f"/api/kernels/{kernel2}").status_code == 404  # replaced
+    assert server.get(f"/api/kernels/{changed}").json()["name"] == OTHER_KERNEL
+    final = {a["kernel_id"]: a for a in server.allocations()}
+    assert (final[changed]["gpu_type"], final[changed]["gpu_request"],
+            final[changed]["gpu_limit"]) == ("T4", 0.25, 0.5)
+    assert final[changed]["gpus"] == [gpus["T4"]["uuid"]]
+    assert "T4" in seen["status5"]
 
     # 4. cancel: no kernel, and the dialog says why
     assert "No GPU share was chosen" in seen["cancelled"]

@@ -97,7 +97,9 @@ def test_bad_arguments_print_usage_and_change_nothing(jupyter_server):
     assert "Nothing to change" in client.execute("%gpushare request")
     assert "another GPU type needs a new share" in client.execute(
         "%gpushare request --gpu-type T4")
-    assert server.allocations() == [alloc]
+    keys = ("id", "gpus", "gpu_request", "gpu_limit", "gpu_memory", "gpu_type")
+    assert [{k: a[k] for k in keys} for a in server.allocations()] == [
+        {k: alloc[k] for k in keys}]
     mine = daemon_allocation(server, alloc["id"])
     assert (mine["request"], mine["limit"], mine["memory_cap"]) == (0.25, 0.5, alloc["gpu_memory"])
     client.close()

@@ -69,6 +69,22 @@ each process grants itself leases locally at its request share (duty cycle: ``qu
 shared-memory files (same path, same slots: memory already reserved is kept), bumps ``epoch``
 and clears leases.
 
+Lease extension: when the daemon published the holder itself as ``next_slot`` (nobody else may
+run now), the holder's agent does not drain at the end of its lease: it charges the old lease up
+to now (``drain_end_ns``), stores ``lease_start_ns`` and a new ``lease_until_ns`` with a
+compare-and-swap from the old value and sends ``done`` with ``"extended": true``. The daemon
+waits ``EXTEND_GRACE_NS`` for that before it revokes a lease whose holder is next.
+
+Idle handback: while other slots wait (``waiting_slots`` > 0), a holder whose process has not
+launched for 1 ms and has no queued work left hands its lease back early (stores 0, drains, sends
+``done``). A lease nobody launched under is taken back by the daemon after 3 ms.
+
+Refusals as the CUDA program sees them: a process whose ``hello`` is refused, or whose slot turns
+``released`` (the allocation left the ledger), gets ``CUDA_ERROR_NOT_PERMITTED`` (800) from every
+launch and allocation path (and from context creation), with one line on stderr saying why
+(``gpushare: GPU work refused (CUDA_ERROR_NOT_PERMITTED): …``); the interposer never exits or
+aborts the process. Allocations over the cap return ``CUDA_ERROR_OUT_OF_MEMORY`` (2).
+
 Versioning: a change to the header/slot layout or to the meaning of a field bumps
 :data:`VERSION` (``GPUSHARE_WIRE_VERSION`` in C); the daemon refuses a ``hello`` with another
 version (``bad_version``) and a client refuses a shared-memory file whose ``magic``/``version``

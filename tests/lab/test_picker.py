@@ -103,7 +103,7 @@ def test_pick_share_in_lab(lab_server: Any, artifacts: Path) -> None:
     # the kernel kept running without its share (its session still had it after the release)
     state = {s["kernel"]["id"]: s["kernel"]["execution_state"]
              for s in seen["afterReleaseSessions"]}
-    assert state[kernel2] in ("idle", "busy")
+    assert state[kernel2] != "dead"
 
     # 5. Change Kernel to another gpushare kernelspec went through the picker: T4, 0.25-0.5
     changed = _kernel_of(server, "Untitled1.ipynb")

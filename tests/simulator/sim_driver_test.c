@@ -9,8 +9,9 @@
  *                                              (CLOCK_MONOTONIC) if given; prints wall_ms,
  *                                              event_ms (cuEventElapsedTime around the launches),
  *                                              start_ns and end_ns
- *   sim_driver_test hold BYTES MS [DEV]        allocate BYTES, keep the device busy for MS,
- *                                              print "ready", then sleep until killed
+ *   sim_driver_test hold BYTES MS [DEV [fork]] allocate BYTES, keep the device busy for MS,
+ *                                              print "ready", then sleep until killed (fork:
+ *                                              first fork a child that sleeps; prints child=PID)
  *   sim_driver_test selftest                   exercise the whole API surface; exit 0 if all
  *                                              checks pass (used under ASan and TSan too)
  */
@@ -208,10 +209,19 @@ static int cmd_hold(int argc, char **argv)
     size_t bytes = strtoull(argv[2], NULL, 10);
     uint64_t ms = strtoull(argv[3], NULL, 10);
     int dev = argc > 4 ? atoi(argv[4]) : 0;
+    int fork_child = argc > 5 && strcmp(argv[5], "fork") == 0;
     setup(dev);
     CUdeviceptr p = 0;
     if (bytes)
         CHECK(p_cuMemAlloc_v2(&p, bytes));
+    if (fork_child) { /* a child that outlives us and never uses CUDA (like a worker process) */
+        pid_t child = fork();
+        if (child == 0) {
+            for (;;)
+                pause();
+        }
+        printf("child=%d\n", (int)child);
+    }
     CUfunction f = busy_fn();
     /* Busy in 10 ms kernels (the launches block once a second of work is queued). */
     for (uint64_t done = 0; done < ms; done += 10) {
@@ -567,7 +577,7 @@ int main(int argc, char **argv)
     if (argc >= 2 && strcmp(argv[1], "selftest") == 0)
         return cmd_selftest();
     fprintf(stderr,
-            "usage: %s info | busy US COUNT [DEV [nb|b [START_NS]]] | hold BYTES MS [DEV] | "
+            "usage: %s info | busy US COUNT [DEV [nb|b [START_NS]]] | hold BYTES MS [DEV [fork]] | "
             "selftest\n",
             argv[0]);
     return 2;

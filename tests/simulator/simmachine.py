@@ -62,11 +62,16 @@ class SimMachine:
         self.children.append(proc)
         return proc
 
-    def hold(self, nbytes: int, busy_ms: int, device: int = 0) -> subprocess.Popen[str]:
+    def hold(
+        self, nbytes: int, busy_ms: int, device: int = 0, *extra: str
+    ) -> subprocess.Popen[str]:
         """A process holding `nbytes` on `device` and keeping it busy for `busy_ms`."""
-        proc = self.start("hold", str(nbytes), str(busy_ms), str(device))
+        proc = self.start("hold", str(nbytes), str(busy_ms), str(device), *extra)
         assert proc.stdout is not None
         line = proc.stdout.readline()
+        if line.startswith("child="):
+            proc.child_pid = int(line.split("=")[1])  # type: ignore[attr-defined]
+            line = proc.stdout.readline()
         assert line.strip() == "ready", (line, proc.stderr.read() if proc.stderr else "")
         return proc
 

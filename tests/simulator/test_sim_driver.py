@@ -228,3 +228,21 @@ def test_contexts_can_take_device_memory(sim_machine: SimMachine) -> None:
     holder.wait()
     sim_machine.run("info")  # any process that looks reaps the holder's record
     assert state.device(gpu.uuid).mem_used == 0
+
+
+def test_a_forked_child_does_not_keep_its_parents_memory(sim_machine: SimMachine) -> None:
+    """A child forked after the parent allocated (and never using CUDA itself) must not keep
+    the parent's record alive: when the parent dies its memory comes back."""
+    gpu = sim_machine.gpus[0]
+    parent = sim_machine.hold(2 << 30, 10, 0, "fork")
+    child = parent.child_pid  # type: ignore[attr-defined]
+    try:
+        assert sim_machine.state().device(gpu.uuid).mem_used == 2 << 30
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        os.kill(child, 0)  # the child lives on
+        sim_machine.run("info")
+        assert sim_machine.state().device(gpu.uuid).mem_used == 0
+        assert sim_machine.state().processes() == []
+    finally:
+        os.kill(child, signal.SIGKILL)

@@ -42,9 +42,10 @@ static _Atomic pid_t self_pid;
 static a64 self_generation;
 
 /* Liveness: a process holds an open-file-description lock on one byte per record it owns (past
- * the end of the state file). The kernel drops it when the process exits, whatever its PID
- * namespace, so a reaper that can take the lock knows the owner is gone. Kernels without OFD
- * locks fall back to kill(pid, 0). */
+ * the end of the state file), through state_fd (never mapped, close-on-exec, closed in forked
+ * children). The kernel drops it when the process exits, whatever its PID namespace, so a
+ * reaper that can take the lock knows the owner is gone. Kernels without OFD locks fall back to
+ * kill(pid, 0). */
 static int state_fd = -1;
 static pid_t state_fd_owner;
 static int ofd_locks = 1;
@@ -188,10 +189,26 @@ static int owner_alive(int i)
     return 1; /* EAGAIN/EACCES: held */
 }
 
+/* A forked child shares its parent's open file description, and with it the parent's locks:
+ * it needs one of its own before it can hold a record. */
+static void own_state_fd(void)
+{
+    if (state_fd >= 0 && state_fd_owner == getpid())
+        return;
+    if (!state_path[0])
+        return;
+    int fd = open(state_path, O_RDWR | O_CLOEXEC);
+    if (state_fd >= 0)
+        close(state_fd);
+    state_fd = fd;
+    state_fd_owner = getpid();
+}
+
 void sim_reap(void)
 {
     if (!sim_state)
         return;
+    own_state_fd();
     for (int i = 0; i < SIM_MAX_PROCS; i++) {
         struct sim_proc *p = &sim_state->proc[i];
         int32_t pid = atomic_load(&p->pid);
@@ -209,19 +226,6 @@ void sim_reap(void)
                 reap_record(p, pid);
         }
     }
-}
-
-/* A forked child shares its parent's open file description, and with it the parent's locks:
- * it needs one of its own before it can hold a record. */
-static void own_state_fd(void)
-{
-    if (state_fd >= 0 && state_fd_owner == getpid())
-        return;
-    int fd = open(state_path, O_RDWR | O_CLOEXEC);
-    if (state_fd >= 0)
-        close(state_fd);
-    state_fd = fd;
-    state_fd_owner = getpid();
 }
 
 static struct sim_proc *claim_self(void)
@@ -295,8 +299,13 @@ struct sim_proc *sim_self(void)
 
 static void atfork_child(void)
 {
-    /* The child is a new process: it claims its own record on first use. */
+    /* The child is a new process: it claims its own record on first use, and lets go of the
+     * parent's descriptor, whose lock says the parent lives (it opens its own when needed). */
     atomic_store(&self_index, -1);
+    if (state_fd >= 0) {
+        close(state_fd);
+        state_fd = -1;
+    }
     uint64_t r = 0;
     if (getrandom(&r, sizeof r, GRND_NONBLOCK) != (ssize_t)sizeof r)
         r = sim_now_ns() ^ ((uint64_t)getpid() << 32);
@@ -592,9 +601,13 @@ static void do_open(void)
         sim_state = s;
         register_devices(entries, n);
         flock(fd, LOCK_UN);
+        close(fd);
+        /* Record locks go through a descriptor of their own: the mapping keeps the descriptor
+         * it was made from referenced (in forked children too), so locks taken through that one
+         * would outlive their owner. */
         if (state_fd >= 0)
             close(state_fd);
-        state_fd = fd; /* kept: our record's liveness lock is taken through it */
+        state_fd = open(path, O_RDWR | O_CLOEXEC);
         state_fd_owner = getpid();
         snprintf(state_path, sizeof state_path, "%s", path);
 

@@ -392,7 +392,7 @@ class GpuProfiles(Configurable):
         profile = dict(self.gpu_profile)
         profile.setdefault("slug", "gpu")
         override = dict(profile.pop("kubespawner_override", {}) or {})
-        settings = (list(offers), self.max_request, self._max_memory(), self.mode)
+        settings = _Settings(list(offers), self.max_request, self._max_memory(), self.mode)
         # Callables run when the server starts, with the user's options and this list's
         # offers; they are plain functions (KubeSpawner deep-copies the list).
         override["environment"] = _merged(override.get("environment"), _environment_for(settings))
@@ -478,19 +478,27 @@ class GpuProfiles(Configurable):
         return profile
 
 
-_Settings = tuple[list[TypeOffer], float, "int | None", str]
+@dataclass(frozen=True)
+class _Settings:
+    """What the start-time callables of one rendered profile list check against."""
+
+    offers: list[TypeOffer]
+    max_request: float
+    max_memory: int | None
+    mode: str
 
 
 def _spec_of(spawner: Any, settings: _Settings) -> ShareSpec:
-    offers, max_request, max_memory, _ = settings
-    return share_from_options(spawner.user_options or {}, offers, max_request, max_memory)
+    return share_from_options(
+        spawner.user_options or {}, settings.offers, settings.max_request, settings.max_memory
+    )
 
 
 def _environment_for(settings: _Settings) -> Callable[[Any], dict[str, str | None]]:
     def environment(spawner: Any) -> dict[str, str | None]:
         env = share_environment(_spec_of(spawner, settings))
         # Only a server-gpu pod sees its GPU; in kernel-pods mode the GPU is the kernels'.
-        env["NVIDIA_VISIBLE_DEVICES"] = None if settings[3] == "server-gpu" else "void"
+        env["NVIDIA_VISIBLE_DEVICES"] = None if settings.mode == "server-gpu" else "void"
         return env
 
     return environment
@@ -503,8 +511,8 @@ def _resource_limits(spawner: Any) -> dict[str, str]:
 def _node_selector_for(settings: _Settings) -> Callable[[Any], dict[str, str | None]]:
     def node_selector(spawner: Any) -> dict[str, str | None]:
         spec = _spec_of(spawner, settings)
-        products = [p for o in settings[0] if spec.gpu_type and o.type.lower() ==
-                    spec.gpu_type.lower() for p in o.products]
+        wanted = (spec.gpu_type or "").lower()
+        products = [p for o in settings.offers if o.type.lower() == wanted for p in o.products]
         # One product label value can be selected; several products of one alias: any GPU.
         return {PRODUCT_LABEL: products[0] if len(products) == 1 else None}
 

@@ -201,12 +201,22 @@ class NodeAgent:
         self.pods.pop(running.uid, None)
 
     async def _finalize(self, pod: dict[str, Any]) -> None:
+        """The kubelet's last word on a deleted pod: its containers are gone, remove it."""
         meta = pod["metadata"]
-        with contextlib.suppress(ApiException):
+        try:
             await self.kube.core.delete_namespaced_pod(
-                meta["name"], meta["namespace"], grace_period_seconds=0,
-                body={"preconditions": {"uid": meta["uid"]}})
-        shutil.rmtree(self.workdir / "pods" / meta["uid"], ignore_errors=True)
+                meta["name"], meta["namespace"],
+                body={"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}})
+            log.info("pod %s: deleted", meta["name"])
+        except ApiException as exc:
+            if exc.status != 404:
+                log.warning("pod %s: final delete failed: %s %s", meta["name"], exc.status,
+                            exc.reason)
+        root = self.workdir / "pods" / meta["uid"]
+        if (root / "container.log").exists():
+            (self.workdir / "logs").mkdir(exist_ok=True)
+            shutil.move(root / "container.log", self.workdir / "logs" / f"{meta['name']}.log")
+        shutil.rmtree(root, ignore_errors=True)
 
     async def _stop(self, running: RunningPod, grace: float) -> None:
         proc = running.process
@@ -238,6 +248,8 @@ class NodeAgent:
                 *argv, env=env, cwd=str(cwd), stdout=log_file, stderr=subprocess_stdout(),
                 stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
             log_file.close()
+            log.info("pod %s on %s: running pid %d: %s", running.name, node,
+                     running.process.pid, " ".join(argv))
             started = now()
             await self._status(pod, "Running", [self._cstatus(
                 container, {"running": {"startedAt": started}}, ready=True)], ready=True)
@@ -259,8 +271,11 @@ class NodeAgent:
         if running.reason == "Evicted":
             extra = {"reason": "Evicted", "message": running.message}
         running.finished = True
-        with contextlib.suppress(ApiException):
+        log.info("pod %s: exited %d (%s)", running.name, code, phase)
+        try:
             await self._status(pod, phase, [self._cstatus(container, term)], **extra)
+        except ApiException as exc:
+            log.info("pod %s: final status not written (%s)", running.name, exc.status)
 
     async def _prepare(self, pod: dict[str, Any], container: dict[str, Any],
                        node: str) -> tuple[list[str], dict[str, str], Path]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import signal
@@ -123,14 +124,6 @@ async def running_pod(kube: Kube, kernel_id: str, not_named: str = "") -> dict[s
     return await eventually(one, 90, "a running kernel pod")
 
 
-async def wait_idle(server: Any, kernel_id: str, timeout: float = 90) -> None:
-    async def idle() -> bool:
-        reply = server.request("GET", f"/api/kernels/{kernel_id}")
-        return reply.status_code == 200 and reply.json()["execution_state"] == "idle"
-
-    await eventually(idle, timeout, "the kernel to be idle")
-
-
 # -- the tests -----------------------------------------------------------------------------------
 
 
@@ -194,7 +187,6 @@ async def _restarted(control_plane: ControlPlane, server: Any, kernel_id: str,
         await kill(kube, first)
         second = await running_pod(kube, kernel_id, not_named=first["metadata"]["name"])
         took = time.monotonic() - started
-        await wait_idle(server, kernel_id)
         out = await execute(server, kernel_id, "print('alive', 1 + 1)")
         assert out.split() == ["alive", "2"]
         [after] = await kernel_records(kube, kernel_id)
@@ -217,9 +209,9 @@ async def test_kernel_process_dies_and_is_restarted(
     kernel_id = start_kernel(server)
 
     async def die(_kube: Kube, _pod: dict[str, Any]) -> None:
-        task = asyncio.create_task(execute(server, kernel_id, "import os; os._exit(3)", 10))
-        await asyncio.sleep(2)
-        task.cancel()
+        # The kernel process exits by itself; the reply never comes.
+        with contextlib.suppress(AssertionError, asyncio.TimeoutError, TimeoutError):
+            await execute(server, kernel_id, "import os; os._exit(3)", timeout=8)
 
     await _restarted(control_plane, server, kernel_id, die, "exit code 3")
 

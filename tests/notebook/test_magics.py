@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from nbkit import (
     ALLOCATE,
     CUDA_ERROR_NOT_PERMITTED,
@@ -131,6 +132,10 @@ def test_release_then_request_then_restart_uses_the_new_share(jupyter_server, gp
         "cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)); import time; time.sleep(0.5)")
     assert codes.split()[:3] == [str(CUDA_ERROR_NOT_PERMITTED)] * 3, codes
     assert "GPU share of this kernel was released" in codes  # the interposer's stderr line
+    # a framework's error after the release gets the reason appended (post_run_cell)
+    with pytest.raises(AssertionError) as failed:
+        client.execute("raise RuntimeError('CUDA error: operation not permitted')")
+    assert "gpushare: The GPU share of this kernel was released" in str(failed.value)
     text = client.execute("%gpushare status")
     assert "GPU share: released" in text and "cannot use a GPU again" in text
     assert "already released" in client.execute("%gpushare release")

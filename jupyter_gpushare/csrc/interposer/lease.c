@@ -682,8 +682,10 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
     if (!gs.enabled) return CUDA_SUCCESS;
     uint64_t waited_from = 0;
     int spins = 0, waits = 0;
+    struct gpushare_wire_slot *counted = NULL; /* we are in its `waiters` until we join */
     for (;;) {
         if (atomic_load(&gs.denied)) {
+            if (counted) dec_floor(&counted->waiters);
             gs_deny_message();
             return CUDA_ERROR_NOT_PERMITTED;
         }
@@ -696,6 +698,7 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
         uint64_t now = gs_now();
         uint64_t until = atomic_load_explicit(&s->lease_until_ns, memory_order_acquire);
         if (now < until && join(g, until) == 0) {
+            if (counted) dec_floor(&counted->waiters);
             struct gs_stream *e = note_stream(g, stream, until);
             if (gs_tl.lease == until && gs_tl.stream == stream && gs_tl.gpu == g) runahead_check(g, e);
             gs_tl.lease = until;
@@ -723,11 +726,14 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
             failstatic_grant(g, now);
             continue;
         }
-        atomic_fetch_add(&s->waiters, 1);
+        if (counted != s) { /* stay counted while woken and until we join (or give up) */
+            if (counted) dec_floor(&counted->waiters);
+            atomic_fetch_add(&s->waiters, 1);
+            counted = s;
+        }
         waits++;
         send_lease_msg("want", g, 0);
         futex_wait(&s->grant_seq, seq, WAIT_SLICE_NS);
-        dec_floor(&s->waiters);
         if (gs_now() - now > WAIT_SLICE_NS - 1000000ull)
             gs_log("waited a whole slice: seq %u->%u lease %llu joined %llu holder %u next %u",
                    seq, atomic_load(&s->grant_seq),

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from jupyter_client.connect import KernelConnectionInfo
+from tornado.web import HTTPError
 
 from ..inventory import Gpu, simulator_device_list
 from ..ledger import Allocation, Ledger
@@ -44,8 +45,17 @@ from .ledger import KubernetesLedger
 from .watch import PodWatcher
 
 
-class KernelPodFailed(RuntimeError):
-    """The kernel pod could not run; the message is the cluster's reason."""
+class KernelPodFailed(HTTPError):
+    """The kernel pod could not run; the message is the cluster's reason. An HTTP error, so that
+    jupyter_server's ``POST /api/kernels`` answers with these words (503) rather than
+    "Unhandled error"."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, log_message=message, reason="kernel_pod_failed")
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 @dataclass

@@ -132,6 +132,9 @@ def test_release_then_request_then_restart_uses_the_new_share(jupyter_server, gp
         "cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)); import time; time.sleep(0.5)")
     assert codes.split()[:3] == [str(CUDA_ERROR_NOT_PERMITTED)] * 3, codes
     assert "GPU share of this kernel was released" in codes  # the interposer's stderr line
+    reason = client.execute("s = ctypes.c_char_p(); cu.cuGetErrorString(800, ctypes.byref(s)); "
+                            "print(s.value.decode())")
+    assert "GPU share of this kernel was released" in reason and "Restart the kernel" in reason
     # a framework's error after the release gets the reason appended (post_run_cell)
     with pytest.raises(AssertionError) as failed:
         client.execute("raise RuntimeError('CUDA error: operation not permitted')")

@@ -34,7 +34,8 @@
     X(cuMemAllocFromPoolAsync_ptsz) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz)                   \
     X(cuMemCreate) X(cuMemRelease) X(cuArrayCreate_v2) X(cuArray3DCreate_v2) X(cuArrayDestroy) \
     X(cuMemGetInfo_v2) X(cuDeviceTotalMem_v2)                                                 \
-    X(cuDevicePrimaryCtxRetain) X(cuCtxCreate_v2) X(cuCtxCreate_v3) X(cuCtxCreate_v4)
+    X(cuDevicePrimaryCtxRetain) X(cuCtxCreate_v2) X(cuCtxCreate_v3) X(cuCtxCreate_v4)         \
+    X(cuGetErrorString)
 
 /* Real entry points we call but do not wrap. */
 #define GS_USES(X)                                                                            \

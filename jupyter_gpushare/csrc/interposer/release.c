@@ -3,7 +3,8 @@
  *
  * The daemon marks the allocation's slots GPUSHARE_SLOT_RELEASED. From then on:
  *  - every launch and allocation fails with CUDA_ERROR_NOT_PERMITTED (lease.c, memory.c) and no
- *    new context can be made (the hooks below), with GS_RELEASED_REASON printed once on stderr;
+ *    new context can be made (the hooks below), with GS_RELEASED_REASON printed once on stderr
+ *    and returned by cuGetErrorString for CUDA_ERROR_NOT_PERMITTED;
  *  - the process's GPU memory is given back: every allocation the interposer tracked is freed
  *    with the real driver, then the primary context of each of its GPUs is reset (which frees
  *    what is left, the context itself included).
@@ -100,4 +101,19 @@ CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, uns
     if (r != CUDA_SUCCESS) return r;
     if (!real_cuCtxCreate_v4) return CUDA_ERROR_NOT_SUPPORTED;
     return real_cuCtxCreate_v4(pctx, ctxCreateParams, flags, dev);
+}
+
+/* -- the reason, where programs look for it ------------------------------------------------- */
+
+/* Driver-API programs (CuPy, Numba, ...) print cuGetErrorString's text: once this process is
+ * refused, CUDA_ERROR_NOT_PERMITTED reads as the reason (why, and what to do). */
+CUresult cuGetErrorString(CUresult error, const char **pStr) {
+    gs_resolve();
+    if (error == CUDA_ERROR_NOT_PERMITTED && pStr && gs.enabled && atomic_load(&gs.denied) &&
+        gs.deny_reason[0]) {
+        *pStr = gs.deny_reason;
+        return CUDA_SUCCESS;
+    }
+    if (!real_cuGetErrorString) return CUDA_ERROR_NOT_SUPPORTED;
+    return real_cuGetErrorString(error, pStr);
 }

@@ -23,6 +23,7 @@ import { IStatusBar } from '@jupyterlab/statusbar';
 
 import { GpushareAPI } from './api';
 import { IStarted, pickAndStart } from './picker';
+import { IShare } from './share';
 import { GpuStatus } from './status';
 
 export const PROVISIONER = 'gpushare-provisioner';
@@ -62,6 +63,17 @@ function plugin(
     return meta?.kernel_provisioner?.provisioner_name === PROVISIONER;
   };
   const labelOf = (name: string) => specOf(name)?.display_name ?? name;
+  /** The share keys of a gpushare kernelspec's provisioner config (its own default share). */
+  const kernelspecShare = (name: string): Partial<IShare> => {
+    const meta = specOf(name)?.metadata as
+      | { kernel_provisioner?: { config?: Record<string, unknown> } }
+      | undefined;
+    const config = meta?.kernel_provisioner?.config ?? {};
+    const keys = ['gpu_request', 'gpu_limit', 'gpu_memory', 'gpu_type'];
+    return Object.fromEntries(
+      Object.entries(config).filter(([k, v]) => keys.includes(k) && v !== null)
+    ) as Partial<IShare>;
+  };
 
   /** Picker + start for a kernel name, or null when it is not a gpushare kernelspec. */
   async function startWithShare(name: string, path?: string): Promise<IStarted | null> {
@@ -69,7 +81,7 @@ function plugin(
     if (!isGpushare(name)) {
       return null;
     }
-    const started = await pickAndStart(api, name, labelOf(name), path);
+    const started = await pickAndStart(api, name, labelOf(name), path, kernelspecShare(name));
     if (started === null) {
       throw new NoShareChosen(labelOf(name));
     }
@@ -173,7 +185,13 @@ function plugin(
       }
       // The new kernel starts (and is placed) before the old one stops, so a refused pick
       // leaves the running kernel alone; the sessions API shuts the old kernel down.
-      const started = await pickAndStart(api, kernel.name, labelOf(kernel.name), session.path);
+      const started = await pickAndStart(
+        api,
+        kernel.name,
+        labelOf(kernel.name),
+        session.path,
+        kernelspecShare(kernel.name)
+      );
       if (started) {
         await session.changeKernel({ id: started.id }).catch(err => abandon(started, err));
         status.refreshSoon();

@@ -33,11 +33,14 @@ interface IPickerOptions {
   problem: IProblem | null;
 }
 
-function fieldsOf(share: Partial<IShare>): IShareFields {
+/** A share as the picker's fields; memory may be bytes or text (`10GiB`, from a kernelspec). */
+function fieldsOf(share: Partial<Omit<IShare, 'gpu_memory'>> & { gpu_memory?: unknown }): IShareFields {
+  const memory = share.gpu_memory;
   return {
     gpu_request: share.gpu_request !== undefined ? String(share.gpu_request) : '0.25',
     gpu_limit: share.gpu_limit !== undefined ? String(share.gpu_limit) : '',
-    gpu_memory: share.gpu_memory ? formatBytes(share.gpu_memory) : '',
+    gpu_memory:
+      typeof memory === 'number' ? formatBytes(memory) : typeof memory === 'string' ? memory : '',
     gpu_type: share.gpu_type ?? ''
   };
 }
@@ -253,7 +256,8 @@ export async function pickAndStart(
   const presets = await api.presets().catch(
     (): IPresets => ({ default: { gpu_request: 0.25, gpu_limit: 0.5 }, presets: [] })
   );
-  let fields = fieldsOf(initial ?? presets.default);
+  // the server's default (JupyterHub's pick, if any) overlaid with the kernelspec's own share
+  let fields = fieldsOf({ ...presets.default, ...(initial ?? {}) });
   let problem: IProblem | null = null;
   for (;;) {
     const body = new SharePicker({ kernelLabel, inventory, presets, fields, problem });

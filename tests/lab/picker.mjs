@@ -226,6 +226,11 @@ try {
   await chooser.waitFor();
   await chooser.selectOption({ label: params.otherKernelLabel });
   await dialog.locator('button.jp-Dialog-button.jp-mod-accept').click();
+  await picker.waitFor();
+  seen.changeInitial = {
+    request: await picker.locator('input[name="gpu_request"]').inputValue(),
+    limit: await picker.locator('input[name="gpu_limit"]').inputValue()
+  };
   await fillPicker({ request: '0.25', limit: '0.5', type: 'T4' });
   await shot('09-change-kernel-picker');
   await accept();

@@ -115,6 +115,9 @@ def test_pick_share_in_lab(lab_server: Any, artifacts: Path) -> None:
             final[changed]["gpu_limit"]) == ("T4", 0.25, 0.5)
     assert final[changed]["gpus"] == [gpus["T4"]["uuid"]]
     assert "T4" in seen["status5"]
+    own = other["spec"]["metadata"]["kernel_provisioner"]["config"]  # the picker starts from it
+    assert seen["changeInitial"] == {"request": f"{own['gpu_request']:g}",
+                                     "limit": f"{own['gpu_limit']:g}"}
 
     # 4. cancel: no kernel, and the dialog says why
     assert "No GPU share was chosen" in seen["cancelled"]

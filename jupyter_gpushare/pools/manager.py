@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 #: Refill retries after a failed warm start wait 2, 4, 8 … seconds, at most this long.
 MAX_BACKOFF_S = 60.0
+#: Seconds between a hand-over and the start of its replacement.
+REFILL_DELAY_S = 0.5
 #: Refill errors kept per pool for the REST view.
 KEPT_ERRORS = 10
 
@@ -220,7 +222,6 @@ class PoolManager:
                     if not pool.ready:
                         break
                     warm = pool.ready.pop(0)
-                self.wake()  # refill in the background
                 try:
                     await self._hand_over(warm, cwd, env, session_name)
                 except Exception as exc:
@@ -229,10 +230,14 @@ class PoolManager:
                                      "over (%s); trying another", pool.profile.name,
                                      warm.kernel_id, exc)
                     await self._shutdown(warm.kernel_id)
+                    self.wake()
                     continue
                 finally:
                     _close_client(warm)
                 pool.claimed += 1
+                # refill in the background, a moment later: starting a kernel blocks this event
+                # loop for a few ms and loads the CPU, which the user's first reply should not see
+                asyncio.get_running_loop().call_later(REFILL_DELAY_S, self.wake)
                 self.log.info("gpushare: pool %s: kernel %s handed out warm (cwd %s)",
                               pool.profile.name, warm.kernel_id, cwd)
                 return warm.kernel_id
@@ -241,12 +246,11 @@ class PoolManager:
     async def _hand_over(self, warm: WarmKernel, cwd: str, env: Mapping[str, str],
                          session_name: str | None) -> None:
         km = self.km.get_kernel(warm.kernel_id)
-        if not await km.is_alive():
-            raise RuntimeError("the warm kernel is not running")
-        applied = await bind_session(warm.client, km, cwd, env, session_name)
         provisioner = km.provisioner
         if provisioner is None or provisioner.allocation is None:
             raise RuntimeError("the warm kernel holds no allocation")
+        if not await km.is_alive():
+            raise RuntimeError("the warm kernel is not running")
 
         def claimed(current: Allocation, _others: list[Allocation]) -> Allocation:
             extra = {k: v for k, v in current.extra.items() if k != "pool"}
@@ -254,7 +258,12 @@ class PoolManager:
             return replace(current, owner="kernel", extra=extra)
 
         ledger = await provisioner._ledger()
-        provisioner.allocation = await ledger.update(provisioner.allocation.id, claimed)
+        # binding and the owner flip at once (a failed binding shuts the kernel down, which
+        # releases its share, so no flip needs undoing)
+        applied, provisioner.allocation = await asyncio.gather(
+            bind_session(warm.client, km, cwd, env, session_name),
+            ledger.update(provisioner.allocation.id, claimed),
+        )
         provisioner._owner, provisioner._pool = "kernel", None
         # a restart of this kernel must look like the user's own start
         launch = getattr(km, "_launch_args", None)

@@ -21,6 +21,8 @@ log = logging.getLogger("jupyter_gpushare.daemon")
 UNUSED_LEASE_NS = 3_000_000
 #: How long the daemon lets a lone holder's agent extend its own lease before revoking.
 EXTEND_GRACE_NS = 10_000_000
+#: A lease runs at least this long before a waiter below its request may preempt it.
+PREEMPT_MIN_HOLD_NS = 2_000_000
 #: How long to wait for the holder's processes to drain after its lease ended.
 DRAIN_GRACE_NS = 2_000_000_000
 
@@ -56,6 +58,7 @@ class GpuLoop:
         self._timers: list[asyncio.TimerHandle] = []
         self._retry: asyncio.TimerHandle | None = None
         self.handoffs = 0
+        self.preemptions = 0
         #: handoffs between tenants under contention: previous holder's device end -> next
         #: holder's first launch (ns)
         self.handoff_gaps: deque[int] = deque(maxlen=4096)
@@ -111,6 +114,7 @@ class GpuLoop:
 
     def want(self, tenant: Tenant) -> None:
         self._sync_holder()
+        self._maybe_preempt(tenant)
         self.schedule()
         self._publish_waiting()
         self._update_next()
@@ -120,6 +124,39 @@ class GpuLoop:
             return
         if self.holder is tenant and lease == self.lease_until:
             self._maybe_finish()
+
+    def _maybe_preempt(self, waiter: Tenant) -> None:
+        """End the running lease early for a waiter below its request when the holder is well
+        above its own (an interactive kernel next to a saturating one waits for the holder's
+        queued work, not for the rest of its quantum). Holders near their request keep their
+        quantum, so tenants that are all at their requests do not thrash."""
+        holder = self.holder
+        if holder is None or holder is waiter or self.draining:
+            return
+        now = monotonic_ns()
+        w = self.window_ns
+        if waiter.window.used(now, w) >= waiter.request * w:
+            return
+        if waiter.limit < 1.0 and self._credit(waiter).value(now, waiter.limit) <= 0:
+            return
+        if holder.window.used(now, w, self.lease_start) <= holder.request * w + self.quantum_ns:
+            return
+        if now - self.lease_start < PREEMPT_MIN_HOLD_NS:  # let it start; look again then
+            loop = asyncio.get_running_loop()
+            self._timers.append(loop.call_at((self.lease_start + PREEMPT_MIN_HOLD_NS) / 1e9,
+                                             lambda: self.holder is holder
+                                             and self._maybe_preempt(waiter)))
+            return
+        self._update_next()
+        self.shm.slots[holder.slot].lease_until_ns = 0  # its agent drains and hands over
+        self.draining = True
+        self.preemptions += 1
+        self._maybe_finish()  # nobody joined: over at once
+        if self.holder is not holder:
+            return
+        loop = asyncio.get_running_loop()
+        self._timers.append(
+            loop.call_at((monotonic_ns() + DRAIN_GRACE_NS) / 1e9, self._force_finish))
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -408,6 +445,7 @@ class GpuLoop:
             "busy_share": round(busy / self.window_ns, 4),
             "handoffs": self.handoffs,
             "direct_handoffs": int(self.shm.header.direct_handoffs),
+            "preemptions": self.preemptions,
             "handoff_us": _percentiles(self.handoff_gaps),
             "allocations": sorted(self.tenants),
         }

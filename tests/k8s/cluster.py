@@ -158,7 +158,8 @@ class ControlPlane:
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "ab")
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_unblock_signals)
         log.close()
         self.processes[name] = proc
         return proc
@@ -282,6 +283,16 @@ def _wait_crds(api: object, timeout: float = 30.0) -> None:
     raise ControlPlaneUnavailable("CRDs not established")
 
 
+def _unblock_signals() -> None:
+    """In each child: default signal mask, and SIGTERM when its parent dies (a killed test run
+    must not leave a control plane behind)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def main() -> None:
     """Start a control plane in the foreground (see scripts/k8s-control-plane)."""
     import argparse
@@ -292,13 +303,16 @@ def main() -> None:
                         help="fake GPU nodes for the node agent: NAME=SIMULATE,…; '' for none")
     args = parser.parse_args()
     workdir = Path(args.workdir)
+    # Block the stop signals so that sigwait() below receives them and the components (each in
+    # its own session) are stopped, rather than left running by a default-handled SIGTERM.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     if (workdir / "etcd").exists():
         shutil.rmtree(workdir / "etcd")
     plane = ControlPlane(workdir).start()
     apply_deploy(plane.kubeconfig("admin"))
     agent = None
     if args.nodes:
-        agent = subprocess.Popen([
+        agent = subprocess.Popen(preexec_fn=_unblock_signals, args=[
             sys.executable, str(Path(__file__).with_name("node_agent.py")),
             "--kubeconfig", str(plane.kubeconfig("admin")), "--workdir", str(workdir / "nodes"),
             *[f"--node={n}" for n in args.nodes.split(",")],

@@ -16,7 +16,7 @@ shares) and are shut down with the server.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 from jupyter_client.kernelspec import NoSuchKernel
 from jupyter_server._tz import utcnow
@@ -50,6 +50,8 @@ class PoolKernelManager(AsyncMappingKernelManager):  # type: ignore[misc]
                 ) -> tuple[ShareSpec, str] | None:
         """``(spec, backend)`` a start of ``kernel_name`` with ``user_share`` will hold, or None
         for a kernelspec that is not a gpushare one. Raises ShareError / NoSuchKernel."""
+        if self.kernel_spec_manager is None:
+            raise NoSuchKernel(kernel_name)
         kernelspec = self.kernel_spec_manager.get_kernel_spec(kernel_name)
         provisioner = (kernelspec.metadata or {}).get("kernel_provisioner") or {}
         if provisioner.get("provisioner_name") != PROVISIONER:
@@ -83,13 +85,14 @@ class PoolKernelManager(AsyncMappingKernelManager):  # type: ignore[misc]
 
     # -- starting ------------------------------------------------------------------------------
 
-    async def start_kernel(self, *, kernel_id: str | None = None, path: str | None = None,
-                           **kwargs: Any) -> str:
+    async def start_kernel(  # type: ignore[override]
+        self, *, kernel_id: str | None = None, path: str | None = None, **kwargs: Any
+    ) -> str:
         if kernel_id is None and self.pools.pools:
             claimed = await self._claim(path, kwargs)
             if claimed is not None:
                 return claimed
-        return await super().start_kernel(kernel_id=kernel_id, path=path, **kwargs)
+        return await super().start_kernel(kernel_id=kernel_id, path=cast(Any, path), **kwargs)
 
     async def _claim(self, path: str | None, kwargs: dict[str, Any]) -> str | None:
         kernel_name = kwargs.get("kernel_name") or self.default_kernel_name
@@ -113,14 +116,14 @@ class PoolKernelManager(AsyncMappingKernelManager):  # type: ignore[misc]
     async def start_warm_kernel(self, profile: PoolProfile, kernel_id: str) -> str:
         """Start one warm kernel for ``profile`` (the share owned by the pool)."""
         return await super().start_kernel(
-            kernel_id=kernel_id, path="", kernel_name=profile.kernelspec,
+            kernel_id=kernel_id, path=cast(Any, ""), kernel_name=profile.kernelspec,
             env=dict(os.environ), gpushare_share=dict(profile.share), gpushare_owner="pool",
             gpushare_pool=profile.name,
         )
 
     def mark_claimed(self, kernel_id: str) -> None:
         kernel = self.get_kernel(kernel_id)
-        kernel.last_activity = utcnow()
+        kernel.last_activity = utcnow()  # type: ignore[attr-defined]
         self._kernel_connections.setdefault(kernel_id, 0)
 
     # -- what pool kernels are spared ------------------------------------------------------------
@@ -134,6 +137,6 @@ class PoolKernelManager(AsyncMappingKernelManager):  # type: ignore[misc]
             return  # a warm kernel is idle by design
         await super().cull_kernel_if_idle(kernel_id)
 
-    async def shutdown_all(self, now: bool = False) -> None:
+    async def shutdown_all(self, now: bool = False) -> None:  # type: ignore[override]
         await self.pools.stop()  # no refill while the server shuts down
         await ensure_async(super().shutdown_all(now=now))

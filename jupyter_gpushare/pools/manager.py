@@ -19,10 +19,12 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..ledger import Allocation
+from jupyter_server.utils import ensure_async
+
+from ..provisioner import GpushareProvisioner
 from ..share import ShareSpec
 from .binding import bind_session
 from .config import PoolProfile
@@ -149,7 +151,8 @@ class PoolManager:
 
     async def _drop_dead(self, pool: Pool) -> None:
         for warm in list(pool.ready):
-            if warm.kernel_id in self.km and await self.km.get_kernel(warm.kernel_id).is_alive():
+            kernel = self.km.get_kernel(warm.kernel_id) if warm.kernel_id in self.km else None
+            if kernel is not None and await ensure_async(kernel.is_alive()):
                 continue
             pool.ready.remove(warm)
             _close_client(warm)
@@ -178,7 +181,7 @@ class PoolManager:
             await self.km.start_warm_kernel(pool.profile, kernel_id)
             client = self.km.get_kernel(kernel_id).client()
             client.start_channels(hb=False)
-            await client.wait_for_ready(timeout=60)
+            await ensure_async(client.wait_for_ready(timeout=60))  # an AsyncKernelClient
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -204,7 +207,7 @@ class PoolManager:
 
     async def _shutdown(self, kernel_id: str) -> None:
         with contextlib.suppress(Exception):
-            await self.km.shutdown_kernel(kernel_id, now=True)
+            await ensure_async(self.km.shutdown_kernel(kernel_id, now=True))  # type: ignore[misc]
 
     # -- hand-over -------------------------------------------------------------------------------
 
@@ -247,24 +250,16 @@ class PoolManager:
                          session_name: str | None) -> None:
         km = self.km.get_kernel(warm.kernel_id)
         provisioner = km.provisioner
-        if provisioner is None or provisioner.allocation is None:
-            raise RuntimeError("the warm kernel holds no allocation")
-        if not await km.is_alive():
+        if not isinstance(provisioner, GpushareProvisioner) or provisioner.allocation is None:
+            raise RuntimeError("the warm kernel holds no GPU share")
+        if not await ensure_async(km.is_alive()):
             raise RuntimeError("the warm kernel is not running")
-
-        def claimed(current: Allocation, _others: list[Allocation]) -> Allocation:
-            extra = {k: v for k, v in current.extra.items() if k != "pool"}
-            extra["claimed_from_pool"] = warm.pool
-            return replace(current, owner="kernel", extra=extra)
-
-        ledger = await provisioner._ledger()
         # binding and the owner flip at once (a failed binding shuts the kernel down, which
         # releases its share, so no flip needs undoing)
-        applied, provisioner.allocation = await asyncio.gather(
+        applied, _allocation = await asyncio.gather(
             bind_session(warm.client, km, cwd, env, session_name),
-            ledger.update(provisioner.allocation.id, claimed),
+            provisioner.claim_from_pool(warm.pool),
         )
-        provisioner._owner, provisioner._pool = "kernel", None
         # a restart of this kernel must look like the user's own start
         launch = getattr(km, "_launch_args", None)
         if isinstance(launch, dict):

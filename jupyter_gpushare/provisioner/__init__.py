@@ -237,6 +237,21 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             else:
                 await self._mark_restarting()
 
+    async def claim_from_pool(self, pool: str) -> Allocation:
+        """A warm pool kernel is handed to a user (:mod:`jupyter_gpushare.pools`): its share is
+        the kernel's from now on (owner ``kernel``), and a later re-reservation is a user's."""
+        if self.allocation is None:
+            raise AllocationNotFound("(none)")
+
+        def claimed(current: Allocation, _others: list[Allocation]) -> Allocation:
+            extra = {k: v for k, v in current.extra.items() if k != "pool"}
+            extra["claimed_from_pool"] = pool
+            return replace(current, owner="kernel", extra=extra)
+
+        self.allocation = await (await self._ledger()).update(self.allocation.id, claimed)
+        self._owner, self._pool = "kernel", None
+        return self.allocation
+
     async def _mark_restarting(self) -> None:
         if self.allocation is None:
             return

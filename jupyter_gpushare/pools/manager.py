@@ -154,6 +154,8 @@ class PoolManager:
             kernel = self.km.get_kernel(warm.kernel_id) if warm.kernel_id in self.km else None
             if kernel is not None and await ensure_async(kernel.is_alive()):
                 continue
+            if warm not in pool.ready:  # claimed meanwhile: the claim checks it again
+                continue
             pool.ready.remove(warm)
             _close_client(warm)
             pool.error(f"warm kernel {warm.kernel_id} died before it was claimed")

@@ -42,7 +42,7 @@ from typing import Any
 
 from traitlets import Any as AnyTrait
 from traitlets import Dict, Enum, Float, List, Unicode
-from traitlets.config import Configurable
+from traitlets.config import LoggingConfigurable
 
 from .inventory import Gpu, TypeAliases
 from .ledger import Allocation, Ledger
@@ -268,7 +268,7 @@ CPU_ONLY_ENVIRONMENT: dict[str, str | None] = {
 # -- the configurable ------------------------------------------------------------------------
 
 
-class GpuProfiles(Configurable):
+class GpuProfiles(LoggingConfigurable):
     """Builds KubeSpawner's ``profile_list`` with GPU options from live inventory and config."""
 
     mode = Enum(
@@ -358,8 +358,13 @@ class GpuProfiles(Configurable):
     async def profile_list(self, spawner: Any) -> list[dict[str, Any]]:
         """KubeSpawner ``profile_list`` callable: the GPU profile with live choices, then the
         CPU-only profiles."""
-        offers = await self.offers(spawner)
-        profiles = [self._gpu_profile(offers)]
+        try:
+            offers = await self.offers(spawner)
+            problem = ""
+        except Exception as exc:  # the CPU-only profiles must stay usable
+            self.log.warning("gpushare: GPU inventory unavailable: %s", exc)
+            offers, problem = [], f"GPU inventory unavailable ({exc})."
+        profiles = [self._gpu_profile(offers, problem)]
         profiles.extend(self._cpu_profile(p) for p in self.cpu_profiles)
         return profiles
 
@@ -388,7 +393,7 @@ class GpuProfiles(Configurable):
     def _max_memory(self) -> int | None:
         return parse_memory(self.max_memory, "max_memory") if self.max_memory else None
 
-    def _gpu_profile(self, offers: Sequence[TypeOffer]) -> dict[str, Any]:
+    def _gpu_profile(self, offers: Sequence[TypeOffer], problem: str = "") -> dict[str, Any]:
         profile = dict(self.gpu_profile)
         profile.setdefault("slug", "gpu")
         override = dict(profile.pop("kubespawner_override", {}) or {})
@@ -406,9 +411,8 @@ class GpuProfiles(Configurable):
             OPT_MEMORY: self._memory_option(),
         }
         if not offers:
-            profile["description"] = (
-                f"{profile.get('description', '')} No GPU is available right now."
-            ).strip()
+            note = problem or "No GPU is available right now."
+            profile["description"] = f"{profile.get('description', '')} {note}".strip()
         return profile
 
     def _type_option(self, offers: Sequence[TypeOffer]) -> dict[str, Any]:
@@ -429,8 +433,8 @@ class GpuProfiles(Configurable):
 
     def _share_option(self) -> dict[str, Any]:
         choices: dict[str, Any] = {}
-        for i, share in enumerate(self.shares):
-            spec = ShareSpec.from_mapping(share)
+        offered = [ShareSpec.from_mapping(share) for share in self.shares]
+        for i, spec in enumerate(s for s in offered if s.gpu_limit <= self.max_request):
             key = f"{spec.gpu_request:g}-{spec.gpu_limit:g}"
             label = (
                 f"{spec.gpu_request:g} of a GPU" if spec.gpu_request == spec.gpu_limit

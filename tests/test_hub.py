@@ -272,3 +272,20 @@ def test_user_server_honours_hub_choice(gpushare_env: dict[str, str], jupyter_se
     allocation = ok.json()["allocation"]
     assert (allocation["gpu_type"], allocation["gpu_memory"]) == ("A100", 16 * 2**30)
     assert server.delete(f"/api/kernels/{ok.json()['id']}").status_code == 204
+
+
+async def test_inventory_down_keeps_cpu_profiles(tmp_path: Path, ledger: SQLiteLedger) -> None:
+    """With the inventory unreachable the form still renders: CPU only works, GPU is refused
+    with the reason; shares above the admin's bound are not offered."""
+
+    async def unreachable(spawner: Any) -> list[Any]:
+        raise ConnectionRefusedError("kube-apiserver: connection refused")
+
+    spawner, _ = make_spawner(tmp_path, ledger, inventory=unreachable, max_request=0.5)
+    html = await spawner.get_options_form()
+    assert "GPU inventory unavailable (kube-apiserver: connection refused)" in html
+    assert 'value="0.25-0.5"' in html and 'value="0.5-1"' not in html
+    await submit(spawner, {"profile": "cpu"})
+    assert spawner.environment["GPUSHARE_DISABLED"] == "1"
+    with pytest.raises(GpuOptionError, match="no GPUs available"):
+        await submit(spawner, gpu_form(gpu_type="any", gpu_share="0.25-0.5"))

@@ -304,3 +304,16 @@ async def test_image_pull_error_fails_fast(jupyter_server_factory: Any) -> None:
     assert reply.status_code >= 400
     assert "ErrImagePull" in reply.text, reply.text
     assert time.monotonic() - started < 20
+
+
+async def test_oom_killed_kernel_is_reported_and_restarted(
+    control_plane: ControlPlane, jupyter_server_factory: Any
+) -> None:
+    server = jupyter_server_factory()
+    kernel_id = start_kernel(server)
+
+    async def oom(kube: Kube, pod: dict[str, Any]) -> None:
+        await kube.core.patch_namespaced_pod(pod["metadata"]["name"], NAMESPACE, {
+            "metadata": {"annotations": {"test.gpushare/oom": "1"}}})
+
+    await _restarted(control_plane, server, kernel_id, oom, "OOMKilled (exit code 137)")

@@ -246,6 +246,7 @@ class KubernetesKernelBackend(KernelBackend):
             pod = await self._wait_running(ctx)
         except BaseException:
             await self._remove(ctx, grace=1)
+            self._launched = False
             raise
         info = dict(self._connection)
         info["ip"] = pod["status"]["podIP"]

@@ -40,7 +40,7 @@ SRC
 fi
 apt-get update -q
 apt-get install -y -q --no-install-recommends golang-go rsync etcd-server make dpkg-dev \
-  ca-certificates golang-github-modern-go-reflect2-dev
+  ca-certificates gcc libc6-dev golang-github-modern-go-reflect2-dev
 
 mkdir -p "$CACHE/src" "$BIN"
 cd "$CACHE/src"

@@ -129,7 +129,7 @@ def test_release_then_request_then_restart_uses_the_new_share(jupyter_server, gp
     codes = client.execute(
         "print(cu.cuMemAlloc_v2(ctypes.byref(ptr), 1 << 20), "
         "cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev), "
-        "cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)); import time; time.sleep(0.5)")
+        "cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)); import time; time.sleep(2)")
     assert codes.split()[:3] == [str(CUDA_ERROR_NOT_PERMITTED)] * 3, codes
     assert "GPU share of this kernel was released" in codes  # the interposer's stderr line
     reason = client.execute("s = ctypes.c_char_p(); cu.cuGetErrorString(800, ctypes.byref(s)); "
@@ -151,7 +151,7 @@ def test_release_then_request_then_restart_uses_the_new_share(jupyter_server, gp
     assert "A new share is already reserved" in client.execute("%gpushare request")
     client.close()
     assert server.post(f"/api/kernels/{kernel['id']}/restart").status_code == 200
-    [after] = wait_for(lambda: [a for a in allocations_of(server, kernel["id"]) if a["pid"]], 30)
+    [after] = wait_for(lambda: [a for a in allocations_of(server, kernel["id"]) if a["pid"]], 60)
     assert after["id"] == reserved["id"] and after["state"] == "active"
     client = server.client(kernel["id"])
     assert "alloc 0" in client.execute(ALLOCATE)  # a fresh process: the GPU works again

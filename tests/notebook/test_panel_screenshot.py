@@ -84,6 +84,7 @@ def test_panel_screenshot_in_jupyterlab(lab):
     client.close()
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / "zz-failure.png").unlink(missing_ok=True)  # only this run's failure, if any
     env = dict(os.environ, LAB_URL=lab.url, LAB_TOKEN=lab.token, ARTIFACTS=str(ARTIFACTS),
                CHROMIUM=chromium_path() or "",
                PLAYWRIGHT_FROM=str(REPO / "tests" / "lab" / "package.json"))

@@ -122,7 +122,9 @@ class GpuLoop:
     def done(self, tenant: Tenant, lease: int) -> None:
         if self._sync_holder():
             return
-        if self.holder is tenant and lease == self.lease_until:
+        if self.holder is tenant:
+            # whatever lease the message names (the holder may have extended it while we
+            # revoked it), the shared state says whether it is over: expired and nobody joined
             self._maybe_finish()
 
     def _maybe_preempt(self, waiter: Tenant) -> None:
@@ -316,6 +318,8 @@ class GpuLoop:
                                              self._expire))
             return
         slot = self.shm.slots[self.holder.slot]
+        if slot.lease_until_ns != self.lease_until and self._sync_holder():
+            return  # extended by its agent just now
         slot.lease_until_ns = 0  # revoke (it has also run out by the clock)
         self.draining = True
         self._maybe_finish()
@@ -396,9 +400,8 @@ class GpuLoop:
         self._sync_holder()
         self._publish_waiting()
         self._update_next()
-        if self.holder is not None and not self.draining:
-            if self.shm.slots[self.holder.slot].lease_until_ns == 0:
-                self._maybe_finish()  # handed back early without a message
+        if self.holder is not None and self.shm.slots[self.holder.slot].lease_until_ns == 0:
+            self._maybe_finish()  # over without a (usable) message
         self.schedule()
 
     # -- status -------------------------------------------------------------------------------

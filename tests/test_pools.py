@@ -143,6 +143,18 @@ def test_pool_serves_two_warm_then_cold_and_refills(jupyter_server, gpushare_env
     assert {first, second, third} <= listed and not listed & set(refilled)
     assert "handed out warm" in server.log_path.read_text()
 
+    # a restart of the handed-out kernel is the user's kernel restarting: same place, same share
+    restarted = server.post(f"/api/kernels/{first}/restart")
+    assert restarted.status_code == 200, restarted.text
+    client = server.client(first)
+    again = json.loads(client.execute(
+        "import os, json; print(json.dumps([os.getcwd(), os.environ.get('JPY_SESSION_NAME'), "
+        "os.environ['GPUSHARE_ALLOCATION_ID']]))"))
+    client.close()
+    assert again == seen[:2] + seen[3:]
+    [mine] = [a for a in server.allocations() if a["kernel_id"] == first]
+    assert mine["owner"] == "kernel" and mine["extra"]["claimed_from_pool"] == "small"
+
 
 def test_pool_refill_errors_are_shown_and_starts_fall_back(jupyter_server, gpushare_env):
     # 3 warm kernels of 0.5 cannot fit on one GPU: the third is a refill error, not a crash

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 from support import JupyterServer, wait_for
 
+from jupyter_gpushare.pools.binding import bind_code, session_changes
 from jupyter_gpushare.pools.config import PoolConfigError, parse_pools
 
 MANAGER = "--ServerApp.kernel_manager_class=jupyter_gpushare.pools.PoolKernelManager"
@@ -77,6 +79,22 @@ def test_bad_pool_config_stops_the_server(gpushare_env, pool, words):
     for word in words:
         assert word in str(failed.value)
     assert server.proc is not None and server.proc.returncode != 0
+
+
+def test_binding_changes_only_the_session_and_never_the_share():
+    launch = {"HOME": "/h", "CUDA_VISIBLE_DEVICES": "GPU-1", "GPUSHARE_ALLOCATION_ID": "a-1"}
+    session = {"HOME": "/h", "JPY_SESSION_NAME": "/w/nb.ipynb", "CUDA_VISIBLE_DEVICES": "",
+               "GPUSHARE_ALLOCATION_ID": "a-2", "LD_PRELOAD": "", "EXTRA": "1"}
+    assert session_changes(launch, session) == {"JPY_SESSION_NAME": "/w/nb.ipynb", "EXTRA": "1"}
+    code = bind_code("/w", {"A": "b'c"}, "/w/nb.ipynb")
+    namespace: dict[str, Any] = {"get_ipython": lambda: type("S", (), {"user_ns": namespace})()}
+    here = os.getcwd()
+    try:
+        exec(compile(code, "bind", "exec"), namespace)  # our own generated code
+        assert os.environ["A"] == "b'c" and namespace["__session__"] == "/w/nb.ipynb"
+    finally:
+        os.environ.pop("A", None)
+        os.chdir(here)
 
 
 # -- warm hand-over --------------------------------------------------------------------------

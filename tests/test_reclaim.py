@@ -48,7 +48,7 @@ def test_idle_kernel_is_warned_then_released_busy_kernel_keeps_its_share(
     config = Path(gpushare_env["JUPYTER_CONFIG_DIR"])
     config.mkdir(parents=True, exist_ok=True)
     (config / "jupyter_server_config.json").write_text(json.dumps({"GpuShare": {
-        "reclaim_idle_after": 4, "reclaim_grace": 4, "reclaim_interval": 0.5,
+        "reclaim_idle_after": 4, "reclaim_grace": 6, "reclaim_interval": 0.5,
         "reclaim_exempt_profiles": ["gpushare-exempt"],
     }}))
     add_kernelspec(gpushare_env, "gpushare-exempt", {"gpu_request": 0.25, "gpu_limit": 0.5})
@@ -73,6 +73,10 @@ def test_idle_kernel_is_warned_then_released_busy_kernel_keeps_its_share(
     out = idle_client.execute("print('cell ran')")  # the next cell shows the warning
     assert "has not used its GPU share" in out and "cell ran" in out
     assert "has not used" not in idle_client.execute("1 + 1")  # once per warning
+    shown = idle_client.execute(  # and the panel shows it
+        "from jupyter_gpushare.notebook.panel import GpuPanel\n"
+        "p = GpuPanel(); p.refresh(); print(p.message.value); p.close()")
+    assert 'data-field="reclaim_warning"' in shown and "has not used its GPU share" in shown
 
     gone = wait_for(lambda: ids[idle["id"]] not in {a["id"] for a in server.allocations()},
                     timeout=30)

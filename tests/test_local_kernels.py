@@ -134,7 +134,9 @@ def test_release_over_rest(jupyter_server):
     assert server.allocations() == []
     client = server.client(kernel["id"])
     assert client.execute("print(1 + 1)").strip() == "2"  # the kernel lives on
+    assert int(client.execute("import os; print(os.getpid())")) == alloc["pid"]  # not restarted
     client.close()
+    assert server.get(f"/api/kernels/{kernel['id']}").json()["execution_state"] != "starting"
 
 
 def _alive(pid: int) -> bool:

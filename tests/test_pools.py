@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import os
@@ -212,3 +213,45 @@ def test_the_idle_culler_spares_warm_kernels(jupyter_server, gpushare_env):
     assert [k["kernel_id"] for k in pool_view(server)["kernels"]] == [refilled]
     assert refilled in {a["kernel_id"] for a in server.allocations()}
     assert "Culling" in server.log_path.read_text()
+
+
+async def test_the_schedule_grows_and_shrinks_the_pool(gpushare_env, tmp_path, monkeypatch):
+    """In-process: jupyter_server's kernel manager with a pool whose schedule is read from a
+    clock the test sets (real kernels, real ledger)."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    from jupyter_gpushare.config import GpuShare
+    from jupyter_gpushare.pools.kernel_manager import PoolKernelManager
+
+    for key, value in gpushare_env.items():
+        monkeypatch.setenv(key, value)
+    GpuShare.clear_instance()
+    settings = GpuShare.instance(simulate="1xA100", enforce=False, pools=[{
+        "name": "sched", "kernelspec": "gpushare-python", "share": SMALL, "size": 1,
+        "schedule": [{"days": "mon-fri", "hours": "09:00-17:00", "size": 2}],
+    }])
+    km = PoolKernelManager(root_dir=str(tmp_path), kernel_spec_manager=KernelSpecManager())
+    now = [dt.datetime(2026, 11, 16, 10, 0)]  # a Monday morning: 2
+    km.pools.clock = lambda: now[0]
+
+    async def settled(count: int) -> list[str]:
+        for _ in range(600):
+            [pool] = km.pools.model()
+            held = [a for a in await settings.local_ledger().list() if a.owner == "pool"]
+            if pool["ready"] == count and pool["starting"] == 0 and len(held) == count:
+                assert pool["target"] == count
+                return [k["kernel_id"] for k in pool["kernels"]]
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"the pool did not settle at {count}: {km.pools.model()}")
+
+    km.pools.start()
+    try:
+        morning = await settled(2)
+        now[0] = dt.datetime(2026, 11, 16, 20, 0)  # evening: 1
+        km.pools.wake()
+        evening = await settled(1)
+        assert set(evening) < set(morning)  # one stopped (and its share released), one kept
+        assert len(km.list_kernel_ids()) == 1
+    finally:
+        await km.shutdown_all(now=True)
+        GpuShare.clear_instance()

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as _dt
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,12 +68,12 @@ class Pool:
     def error(self, message: str) -> None:
         self.errors.append({"time": time.time(), "message": message})
 
-    def to_json(self, now: float) -> dict[str, Any]:
+    def to_json(self, now: float, when: _dt.datetime) -> dict[str, Any]:
         return {
             **self.profile.to_json(),
             "resolved_share": self.spec.to_json(),
             "backend": self.backend,
-            "target": self.profile.target(),
+            "target": self.profile.target(when),
             "ready": len(self.ready),
             "starting": self.starting,
             "claimed": self.claimed,
@@ -90,6 +91,8 @@ class PoolManager:
     kernels are shut down."""
 
     def __init__(self, km: PoolKernelManager, pools: list[Pool], interval: float = 1.0) -> None:
+        #: local wall time, for the pools' schedules (replaceable, e.g. in tests)
+        self.clock: Callable[[], _dt.datetime] = _dt.datetime.now
         self.km = km
         self.log = km.log
         self.pools = {p.profile.name: p for p in pools}
@@ -141,7 +144,7 @@ class PoolManager:
 
     async def _tend(self, pool: Pool) -> None:
         await self._drop_dead(pool)
-        target = pool.profile.target()
+        target = pool.profile.target(self.clock())
         if len(pool.ready) > target:
             await self._trim(pool, target)
         elif len(pool.ready) + pool.starting < target and time.monotonic() >= pool.retry_at:
@@ -205,7 +208,7 @@ class PoolManager:
         pool.ready.append(WarmKernel(kernel_id, pool.profile.name, began, time.time(), client))
         self.log.info("gpushare: pool %s: warm kernel %s ready in %.2f s (%d/%d)",
                       pool.profile.name, kernel_id, time.monotonic() - began, len(pool.ready),
-                      pool.profile.target())
+                      pool.profile.target(self.clock()))
 
     async def _shutdown(self, kernel_id: str) -> None:
         with contextlib.suppress(Exception):
@@ -274,7 +277,7 @@ class PoolManager:
 
     def model(self) -> list[dict[str, Any]]:
         now = time.monotonic()
-        return [p.to_json(now) for p in self.pools.values()]
+        return [p.to_json(now, self.clock()) for p in self.pools.values()]
 
 
 def _close_client(warm: WarmKernel) -> None:

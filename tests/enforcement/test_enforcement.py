@@ -151,7 +151,9 @@ def test_released_share_refuses_further_work(daemon, ledger, gpus, tmp_path):
 def test_daemon_kill9_fail_static_and_takeover(daemon, ledger, gpus, tmp_path):
     a = add_allocation(ledger, gpus[0], 0.3, 0.3)
     b = add_allocation(ledger, gpus[0], 0.7, 0.7)
-    ta = spawn_tenant(daemon, ledger, a, gpus, ["spin", "9", "1000", "8"], tmp_path)
+    held = {"GS_TENANT_HOLD_BYTES": str(3 * 2**20)}
+    ta = spawn_tenant(daemon, ledger, a, gpus, ["spin", "9", "1000", "8"], tmp_path,
+                      extra_env=held)
     tb = spawn_tenant(daemon, ledger, b, gpus, ["spin", "9", "1000", "8"], tmp_path)
     time.sleep(2.0)
     daemon.kill9()
@@ -165,6 +167,9 @@ def test_daemon_kill9_fail_static_and_takeover(daemon, ledger, gpus, tmp_path):
                 break
             time.sleep(0.1)
         assert all(x["connected"] for x in status["allocations"]), status
+        # the memory ledger survived the crash (shared-memory files are reused)
+        used = {x["id"]: x["memory_used"] for x in status["allocations"]}
+        assert used == {a.id: 3 * 2**20, b.id: 0}, used
         restarted = time.monotonic_ns()
         ta.finish()
         tb.finish()

@@ -104,6 +104,9 @@ static int spin(double seconds, uint64_t kernel_us, int sync_every) {
     load();
     CUstream s;
     CHECK(p_cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    const char *hold = getenv("GS_TENANT_HOLD_BYTES"); /* memory kept for the whole run */
+    CUdeviceptr held = 0;
+    if (hold) CHECK(p_cuMemAlloc_v2(&held, strtoull(hold, NULL, 10)));
     CUevent ev[3];
     for (int i = 0; i < 3; i++) CHECK(p_cuEventCreate(&ev[i], CU_EVENT_DISABLE_TIMING));
     uint64_t start = now_ns(), end = start + (uint64_t)(seconds * 1e9), next_print = 0;
@@ -127,6 +130,7 @@ static int spin(double seconds, uint64_t kernel_us, int sync_every) {
         }
     }
     CHECK(p_cuStreamSynchronize(s));
+    if (held) CHECK(p_cuMemFree_v2(held));
     done += (uint64_t)sync_every * kernel_us * (uint64_t)(batch > 1 ? 2 : batch);
     printf("{\"t\":%llu,\"done_us\":%llu,\"end\":true}\n", (unsigned long long)now_ns(),
            (unsigned long long)done);

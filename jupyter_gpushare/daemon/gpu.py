@@ -359,9 +359,12 @@ class GpuLoop:
         if handed and first and 0 <= self.lease_start - self._prev_end < 5_000_000:
             self.handoff_gaps.append(max(0, first - self._prev_end))  # granted on the spot
             if first - self._prev_end > 5_000_000:
-                log.debug("GPU %s: slow handoff to %s: %.1f ms (granted %.1f ms after the end)",
+                log.debug("GPU %s: slow handoff to %s: %.1f ms (granted %.1f ms after the end, "
+                          "lease %.1f ms, charged to %.1f ms)",
                           self.uuid, tenant.allocation, (first - self._prev_end) / 1e6,
-                          (self.lease_start - self._prev_end) / 1e6)
+                          (self.lease_start - self._prev_end) / 1e6,
+                          (self.lease_until - self.lease_start) / 1e6,
+                          (end - self.lease_start) / 1e6)
         self._prev_end = end
         self._prev_holder = tenant
         tenant.window.charge(start, end)

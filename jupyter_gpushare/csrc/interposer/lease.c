@@ -522,6 +522,9 @@ static int try_handoff(struct gs_gpu *g) {
         return -1;
     uint32_t next = atomic_load(&h->next_slot);
     if (next == 0 || next > GPUSHARE_WIRE_SLOTS) return -1;
+    /* to ourselves only by extension (try_extend): a new lease in the same slot would overwrite
+     * the fields the daemon charges the old one from */
+    if (next == (uint32_t)g->slot_index + 1) return -1;
     struct gpushare_wire_slot *n =
         (struct gpushare_wire_slot *)((char *)h + GPUSHARE_WIRE_HEADER_SIZE +
                                       (size_t)(next - 1) * GPUSHARE_WIRE_SLOT_SIZE);

@@ -87,6 +87,7 @@ async def reconcile(
 
 
 def _stop_orphan(allocation: Allocation) -> None:
-    if allocation.owner == "kernel" and process_alive(allocation.pid, allocation.pid_start):
+    orphan = allocation.owner in ("kernel", "pool")
+    if orphan and process_alive(allocation.pid, allocation.pid_start):
         with contextlib.suppress(OSError):
             os.kill(allocation.pid or 0, signal.SIGTERM)

@@ -8,8 +8,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .. import paths
-from ..inventory import Gpu, simulator_device_list
+from ..inventory import Gpu
 from ..ledger import Allocation
+from ..simulator import simulator_env
 
 
 def interposer_path() -> Path:
@@ -24,16 +25,9 @@ def sim_state_path(socket_path: Path) -> Path:
 
 
 def simulator_environ(gpus: Sequence[Gpu], socket_path: Path) -> dict[str, str]:
-    """The simulator's variables for simulated ``gpus`` (all of the node's simulated GPUs)."""
-    sim_dir = str(paths.lib_dir() / "sim")
-    library_path = os.environ.get("LD_LIBRARY_PATH", "")
-    parts = [sim_dir, *[p for p in library_path.split(":") if p and p != sim_dir]]
-    return {
-        "GPUSHARE_SIMULATED": "1",
-        "GPUSHARE_SIM_DEVICES": simulator_device_list(gpus),
-        "GPUSHARE_SIM_STATE": str(sim_state_path(socket_path)),
-        "LD_LIBRARY_PATH": ":".join(parts),
-    }
+    """The simulator's variables for simulated ``gpus`` (all of the node's simulated GPUs),
+    with the shared state next to the daemon's socket."""
+    return simulator_env(gpus, sim_state_path(socket_path))
 
 
 def kernel_env(

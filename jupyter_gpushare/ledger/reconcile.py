@@ -72,15 +72,17 @@ async def reconcile(
     node: str,
     my_server_pid: int | None = None,
     live_kernel_ids: Collection[str] | None = None,
+    logger: logging.Logger | logging.LoggerAdapter | None = None,
 ) -> list[Allocation]:
     """Release the stale allocations on ``node``; returns what was released."""
+    logger = logger or log
     released = []
     for allocation in await ledger.list(node):
         reason = stale_reason(allocation, my_server_pid, live_kernel_ids)
         if reason is None:
             continue
         if await ledger.release(allocation.id) is not None:
-            log.info("gpushare: released %s (%s): %s", allocation.id, allocation.owner, reason)
+            logger.info("gpushare: released %s (%s): %s", allocation.id, allocation.owner, reason)
             released.append(allocation)
         _stop_orphan(allocation)
     return released

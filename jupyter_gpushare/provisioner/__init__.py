@@ -87,6 +87,7 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         self.allocation: Allocation | None = None
         self._kernel_backend: KernelBackend | None = None
         self._crashed = False
+        self._shutdown_asked = False
         self._owner = "kernel"  # "pool" for a warm pool kernel (see jupyter_gpushare.pools)
         self._pool: str | None = None
 
@@ -164,6 +165,7 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         user_share = kwargs.pop("gpushare_share", None)
         self._owner = kwargs.pop("gpushare_owner", None) or "kernel"  # pools start warm kernels
         self._pool = kwargs.pop("gpushare_pool", None)
+        self._shutdown_asked = False
         if self._crashed:
             await self._release("the kernel process died; reserving again for its restart")
             self._crashed = False
@@ -216,7 +218,7 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         await self.kernel_backend.send_signal(signum)
 
     async def kill(self, restart: bool = False) -> None:
-        if restart and await self.kernel_backend.poll() is not None:
+        if restart and not self._shutdown_asked and await self.kernel_backend.poll() is not None:
             self._crashed = True  # the restarter is replacing a process that died by itself
         await self.kernel_backend.kill(restart)
 
@@ -224,6 +226,9 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         await self.kernel_backend.terminate(restart)
 
     async def shutdown_requested(self, restart: bool = False) -> None:
+        self._shutdown_asked = True  # a process that exits from now on did not crash
+        if restart:  # before the process exits, so reconciliation does not take it for gone
+            await self._mark_restarting()
         await self.kernel_backend.shutdown_requested(restart)
 
     async def cleanup(self, restart: bool = False) -> None:

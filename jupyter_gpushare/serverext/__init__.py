@@ -44,6 +44,7 @@ class Reconciler:
             self.settings.node_name,
             my_server_pid=os.getpid(),
             live_kernel_ids=set(self.kernel_manager.list_kernel_ids()),
+            logger=self.log,
         )
         return len(released)
 

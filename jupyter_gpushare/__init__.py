@@ -25,41 +25,22 @@ def load_ipython_extension(ipython: Any) -> None:
     load(ipython)
 
 
-def panel(interval: float = 1.0) -> Any:
-    """A live ipywidgets panel of this kernel's GPU share, with a Release button."""
-    from .notebook.panel import panel as make
-
-    return make(interval)
-
-
-def status() -> dict[str, Any]:
-    """This kernel's share and its GPU now (see :func:`.notebook.actions.status`)."""
-    from .notebook.actions import status as get
-
-    return get()
+#: the plain-Python API of a gpushare kernel: name -> module that defines it
+_KERNEL_API = {
+    "panel": "jupyter_gpushare.notebook.panel",
+    "status": "jupyter_gpushare.notebook.actions",
+    "gpus": "jupyter_gpushare.notebook.actions",
+    "release": "jupyter_gpushare.notebook.actions",
+    "request": "jupyter_gpushare.notebook.actions",
+}
+__all__ = ["__version__", "load_ipython_extension", *_KERNEL_API]
 
 
-def gpus() -> list[dict[str, Any]]:
-    """Every GPU in the ledger with its free capacity."""
-    from .notebook.actions import gpus as get
+def __getattr__(name: str) -> Any:
+    """``jupyter_gpushare.panel()``, ``.status()``, ``.gpus()``, ``.release()``, ``.request()``:
+    the functions of :mod:`.notebook.panel` and :mod:`.notebook.actions`, loaded on first use."""
+    if name in _KERNEL_API:
+        import importlib
 
-    return get()
-
-
-def release() -> dict[str, Any]:
-    """Give this kernel's GPU share back; the kernel keeps running without a GPU."""
-    from .notebook.actions import release as do
-
-    return do()
-
-
-def request(
-    gpu_request: float | str | None = None,
-    gpu_limit: float | str | None = None,
-    gpu_memory: int | str | None = None,
-    gpu_type: str | None = None,
-) -> dict[str, Any]:
-    """Change this kernel's share live, or reserve a new one after a release."""
-    from .notebook.actions import request as do
-
-    return do(gpu_request, gpu_limit, gpu_memory, gpu_type)
+        return getattr(importlib.import_module(_KERNEL_API[name]), name)
+    raise AttributeError(f"module 'jupyter_gpushare' has no attribute {name!r}")

@@ -30,6 +30,7 @@ from typing import Any
 
 from .daemon.client import DaemonClient, DaemonUnavailable
 from .ledger import Allocation, AllocationNotFound, Ledger
+from .periodic import PeriodicTask
 from .share import format_bytes
 
 WARN, RELEASE, WITHDRAW = "warn", "release", "withdraw"
@@ -93,17 +94,24 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
-class IdleReclaimer:
+class IdleReclaimer(PeriodicTask):
     """The server's background task applying :func:`decide` to this node's allocations."""
+
+    what = "idle reclaim pass"
 
     def __init__(self, settings: Any, ledger: Callable[[], Ledger],
                  profiles_of: Callable[[Allocation], Collection[str]], log: Any) -> None:
+        super().__init__(log)
         self.settings = settings
         self.ledger = ledger
         self.profiles_of = profiles_of
-        self.log = log
-        self._task: asyncio.Task[None] | None = None
         self._daemon_missing_logged = False
+
+    def interval(self) -> float:
+        return float(self.settings.reclaim_interval)
+
+    def enabled(self) -> bool:
+        return bool(self.settings.reclaim_idle_after > 0)
 
     def daemon(self) -> DaemonClient:
         return DaemonClient(self.settings.socket_path, timeout=2.0)
@@ -170,25 +178,6 @@ class IdleReclaimer:
     def _refresh_daemon(self) -> None:
         with contextlib.suppress(DaemonUnavailable, OSError, ValueError):
             self.daemon().refresh()
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(max(0.1, float(self.settings.reclaim_interval)))
-            if self.settings.reclaim_idle_after <= 0:
-                continue
-            try:
-                await self.run_once()
-            except Exception:  # keep going; report
-                self.log.exception("gpushare: idle reclaim pass failed")
-
-    def start(self) -> None:
-        self._task = asyncio.ensure_future(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
 
 
 # -- inside the kernel: the warning in the next cell's output ----------------------------------

@@ -8,7 +8,6 @@ releases allocations left behind by dead kernels or servers, and keeps doing so 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +18,7 @@ from ..daemon.env import interposer_path
 from ..daemon.supervisor import ensure_daemon
 from ..inventory import Gpu, NoGpuError
 from ..ledger.reconcile import reconcile
+from ..periodic import PeriodicTask
 from .admin_handlers import admin_handlers, start_admin_tasks
 from .handlers import handlers
 from .ui_handlers import ui_handlers
@@ -28,14 +28,18 @@ def _jupyter_server_extension_points() -> list[dict[str, str]]:
     return [{"module": "jupyter_gpushare.serverext"}]
 
 
-class Reconciler:
+class Reconciler(PeriodicTask):
     """Periodically releases allocations whose kernel or server is gone."""
 
+    what = "reconciliation"
+
     def __init__(self, settings: GpuShare, kernel_manager: Any, log: Any) -> None:
+        super().__init__(log)
         self.settings = settings
         self.kernel_manager = kernel_manager
-        self.log = log
-        self._task: asyncio.Task[None] | None = None
+
+    def interval(self) -> float:
+        return float(self.settings.reconcile_interval)
 
     async def run_once(self) -> int:
         ledger = self.settings.local_ledger()
@@ -47,23 +51,6 @@ class Reconciler:
             logger=self.log,
         )
         return len(released)
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.run_once()
-            except Exception:  # keep reconciling; report and go on
-                self.log.exception("gpushare: reconciliation failed")
-            await asyncio.sleep(self.settings.reconcile_interval)
-
-    def start(self) -> None:
-        self._task = asyncio.ensure_future(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
 
 
 async def start_node_daemon(settings: GpuShare, gpus: Sequence[Gpu], log: Any) -> None:

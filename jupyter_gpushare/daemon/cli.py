@@ -21,6 +21,7 @@ from traitlets.config import Configurable
 
 from .. import paths
 from ..inventory import local_node_name
+from ..ledger import Ledger
 
 
 class DaemonConfig(Configurable):
@@ -41,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"unix socket to serve (default {paths.socket_path()})")
     parser.add_argument("--ledger", type=Path, default=None,
                         help=f"SQLite ledger to follow (default {paths.ledger_path()})")
+    parser.add_argument("--kubernetes-namespace", default=None, metavar="NS",
+                        help="follow the Kubernetes ledger (GpuLedger records in NS) instead of "
+                        "a SQLite ledger (a DaemonSet on a cluster)")
+    parser.add_argument("--kubeconfig", default="",
+                        help="with --kubernetes-namespace: kubeconfig file (default: in-cluster "
+                        "service account, else $KUBECONFIG)")
     parser.add_argument("--node", default=None,
                         help="node name whose allocations to enforce (default: this host)")
     parser.add_argument("--simulate-devices", "--simulate", dest="simulate", default=None,
@@ -60,6 +67,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO", help="logging level")
 
 
+async def _ledger(args: argparse.Namespace) -> Ledger:
+    """The ledger this daemon follows: the node's GpuLedger records on Kubernetes, else SQLite."""
+    if args.kubernetes_namespace:
+        from ..k8s.client import connect
+        from ..k8s.ledger import KubernetesLedger
+
+        return KubernetesLedger(await connect(args.kubeconfig), args.kubernetes_namespace)
+    from ..ledger.sqlite import SQLiteLedger
+
+    return SQLiteLedger(args.ledger or paths.ledger_path())
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; returns the exit status."""
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
@@ -75,7 +94,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    from ..ledger.sqlite import SQLiteLedger
     from .env import simulator_environ
     from .server import Daemon, DaemonSettings
 
@@ -99,7 +117,7 @@ async def _main(args: argparse.Namespace) -> None:
         metrics_port=args.metrics_port or None,
         nvml_library=nvml_library,
     )
-    ledger = SQLiteLedger(args.ledger or paths.ledger_path())
+    ledger = await _ledger(args)
     daemon = Daemon(ledger, settings)
     await daemon.start()
     loop = asyncio.get_running_loop()

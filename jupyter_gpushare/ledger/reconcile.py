@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import Collection
 
 import psutil
@@ -20,6 +21,9 @@ import psutil
 from . import Allocation, Ledger
 
 log = logging.getLogger(__name__)
+
+#: how long a new kernel may be missing from its server's kernel list while it starts
+STARTING_GRACE_S = 120.0
 
 
 def process_alive(pid: int | None, start: float | None) -> bool:
@@ -62,6 +66,8 @@ def stale_reason(
         and allocation.owner == "kernel"
         and allocation.kernel_id not in live_kernel_ids
         and allocation.state == "active"
+        # a kernel joins the server's list only once it answers: leave starting ones alone
+        and time.time() - allocation.created > STARTING_GRACE_S
     ):
         return f"kernel {allocation.kernel_id} is no longer running in this server"
     return None

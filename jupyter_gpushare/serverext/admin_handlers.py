@@ -1,12 +1,9 @@
-"""REST for pools, live resize and idle reclaim, and the server tasks behind them.
+"""REST for pools and idle reclaim, and the server tasks behind them.
 
 - ``GET /gpushare/api/pools`` → ``{"pools": [profile + resolved_share, target, ready, starting,
   claimed, started, kernels, refill_errors, retry_in_s]}`` (``enabled`` false, with a message,
   when the server's kernel manager has no pools).
-- ``PATCH /gpushare/api/allocations/{id}`` ``{"gpu_request"?, "gpu_limit"?, "gpu_memory"?}`` →
-  200 with the changed allocation; 400 ``invalid_share``; 409 ``no_fit`` (not on its current
-  GPU) or ``below_use`` (memory cap below current use, with ``memory_used``); 404. GET and DELETE
-  of the same path are :class:`~.handlers.AllocationHandler`'s.
+- ``PATCH /gpushare/api/allocations/{id}`` (live resize) is :class:`~.handlers.AllocationHandler`'s.
 - ``GET /gpushare/api/reclaim`` → the policy and the allocations warned now (their
   ``reclaim_warning`` is also in each allocation's ``extra``).
 """
@@ -19,12 +16,9 @@ from typing import Any
 from jupyter_server.utils import url_path_join
 from tornado import web
 
-from ..ledger import Allocation, AllocationNotFound, LedgerConflict
-from ..placement import PlacementRefused
+from ..ledger import Allocation
 from ..reclaim import IdleReclaimer, ReclaimPolicy
-from ..resize import BelowUse, resize
-from ..share import ShareError
-from .handlers import AllocationHandler, GpushareHandler, _not_found
+from .handlers import GpushareHandler
 
 
 class PoolsHandler(GpushareHandler):
@@ -39,31 +33,6 @@ class PoolsHandler(GpushareHandler):
             }))
             return
         self.finish(json.dumps({"enabled": True, "pools": pools.model()}, default=str))
-
-
-class ResizableAllocationHandler(AllocationHandler):
-    @web.authenticated
-    async def patch(self, allocation_id: str) -> None:
-        try:
-            change = json.loads(self.request.body or b"{}")
-        except json.JSONDecodeError as exc:
-            return self.fail(400, {"error": "bad_json", "message": f"request body: {exc}"})
-        if not isinstance(change, dict) or not change:
-            return self.fail(400, {"error": "bad_json", "message": "the body must be an object "
-                                   "with gpu_request, gpu_limit and/or gpu_memory"})
-        actor = getattr(self.current_user, "username", None) or "REST"
-        try:
-            _before, after = await resize(self.gpushare.local_ledger(), allocation_id, change,
-                                          self.gpushare.socket_path, actor, self.log)
-        except AllocationNotFound:
-            return self.fail(404, _not_found(allocation_id))
-        except ShareError as exc:
-            return self.fail(400, exc.to_json())
-        except (PlacementRefused, BelowUse) as exc:
-            return self.fail(409, exc.to_json())
-        except LedgerConflict as exc:
-            return self.fail(503, {"error": "busy", "message": str(exc)})
-        self.finish(json.dumps(after.to_json()))
 
 
 class ReclaimHandler(GpushareHandler):
@@ -83,13 +52,10 @@ class ReclaimHandler(GpushareHandler):
 
 
 def admin_handlers(base_url: str) -> list[tuple[str, type]]:
-    """Registered *before* :func:`.handlers.handlers`, so that the allocation path gets PATCH."""
     api = url_path_join(base_url, "gpushare", "api")
     return [
         (url_path_join(api, "pools"), PoolsHandler),
         (url_path_join(api, "reclaim"), ReclaimHandler),
-        (url_path_join(api, "allocations", r"(?P<allocation_id>[A-Za-z0-9_.-]+)"),
-         ResizableAllocationHandler),
     ]
 
 

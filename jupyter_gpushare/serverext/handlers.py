@@ -17,8 +17,10 @@ from tornado import web
 
 from ..config import GpuShare
 from ..inventory import Gpu, NoGpuError, check_spec
-from ..ledger import Allocation, LedgerConflict
+from ..ledger import Allocation, AllocationNotFound, LedgerConflict
+from ..placement import PlacementRefused
 from ..provisioner import ShareRefused
+from ..resize import BelowUse, resize
 from ..share import ShareError, ShareSpec
 
 
@@ -66,6 +68,18 @@ class GpushareHandler(APIHandler):  # type: ignore[misc]
     @property
     def gpushare(self) -> GpuShare:
         return self.settings["gpushare"]
+
+    def json_body(self) -> dict[str, Any] | None:
+        """The request's JSON object, or None after answering 400."""
+        try:
+            body = json.loads(self.request.body or b"{}")
+        except json.JSONDecodeError as exc:
+            self.fail(400, {"error": "bad_json", "message": f"request body: {exc}"})
+            return None
+        if not isinstance(body, dict):
+            self.fail(400, {"error": "bad_json", "message": "the body must be an object"})
+            return None
+        return body
 
     def fail(self, status: int, body: dict[str, Any]) -> None:
         self.set_status(status)
@@ -122,6 +136,32 @@ class AllocationHandler(GpushareHandler):
         self.finish()
 
 
+    @web.authenticated
+    async def patch(self, allocation_id: str) -> None:
+        """Live resize: ``{"gpu_request"?, "gpu_limit"?, "gpu_memory"?}`` -> 200 with the
+        changed allocation; 400 invalid share; 409 ``no_fit`` (not on its current GPU) or
+        ``below_use`` (memory cap below current use, with ``memory_used``); 404."""
+        change = self.json_body()
+        if change is None:
+            return None
+        if not change:
+            return self.fail(400, {"error": "bad_json", "message": "give gpu_request, "
+                                   "gpu_limit and/or gpu_memory"})
+        actor = getattr(self.current_user, "username", None) or "REST"
+        try:
+            _before, after = await resize(self.gpushare.local_ledger(), allocation_id, change,
+                                          self.gpushare.socket_path, actor, self.log)
+        except AllocationNotFound:
+            return self.fail(404, _not_found(allocation_id))
+        except ShareError as exc:
+            return self.fail(400, exc.to_json())
+        except (PlacementRefused, BelowUse) as exc:
+            return self.fail(409, exc.to_json())
+        except LedgerConflict as exc:
+            return self.fail(503, {"error": "busy", "message": str(exc)})
+        self.finish(json.dumps(after.to_json()))
+
+
 class PresetsHandler(GpushareHandler):
     @web.authenticated
     async def get(self) -> None:
@@ -137,12 +177,9 @@ class KernelsHandler(GpushareHandler):
 
     @web.authenticated
     async def post(self) -> None:
-        try:
-            body = json.loads(self.request.body or b"{}")
-        except json.JSONDecodeError as exc:
-            return self.fail(400, {"error": "bad_json", "message": f"request body: {exc}"})
-        if not isinstance(body, dict):
-            return self.fail(400, {"error": "bad_json", "message": "the body must be an object"})
+        body = self.json_body()
+        if body is None:
+            return None
         share = body.get("share") or {}
         try:
             spec = ShareSpec.from_mapping(share, defaults=self.gpushare.default_spec())

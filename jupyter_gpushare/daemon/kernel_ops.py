@@ -39,22 +39,8 @@ E_NO_FIT = "no_fit"
 E_NOTHING_RELEASED = "nothing_released"
 
 
-async def _own_allocation(
-    daemon: Daemon, client: Client, allocation_id: str
-) -> tuple[Allocation | None, dict[str, Any] | None]:
-    allocation = daemon.allocations.get(allocation_id)
-    refusal = daemon._check_peer(client, allocation)
-    if refusal is not None:  # maybe the ledger changed since the last poll
-        await daemon.refresh()
-        allocation = daemon.allocations.get(allocation_id)
-        refusal = daemon._check_peer(client, allocation)
-    if refusal is not None:
-        daemon.refused += 1
-    return allocation, refusal
-
-
 async def release(daemon: Daemon, client: Client, message: dict[str, Any]) -> dict[str, Any]:
-    allocation, refusal = await _own_allocation(daemon, client, str(message.get("allocation")))
+    allocation, refusal = await daemon.peer_allocation(client, str(message.get("allocation")))
     if refusal is not None:
         return refusal
     assert allocation is not None
@@ -72,7 +58,7 @@ async def resize(daemon: Daemon, client: Client, message: dict[str, Any]) -> dic
     """The rules are :func:`jupyter_gpushare.resize.resized`'s (as for ``PATCH`` over REST)."""
     from ..resize import BelowUse, resized
 
-    allocation, refusal = await _own_allocation(daemon, client, str(message.get("allocation")))
+    allocation, refusal = await daemon.peer_allocation(client, str(message.get("allocation")))
     if refusal is not None:
         return refusal
     assert allocation is not None

@@ -243,17 +243,9 @@ class Daemon:
                                 f"wire version {message.get('v')} (daemon speaks {wire.VERSION})")
         if client.allocation is not None:
             return wire.refusal(wire.E_BAD_REQUEST, "hello was already sent")
-        allocation_id = str(message.get("allocation") or "")
-        allocation = self.allocations.get(allocation_id)
-        refusal = self._check_peer(client, allocation)
-        if refusal is not None:  # maybe the ledger changed since the last poll
-            await self.refresh()
-            allocation = self.allocations.get(allocation_id)
-            refusal = self._check_peer(client, allocation)
+        allocation, refusal = await self.peer_allocation(
+            client, str(message.get("allocation") or ""))
         if refusal is not None:
-            self.refused += 1
-            log.warning("refused pid %d for %r: %s", client.pid, allocation_id,
-                        refusal["message"])
             return refusal
         assert allocation is not None
         wanted = [str(g) for g in message.get("gpus") or allocation.gpus]
@@ -280,6 +272,23 @@ class Daemon:
             "window_ns": self.settings.window_ns,
             "gpus": gpus,
         }
+
+    async def peer_allocation(
+        self, client: Client, allocation_id: str
+    ) -> tuple[Allocation | None, dict[str, Any] | None]:
+        """``allocation_id``'s allocation if the peer may act on it, else a refusal (counted and
+        logged); re-reads the ledger once before refusing, in case it changed since the poll."""
+        allocation = self.allocations.get(allocation_id)
+        refusal = self._check_peer(client, allocation)
+        if refusal is not None:
+            await self.refresh()
+            allocation = self.allocations.get(allocation_id)
+            refusal = self._check_peer(client, allocation)
+        if refusal is not None:
+            self.refused += 1
+            log.warning("refused pid %d for %r: %s", client.pid, allocation_id,
+                        refusal["message"])
+        return allocation, refusal
 
     def _check_peer(self, client: Client, allocation: Allocation | None) -> dict[str, Any] | None:
         if allocation is None:

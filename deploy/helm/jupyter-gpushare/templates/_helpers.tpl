@@ -23,7 +23,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 
 {{- define "gpushare.daemonSelector" -}}
 app.kubernetes.io/name: jupyter-gpushare
-app.kubernetes.io/component: gpushare-daemon
+app.kubernetes.io/component: node-daemon
 {{- end -}}
 
 {{- define "gpushare.image" -}}

@@ -1,0 +1,385 @@
+"""The Helm chart (deploy/helm/jupyter-gpushare) rendered by a real ``helm``: it lints, renders
+the objects of the tested plain manifests in deploy/ with its defaults, its values change what
+they should, and the API server accepts what it renders and authorizes exactly deploy/'s rules.
+
+``helm`` comes from ``.ci/setup.d/helm.sh`` (cached in /var/cache/gpushare-helm, or
+``$GPUSHARE_HELM``, or on PATH). Under CI (``CI=true``) a missing binary FAILS these tests;
+elsewhere they skip and say why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from jupyter_gpushare.cli import build_parser
+from jupyter_gpushare.daemon.env import sim_state_path
+from jupyter_gpushare.k8s.config import KubernetesBackendConfig
+from jupyter_gpushare.k8s.manifests import KernelPodRequest, PodSettings, kernel_environment
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+CHART = DEPLOY / "helm" / "jupyter-gpushare"
+HELM_CACHE = Path("/var/cache/gpushare-helm/helm")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+DAEMONSET = DEPLOY / "daemonset.yaml"
+Obj = dict[str, Any]
+
+
+def helm_binary() -> str | None:
+    for candidate in (os.environ.get("GPUSHARE_HELM"), str(HELM_CACHE), shutil.which("helm")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    binary = helm_binary()
+    if binary is None:
+        reason = f"no helm binary (run .ci/setup.d/helm.sh as root to cache it in {HELM_CACHE})"
+        if IN_CI:
+            pytest.fail(f"{reason} (CI)")
+        pytest.skip(reason)
+    version = subprocess.run([binary, "version", "--short"], capture_output=True, text=True,
+                             check=True).stdout
+    assert version.startswith("v3."), version
+    return binary
+
+
+def render(helm: str, tmp_path: Path, values: dict[str, Any] | None = None,
+           namespace: str = "gpushare") -> list[Obj]:
+    """``helm template`` (CRDs included) with ``values`` as a values file; parsed objects."""
+    args = [helm, "template", "gs", str(CHART), "--namespace", namespace, "--include-crds"]
+    if values is not None:
+        path = tmp_path / f"values-{len(list(tmp_path.glob('values-*')))}.yaml"
+        path.write_text(yaml.safe_dump(values))
+        args += ["--values", str(path)]
+    out = subprocess.run(args, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def deploy_objects() -> list[Obj]:
+    files = [*sorted((DEPLOY / "crds").glob("*.yaml")), *sorted(DEPLOY.glob("*.yaml"))]
+    return [d for f in files for d in yaml.safe_load_all(f.read_text()) if d]
+
+
+def key(obj: Obj) -> tuple[str, str, str]:
+    meta = obj["metadata"]
+    return obj["kind"], meta.get("namespace", ""), meta["name"]
+
+
+def by_key(objs: list[Obj]) -> dict[tuple[str, str, str], Obj]:
+    return {key(o): o for o in objs}
+
+
+def one(objs: list[Obj], kind: str) -> Obj:
+    found = [o for o in objs if o["kind"] == kind]
+    assert len(found) == 1, [key(o) for o in found]
+    return found[0]
+
+
+def container(pod_spec: Obj, name: str) -> Obj:
+    return next(c for c in [*pod_spec.get("initContainers", []), *pod_spec["containers"]]
+                if c["name"] == name)
+
+
+def daemon_args(ds: Obj) -> argparse.Namespace:
+    """The daemon container's command, parsed by the real ``jupyter gpushare`` parser (an
+    unknown flag fails here as it would in the pod)."""
+    command = container(ds["spec"]["template"]["spec"], "daemon")["command"]
+    assert command[:2] == ["jupyter", "gpushare"], command
+    return build_parser().parse_args(command[2:])
+
+
+def flags(command: list[str]) -> list[str]:
+    """``--flag=value`` and ``--flag value`` as one form."""
+    return [part for arg in command for part in (arg.split("=", 1) if arg.startswith("--")
+                                                  else [arg])]
+
+
+def substance(obj: Obj) -> Obj:
+    """What an object does, without the chart's bookkeeping labels: metadata is reduced to kind,
+    name and namespace; a DaemonSet's pod template keeps its spec with commands in one form
+    (the daemon's parsed by its real parser) and env as a mapping."""
+    obj = copy.deepcopy(obj)
+    obj["metadata"] = {k: v for k, v in obj["metadata"].items() if k in ("name", "namespace")}
+    if obj["kind"] != "DaemonSet":
+        return obj
+    args = daemon_args(obj)
+    spec = obj["spec"]
+    selector = spec["selector"]["matchLabels"]
+    labels = spec["template"]["metadata"]["labels"]
+    assert selector.items() <= labels.items(), (selector, labels)
+    spec["template"]["metadata"] = {}
+    pod = spec["template"]["spec"]
+    for c in [*pod.get("initContainers", []), *pod["containers"]]:
+        c["command"] = vars(args) if c["name"] == "daemon" else flags(c["command"])
+        c["env"] = {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+    return obj
+
+
+# -- lint and defaults ----------------------------------------------------------------------------
+
+
+def test_helm_lint(helm: str, tmp_path: Path) -> None:
+    for extra in ([], ["--set", "daemon.simulate=2xA100,namespace=demo,daemon.metrics.port=9400"]):
+        out = subprocess.run([helm, "lint", "--strict", str(CHART), *extra],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout
+
+
+def test_defaults_render_deploy(helm: str, tmp_path: Path) -> None:
+    """Default values, namespace gpushare: the objects of deploy/ (CRD, RBAC, DaemonSet), equal
+    in substance, and nothing else."""
+    plain = by_key(deploy_objects())
+    chart = by_key(render(helm, tmp_path))
+    assert DAEMONSET.exists(), "deploy/daemonset.yaml is missing"
+    assert sorted(chart) == sorted(plain)
+    for k, obj in plain.items():
+        assert substance(chart[k]) == substance(obj), k
+
+
+def test_rbac_is_least_privilege(helm: str, tmp_path: Path) -> None:
+    for namespace in ("gpushare", "other"):
+        for doc in render(helm, tmp_path, namespace=namespace):
+            for rule in doc.get("rules", []):
+                assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
+                assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+            assert doc.get("roleRef", {}).get("name") not in ("cluster-admin", "admin", "edit")
+
+
+def test_kernel_pods_and_daemon_agree_on_paths(helm: str, tmp_path: Path) -> None:
+    """What the server puts in kernel pods (KubernetesBackendConfig defaults → manifests) meets
+    what the chart's daemon serves: the socket, the shared-memory files the daemon hands out,
+    the simulator's state, the interposer's host directory."""
+    ds = one(render(helm, tmp_path), "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    args = daemon_args(ds)
+    volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container(pod, "daemon")["volumeMounts"]}
+    settings = PodSettings.from_config(KubernetesBackendConfig(namespace="gpushare"))
+
+    mount = Path(settings.socket_mount_path)
+    assert str(args.socket) == settings.socket_path
+    assert volumes[mounts[str(mount)]] == settings.socket_host_path
+    assert args.state_dir.is_relative_to(mount)  # the interposer maps these files in the pod
+    installer = container(pod, "install-interposer")
+    lib_volume = next(m["name"] for m in installer["volumeMounts"]
+                      if m["mountPath"] == installer["command"][-1])
+    assert volumes[lib_volume] == settings.interposer_host_path
+
+    request = KernelPodRequest(
+        name="k", namespace="gpushare", kernel_id="k", allocation_id="a-0", node="n",
+        gpus=["GPU-0"], command=["python"], env={}, server_id="s", owner={},
+        simulated_devices="A100|GPU-0|1|1",
+    )
+    kernel_env = kernel_environment(request, settings)
+    daemon_env = {e["name"]: e.get("value") for e in container(pod, "daemon").get("env", [])}
+    assert "GPUSHARE_SIM_STATE" not in daemon_env
+    assert kernel_env["GPUSHARE_SIM_STATE"] == str(sim_state_path(args.socket))
+    assert kernel_env["LD_PRELOAD"].startswith(settings.interposer_mount_path)
+
+
+# -- values ---------------------------------------------------------------------------------------
+
+
+def test_values_change_what_they_should(helm: str, tmp_path: Path) -> None:
+    default = render(helm, tmp_path)
+    values = {
+        "namespace": "science",
+        "image": {"repository": "registry.example.org/gpushare", "tag": "9.9.9",
+                  "pullPolicy": "Always"},
+        "daemon": {"simulate": "2xT4", "nodeSelector": {"pool": "demo"}, "quantumMs": 10,
+                   "windowMs": 2000, "metrics": {"port": 9500}, "socketHostPath": "/var/gs"},
+    }
+    objs = render(helm, tmp_path, values, namespace="ignored-release-ns")
+
+    # namespace: every namespaced object and every subject; cluster-wide names get a prefix
+    assert {k[1] for k in map(key, objs) if k[1]} == {"science"}
+    cluster = [o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    assert cluster and all(o["metadata"]["name"].startswith("science-") for o in cluster)
+    rendered = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    accounts = {o["metadata"]["name"] for o in objs if o["kind"] == "ServiceAccount"}
+    for binding in (o for o in objs if o["kind"].endswith("Binding")):
+        assert (binding["roleRef"]["kind"], binding["roleRef"]["name"]) in rendered
+        assert all(s["namespace"] == "science" and s["name"] in accounts
+                   for s in binding["subjects"])
+    rules = {o["metadata"]["name"].removeprefix("science-"): o["rules"]
+             for o in objs if "rules" in o}
+    assert rules == {o["metadata"]["name"]: o["rules"] for o in default if "rules" in o}
+
+    ds = one(objs, "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    images = {c["image"] for c in [*pod["initContainers"], *pod["containers"]]}
+    assert images == {"registry.example.org/gpushare:9.9.9"}
+    assert {c["imagePullPolicy"] for c in pod["containers"]} == {"Always"}
+
+    args = daemon_args(ds)
+    assert args.simulate == "2xT4" and not args.simulate_from_node_label
+    assert (args.quantum_ms, args.window_ms, args.metrics_port) == (10, 2000, 9500)
+    assert args.metrics_host == "0.0.0.0"
+    assert container(pod, "daemon")["ports"] == [{"name": "metrics", "containerPort": 9500}]
+    env = {e["name"] for e in container(pod, "daemon")["env"]}
+    assert "NVIDIA_VISIBLE_DEVICES" not in env  # no NVML on a simulated cluster
+    assert pod["nodeSelector"] == {"pool": "demo"}
+    assert "affinity" not in pod  # simulate: no GPU-node placement
+    assert {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}["socket"] == "/var/gs"
+
+    default_pod = one(default, "DaemonSet")["spec"]["template"]["spec"]
+    default_args = daemon_args(one(default, "DaemonSet"))
+    assert default_args.simulate is None and default_args.simulate_from_node_label
+    assert default_args.metrics_port == 0 and "ports" not in container(default_pod, "daemon")
+    assert "nodeSelector" not in default_pod and "affinity" in default_pod
+    assert one(default, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["image"] \
+        .endswith(":" + yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"])
+
+
+def test_placement_values(helm: str, tmp_path: Path) -> None:
+    """affinity: null keeps the GPU-node default, {} removes it, anything else replaces it;
+    without simulateFromNodeLabel the demo-node term and flag are gone."""
+    own = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "gpu", "operator": "In", "values": ["yes"]}]}]}}}
+    replaced = one(render(helm, tmp_path, {"daemon": {"affinity": own}}), "DaemonSet")
+    assert replaced["spec"]["template"]["spec"]["affinity"] == own
+    removed = one(render(helm, tmp_path, {"daemon": {"affinity": {}}}), "DaemonSet")
+    assert "affinity" not in removed["spec"]["template"]["spec"]
+    real_only = one(render(helm, tmp_path, {"daemon": {"simulateFromNodeLabel": False}}),
+                    "DaemonSet")
+    terms = real_only["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [
+        {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}]}]
+    assert not daemon_args(real_only).simulate_from_node_label
+    no_reconciler = render(helm, tmp_path, {"reconciler": {"enabled": False}})
+    names = [c["name"] for c in one(no_reconciler, "DaemonSet")["spec"]["template"]["spec"][
+        "containers"]]
+    assert names == ["daemon"]
+
+
+# -- the API server -------------------------------------------------------------------------------
+
+NAMESPACE = "gpushare-helm"
+VERBS = ("get", "list", "watch", "create", "update", "patch", "delete")
+
+
+@pytest.fixture(scope="module")
+def installed(helm: str, tmp_path_factory: pytest.TempPathFactory,
+              control_plane: Any) -> Iterator[tuple[Any, list[Obj]]]:
+    """The chart rendered for namespace gpushare-helm, created through the admin's client. The
+    DaemonSet is created with dryRun=All (validated and admitted, never stored): stored, its pods
+    would land on the node agent's fake nodes next to deploy/'s daemon."""
+    from kubernetes import client, config, utils
+
+    api = config.new_client_from_config(str(control_plane.kubeconfig("admin")))
+    objs = render(helm, tmp_path_factory.mktemp("helm"), namespace=NAMESPACE)
+    core = client.CoreV1Api(api)
+    core.create_namespace({"metadata": {"name": NAMESPACE}})
+    try:
+        for obj in objs:
+            dry = {"dry_run": "All"} if obj["kind"] == "DaemonSet" else {}
+            try:
+                utils.create_from_dict(api, obj, namespace=NAMESPACE, **dry)
+            except utils.FailToCreateError as exc:
+                # the CRD is cluster-wide and deploy/ created it already
+                if obj["kind"] != "CustomResourceDefinition" or any(
+                        e.status != 409 for e in exc.api_exceptions):
+                    raise
+        yield api, objs
+    finally:
+        rbac = client.RbacAuthorizationV1Api(api)
+        for obj in objs:
+            with contextlib.suppress(client.ApiException):
+                if obj["kind"] == "ClusterRole":
+                    rbac.delete_cluster_role(obj["metadata"]["name"])
+                elif obj["kind"] == "ClusterRoleBinding":
+                    rbac.delete_cluster_role_binding(obj["metadata"]["name"])
+        core.delete_namespace(NAMESPACE)
+
+
+def test_api_server_accepts_the_chart(installed: tuple[Any, list[Obj]]) -> None:
+    from kubernetes import client
+
+    api, objs = installed
+    ds = one(objs, "DaemonSet")
+    # the daemon's pod as the DaemonSet controller would create it, through pod admission
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"generateName": "gpushare-node-", "namespace": NAMESPACE,
+                        "labels": ds["spec"]["template"]["metadata"]["labels"]},
+           "spec": ds["spec"]["template"]["spec"]}
+    admitted = client.CoreV1Api(api).create_namespaced_pod(NAMESPACE, pod, dry_run="All")
+    assert admitted.spec.host_pid is True
+    assert admitted.spec.service_account_name == "gpushare-daemon"
+    rbac = client.RbacAuthorizationV1Api(api)
+    stored = rbac.read_namespaced_role("jupyter-gpushare", NAMESPACE)
+    assert [sorted(r.verbs) for r in stored.rules] == [
+        sorted(r["verbs"]) for r in by_key(objs)[("Role", NAMESPACE, "jupyter-gpushare")]["rules"]]
+
+
+def allowed(api: Any, account: str, namespace: str, group: str, resource: str, verb: str) -> bool:
+    from kubernetes import client
+
+    review = client.AuthorizationV1Api(api).create_subject_access_review({
+        "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+        "spec": {
+            "user": f"system:serviceaccount:{NAMESPACE}:{account}",
+            "groups": ["system:serviceaccounts", f"system:serviceaccounts:{NAMESPACE}",
+                       "system:authenticated"],
+            "resourceAttributes": {"namespace": namespace, "group": group,
+                                   "resource": resource, "verb": verb},
+        },
+    })
+    return bool(review.status.allowed)
+
+
+def granted(plain: list[Obj], account: str) -> dict[tuple[str, str], set[str]]:
+    """(group, resource) → verbs that deploy/rbac.yaml grants ``account``, through any binding."""
+    roles = {(o["kind"], o["metadata"]["name"]): o["rules"] for o in plain if "rules" in o}
+    verbs: dict[tuple[str, str], set[str]] = {}
+    for binding in (o for o in plain if o["kind"].endswith("Binding")):
+        if any(s["name"] == account for s in binding["subjects"]):
+            for rule in roles[(binding["roleRef"]["kind"], binding["roleRef"]["name"])]:
+                for group in rule["apiGroups"]:
+                    for resource in rule["resources"]:
+                        verbs.setdefault((group, resource), set()).update(rule["verbs"])
+    return verbs
+
+
+def test_installed_rbac_grants_exactly_deploys_rules(installed: tuple[Any, list[Obj]]) -> None:
+    """The API server's own answer (SubjectAccessReview) for the chart's service accounts, verb
+    by verb, equals what deploy/rbac.yaml grants — in the chart's namespace and nowhere else."""
+    api, _ = installed
+    plain = deploy_objects()
+    deadline = time.monotonic() + 10  # the RBAC authorizer's cache follows the new objects
+    for account in ("jupyter-gpushare", "gpushare-daemon"):
+        rules = granted(plain, account)
+        resources = {("", "pods"), ("", "secrets"), ("", "nodes"),
+                     ("coordination.k8s.io", "leases"), ("gpushare.jupyter.org", "gpuledgers"),
+                     ("", "configmaps")}
+        assert set(rules) <= resources
+        for group, resource in sorted(resources):
+            scope = "" if resource == "nodes" else NAMESPACE
+            for verb in VERBS:
+                want = verb in rules.get((group, resource), set())
+                while (got := allowed(api, account, scope, group, resource, verb)) != want \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                assert got == want, (account, group, resource, verb)
+            if scope and rules.get((group, resource)):
+                # namespaced rights stay in the chart's namespace
+                verb = sorted(rules[(group, resource)])[0]
+                assert not allowed(api, account, "default", group, resource, verb)

@@ -29,7 +29,8 @@ class DaemonConfig(Configurable):
                        "one kernel while others wait.").tag(config=True)
     window_ms = Float(1000.0, help="Sliding window in ms (1000-2000) over which request and "
                       "limit shares are measured.").tag(config=True)
-    poll_ms = Float(250.0, help="How often the ledger is re-read, in ms.").tag(config=True)
+    poll_ms = Float(250.0, help="How often a SQLite ledger is re-read, in ms (a Kubernetes "
+                    "ledger is watched).").tag(config=True)
     metrics_host = Unicode("127.0.0.1", help="Address of the Prometheus endpoint (keep it on "
                            "loopback unless the network is trusted).").tag(config=True)
     metrics_port = Int(0, help="Port of the Prometheus endpoint; 0 disables it, -1 picks a "
@@ -53,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--simulate-devices", "--simulate", dest="simulate", default=None,
                         metavar="N[xTYPE]",
                         help="enforce on simulated GPUs (e.g. 2xA100); also GPUSHARE_SIMULATE")
+    parser.add_argument("--simulate-from-node-label", action="store_true",
+                        help=f"with --kubernetes-namespace: simulate the GPUs named by the Node's "
+                        f"{SIMULATE_LABEL} label when it has one (demo nodes without GPUs), "
+                        "else use the real ones")
     parser.add_argument("--quantum-ms", type=float, default=d.quantum_ms,
                         help=DaemonConfig.quantum_ms.help)
     parser.add_argument("--window-ms", type=float, default=d.window_ms,
@@ -64,7 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=DaemonConfig.metrics_host.help)
     parser.add_argument("--metrics-port", type=int, default=d.metrics_port,
                         help=DaemonConfig.metrics_port.help)
+    parser.add_argument("--usage-interval", type=float, default=2.0, metavar="S",
+                        help="with --kubernetes-namespace: seconds between writes of this node's "
+                        "usage to its ConfigMap gpushare-usage-<node> (0: never)")
     parser.add_argument("--log-level", default="INFO", help="logging level")
+
+
+#: a demo node's simulated GPUs (``--simulate-from-node-label``), e.g. ``2xA100``
+SIMULATE_LABEL = "gpushare.jupyter.org/simulate"
 
 
 async def _ledger(args: argparse.Namespace) -> Ledger:
@@ -77,6 +89,26 @@ async def _ledger(args: argparse.Namespace) -> Ledger:
     from ..ledger.sqlite import SQLiteLedger
 
     return SQLiteLedger(args.ledger or paths.ledger_path())
+
+
+async def _simulate_value(args: argparse.Namespace, ledger: Ledger, node: str) -> str | None:
+    simulate = args.simulate or os.environ.get("GPUSHARE_SIMULATE")
+    kube = getattr(ledger, "kube", None)
+    if simulate or not args.simulate_from_node_label or kube is None:
+        return simulate
+    labels = (await kube.read_node(node)).get("metadata", {}).get("labels") or {}
+    return labels.get(SIMULATE_LABEL) or None
+
+
+async def _publish_gpus(ledger: Ledger, node: str, simulate: str | None) -> None:
+    """On Kubernetes the daemon publishes its node's GPUs (the inventory placement reads)."""
+    if not hasattr(ledger, "kube"):
+        return  # the local server publishes a workstation's GPUs itself
+    from ..inventory import discover_local
+
+    gpus = await asyncio.to_thread(discover_local, simulate, None, node)
+    await ledger.put_gpus(node, gpus)
+    logging.info("published %d GPU(s) of node %s", len(gpus), node)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,7 +131,9 @@ async def _main(args: argparse.Namespace) -> None:
 
     socket_path = (args.socket or paths.socket_path()).absolute()
     node = args.node or local_node_name()
-    simulate = args.simulate or os.environ.get("GPUSHARE_SIMULATE")
+    ledger = await _ledger(args)
+    simulate = await _simulate_value(args, ledger, node)
+    await _publish_gpus(ledger, node, simulate)
     nvml_library = None
     if simulate:
         from ..inventory import simulated_gpus
@@ -117,9 +151,13 @@ async def _main(args: argparse.Namespace) -> None:
         metrics_port=args.metrics_port or None,
         nvml_library=nvml_library,
     )
-    ledger = await _ledger(args)
     daemon = Daemon(ledger, settings)
     await daemon.start()
+    usage = None
+    if args.kubernetes_namespace:  # the servers read this node's usage from a ConfigMap
+        from ..k8s.usage import start_publisher
+
+        usage = start_publisher(daemon, ledger, args.usage_interval)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.stop)
@@ -137,6 +175,8 @@ async def _main(args: argparse.Namespace) -> None:
     try:
         await daemon.serve_forever()
     finally:
+        if usage is not None:
+            await usage.stop()
         with contextlib.suppress(Exception):
             await daemon.close()
         await ledger.close()

@@ -12,6 +12,9 @@ from ..inventory import Gpu
 from ..ledger import Allocation
 from ..simulator import simulator_env
 
+#: the simulator's shared state file, next to the daemon's socket (also in kernel pods)
+SIM_STATE_NAME = "sim.state"
+
 
 def interposer_path() -> Path:
     return paths.lib_dir() / "libgpushare.so"
@@ -21,7 +24,7 @@ def sim_state_path(socket_path: Path) -> Path:
     """The simulator's shared state file: ``GPUSHARE_SIM_STATE`` if set, else next to the
     daemon's socket (so the daemon, its NVML sampler and every kernel see one device)."""
     env = os.environ.get("GPUSHARE_SIM_STATE")
-    return Path(env) if env else Path(socket_path).parent / "sim.state"
+    return Path(env) if env else Path(socket_path).parent / SIM_STATE_NAME
 
 
 def simulator_environ(gpus: Sequence[Gpu], socket_path: Path) -> dict[str, str]:

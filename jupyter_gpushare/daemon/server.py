@@ -24,12 +24,15 @@ import psutil
 from ..ledger import Allocation, Ledger
 from . import wire
 from .gpu import GpuLoop, Tenant
+from .identity import pod_uid_of
 from .shm import GpuShm, monotonic_ns
 
 log = logging.getLogger("jupyter_gpushare.daemon")
 
 #: ``pid_start`` recorded in the ledger vs the process's create time: allowed difference (s).
 PID_START_TOLERANCE = 0.05
+#: how long a kernel pod's hello waits for the server to record the pod's UID
+POD_RECORD_WAIT_NS = 2_500_000_000  # within the interposer's 3 s hello timeout
 
 
 def default_state_dir(socket_path: Path) -> Path:
@@ -98,7 +101,8 @@ class Daemon:
         self.server = await loop.create_unix_server(lambda: _Protocol(self), path=str(path))
         os.chmod(path, 0o666)  # peers are authenticated by credentials, not by file mode
         await self.refresh()
-        self._tasks.append(asyncio.create_task(self._poll_ledger()))
+        follow = self._watch_ledger if hasattr(self.ledger, "watch_node") else self._poll_ledger
+        self._tasks.append(asyncio.create_task(follow()))
         self._tasks.append(asyncio.create_task(self._tick()))
         if self.settings.nvml_library is not None or os.environ.get("GPUSHARE_SIMULATED"):
             self._tasks.append(asyncio.create_task(self._sample_nvml()))
@@ -137,27 +141,44 @@ class Daemon:
             except Exception:  # a busy or missing ledger must not stop the daemon
                 log.exception("reading the ledger failed")
 
+    async def _watch_ledger(self) -> None:
+        """Kubernetes: the node's GpuLedger is watched, each change applied as it comes."""
+        while True:
+            try:
+                watch = self.ledger.watch_node  # type: ignore[attr-defined]
+                async for found in watch(self.settings.node):
+                    async with self._refresh_lock:
+                        self._sync({a.id: a for a in found})
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the API server away: keep enforcing what we know, re-watch
+                log.exception("watching the ledger failed; retrying")
+                await asyncio.sleep(1.0)
+
     async def refresh(self) -> None:
-        """Follow the ledger: new allocations get slots, changed ones new shares, gone ones are
-        released."""
+        """Re-read the ledger now (start, a ``refresh`` request, a peer check's second look)."""
         async with self._refresh_lock:
             snap = await self.ledger.snapshot()
-            current = {a.id: a for a in snap.on_node(self.settings.node)}
-            if current == self.allocations:
-                return
-            for allocation in current.values():
-                if self.allocations.get(allocation.id) != allocation:
-                    self._apply(allocation)
-            for gone in set(self.allocations) - set(current):
-                for gpu in self.gpus.values():
-                    gpu.forget(gone)
-                warning = self.allocations[gone].extra.get("reclaim_warning")
-                if warning:  # idle reclaim released it, as a Release would: ``reserve`` works
-                    self.reclaimed[gone] = warning
-                    self.released[gone] = self.allocations[gone]
-                    while len(self.reclaimed) > 1024:
-                        self.reclaimed.pop(next(iter(self.reclaimed)))
-            self.allocations = current
+            self._sync({a.id: a for a in snap.on_node(self.settings.node)})
+
+    def _sync(self, current: dict[str, Allocation]) -> None:
+        """Follow the ledger: new allocations get slots, changed ones new shares, gone ones are
+        released."""
+        if current == self.allocations:
+            return
+        for allocation in current.values():
+            if self.allocations.get(allocation.id) != allocation:
+                self._apply(allocation)
+        for gone in set(self.allocations) - set(current):
+            for gpu in self.gpus.values():
+                gpu.forget(gone)
+            warning = self.allocations[gone].extra.get("reclaim_warning")
+            if warning:  # idle reclaim released it, as a Release would: ``reserve`` works
+                self.reclaimed[gone] = warning
+                self.released[gone] = self.allocations[gone]
+                while len(self.reclaimed) > 1024:
+                    self.reclaimed.pop(next(iter(self.reclaimed)))
+        self.allocations = current
 
     def _apply(self, allocation: Allocation) -> None:
         busy = self._busy_slots()
@@ -280,7 +301,13 @@ class Daemon:
         logged); re-reads the ledger once before refusing, in case it changed since the poll."""
         allocation = self.allocations.get(allocation_id)
         refusal = self._check_peer(client, allocation)
+        deadline = monotonic_ns() + POD_RECORD_WAIT_NS
         if refusal is not None:
+            await self.refresh()
+            allocation = self.allocations.get(allocation_id)
+            refusal = self._check_peer(client, allocation)
+        while refusal is not None and _pod_pending(allocation) and monotonic_ns() < deadline:
+            await asyncio.sleep(0.2)  # the server records the pod's UID right after creating it
             await self.refresh()
             allocation = self.allocations.get(allocation_id)
             refusal = self._check_peer(client, allocation)
@@ -294,6 +321,8 @@ class Daemon:
         if allocation is None:
             return wire.refusal(wire.E_UNKNOWN_ALLOCATION,
                                 "no GPU share with that id on this node (released or never made)")
+        if allocation.extra.get("k8s_pod"):
+            return _check_pod_peer(client, allocation)
         if allocation.pid is None:
             return wire.refusal(wire.E_NOT_PERMITTED,
                                 f"allocation {allocation.id} has no process yet")
@@ -385,6 +414,30 @@ class Daemon:
             "allocations": allocations,
             "gpus": gpus,
         }
+
+
+def _pod_pending(allocation: Allocation | None) -> bool:
+    return allocation is not None and bool(allocation.extra.get("k8s_pod")) and not (
+        allocation.extra.get("k8s_pod_uid"))
+
+
+def _check_pod_peer(client: Client, allocation: Allocation) -> dict[str, Any] | None:
+    """A kernel pod's allocation: the peer must run in that pod (its cgroups name the pod UID
+    the server recorded when it created the pod)."""
+    pod = f"{allocation.extra.get('k8s_namespace', '')}/{allocation.extra['k8s_pod']}"
+    expected = allocation.extra.get("k8s_pod_uid")
+    if not expected:
+        return wire.refusal(wire.E_NOT_PERMITTED,
+                            f"allocation {allocation.id}: pod {pod} is not recorded yet")
+    found = pod_uid_of(client.pid)
+    if found == expected:
+        return None
+    where = f"pod UID {found}" if found else "no pod"
+    return wire.refusal(
+        wire.E_NOT_PERMITTED,
+        f"process {client.pid} runs in {where}, not in allocation {allocation.id}'s pod {pod} "
+        f"(UID {expected})",
+    )
 
 
 class _Protocol(asyncio.Protocol):

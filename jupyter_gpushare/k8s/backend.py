@@ -175,7 +175,18 @@ class KubernetesKernelBackend(KernelBackend):
     def _record_pod(self, current: Allocation, _others: list[Allocation]) -> Allocation:
         extra = {**current.extra, "k8s_namespace": self.namespace, "k8s_pod": self.pod_name,
                  "k8s_server": self.config.server_id}
+        extra.pop("k8s_pod_uid", None)  # a restart's new pod gets its own
         return replace(current, extra=extra)
+
+    async def _record_pod_uid(self, ctx: KubeContext, pod: dict[str, Any]) -> None:
+        """The node daemon lets only processes of this pod (by cgroup) use the share."""
+        uid = pod["metadata"]["uid"]
+        assert self.allocation is not None
+
+        def with_uid(current: Allocation, _others: list[Allocation]) -> Allocation:
+            return replace(current, extra={**current.extra, "k8s_pod_uid": uid})
+
+        self.allocation = await ctx.ledger.update(self.allocation.id, with_uid)
 
     def _connection_info(self, km: Any) -> dict[str, Any]:
         """Ports (chosen here, by the server) and key; the kernel binds all interfaces of its
@@ -233,6 +244,7 @@ class KubernetesKernelBackend(KernelBackend):
             owner=owner,
             simulated_devices=simulator_device_list(node_gpus)
             if node_gpus and all(g.simulated for g in node_gpus) else "",
+            gpu_request=self.allocation.request, gpu_memory=self.allocation.memory,
         )
         settings = manifests.PodSettings.from_config(self.config)
         await ctx.kube.create_secret(ns, manifests.connection_secret(
@@ -240,6 +252,7 @@ class KubernetesKernelBackend(KernelBackend):
         try:
             pod = await ctx.kube.create_pod(ns, manifests.kernel_pod(request, settings))
             await ctx.watcher.note(pod)
+            await self._record_pod_uid(ctx, pod)
             await ctx.kube.set_secret_owners(ns, self.pod_name, [
                 manifests.owner_reference({**pod, "apiVersion": "v1", "kind": "Pod"})])
             self._launched = True

@@ -86,6 +86,9 @@ class Kube:
             namespace, label_selector=label_selector, _preload_content=False
         ))
 
+    async def read_node(self, name: str) -> dict[str, Any]:
+        return await self._json(self.core.read_node(name, _preload_content=False))
+
     async def list_nodes(self) -> list[dict[str, Any]]:
         return (await self._json(self.core.list_node(_preload_content=False)))["items"]
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from ..daemon.env import SIM_STATE_NAME
 from ..inventory import Gpu, TypeAliases
 
 GROUP = "gpushare.jupyter.org"
@@ -109,6 +110,8 @@ class KernelPodRequest:
     server_id: str
     owner: Mapping[str, Any]  # an ownerReference (the server Lease)
     simulated_devices: str = ""  # GPUSHARE_SIM_DEVICES of the node, when its GPUs are simulated
+    gpu_request: float = 0.0  # what the interposer enforces alone while the daemon is away
+    gpu_memory: int = 0
 
 
 def visible_devices(gpus: Sequence[str]) -> str:
@@ -125,13 +128,16 @@ def kernel_environment(request: KernelPodRequest, settings: PodSettings) -> dict
         "GPUSHARE_NODE": request.node,
         "NVIDIA_VISIBLE_DEVICES": visible_devices(request.gpus),
     })
+    if request.gpu_memory:  # fail static (see daemon.env.kernel_env)
+        env["GPUSHARE_GPU_REQUEST"] = repr(float(request.gpu_request))
+        env["GPUSHARE_GPU_MEMORY"] = str(int(request.gpu_memory))
     lib = settings.interposer_mount_path.rstrip("/")
     if settings.preload_interposer:
         env["LD_PRELOAD"] = f"{lib}/libgpushare.so"
     if request.simulated_devices:
         env["GPUSHARE_SIMULATED"] = "1"
         env["GPUSHARE_SIM_DEVICES"] = request.simulated_devices
-        env["GPUSHARE_SIM_STATE"] = f"{settings.socket_mount_path.rstrip('/')}/sim-state"
+        env["GPUSHARE_SIM_STATE"] = f"{settings.socket_mount_path.rstrip('/')}/{SIM_STATE_NAME}"
         env["LD_LIBRARY_PATH"] = f"{lib}/sim"
     return env
 

@@ -249,14 +249,16 @@ class ControlPlane:
 
 
 def apply_deploy(kubeconfig: Path, namespace: str = NAMESPACE) -> None:
-    """Create the namespace and apply ``deploy/crds`` and ``deploy/rbac.yaml`` (as admin)."""
+    """Create the namespace and apply ``deploy/crds``, ``deploy/rbac.yaml`` and
+    ``deploy/daemonset.yaml`` (as admin)."""
     from kubernetes import client, config, utils
 
     api = config.new_client_from_config(str(kubeconfig))
     core = client.CoreV1Api(api)
     with contextlib.suppress(client.ApiException):
         core.create_namespace({"metadata": {"name": namespace}})
-    files = [*sorted((DEPLOY / "crds").glob("*.yaml")), DEPLOY / "rbac.yaml"]
+    files = [*sorted((DEPLOY / "crds").glob("*.yaml")), DEPLOY / "rbac.yaml",
+             DEPLOY / "daemonset.yaml"]
     for path in files:
         try:
             utils.create_from_yaml(api, str(path), namespace=namespace)
@@ -264,6 +266,21 @@ def apply_deploy(kubeconfig: Path, namespace: str = NAMESPACE) -> None:
             if any(e.status != 409 for e in exc.api_exceptions):
                 raise
     _wait_crds(api)
+
+
+def node_agent_argv(plane: ControlPlane, workdir: Path, nodes: dict[str, str]) -> list[str]:
+    """The node agent for ``nodes`` (name -> simulated GPUs); the node daemon's pods get the
+    ``daemon`` identity (its service account)."""
+    return [sys.executable, str(Path(__file__).with_name("node_agent.py")),
+            "--kubeconfig", str(plane.kubeconfig("admin")), "--workdir", str(workdir),
+            "--cpu", "4", "--memory", "16Gi",
+            f"--service-account={NAMESPACE}/gpushare-daemon={plane.kubeconfig('daemon')}",
+            *[f"--node={name}={simulate}" for name, simulate in nodes.items()]]
+
+
+def node_daemon_socket(workdir: Path, node: str) -> Path:
+    """Where the node agent puts node ``node``'s ``/run/gpushare/daemon.sock``."""
+    return workdir / node / "host" / "run" / "gpushare" / "daemon.sock"
 
 
 def _wait_crds(api: object, timeout: float = 30.0) -> None:
@@ -312,11 +329,9 @@ def main() -> None:
     apply_deploy(plane.kubeconfig("admin"))
     agent = None
     if args.nodes:
-        agent = subprocess.Popen(preexec_fn=_unblock_signals, args=[
-            sys.executable, str(Path(__file__).with_name("node_agent.py")),
-            "--kubeconfig", str(plane.kubeconfig("admin")), "--workdir", str(workdir / "nodes"),
-            *[f"--node={n}" for n in args.nodes.split(",")],
-        ])
+        nodes = dict(n.split("=", 1) for n in args.nodes.split(","))
+        agent = subprocess.Popen(preexec_fn=_unblock_signals,
+                                 args=node_agent_argv(plane, workdir / "nodes", nodes))
     print(f"control plane up at {plane.server_url}")
     print(f"export KUBECONFIG={plane.kubeconfig('admin')}")
     for user in USERS:

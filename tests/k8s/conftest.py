@@ -17,10 +17,18 @@ from typing import Any
 
 import pytest
 
+from jupyter_gpushare.daemon.client import DaemonClient
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from cluster import NAMESPACE, ControlPlane, apply_deploy  # noqa: E402
+from cluster import (  # noqa: E402
+    NAMESPACE,
+    ControlPlane,
+    apply_deploy,
+    node_agent_argv,
+    node_daemon_socket,
+)
 from servers import JupyterServer, spawn, start_jupyter_server, stop_process  # noqa: E402
 
 NODES = {"gpu-node-1": "2xA100", "gpu-node-2": "1xT4"}
@@ -55,16 +63,17 @@ def node_agent(control_plane: ControlPlane) -> Iterator[Path]:
     workdir = control_plane.workdir / "nodes"
     workdir.mkdir(exist_ok=True)
     log = control_plane.workdir / "node-agent.log"
-    proc = spawn([sys.executable, str(HERE / "node_agent.py"),
-                   "--kubeconfig", str(control_plane.kubeconfig("admin")),
-                   "--workdir", str(workdir), "--cpu", "4", "--memory", "16Gi",
-                   *[f"--node={n}={s}" for n, s in NODES.items()]], log)
-    deadline = time.monotonic() + 30
-    while "node agent ready" not in log.read_text(errors="replace"):
+    proc = spawn(node_agent_argv(control_plane, workdir, NODES), log)
+    deadline = time.monotonic() + 60
+    sockets = [node_daemon_socket(workdir, node) for node in NODES]
+    # ready: the agent registered the nodes and the DaemonSet's node daemon answers on each
+    while "node agent ready" not in log.read_text(errors="replace") or not all(
+            DaemonClient(s, timeout=1.0).alive() for s in sockets):
         if proc.poll() is not None or time.monotonic() > deadline:
             stop_process(proc)
-            pytest.fail("node agent did not start:\n" + log.read_text(errors="replace"))
-        time.sleep(0.2)
+            pytest.fail("node agent or node daemons did not start:\n"
+                        + log.read_text(errors="replace")[-6000:])
+        time.sleep(0.3)
     yield workdir
     stop_process(proc)
 

@@ -4,9 +4,7 @@ NOT a product part. It lets the real control plane of ``cluster.py`` run gpushar
 this machine:
 
 - registers Nodes (``--node NAME=2xA100``) with CPU/memory capacity, Ready, no ``not-ready``
-  taint, and publishes their simulated GPUs through ``KubernetesLedger.put_gpus`` (the same
-  call the node daemon makes: the ``gpushare.jupyter.org/gpus`` annotation and
-  ``nvidia.com/gpu.*`` labels); heartbeats keep them Ready;
+  taint; heartbeats keep them Ready;
 - runs each pod bound to one of its nodes as a local process: the container's
   ``command``/``args`` (the image is ignored, except that an image containing
   ``does-not-exist`` reports ``ErrImagePull`` as a kubelet would), its ``env`` (``fieldRef``
@@ -18,6 +16,18 @@ this machine:
 - reports ``phase``, ``podIP`` (127.0.0.1) and container states (running, terminated with exit
   code) back through the API, and honours graceful deletion (SIGTERM, SIGKILL after the grace
   period, then the final delete);
+- runs init containers in order, then all containers; restarts the containers of pods with
+  ``restartPolicy: Always`` (the DaemonSet's node daemon) when they exit; expands ``$(VAR)``
+  in command and args as the kubelet does;
+- puts each container's processes into a cgroup named after the pod's UID, with the kubelet's
+  cgroupfs layout (``kubepods/pod<uid>/<container>``, in the first writable hierarchy), so
+  the node daemon identifies kernel pods as it does on a real node (``/proc/<pid>/cgroup``);
+- gives pods of a service account the agent knows (``--service-account NS/NAME=KUBECONFIG``)
+  that account's credentials as ``KUBECONFIG`` (what the projected token is on a real node);
+  pods with ``automountServiceAccountToken: false`` (kernel pods) get none;
+- labels its nodes ``gpushare.jupyter.org/simulate=<N>x<TYPE>`` as an admin labels demo
+  nodes; the node daemon (the DaemonSet of ``deploy/daemonset.yaml``) then simulates those GPUs
+  and publishes them on the Node;
 - test hooks, as annotations on a pod: ``test.gpushare/evict: <message>`` evicts it the way the
   kubelet does under node pressure (phase Failed, reason Evicted); ``test.gpushare/oom: "1"``
   kills it as the OOM killer would (terminated, reason OOMKilled, exit code 137).
@@ -34,6 +44,7 @@ import base64
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -43,9 +54,7 @@ from typing import Any
 
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from jupyter_gpushare.inventory import simulated_gpus
 from jupyter_gpushare.k8s.client import Kube, connect
-from jupyter_gpushare.k8s.ledger import KubernetesLedger
 
 log = logging.getLogger("node-agent")
 EVICT = "test.gpushare/evict"
@@ -57,13 +66,55 @@ def now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+SIMULATE_LABEL = "gpushare.jupyter.org/simulate"
+VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+class Cgroups:
+    """Per-container cgroups in the kubelet's cgroupfs layout, in the first hierarchy this
+    machine lets us write (None: the pods' processes stay where they are, unidentifiable)."""
+
+    CANDIDATES = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup/unified", "/sys/fs/cgroup")
+
+    def __init__(self) -> None:
+        self.root: Path | None = None
+        for candidate in self.CANDIDATES:
+            base = Path(candidate) / "kubepods"
+            try:
+                base.mkdir(exist_ok=True)
+                (base / "cgroup.procs").stat()
+            except OSError:
+                continue
+            self.root = base
+            break
+
+    def wrap(self, uid: str, container: str, argv: list[str]) -> list[str]:
+        """``argv`` run from a shell that first moves itself into the container's cgroup."""
+        if self.root is None:
+            return argv
+        path = self.root / f"pod{uid}" / container
+        path.mkdir(parents=True, exist_ok=True)
+        return ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(path), *argv]
+
+    def remove(self, uid: str) -> None:
+        if self.root is None:
+            return
+        pod = self.root / f"pod{uid}"
+        for path in sorted(pod.glob("*"), reverse=True):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        with contextlib.suppress(OSError):
+            pod.rmdir()
+
+
 class RunningPod:
     def __init__(self, pod: dict[str, Any]) -> None:
         self.pod = pod
         self.uid = pod["metadata"]["uid"]
         self.name = pod["metadata"]["name"]
-        self.process: asyncio.subprocess.Process | None = None
+        self.processes: dict[str, asyncio.subprocess.Process] = {}
         self.task: asyncio.Task[None] | None = None
+        self.stopping = False
         self.reason: str | None = None  # Evicted / OOMKilled when we killed it on purpose
         self.message = ""
         self.finished = False
@@ -71,8 +122,10 @@ class RunningPod:
 
 class NodeAgent:
     def __init__(self, kube: Kube, namespace: str, workdir: Path, nodes: dict[str, str],
-                 cpu: str, memory: str) -> None:
+                 cpu: str, memory: str, accounts: dict[str, str] | None = None) -> None:
         self.kube = kube
+        self.accounts = accounts or {}  # "namespace/name" -> kubeconfig of that identity
+        self.cgroups = Cgroups()
         self.namespace = namespace
         self.workdir = workdir
         self.nodes = nodes
@@ -84,18 +137,21 @@ class NodeAgent:
     # -- nodes ---------------------------------------------------------------------------------
 
     async def register(self) -> None:
-        ledger = KubernetesLedger(self.kube, self.namespace)
+        if self.cgroups.root is None:
+            log.warning("no writable cgroup hierarchy: pod processes cannot be identified")
         for name, simulate in self.nodes.items():
             (self.workdir / name / "run" / "gpushare").mkdir(parents=True, exist_ok=True)
-            body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {
-                "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
-                "kubernetes.io/arch": "amd64"}}}
+            labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                      "kubernetes.io/arch": "amd64"}
+            if simulate:
+                labels[SIMULATE_LABEL] = simulate
+            body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name,
+                                                                     "labels": labels}}
             with contextlib.suppress(ApiException):
                 await self.kube.core.create_node(body)
+            await self.kube.core.patch_node(name, {"metadata": {"labels": labels}})
             await self._node_status(name)
             await self._untaint(name)
-            if simulate:
-                await ledger.put_gpus(name, simulated_gpus(simulate, name))
 
     async def _node_status(self, name: str) -> None:
         stamp = now()
@@ -213,53 +269,87 @@ class NodeAgent:
                 log.warning("pod %s: final delete failed: %s %s", meta["name"], exc.status,
                             exc.reason)
         root = self.workdir / "pods" / meta["uid"]
-        if (root / "container.log").exists():
+        for log_file in root.glob("*.log"):
             (self.workdir / "logs").mkdir(exist_ok=True)
-            shutil.move(root / "container.log", self.workdir / "logs" / f"{meta['name']}.log")
+            shutil.move(log_file, self.workdir / "logs" / f"{meta['name']}.{log_file.name}")
         shutil.rmtree(root, ignore_errors=True)
+        self.cgroups.remove(meta["uid"])
 
     async def _stop(self, running: RunningPod, grace: float) -> None:
-        proc = running.process
-        if proc is None or proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM if grace > 0 else signal.SIGKILL)
-        if grace > 0:
+        running.stopping = True
+        live = [p for p in running.processes.values() if p.returncode is None]
+        for proc in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM if grace > 0 else signal.SIGKILL)
+        if grace > 0 and live:
             try:
-                await asyncio.wait_for(proc.wait(), grace)
+                await asyncio.wait_for(asyncio.gather(*(p.wait() for p in live)), grace)
             except (asyncio.TimeoutError, TimeoutError):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                for proc in live:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
 
     async def _run_pod(self, running: RunningPod, node: str) -> None:
         pod = running.pod
-        container = pod["spec"]["containers"][0]
+        spec = pod["spec"]
+        inits, containers = spec.get("initContainers") or [], spec["containers"]
+        missing = [c for c in [*inits, *containers] if "does-not-exist" in c.get("image", "")]
+        if missing:
+            await self._status(pod, "Pending", [self._cstatus(missing[0], {"waiting": {
+                "reason": "ErrImagePull",
+                "message": f'rpc error: code = NotFound desc = failed to pull and unpack '
+                           f'image "{missing[0]["image"]}": not found'}})])
+            running.finished = True
+            return
         try:
-            if "does-not-exist" in container.get("image", ""):
-                await self._status(pod, "Pending", [self._cstatus(container, {"waiting": {
-                    "reason": "ErrImagePull",
-                    "message": f'rpc error: code = NotFound desc = failed to pull and unpack '
-                               f'image "{container["image"]}": not found'}})])
-                running.finished = True
-                return
-            argv, env, cwd = await self._prepare(pod, container, node)
-            log_file = open(cwd / "container.log", "wb")
-            running.process = await asyncio.create_subprocess_exec(
-                *argv, env=env, cwd=str(cwd), stdout=log_file, stderr=subprocess_stdout(),
-                stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
-            log_file.close()
-            log.info("pod %s on %s: running pid %d: %s", running.name, node,
-                     running.process.pid, " ".join(argv))
-            started = now()
-            await self._status(pod, "Running", [self._cstatus(
-                container, {"running": {"startedAt": started}}, ready=True)], ready=True)
-            code = await running.process.wait()
+            root, mounts = await self._volumes(pod, node)
+            for init in inits:
+                code = await (await self._start(running, pod, init, node, root, mounts)).wait()
+                if code != 0:
+                    await self._status(pod, "Pending", [self._cstatus(init, {"waiting": {
+                        "reason": "Init:Error", "message": f"exit code {code}"}})])
+                    running.finished = True
+                    return
+            for container in containers:
+                await self._start(running, pod, container, node, root, mounts)
         except Exception as exc:
             log.exception("pod %s could not run", running.name)
-            await self._status(pod, "Pending", [self._cstatus(container, {"waiting": {
+            await self._status(pod, "Pending", [self._cstatus(containers[0], {"waiting": {
                 "reason": "CreateContainerError", "message": str(exc)}})])
             running.finished = True
             return
+        started = now()
+        await self._status(pod, "Running", [self._cstatus(
+            c, {"running": {"startedAt": started}}, ready=True) for c in containers], ready=True)
+        if spec.get("restartPolicy", "Always") == "Always":
+            await self._keep_running(running, pod, node, root, mounts)
+        code = await running.processes[containers[0]["name"]].wait()
+        for container in containers[1:]:
+            await running.processes[container["name"]].wait()
+        await self._terminated(running, pod, containers[0], code, started)
+
+    async def _keep_running(self, running: RunningPod, pod: dict[str, Any], node: str,
+                            root: Path, mounts: dict[str, str]) -> None:
+        """``restartPolicy: Always``: a container that exits is started again (after 1 s)."""
+        restarts = dict.fromkeys(running.processes, 0)
+        while not running.stopping:
+            waits = {asyncio.ensure_future(p.wait()): n for n, p in running.processes.items()}
+            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            if running.stopping:
+                return
+            await asyncio.sleep(1.0)
+            for task in done:
+                name = waits[task]
+                container = next(c for c in pod["spec"]["containers"] if c["name"] == name)
+                restarts[name] += 1
+                log.info("pod %s: container %s exited (%s); restart %d", running.name, name,
+                         task.result(), restarts[name])
+                await self._start(running, pod, container, node, root, mounts)
+
+    async def _terminated(self, running: RunningPod, pod: dict[str, Any],
+                          container: dict[str, Any], code: int, started: str) -> None:
         code = 128 - code if code < 0 else code
         reason = running.reason or ("Completed" if code == 0 else "Error")
         if running.reason == "OOMKilled":
@@ -277,14 +367,32 @@ class NodeAgent:
         except ApiException as exc:
             log.info("pod %s: final status not written (%s)", running.name, exc.status)
 
-    async def _prepare(self, pod: dict[str, Any], container: dict[str, Any],
-                       node: str) -> tuple[list[str], dict[str, str], Path]:
+    async def _start(self, running: RunningPod, pod: dict[str, Any], container: dict[str, Any],
+                     node: str, root: Path, mounts: dict[str, str]) -> asyncio.subprocess.Process:
+        argv, env = self._command(pod, container, mounts)
+        name = container["name"]
+        with open(root / f"{name}.log", "ab") as log_file:
+            proc = await asyncio.create_subprocess_exec(
+                *self.cgroups.wrap(running.uid, name, argv), env=env, cwd=str(root),
+                stdout=log_file, stderr=subprocess_stdout(), stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True)
+        running.processes[name] = proc
+        log.info("pod %s on %s: %s runs pid %d: %s", running.name, node, name, proc.pid,
+                 " ".join(argv))
+        return proc
+
+    async def _volumes(self, pod: dict[str, Any], node: str) -> tuple[Path, dict[str, str]]:
+        """The pod's directory and its volumes as local directories, by volume name."""
         root = self.workdir / "pods" / pod["metadata"]["uid"]
         root.mkdir(parents=True, exist_ok=True)
-        volumes: dict[str, Path] = {}
+        volumes = {}
         for vol in pod["spec"].get("volumes") or []:
-            volumes[vol["name"]] = await self._volume(vol, root, node, pod)
-        mounts = {m["mountPath"].rstrip("/"): str(volumes[m["name"]])
+            volumes[vol["name"]] = str(await self._volume(vol, root, node, pod))
+        return root, volumes
+
+    def _command(self, pod: dict[str, Any], container: dict[str, Any],
+                 volumes: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        mounts = {m["mountPath"].rstrip("/"): volumes[m["name"]]
                   for m in container.get("volumeMounts") or [] if m["name"] in volumes}
 
         def translate(text: str) -> str:
@@ -295,20 +403,28 @@ class NodeAgent:
 
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("KUBECONFIG", "GPUSHARE_", "JPY_", "JUPYTER_"))}
+        account = f"{pod['metadata']['namespace']}/{pod['spec'].get('serviceAccountName')}"
+        if pod["spec"].get("automountServiceAccountToken") is not False and (
+                account in self.accounts):
+            env["KUBECONFIG"] = self.accounts[account]
+        declared: dict[str, str] = {}
         for item in container.get("env") or []:
             value = item.get("value")
             if value is None and "valueFrom" in item:
                 value = self._field(pod, item["valueFrom"].get("fieldRef", {}).get("fieldPath"))
-            env[item["name"]] = translate(str(value or ""))
-        if "NVIDIA_VISIBLE_DEVICES" in env:
+            declared[item["name"]] = translate(str(value or ""))
+        env.update(declared)
+        if "NVIDIA_VISIBLE_DEVICES" in env and env["NVIDIA_VISIBLE_DEVICES"] != "all":
             env["CUDA_VISIBLE_DEVICES"] = env["NVIDIA_VISIBLE_DEVICES"]
         if env.get("LD_PRELOAD") and not Path(env["LD_PRELOAD"]).exists():
-            env.pop("LD_PRELOAD")  # no interposer built on this host
-        argv = [translate(a) for a in [*(container.get("command") or []),
-                                       *(container.get("args") or [])]]
+            env.pop("LD_PRELOAD")  # no interposer installed on this node
+        argv = [translate(VAR_REF.sub(lambda m: declared.get(m.group(1), m.group(0)), a))
+                for a in [*(container.get("command") or []), *(container.get("args") or [])]]
         if argv and argv[0] == "python":
             argv[0] = sys.executable
-        return argv, env, root
+        elif argv and shutil.which(argv[0], path=str(Path(sys.executable).parent)):
+            argv[0] = str(Path(sys.executable).parent / argv[0])  # the image's entry points
+        return argv, env
 
     async def _volume(self, vol: dict[str, Any], root: Path, node: str,
                       pod: dict[str, Any]) -> Path:
@@ -381,7 +497,9 @@ def subprocess_stdout() -> int:
 async def amain(args: argparse.Namespace) -> None:
     kube = await connect(args.kubeconfig)
     nodes = dict(n.split("=", 1) if "=" in n else (n, "") for n in args.node)
-    agent = NodeAgent(kube, args.namespace, Path(args.workdir), nodes, args.cpu, args.memory)
+    accounts = dict(a.split("=", 1) for a in args.service_account)
+    agent = NodeAgent(kube, args.namespace, Path(args.workdir), nodes, args.cpu, args.memory,
+                      accounts)
     await agent.register()
     print("node agent ready", flush=True)
     try:
@@ -399,6 +517,9 @@ def main() -> None:
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--node", action="append", default=[], help="NAME=SIMULATE, e.g. "
                         "gpu-node-1=2xA100 (repeat)")
+    parser.add_argument("--service-account", action="append", default=[],
+                        metavar="NS/NAME=KUBECONFIG",
+                        help="credentials given to pods of that service account (repeat)")
     parser.add_argument("--cpu", default="4")
     parser.add_argument("--memory", default="16Gi")
     args = parser.parse_args()

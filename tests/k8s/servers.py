@@ -13,9 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from cluster import NAMESPACE, ROOT, ControlPlane, free_port
-
-LIB_DIR = ROOT / "jupyter_gpushare" / "_lib"
+from cluster import NAMESPACE, ControlPlane, free_port
 
 
 def spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -84,7 +82,6 @@ def start_jupyter_server(
 c.KubernetesBackendConfig.kubeconfig = {str(plane.kubeconfig("server"))!r}
 c.KubernetesBackendConfig.namespace = {NAMESPACE!r}
 c.KubernetesBackendConfig.image = "gpushare-test:local"
-c.KubernetesBackendConfig.interposer_host_path = {str(LIB_DIR)!r}
 c.KubernetesBackendConfig.lease_duration = {lease_duration}
 c.KubernetesBackendConfig.lease_renew_interval = {max(1.0, lease_duration / 4)}
 c.KubernetesBackendConfig.start_timeout = 60

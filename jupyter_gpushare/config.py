@@ -25,6 +25,7 @@ from .inventory import (
     local_node_name,
     parse_simulate,
 )
+from .ledger import Ledger
 from .ledger.sqlite import SQLiteLedger
 from .placement import Policy
 from .placement.config import GpusharePlacement
@@ -216,6 +217,18 @@ class GpuShare(SingletonConfigurable):
         return ShareSpec.from_mapping(
             {k: v for k, v in self.default_share.items() if k in SHARE_FIELDS}
         )
+
+    async def ledger(self) -> Ledger:
+        """The ledger of this server's backend: the local SQLite ledger, or with backend
+        ``kubernetes`` the API server's (the provisioner's :class:`KubernetesLedger`, from the
+        Kubernetes context this event loop shares: one client, pod watch and Lease)."""
+        if self.backend != "kubernetes":
+            return self.local_ledger()
+        from .k8s.backend import get_context
+        from .k8s.config import KubernetesBackendConfig
+
+        config = KubernetesBackendConfig.instance(config=self.config)
+        return (await get_context(config, self.aliases())).ledger
 
     def local_ledger(self) -> SQLiteLedger:
         if self._ledger is None or self._ledger.path != Path(self.ledger_path):

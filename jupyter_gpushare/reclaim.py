@@ -1,8 +1,10 @@
 """Idle-GPU reclaim: a kernel that holds a GPU share and runs no GPU work gives it back.
 
 The node daemon knows when each allocation last launched (a lease is granted only to launch);
-its status reports ``idle_s`` per allocation. The server's :class:`IdleReclaimer` reads it every
-``GpuShare.reclaim_interval`` seconds and applies the admin's policy (:func:`decide`, pure):
+its status reports ``idle_s`` per allocation (locally over its socket; on Kubernetes in its
+node's usage ConfigMap, :mod:`jupyter_gpushare.k8s.usage`). The server's :class:`IdleReclaimer`
+reads it every ``GpuShare.reclaim_interval`` seconds and applies the admin's policy
+(:func:`decide`, pure):
 
 - idle for ``reclaim_idle_after`` seconds: *warn*. The warning is written into the allocation
   (``extra.reclaim_warning``: when, why, when the share goes) with a compare-and-swap, so every
@@ -20,11 +22,10 @@ Every warning, withdrawal and release is logged for admins.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,6 +33,7 @@ from .daemon.client import DaemonClient, DaemonUnavailable
 from .ledger import Allocation, AllocationNotFound, Ledger
 from .periodic import PeriodicTask
 from .share import format_bytes
+from .usage import UsageView, is_kubernetes, served_here, usage_source
 
 WARN, RELEASE, WITHDRAW = "warn", "release", "withdraw"
 
@@ -95,17 +97,24 @@ def _duration(seconds: float) -> str:
 
 
 class IdleReclaimer(PeriodicTask):
-    """The server's background task applying :func:`decide` to this node's allocations."""
+    """The server's background task applying :func:`decide` to its allocations.
+
+    Which allocations: locally those on this machine's node; on Kubernetes those of this
+    server's kernels (``extra.k8s_server``), on any node. Idle times come from
+    :func:`jupyter_gpushare.usage.usage_source`: the node daemon's status locally, the nodes'
+    usage ConfigMaps on Kubernetes. An allocation whose node has no current usage (daemon down,
+    report stale) is left alone this pass: nothing is warned, withdrawn or released on old news.
+    """
 
     what = "idle reclaim pass"
 
-    def __init__(self, settings: Any, ledger: Callable[[], Ledger],
+    def __init__(self, settings: Any, ledger: Callable[[], Awaitable[Ledger]],
                  profiles_of: Callable[[Allocation], Collection[str]], log: Any) -> None:
         super().__init__(log)
         self.settings = settings
         self.ledger = ledger
         self.profiles_of = profiles_of
-        self._daemon_missing_logged = False
+        self._usage_problem: str | None = None
 
     def interval(self) -> float:
         return float(self.settings.reclaim_interval)
@@ -113,41 +122,44 @@ class IdleReclaimer(PeriodicTask):
     def enabled(self) -> bool:
         return bool(self.settings.reclaim_idle_after > 0)
 
-    def daemon(self) -> DaemonClient:
-        return DaemonClient(self.settings.socket_path, timeout=2.0)
+    async def usage(self) -> UsageView:
+        view = await (await usage_source(self.settings)).read()
+        # logged when what is missing changes (not every pass; the ages in the message do)
+        problem = ",".join(sorted(view.stale)) if view.stale else (
+            None if view.nodes else "all")
+        if problem is not None and problem != self._usage_problem:
+            self.log.warning("gpushare: idle reclaim skips allocations without current usage: "
+                             "%s", view.message)
+        self._usage_problem = problem
+        return view
 
-    async def idle_times(self) -> dict[str, float | None] | None:
-        """``{allocation id: idle seconds}`` from the node daemon; None when none answers."""
-        try:
-            status = await asyncio.to_thread(self.daemon().status)
-        except (DaemonUnavailable, OSError, ValueError) as exc:
-            if not self._daemon_missing_logged:
-                self.log.warning("gpushare: idle reclaim needs the node daemon: %s", exc)
-                self._daemon_missing_logged = True
-            return None
-        self._daemon_missing_logged = False
-        return {a["id"]: a.get("idle_s") for a in status.get("allocations", [])}
+    async def candidates(self, ledger: Ledger) -> list[Allocation]:
+        if is_kubernetes(self.settings):
+            mine = served_here(self.settings)
+            return [a for a in await ledger.list() if mine(a.extra.get("k8s_server"))]
+        return await ledger.list(self.settings.node_name)
 
     async def run_once(self, now: float | None = None) -> dict[str, list[str]]:
         """One pass; returns the allocation ids per action taken."""
         done: dict[str, list[str]] = {WARN: [], RELEASE: [], WITHDRAW: []}
         policy = ReclaimPolicy.from_settings(self.settings)
-        idle = await self.idle_times()
-        if idle is None:
+        view = await self.usage()
+        if not view.nodes:
             return done
-        ledger = self.ledger()
+        ledger = await self.ledger()
         now = time.time() if now is None else now
-        for allocation in await ledger.list(self.settings.node_name):
-            action = decide(allocation, idle.get(allocation.id), policy,
-                            self.profiles_of(allocation), now)
+        for allocation in await self.candidates(ledger):
+            if not view.covers(allocation.node):
+                continue
+            idle_s = (view.get(allocation.id) or {}).get("idle_s")
+            action = decide(allocation, idle_s, policy, self.profiles_of(allocation), now)
             if action is None:
                 continue
             with contextlib.suppress(AllocationNotFound):
-                await self._apply(ledger, allocation, action, idle.get(allocation.id) or 0.0,
-                                  policy, now)
+                await self._apply(ledger, allocation, action, idle_s or 0.0, policy, now)
                 done[action].append(allocation.id)
         if any(done.values()):
-            await asyncio.to_thread(self._refresh_daemon)
+            await (await usage_source(self.settings)).changed()
         return done
 
     async def _apply(self, ledger: Ledger, allocation: Allocation, action: str, idle_s: float,
@@ -174,10 +186,6 @@ class IdleReclaimer(PeriodicTask):
         else:
             self.log.info("gpushare: idle warning of %s withdrawn (GPU work again, or exempt)",
                           who)
-
-    def _refresh_daemon(self) -> None:
-        with contextlib.suppress(DaemonUnavailable, OSError, ValueError):
-            self.daemon().refresh()
 
 
 # -- inside the kernel: the warning in the next cell's output ----------------------------------

@@ -4,10 +4,12 @@ The decision is pure (:func:`resized`): the new share must pass the share valida
 allocation's *current* GPUs next to everyone else there (placement rules: the others' requests
 plus the new request at most 1, memory within the GPU), and its memory cap must not be below
 what the kernel uses now (refused with both numbers). :func:`resize` applies it with a
-compare-and-swap (``Ledger.update``, so a racing placement can never over-allocate the GPU) and
-then asks the node daemon to re-read the ledger; the daemon republishes request, limit and memory
-cap into the allocation's shared-memory slot, where the interposer and the scheduler pick them up
-on the next lease — the kernel is not restarted.
+compare-and-swap (``Ledger.update``, so a racing placement can never over-allocate the GPU); the
+node daemon sees the changed record (locally it is asked to re-read the ledger at once; on
+Kubernetes it watches its node's GpuLedger) and republishes request, limit and memory cap into
+the allocation's shared-memory slot, where the interposer and the scheduler pick them up on the
+next lease — the kernel is not restarted. The memory in use for the below-use check comes from
+:mod:`jupyter_gpushare.usage` (the daemon's status locally, its usage ConfigMap on Kubernetes).
 
 Used by ``PATCH /gpushare/api/allocations/{id}``; a kernel changing its own share goes through
 the daemon's ``resize`` op (:mod:`jupyter_gpushare.daemon.kernel_ops`), which applies the same
@@ -16,18 +18,16 @@ rules.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
-from .daemon.client import DaemonClient, DaemonUnavailable
 from .inventory import Gpu
 from .ledger import Allocation, Ledger
 from .placement import place
 from .share import ShareError, ShareSpec, format_bytes
+from .usage import UsageSource
 
 log = logging.getLogger("jupyter_gpushare.resize")
 
@@ -75,40 +75,46 @@ def resized(current: Allocation, others: Sequence[Allocation], gpus: Sequence[Gp
                    memory=placement.memory)
 
 
-def daemon_memory_used(socket_path: str | Path, allocation_id: str) -> int | None:
-    """GPU memory the allocation's processes hold now, from the node daemon (blocking); None
-    when no daemon on this machine knows it (enforcement off, or a remote node)."""
-    try:
-        status = DaemonClient(socket_path, timeout=2.0).status(allocation_id)
-    except (DaemonUnavailable, OSError, ValueError):
-        return None
-    found = status.get("allocations") or []
-    return int(found[0]["memory_used"]) if status.get("ok") and found else None
+class UsageUnknown(Exception):
+    """A lower memory cap asked for while the node's usage report is too old to check it."""
 
+    def __init__(self, node: str, age: float) -> None:
+        super().__init__(f"the memory in use on node {node} is not known now (its daemon's last "
+                         f"usage report is {age:.0f} s old), so a lower gpu_memory cannot be "
+                         "checked against it; try again, or change only request and limit")
+        self.node = node
+        self.age = age
 
-def notify_daemon(socket_path: str | Path) -> bool:
-    """Ask the node daemon to re-read the ledger now (blocking); False when none answers (it
-    re-reads every ~250 ms anyway)."""
-    try:
-        DaemonClient(socket_path, timeout=2.0).refresh()
-    except (DaemonUnavailable, OSError, ValueError):
-        return False
-    return True
+    def to_json(self) -> dict[str, Any]:
+        return {"error": "usage_unknown", "message": str(self), "node": self.node,
+                "age_s": self.age}
 
 
 async def resize(ledger: Ledger, allocation_id: str, change: Mapping[str, Any],
-                 socket_path: str | Path, actor: str = "", logger: Any = log
+                 usage: UsageSource, actor: str = "", logger: Any = log
                  ) -> tuple[Allocation, Allocation]:
     """Apply ``change`` to a live allocation; returns ``(before, after)``. Raises ShareError,
-    PlacementRefused, BelowUse or AllocationNotFound."""
-    used = await asyncio.to_thread(daemon_memory_used, socket_path, allocation_id)
-    gpus = await ledger.gpus()
+    PlacementRefused, BelowUse, UsageUnknown or AllocationNotFound.
+
+    The memory in use comes from ``usage`` read fresh: locally the daemon's answer of this
+    instant; on Kubernetes the node's last usage report, at most one ``--usage-interval``
+    (2 s) old. Memory the kernel allocates after that reading is not part of the check; if it
+    takes the kernel over the new cap, nothing is taken away from it: every further allocation
+    fails with CUDA_ERROR_OUT_OF_MEMORY (the interposer reserves against the cap atomically)
+    until the kernel is back under it. With no report at all from the node (enforcement off
+    there) there is nothing to check and nothing enforced."""
     before = await ledger.get(allocation_id)
+    view = await usage.read(fresh=True)
+    used = view.memory_used(allocation_id)
+    if used is None and "gpu_memory" in change and before.node in view.stale:
+        raise UsageUnknown(before.node, view.stale[before.node])
+    gpus = await ledger.gpus()
     after = await ledger.update(
         allocation_id, lambda current, others: resized(current, others, gpus, change, used)
     )
-    await asyncio.to_thread(notify_daemon, socket_path)
+    await usage.changed()
     logger.info("gpushare: resized %s (kernel %s) from %s, %s to %s, %s%s", allocation_id,
-             after.kernel_id, before.spec.describe(), format_bytes(before.memory),
-             after.spec.describe(), format_bytes(after.memory), f" by {actor}" if actor else "")
+                after.kernel_id, before.spec.describe(), format_bytes(before.memory),
+                after.spec.describe(), format_bytes(after.memory),
+                f" by {actor}" if actor else "")
     return before, after

@@ -5,7 +5,8 @@
   when the server's kernel manager has no pools).
 - ``PATCH /gpushare/api/allocations/{id}`` (live resize) is :class:`~.handlers.AllocationHandler`'s.
 - ``GET /gpushare/api/reclaim`` → the policy and the allocations warned now (their
-  ``reclaim_warning`` is also in each allocation's ``extra``).
+  ``reclaim_warning`` is also in each allocation's ``extra``); on Kubernetes this server's
+  kernels only.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tornado import web
 
 from ..ledger import Allocation
 from ..reclaim import IdleReclaimer, ReclaimPolicy
+from ..usage import served_here
 from .handlers import GpushareHandler
 
 
@@ -39,8 +41,9 @@ class ReclaimHandler(GpushareHandler):
     @web.authenticated
     async def get(self) -> None:
         s = self.gpushare
-        warned = [a.to_json() for a in await s.local_ledger().list()
-                  if a.extra.get("reclaim_warning")]
+        mine = served_here(s)
+        warned = [a.to_json() for a in await (await s.ledger()).list()
+                  if a.extra.get("reclaim_warning") and mine(a.extra.get("k8s_server"))]
         self.finish(json.dumps({
             "enabled": s.reclaim_idle_after > 0,
             "idle_after": s.reclaim_idle_after,
@@ -85,7 +88,7 @@ def start_admin_tasks(serverapp: Any, settings: Any) -> None:
         serverapp.log.error("gpushare: %d pool(s) configured, but ServerApp.kernel_manager_class"
                             " is %s; set it to jupyter_gpushare.pools.PoolKernelManager",
                             len(settings.pools), type(km).__name__)
-    reclaimer = IdleReclaimer(settings, settings.local_ledger, _profiles_of(km), serverapp.log)
+    reclaimer = IdleReclaimer(settings, settings.ledger, _profiles_of(km), serverapp.log)
     serverapp.web_app.settings["gpushare_reclaimer"] = reclaimer
     reclaimer.start()
     policy = ReclaimPolicy.from_settings(settings)

@@ -2,6 +2,11 @@
 
 Errors are JSON objects with ``error`` (a code), ``message`` (the same words the CLI prints) and,
 for an invalid share, ``field``/``value``/``allowed``.
+
+Every handler works on the ledger of the server's backend (``GpuShare.ledger()``: SQLite, or the
+cluster's GpuLedgers). On Kubernetes, where every user's Jupyter server shares that ledger, a
+server lists and changes only its own kernels' allocations (:func:`~jupyter_gpushare.usage.
+served_here`; 403 ``not_permitted`` for another's), while ``/gpus`` counts everyone's shares.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from tornado import web
 
 from ..config import GpuShare
 from ..inventory import Gpu, NoGpuError, check_spec
-from ..ledger import Allocation, AllocationNotFound, LedgerConflict
+from ..ledger import Allocation, AllocationNotFound, Ledger, LedgerConflict
 from ..placement import PlacementRefused
 from ..provisioner import ShareRefused
-from ..resize import BelowUse, resize
+from ..resize import BelowUse, UsageUnknown, resize
 from ..share import ShareError, ShareSpec
+from ..usage import is_kubernetes, served_here, usage_source
 
 
 def gpu_usage(gpus: Sequence[Gpu], allocations: Sequence[Allocation]) -> list[dict[str, Any]]:
@@ -86,22 +92,45 @@ class GpushareHandler(APIHandler):  # type: ignore[misc]
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps(body))
 
+    async def ledger(self) -> Ledger:
+        return await self.gpushare.ledger()
+
     async def inventory(self) -> tuple[list[Gpu], str | None]:
+        """The GPUs placement can use, and why there are none when there are none."""
+        ledger = await self.ledger()
+        if is_kubernetes(self.gpushare):
+            gpus = await ledger.gpus()
+            return gpus, None if gpus else (
+                "no GPU nodes in the cluster (no Node publishes gpushare GPUs: is the node "
+                "daemon's DaemonSet running?)")
         try:
             await self.gpushare.local_gpus()
         except NoGpuError as exc:
-            return await self.gpushare.local_ledger().gpus(), str(exc)
-        return await self.gpushare.local_ledger().gpus(), None
+            return await ledger.gpus(), str(exc)
+        return await ledger.gpus(), None
+
+    async def own_allocation(self, allocation_id: str) -> Allocation | None:
+        """The allocation if this server may show and change it; else None after answering
+        404 (unknown) or 403 (another Jupyter server's kernel, on a shared cluster ledger)."""
+        found = (await (await self.ledger()).snapshot()).find(allocation_id)
+        if found is None:
+            self.fail(404, _not_found(allocation_id))
+            return None
+        if not served_here(self.gpushare)(found.extra.get("k8s_server")):
+            self.fail(403, {"error": "not_permitted", "message": f"allocation {allocation_id!r} "
+                            "belongs to a kernel of another Jupyter server"})
+            return None
+        return found
 
 
 class GpusHandler(GpushareHandler):
     @web.authenticated
     async def get(self) -> None:
         gpus, problem = await self.inventory()
-        allocations = await self.gpushare.local_ledger().list()
+        allocations = await (await self.ledger()).list()  # everyone's: what is free
         rows = gpu_usage(gpus, allocations)
         body: dict[str, Any] = {
-            "simulated": self.gpushare.simulated,
+            "simulated": self.gpushare.simulated or any(g.simulated for g in gpus),
             "gpus": rows,
             "types": type_summary(rows),
         }
@@ -113,34 +142,43 @@ class GpusHandler(GpushareHandler):
 class AllocationsHandler(GpushareHandler):
     @web.authenticated
     async def get(self) -> None:
-        allocations = await self.gpushare.local_ledger().list()
+        mine = served_here(self.gpushare)
+        allocations = [a for a in await (await self.ledger()).list()
+                       if mine(a.extra.get("k8s_server"))]
         self.finish(json.dumps({"allocations": [a.to_json() for a in allocations]}))
 
 
 class AllocationHandler(GpushareHandler):
     @web.authenticated
     async def get(self, allocation_id: str) -> None:
-        snap = await self.gpushare.local_ledger().snapshot()
-        found = snap.find(allocation_id)
-        if found is None:
-            return self.fail(404, _not_found(allocation_id))
-        self.finish(json.dumps(found.to_json()))
+        found = await self.own_allocation(allocation_id)
+        if found is not None:
+            self.finish(json.dumps(found.to_json()))
 
     @web.authenticated
     async def delete(self, allocation_id: str) -> None:
-        released = await self.gpushare.local_ledger().release(allocation_id)
+        """Release the share; the kernel keeps running (its node daemon forgets the share, the
+        interposer frees its GPU memory and refuses further CUDA work; on Kubernetes the kernel
+        pod stays, with its CPU state)."""
+        if await self.own_allocation(allocation_id) is None:
+            return None
+        released = await (await self.ledger()).release(allocation_id)
         if released is None:
             return self.fail(404, _not_found(allocation_id))
-        self.log.info("gpushare: allocation %s released over REST", allocation_id)
+        actor = getattr(self.current_user, "username", None) or "REST"
+        self.log.info("gpushare: allocation %s (kernel %s) released over REST by %s",
+                      allocation_id, released.kernel_id, actor)
         self.set_status(204)
         self.finish()
-
 
     @web.authenticated
     async def patch(self, allocation_id: str) -> None:
         """Live resize: ``{"gpu_request"?, "gpu_limit"?, "gpu_memory"?}`` -> 200 with the
         changed allocation; 400 invalid share; 409 ``no_fit`` (not on its current GPU) or
-        ``below_use`` (memory cap below current use, with ``memory_used``); 404."""
+        ``below_use`` (memory cap below current use, with ``memory_used``); 503
+        ``usage_unknown`` (a lower cap while the node's usage report is stale, Kubernetes);
+        403 another server's; 404. The change is a compare-and-swap on the ledger; the node
+        daemon applies it to the running kernel (see :mod:`jupyter_gpushare.resize`)."""
         change = self.json_body()
         if change is None:
             return None
@@ -148,15 +186,19 @@ class AllocationHandler(GpushareHandler):
             return self.fail(400, {"error": "bad_json", "message": "give gpu_request, "
                                    "gpu_limit and/or gpu_memory"})
         actor = getattr(self.current_user, "username", None) or "REST"
+        if await self.own_allocation(allocation_id) is None:
+            return None
         try:
-            _before, after = await resize(self.gpushare.local_ledger(), allocation_id, change,
-                                          self.gpushare.socket_path, actor, self.log)
+            _before, after = await resize(await self.ledger(), allocation_id, change,
+                                          await usage_source(self.gpushare), actor, self.log)
         except AllocationNotFound:
             return self.fail(404, _not_found(allocation_id))
         except ShareError as exc:
             return self.fail(400, exc.to_json())
         except (PlacementRefused, BelowUse) as exc:
             return self.fail(409, exc.to_json())
+        except UsageUnknown as exc:
+            return self.fail(503, exc.to_json())
         except LedgerConflict as exc:
             return self.fail(503, {"error": "busy", "message": str(exc)})
         self.finish(json.dumps(after.to_json()))
@@ -208,7 +250,7 @@ class KernelsHandler(GpushareHandler):
 
 
 async def _allocation_of(settings: GpuShare, kernel_id: str) -> Allocation | None:
-    for a in await settings.local_ledger().list():
+    for a in await (await settings.ledger()).list():
         if a.kernel_id == kernel_id:
             return a
     return None

@@ -1,15 +1,21 @@
 """REST endpoints the JupyterLab extension needs beyond the core API (box 10 of DESIGN.md).
 
-``GET /gpushare/api/usage`` — live use of each allocation on this node, from the node daemon's
-status (achieved share over the daemon's window, memory in use). The Lab status bar polls it
-about every 2 s. Without a running daemon (``GpuShare.enforce = False``, or the daemon is down)
-it answers ``{"daemon": false, "message": …, "allocations": []}`` rather than failing, so the
-status bar can say "not metered" instead of showing an error.
+``GET /gpushare/api/usage`` — live use of each allocation, as the node daemons measure it
+(achieved share over the daemon's window, memory in use, idle time …). The Lab status bar polls
+it about every 2 s. The source is the server's backend (:mod:`jupyter_gpushare.usage`):
+
+- local: this node's daemon, over its unix socket. Without a running daemon
+  (``GpuShare.enforce = False``, or the daemon is down) it answers ``{"daemon": false,
+  "message": …, "allocations": []}`` rather than failing, so the status bar can say
+  "not metered" instead of showing an error.
+- kubernetes: the usage ConfigMaps the node daemons publish every ``--usage-interval`` seconds
+  (:mod:`jupyter_gpushare.k8s.usage`), this server's kernels only. Each entry carries its
+  ``node`` and ``age_s``; reports too old to trust are left out and named in ``stale``
+  (``{node: age_s}``) and ``message``. ``daemon`` is true when at least one node reports.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -17,10 +23,7 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 
-from ..daemon.client import DaemonClient, DaemonUnavailable
-
-USAGE_KEYS = ("id", "kernel_id", "achieved_share", "memory_used", "memory_cap", "request",
-              "limit", "connected", "lease_waits", "lease_wait_seconds")
+from ..usage import USAGE_KEYS, served_here, usage_source
 
 
 def usage_from_status(status: dict[str, Any]) -> list[dict[str, Any]]:
@@ -32,13 +35,19 @@ class UsageHandler(APIHandler):  # type: ignore[misc]
     @web.authenticated
     async def get(self) -> None:
         settings = self.settings["gpushare"]
-        client = DaemonClient(settings.socket_path, timeout=2.0)
-        try:
-            status = await asyncio.to_thread(client.status)
-        except (DaemonUnavailable, OSError, ValueError) as exc:
-            self.finish(json.dumps({"daemon": False, "message": str(exc), "allocations": []}))
-            return
-        self.finish(json.dumps({"daemon": True, "allocations": usage_from_status(status)}))
+        view = await (await usage_source(settings)).read()
+        mine = served_here(settings)
+        body: dict[str, Any] = {
+            "daemon": bool(view.nodes),
+            "source": view.source,
+            "allocations": [dict(u) for u in view.allocations.values()
+                            if mine(u.get("k8s_server"))],
+        }
+        if view.stale:
+            body["stale"] = dict(view.stale)
+        if view.message:
+            body["message"] = view.message
+        self.finish(json.dumps(body))
 
 
 def ui_handlers(base_url: str) -> list[tuple[str, type]]:

@@ -1,0 +1,361 @@
+"""Live usage on Kubernetes: node daemons publish it, Jupyter servers read it.
+
+The server cannot reach a node daemon's unix socket in a cluster, yet idle reclaim, the below-use
+check of a live resize and ``GET /gpushare/api/usage`` need what only the daemon measures
+(achieved share, memory in use, idle time). So each node daemon (``--kubernetes-namespace``)
+runs a :class:`UsagePublisher` that writes its node's usage every ``--usage-interval`` seconds
+(default 2) into one ConfigMap, ``gpushare-usage-<node>``, in the ledger's namespace:
+
+- ``data["usage.json"]``: :func:`usage_document` — per allocation ``achieved_share``,
+  ``memory_used``, ``memory_cap``, ``idle_s``, ``last_launch_ago_s``, ``lease_wait_seconds``,
+  ``connected`` …; per GPU the scheduler's busy share and the NVML summary; the daemon's wall
+  ``time`` and its ``interval_s``.
+- A ConfigMap of its own, not a field of the node's GpuLedger, on purpose: a usage write must not
+  bump the ledger's ``resourceVersion``, which would make every placement's compare-and-swap on
+  that node lose and retry every two seconds. ConfigMaps need no CRD, and RBAC stays narrow:
+  the daemon may create/patch ConfigMaps, the server may list them (``deploy/rbac.yaml``).
+- Owned by the Node (like the GpuLedger), so the garbage collector removes it with the node.
+- One merge patch per interval per node (about 300 bytes per allocation).
+
+The server's :class:`UsageReader` lists the ConfigMaps by label (one LIST shared by every reader
+for ``ttl`` seconds, however many users poll) and drops reports older than
+``STALE_INTERVALS`` intervals plus ``CLOCK_SLACK`` seconds (the daemon is down or cut off), naming
+those nodes. Ages compare the daemon's wall clock with the server's: nodes are expected to run
+NTP; a skew beyond ``CLOCK_SLACK`` makes reports look stale (never fresher than they are).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..usage import USAGE_KEYS, UsageView
+from .client import ApiException, Kube
+
+log = logging.getLogger("jupyter_gpushare.k8s.usage")
+
+FORMAT = 1
+DATA_KEY = "usage.json"
+NAME_PREFIX = "gpushare-usage-"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+COMPONENT = "gpushare-usage"
+LABEL_NODE = "gpushare.jupyter.org/node"
+SELECTOR = f"{LABEL_COMPONENT}={COMPONENT}"
+DEFAULT_INTERVAL = 2.0
+#: a report older than this many intervals (plus CLOCK_SLACK) is not used
+STALE_INTERVALS = 3.0
+CLOCK_SLACK = 2.0
+NVML_KEYS = ("memory_used", "memory_total", "utilization_gpu", "temperature_c", "power_w")
+
+
+def configmap_name(node: str) -> str:
+    """``gpushare-usage-<node>``; node names up to 253 characters are shortened with a hash."""
+    name = NAME_PREFIX + node
+    if len(name) <= 253:
+        return name
+    digest = hashlib.sha1(node.encode()).hexdigest()[:10]
+    return f"{NAME_PREFIX}{node[:253 - len(NAME_PREFIX) - 11]}-{digest}"
+
+
+# -- the daemon side ---------------------------------------------------------------------------
+
+
+def usage_document(status: Mapping[str, Any], servers: Mapping[str, str | None], node: str,
+                   interval: float, now: float) -> dict[str, Any]:
+    """The published form of a daemon's status (pure). ``servers``: allocation id -> the Jupyter
+    server that holds it (``extra.k8s_server``), so a server can pick its own without reading
+    the ledger."""
+    allocations = []
+    for a in status.get("allocations") or []:
+        entry = {k: a.get(k) for k in USAGE_KEYS}
+        entry["k8s_server"] = servers.get(a["id"])
+        allocations.append(entry)
+    gpus = []
+    for g in status.get("gpus") or []:
+        nvml = g.get("nvml") or {}
+        gpus.append({
+            "uuid": g.get("uuid"),
+            "busy_share": g.get("busy_share"),
+            "allocations": len(g.get("allocations") or []),
+            "nvml": {k: nvml.get(k) for k in NVML_KEYS} if nvml else None,
+        })
+    daemon = status.get("daemon") or {}
+    return {
+        "format": FORMAT,
+        "node": node,
+        "time": round(now, 3),
+        "interval_s": interval,
+        "daemon": {k: daemon.get(k) for k in ("pid", "epoch", "uptime_s", "window_ms",
+                                              "clients")},
+        "allocations": allocations,
+        "gpus": gpus,
+    }
+
+
+def usage_configmap(document: Mapping[str, Any], namespace: str,
+                    owner: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The ConfigMap holding ``document`` (pure)."""
+    node = str(document["node"])
+    meta: dict[str, Any] = {
+        "name": configmap_name(node),
+        "namespace": namespace,
+        "labels": {LABEL_COMPONENT: COMPONENT, LABEL_NODE: node[:63].rstrip("-.")},
+    }
+    if owner is not None:
+        meta["ownerReferences"] = [dict(owner)]
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+            "data": {DATA_KEY: json.dumps(document, separators=(",", ":"))}}
+
+
+class UsagePublisher:
+    """Writes a node daemon's usage into its node's ConfigMap every ``interval`` seconds.
+
+    Never fatal to the daemon: failed writes (API server away, RBAC missing) are logged once per
+    distinct error and retried on the next interval."""
+
+    def __init__(self, kube: Kube, namespace: str, node: str,
+                 status: Callable[[], Mapping[str, Any]],
+                 servers: Callable[[], Mapping[str, str | None]],
+                 interval: float = DEFAULT_INTERVAL, clock: Callable[[], float] = time.time
+                 ) -> None:
+        self.kube = kube
+        self.namespace = namespace
+        self.node = node
+        self.status = status
+        self.servers = servers
+        self.interval = interval
+        self.clock = clock
+        self.name = configmap_name(node)
+        self.published = 0
+        self._exists = False
+        self._last_error: str | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def document(self) -> dict[str, Any]:
+        return usage_document(self.status(), self.servers(), self.node, self.interval,
+                              self.clock())
+
+    async def publish_once(self) -> None:
+        document = self.document()
+        if self._exists:
+            try:
+                await self._patch(document)
+                return
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                self._exists = False
+        try:
+            await self.kube._json(self.kube.core.create_namespaced_config_map(
+                self.namespace, usage_configmap(document, self.namespace, await self._owner()),
+                _preload_content=False))
+        except ApiException as exc:
+            if exc.status != 409:  # AlreadyExists: a previous run of this daemon made it
+                raise
+            await self._patch(document)
+        self._exists = True
+
+    async def _patch(self, document: Mapping[str, Any]) -> None:
+        body = {"data": {DATA_KEY: json.dumps(document, separators=(",", ":"))}}
+        await self.kube._json(self.kube.core.patch_namespaced_config_map(
+            self.name, self.namespace, body, _content_type="application/merge-patch+json",
+            _preload_content=False))
+
+    async def _owner(self) -> dict[str, Any] | None:
+        """The Node, so that the ConfigMap goes with it; None when it cannot be read."""
+        try:
+            node = await self.kube._json(self.kube.core.read_node(self.node,
+                                                                  _preload_content=False))
+        except ApiException:
+            return None
+        return {"apiVersion": "v1", "kind": "Node", "name": self.node,
+                "uid": node["metadata"]["uid"], "blockOwnerDeletion": False}
+
+    async def run(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await self.publish_once()
+                self.published += 1
+                if self._last_error is not None:
+                    log.info("usage ConfigMap %s/%s written again", self.namespace, self.name)
+                self._last_error = None
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # never stop the daemon over its usage report
+                text = f"{type(exc).__name__}: {getattr(exc, 'reason', None) or exc}"
+                if text != self._last_error:
+                    log.warning("writing usage ConfigMap %s/%s failed (retrying every %g s): %s",
+                                self.namespace, self.name, self.interval, text)
+                self._last_error = text
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def start(self) -> UsagePublisher:
+        self._task = asyncio.get_running_loop().create_task(self.run())
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+def start_publisher(daemon: Any, ledger: Any, interval: float = DEFAULT_INTERVAL
+                    ) -> UsagePublisher | None:
+    """Start publishing ``daemon``'s usage when it follows a Kubernetes ledger (else None)."""
+    from .ledger import KubernetesLedger
+
+    if not isinstance(ledger, KubernetesLedger) or interval <= 0:
+        return None
+
+    def servers() -> dict[str, str | None]:
+        return {a.id: a.extra.get("k8s_server") for a in daemon.allocations.values()}
+
+    log.info("publishing usage to ConfigMap %s/%s every %g s", ledger.namespace,
+             configmap_name(daemon.settings.node), interval)
+    return UsagePublisher(ledger.kube, ledger.namespace, daemon.settings.node, daemon.status,
+                          servers, interval).start()
+
+
+# -- the server side ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeUsage:
+    """One node's published usage, as read by a server at ``read_at`` (wall time)."""
+
+    node: str
+    document: Mapping[str, Any]
+    read_at: float
+
+    @property
+    def interval(self) -> float:
+        return float(self.document.get("interval_s") or DEFAULT_INTERVAL)
+
+    @property
+    def age(self) -> float:
+        return max(0.0, self.read_at - float(self.document.get("time") or 0.0))
+
+    @property
+    def stale(self) -> bool:
+        return self.age > STALE_INTERVALS * self.interval + CLOCK_SLACK
+
+    @property
+    def allocations(self) -> Sequence[Mapping[str, Any]]:
+        return self.document.get("allocations") or []
+
+    @property
+    def gpus(self) -> Sequence[Mapping[str, Any]]:
+        return self.document.get("gpus") or []
+
+
+def read_configmaps(items: Sequence[Mapping[str, Any]], now: float) -> list[NodeUsage]:
+    """The usage reports in a ConfigMap listing (pure); unreadable ones are skipped."""
+    found = []
+    for item in items:
+        raw = (item.get("data") or {}).get(DATA_KEY)
+        try:
+            document = json.loads(raw) if raw else None
+        except ValueError:
+            document = None
+        if not isinstance(document, dict) or document.get("format") != FORMAT:
+            log.debug("skipping unreadable usage ConfigMap %s", item.get("metadata", {}))
+            continue
+        found.append(NodeUsage(str(document.get("node")), document, now))
+    return found
+
+
+def view_of(reports: Sequence[NodeUsage]) -> UsageView:
+    """Current reports become the view; stale ones are named, their numbers dropped (pure)."""
+    allocations: dict[str, Mapping[str, Any]] = {}
+    fresh: set[str] = set()
+    stale: dict[str, float] = {}
+    for report in reports:
+        if report.stale:
+            stale[report.node] = round(report.age, 1)
+            continue
+        fresh.add(report.node)
+        for entry in report.allocations:
+            allocations[str(entry["id"])] = {**entry, "node": report.node,
+                                             "age_s": round(report.age, 1)}
+    message = None
+    if stale:
+        message = "no current usage from node(s) " + ", ".join(
+            f"{n} (last report {age:.0f} s ago)" for n, age in sorted(stale.items()))
+    elif not reports:
+        message = "no node daemon has published usage (ConfigMaps " + SELECTOR + ")"
+    return UsageView("kubernetes", allocations, frozenset(fresh), stale, message)
+
+
+class UsageReader:
+    """The usage ConfigMaps of a namespace, listed at most once per ``ttl`` seconds."""
+
+    def __init__(self, kube: Kube, namespace: str, ttl: float = 1.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.kube = kube
+        self.namespace = namespace
+        self.ttl = ttl
+        self.clock = clock
+        self._cached: tuple[float, list[NodeUsage]] | None = None
+        self._lock = asyncio.Lock()
+
+    async def reports(self, fresh: bool = False) -> list[NodeUsage]:
+        async with self._lock:
+            now = time.monotonic()
+            if not fresh and self._cached is not None and now - self._cached[0] < self.ttl:
+                return self._cached[1]
+            listing = await self.kube._json(self.kube.core.list_namespaced_config_map(
+                self.namespace, label_selector=SELECTOR, _preload_content=False))
+            reports = read_configmaps(listing.get("items") or [], self.clock())
+            self._cached = (now, reports)
+            return reports
+
+
+class KubernetesUsage:
+    """The :class:`~jupyter_gpushare.usage.UsageSource` of the Kubernetes backend."""
+
+    def __init__(self, reader: UsageReader) -> None:
+        self.reader = reader
+
+    async def read(self, fresh: bool = False) -> UsageView:
+        try:
+            return view_of(await self.reader.reports(fresh))
+        except ApiException as exc:
+            return UsageView("kubernetes", message=f"usage ConfigMaps could not be read: "
+                             f"{exc.status} {exc.reason}")
+
+    async def changed(self) -> None:
+        """Nothing to do: node daemons watch their GpuLedger and apply changes themselves."""
+
+
+_sources: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, KubernetesUsage] = (
+    weakref.WeakKeyDictionary())
+
+
+async def server_usage(settings: Any) -> KubernetesUsage:
+    """This server's reader, on the client of its Kubernetes context (one per event loop)."""
+    from .backend import get_context
+    from .config import KubernetesBackendConfig
+
+    ctx = await get_context(KubernetesBackendConfig.instance(config=settings.config),
+                            settings.aliases())
+    loop = asyncio.get_running_loop()
+    source = _sources.get(loop)
+    if source is None or source.reader.kube is not ctx.kube:
+        source = _sources[loop] = KubernetesUsage(UsageReader(ctx.kube, ctx.config.namespace))
+    return source
+
+
+__all__ = ["KubernetesUsage", "NodeUsage", "UsagePublisher", "UsageReader", "configmap_name",
+           "read_configmaps", "server_usage", "start_publisher", "usage_configmap",
+           "usage_document", "view_of"]

@@ -1,0 +1,107 @@
+"""Kernel pods are enforced by their node's daemon (the DaemonSet of ``deploy/daemonset.yaml``,
+run by the node agent on every fake node): the interposer in the pod connects through the
+mounted socket, the daemon checks that the process runs in the allocation's pod (its cgroups
+name the pod UID the server recorded), and the notebook side (status, ``%gpushare``, Release)
+works in a pod as it does locally."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from cluster import ControlPlane, node_daemon_socket
+from test_kernels import admin, execute, kernel_pods, kernel_records, nothing_left, start_kernel
+
+from jupyter_gpushare.daemon import wire
+from jupyter_gpushare.daemon.client import DaemonClient
+
+pytestmark = pytest.mark.timeout(300)
+
+CUDA_ERROR_NOT_PERMITTED = 800
+MIB = 1 << 20
+CUDA_PROBE = """
+import ctypes, json
+cu = ctypes.CDLL("libcuda.so.1")
+dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+assert cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
+assert cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev) == 0
+free, total, ptr = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_uint64()
+cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
+small = cu.cuMemAlloc_v2(ctypes.byref(ptr), 256 << 20)
+big = cu.cuMemAlloc_v2(ctypes.byref(ptr), 1 << 30)
+print(json.dumps({"total": total.value, "small": small, "big": big}))
+"""
+STATUS = """
+import json, jupyter_gpushare
+s = jupyter_gpushare.status()
+a = s["allocation"] or {}
+print(json.dumps({"state": s["state"], "simulated": s["simulated"], "id": s.get("allocation_id"),
+                  "memory_used": a.get("memory_used"), "memory_cap": a.get("memory_cap"),
+                  "request": a.get("request"), "kernels": (s["gpu"] or {}).get("kernels")}))
+"""
+
+
+def daemon_of(node_agent: Any, node: str) -> DaemonClient:
+    return DaemonClient(node_daemon_socket(node_agent, node))
+
+
+async def test_kernel_pod_is_enforced_and_its_share_is_its_own(
+    control_plane: ControlPlane, node_agent: Any, jupyter_server_factory: Any
+) -> None:
+    server = jupyter_server_factory(gpu_type="A100", gpu_memory="1GiB")
+    first, second = start_kernel(server), start_kernel(server)
+    kube = await admin(control_plane)
+    try:
+        [record] = await kernel_records(kube, first)
+        [other] = await kernel_records(kube, second)
+        [pod] = await kernel_pods(kube, first)
+        assert record.node == other.node == "gpu-node-1"
+        assert record.extra["k8s_pod_uid"] == pod["metadata"]["uid"]
+
+        # the interposer in the pod enforces the memory cap through the node's daemon
+        seen = json.loads(await execute(server, first, CUDA_PROBE))
+        assert seen == {"total": 1 << 30, "small": 0, "big": 2}  # 2: CUDA_ERROR_OUT_OF_MEMORY
+        daemon = daemon_of(node_agent, record.node)
+        [mine] = daemon.status(record.id)["allocations"]
+        assert mine["connected"] is True and mine["memory_used"] == 256 * MIB
+        assert (mine["request"], mine["memory_cap"]) == (0.25, 1 << 30)
+
+        # the notebook side in the pod reads the same daemon
+        status = json.loads(await execute(server, first, STATUS))
+        assert status == {"state": "active", "simulated": True, "id": record.id,
+                          "memory_used": 256 * MIB, "memory_cap": 1 << 30, "request": 0.25,
+                          "kernels": 2}
+        text = await execute(server, first, "%gpushare gpus")
+        assert "gpu-node-1" in text and "gpu-node-2" in text, text
+
+        # a process outside the pod, or in another kernel's pod, cannot use or release it
+        refused = daemon.request({"op": "hello", "v": wire.VERSION, "allocation": record.id})
+        assert refused["error"] == wire.E_NOT_PERMITTED
+        assert "runs in no pod" in refused["message"], refused
+        stolen = json.loads(await execute(server, second, (
+            "import json, os; from jupyter_gpushare.daemon.client import DaemonClient; "
+            f"print(json.dumps(DaemonClient(os.environ['GPUSHARE_SOCKET']).release({record.id!r})))"
+        )))
+        assert stolen["error"] == wire.E_NOT_PERMITTED
+        assert f"not in allocation {record.id}'s pod" in stolen["message"], stolen
+
+        # Release from inside the kernel: the record and the daemon forget it, the memory is
+        # freed, the pod and its Python state live on, CUDA refuses with the reason
+        text = await execute(server, first, "%gpushare release")
+        assert f"Released 0.25–0.5 of an A100 ({record.id}" in text, text
+        assert "256MiB of GPU memory freed" in text, text
+        assert await kernel_records(kube, first) == []
+        assert daemon.status(record.id).get("error") == wire.E_UNKNOWN_ALLOCATION
+        assert (await execute(server, first, "print(small, 1 + 1)")).split() == ["0", "2"]
+        code = await execute(server, first, "print(cu.cuMemAlloc_v2(ctypes.byref(ptr), 1 << 20))")
+        assert code.strip() == str(CUDA_ERROR_NOT_PERMITTED)
+        assert [p["metadata"]["uid"] for p in await kernel_pods(kube, first)] == [
+            pod["metadata"]["uid"]]
+        assert daemon.status(other.id)["allocations"][0]["id"] == other.id  # untouched
+    finally:
+        for kernel in (first, second):
+            server.request("DELETE", f"/api/kernels/{kernel}")
+        for kernel in (first, second):
+            await nothing_left(kube, kernel)
+        await kube.close()

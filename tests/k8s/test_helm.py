@@ -383,3 +383,38 @@ def test_installed_rbac_grants_exactly_deploys_rules(installed: tuple[Any, list[
                 # namespaced rights stay in the chart's namespace
                 verb = sorted(rules[(group, resource)])[0]
                 assert not allowed(api, account, "default", group, resource, verb)
+
+
+def test_helm_install_and_uninstall(helm: str, control_plane: Any) -> None:
+    """``helm install`` itself against the API server (the chart's CRD is already there: helm
+    skips it), its NOTES, and ``helm uninstall`` removing the cluster-wide objects. The
+    DaemonSet's nodeSelector matches no node, so no daemon pod starts on the fake nodes."""
+    from kubernetes import client, config
+
+    namespace = "gpushare-helm-install"
+    home = control_plane.workdir / "helm"
+    env = {**os.environ, "KUBECONFIG": str(control_plane.kubeconfig("admin")),
+           **{f"HELM_{d}_HOME": str(home / d.lower()) for d in ("CACHE", "CONFIG", "DATA")}}
+    api = config.new_client_from_config(str(control_plane.kubeconfig("admin")))
+    rbac = client.RbacAuthorizationV1Api(api)
+    try:
+        install = subprocess.run(
+            [helm, "install", "gs", str(CHART), "--namespace", namespace, "--create-namespace",
+             "--set", "daemon.nodeSelector.gpushare-test/no-such-node=true"],
+            capture_output=True, text=True, env=env, timeout=120)
+        assert install.returncode == 0, install.stdout + install.stderr
+        assert f'c.KubernetesBackendConfig.namespace = "{namespace}"' in install.stdout
+        ds = client.AppsV1Api(api).read_namespaced_daemon_set("gpushare-node", namespace)
+        assert ds.spec.template.spec.host_pid is True
+        assert ds.spec.template.spec.node_selector == {"gpushare-test/no-such-node": "true"}
+        assert rbac.read_cluster_role(f"{namespace}-gpushare-node-reader").rules[0].verbs == [
+            "get", "list", "watch"]
+    finally:
+        uninstall = subprocess.run([helm, "uninstall", "gs", "--namespace", namespace],
+                                   capture_output=True, text=True, env=env, timeout=120)
+        with contextlib.suppress(client.ApiException):
+            client.CoreV1Api(api).delete_namespace(namespace)
+    assert uninstall.returncode == 0, uninstall.stdout + uninstall.stderr
+    with pytest.raises(client.ApiException) as gone:
+        rbac.read_cluster_role(f"{namespace}-gpushare-node-reader")
+    assert gone.value.status == 404

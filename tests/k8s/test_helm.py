@@ -321,6 +321,9 @@ def test_api_server_accepts_the_chart(installed: tuple[Any, list[Obj]]) -> None:
            "metadata": {"generateName": "gpushare-node-", "namespace": NAMESPACE,
                         "labels": ds["spec"]["template"]["metadata"]["labels"]},
            "spec": ds["spec"]["template"]["spec"]}
+    with pytest.raises(client.ApiException) as stored_ds:  # dry run: validated, not stored
+        client.AppsV1Api(api).read_namespaced_daemon_set("gpushare-node", NAMESPACE)
+    assert stored_ds.value.status == 404
     admitted = client.CoreV1Api(api).create_namespaced_pod(NAMESPACE, pod, dry_run="All")
     assert admitted.spec.host_pid is True
     assert admitted.spec.service_account_name == "gpushare-daemon"

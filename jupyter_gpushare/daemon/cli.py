@@ -107,7 +107,11 @@ async def _publish_gpus(ledger: Ledger, node: str, simulate: str | None) -> None
     from ..inventory import discover_local
 
     gpus = await asyncio.to_thread(discover_local, simulate, None, node)
-    await ledger.put_gpus(node, gpus)
+    try:
+        await ledger.put_gpus(node, gpus)
+    except Exception as exc:  # enforcement does not depend on it: say so and go on
+        logging.error("could not publish the GPUs of node %s: %s", node, exc)
+        return
     logging.info("published %d GPU(s) of node %s", len(gpus), node)
 
 

@@ -94,7 +94,7 @@ class Reconciler:
                                   self.grace, clock)
             if reason is None:
                 continue
-            if await self.ledger.release(allocation.id) is not None:
+            if await self.ledger.release(allocation.id, if_unchanged=allocation) is not None:
                 log.info("gpushare: released %s on %s: %s", allocation.id, allocation.node,
                          reason)
                 released.append(allocation)

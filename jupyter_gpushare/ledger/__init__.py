@@ -221,12 +221,16 @@ class Ledger(ABC):
             await _backoff(attempt)
         raise LedgerConflict(f"could not record the allocation after {self.max_attempts} tries")
 
-    async def release(self, allocation_id: str) -> Allocation | None:
-        """Remove an allocation; returns it, or None when it was already gone."""
+    async def release(
+        self, allocation_id: str, if_unchanged: Allocation | None = None
+    ) -> Allocation | None:
+        """Remove an allocation; returns it, or None when it was already gone. With
+        ``if_unchanged``, only while the record still equals it (a reconciler judged that
+        record stale; a kernel restart may have re-pointed it since)."""
         for attempt in range(self.max_attempts):
             snap = await self.snapshot()
             found = snap.find(allocation_id)
-            if found is None:
+            if found is None or (if_unchanged is not None and found != if_unchanged):
                 return None
             rest = [a for a in snap.on_node(found.node) if a.id != allocation_id]
             if await self.compare_and_swap(found.node, snap.versions.get(found.node, 0), rest):

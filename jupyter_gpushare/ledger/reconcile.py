@@ -87,7 +87,7 @@ async def reconcile(
         reason = stale_reason(allocation, my_server_pid, live_kernel_ids)
         if reason is None:
             continue
-        if await ledger.release(allocation.id) is not None:
+        if await ledger.release(allocation.id, if_unchanged=allocation) is not None:
             logger.info("gpushare: released %s (%s): %s", allocation.id, allocation.owner, reason)
             released.append(allocation)
         _stop_orphan(allocation)

@@ -15,6 +15,8 @@ import copy
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -421,3 +423,127 @@ def test_helm_install_and_uninstall(helm: str, control_plane: Any) -> None:
     with pytest.raises(client.ApiException) as gone:
         rbac.read_cluster_role(f"{namespace}-gpushare-node-reader")
     assert gone.value.status == 404
+
+
+# -- the chart's daemon on a node -----------------------------------------------------------------
+
+NODE = "helm-node-1"
+
+
+def daemon_kubeconfig(api: Any, control_plane: Any, path: Path) -> Path:
+    """A kubeconfig with a token of the chart's daemon service account (TokenRequest): what
+    the kubelet projects into the pod."""
+    from kubernetes import client
+
+    request = client.CoreV1Api(api).create_namespaced_service_account_token(
+        "gpushare-daemon", NAMESPACE,
+        {"spec": {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": 3600}})
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "daemon",
+        "clusters": [{"name": "local", "cluster": {
+            "server": control_plane.server_url,
+            "certificate-authority": str(control_plane.ca_file)}}],
+        "users": [{"name": "daemon", "user": {"token": request.status.token}}],
+        "contexts": [{"name": "daemon", "context": {"cluster": "local", "user": "daemon"}}],
+    }))
+    path.chmod(0o600)
+    return path
+
+
+def until(what: str, predicate: Any, log: Path, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} not within {timeout:.0f} s; node agent log:\n"
+                        + log.read_text(errors="replace")[-4000:])
+        time.sleep(0.2)
+    return value
+
+
+@pytest.mark.timeout(180)
+def test_chart_daemon_runs_on_a_node(helm: str, tmp_path: Path, control_plane: Any,
+                                     installed: tuple[Any, list[Obj]]) -> None:
+    """The chart's DaemonSet (simulate 1xT4, pinned to a node of its own) run by the node
+    agent under the chart's daemon service account: the init container installs the interposer
+    into the host path, the daemon serves its socket in the socket host path, publishes the
+    node's GPUs on the Node (the chart's ClusterRole) and follows the namespace's GpuLedger (the
+    chart's Role); both containers run."""
+    import asyncio
+
+    from kubernetes import client
+    from servers import spawn, stop_process
+
+    from jupyter_gpushare.daemon.client import DaemonClient
+    from jupyter_gpushare.inventory import TypeAliases
+    from jupyter_gpushare.k8s.client import connect
+    from jupyter_gpushare.k8s.ledger import KubernetesLedger
+    from jupyter_gpushare.k8s.manifests import gpus_from_node
+    from jupyter_gpushare.ledger import Allocation
+    from jupyter_gpushare.share import ShareSpec
+
+    api, _ = installed
+    core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
+    ds = one(render(helm, tmp_path, {"daemon": {
+        "simulate": "1xT4", "nodeSelector": {"kubernetes.io/hostname": NODE}}},
+        namespace=NAMESPACE), "DaemonSet")
+    kubeconfig = daemon_kubeconfig(api, control_plane, tmp_path / "kubeconfig-daemon")
+    # short: the socket's path must fit a sockaddr_un (108 bytes)
+    workdir = Path(tempfile.mkdtemp(prefix="gs-helm-", dir="/tmp"))
+    log = tmp_path / "node-agent.log"
+    lib_on_host = not Path("/opt/gpushare/lib").exists()
+    agent = spawn([sys.executable, str(Path(__file__).with_name("node_agent.py")),
+                   "--kubeconfig", str(control_plane.kubeconfig("admin")),
+                   "--namespace", NAMESPACE, "--workdir", str(workdir), f"--node={NODE}",
+                   f"--service-account={NAMESPACE}/gpushare-daemon={kubeconfig}"], log)
+    try:
+        until("node agent", lambda: "node agent ready" in log.read_text(errors="replace"), log)
+        client.AppsV1Api(api).create_namespaced_daemon_set(NAMESPACE, ds)
+        host = workdir / NODE / "host"
+        daemon = DaemonClient(host / "run" / "gpushare" / "daemon.sock")
+        until("the daemon's socket", daemon.alive, log)
+        if lib_on_host:  # else the node agent maps the real /opt/gpushare/lib
+            assert (host / "opt" / "gpushare" / "lib" / "libgpushare.so").is_file()
+            assert (host / "opt" / "gpushare" / "lib" / "sim" / "libcuda.so.1").is_file()
+
+        def published() -> list[Any]:
+            node = api.sanitize_for_serialization(core.read_node(NODE))
+            return gpus_from_node(node, TypeAliases())
+        gpus = until("the node's GPUs", published, log)
+        assert [(g.type, g.simulated) for g in gpus] == [("T4", True)]
+
+        def running() -> bool:
+            pods = core.list_namespaced_pod(NAMESPACE, field_selector=f"spec.nodeName={NODE}")
+            return any(p.status.phase == "Running" and all(
+                c.state.running for c in p.status.container_statuses or [])
+                and len(p.status.container_statuses or []) == 2 for p in pods.items)
+        until("the daemon pod running", running, log)
+
+        allocation = Allocation(
+            id=Allocation.new_id(), node=NODE, gpus=(gpus[0].uuid,), memory=2**30,
+            spec=ShareSpec(gpu_request=0.25, gpu_limit=0.5, gpu_memory=2**30, gpu_type="T4"),
+            backend="kubernetes")
+
+        async def record() -> None:
+            kube = await connect(str(control_plane.kubeconfig("admin")))
+            try:
+                ledger = KubernetesLedger(kube, NAMESPACE)
+                snap = await ledger.snapshot()
+                assert await ledger.compare_and_swap(NODE, snap.versions.get(NODE, 0),
+                                                     [*snap.on_node(NODE), allocation])
+            finally:
+                await kube.close()
+        asyncio.run(record())
+        seen = until("the record at the daemon", lambda: daemon.status(allocation.id).get("ok"),
+                     log)
+        assert seen
+        assert daemon.status(allocation.id)["allocations"][0]["limit"] == 0.5
+    finally:
+        with contextlib.suppress(client.ApiException):
+            apps.delete_namespaced_daemon_set("gpushare-node", NAMESPACE)
+        stop_process(agent)
+        for pod in core.list_namespaced_pod(NAMESPACE).items:
+            with contextlib.suppress(client.ApiException):
+                core.delete_namespaced_pod(pod.metadata.name, NAMESPACE, grace_period_seconds=0)
+        with contextlib.suppress(client.ApiException):
+            core.delete_node(NODE)
+        shutil.rmtree(workdir, ignore_errors=True)

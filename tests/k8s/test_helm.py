@@ -283,8 +283,8 @@ VERBS = ("get", "list", "watch", "create", "update", "patch", "delete")
 def installed(helm: str, tmp_path_factory: pytest.TempPathFactory,
               control_plane: Any) -> Iterator[tuple[Any, list[Obj]]]:
     """The chart rendered for namespace gpushare-helm, created through the admin's client. The
-    DaemonSet is created with dryRun=All (validated and admitted, never stored): stored, its pods
-    would land on the node agent's fake nodes next to deploy/'s daemon."""
+    DaemonSet is created with dryRun=All (validated and admitted, never stored): the test that
+    runs the daemon creates its own, pinned to its own node."""
     from kubernetes import client, config, utils
 
     api = config.new_client_from_config(str(control_plane.kubeconfig("admin")))
@@ -393,7 +393,7 @@ def test_installed_rbac_grants_exactly_deploys_rules(installed: tuple[Any, list[
 def test_helm_install_and_uninstall(helm: str, control_plane: Any) -> None:
     """``helm install`` itself against the API server (the chart's CRD is already there: helm
     skips it), its NOTES, and ``helm uninstall`` removing the cluster-wide objects. The
-    DaemonSet's nodeSelector matches no node, so no daemon pod starts on the fake nodes."""
+    DaemonSet's nodeSelector matches no node, so no daemon pod is scheduled."""
     from kubernetes import client, config
 
     namespace = "gpushare-helm-install"

@@ -2,9 +2,9 @@
 the objects of the tested plain manifests in deploy/ with its defaults, its values change what
 they should, and the API server accepts what it renders and authorizes exactly deploy/'s rules.
 
-``helm`` comes from ``.ci/setup.d/helm.sh`` (cached in /var/cache/gpushare-helm, or
-``$GPUSHARE_HELM``, or on PATH). Under CI (``CI=true``) a missing binary FAILS these tests;
-elsewhere they skip and say why.
+``helm`` comes from ``.ci/setup.d/helm.sh`` (cached in ``$GPUSHARE_HELM_CACHE``, default
+/var/cache/gpushare-helm), or is ``$GPUSHARE_HELM``, or on PATH. Under CI (``CI=true``) a
+missing binary FAILS these tests; elsewhere they skip and say why.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from jupyter_gpushare.k8s.manifests import KernelPodRequest, PodSettings, kernel
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 CHART = DEPLOY / "helm" / "jupyter-gpushare"
-HELM_CACHE = Path("/var/cache/gpushare-helm/helm")
+HELM_CACHE = Path(os.environ.get("GPUSHARE_HELM_CACHE", "/var/cache/gpushare-helm")) / "helm"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 DAEMONSET = DEPLOY / "daemonset.yaml"
 Obj = dict[str, Any]

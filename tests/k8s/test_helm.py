@@ -1,6 +1,7 @@
 """The Helm chart (deploy/helm/jupyter-gpushare) rendered by a real ``helm``: it lints, renders
 the objects of the tested plain manifests in deploy/ with its defaults, its values change what
-they should, and the API server accepts what it renders and authorizes exactly deploy/'s rules.
+they should, the API server accepts what it renders and authorizes exactly deploy/'s rules, and
+its DaemonSet runs a working node daemon on a fake node (the node agent).
 
 ``helm`` comes from ``.ci/setup.d/helm.sh`` (cached in ``$GPUSHARE_HELM_CACHE``, default
 /var/cache/gpushare-helm), or is ``$GPUSHARE_HELM``, or on PATH. Under CI (``CI=true``) a

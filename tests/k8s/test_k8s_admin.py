@@ -357,11 +357,17 @@ async def test_rest_lists_resizes_and_releases_kernel_pods(
 ) -> None:
     server = jupyter_server_factory(gpu_type="T4", gpu_memory="1GiB")
     neighbour = jupyter_server_factory()  # another user's server on the same cluster ledger
-    first, second = start_kernel(server), start_kernel(server)
+    first = start_kernel(server)
+    # the UI's way: a share chosen with the start, the allocation in the answer
+    started = rest(server, "POST", "kernels", json={
+        "name": "gpushare-k8s", "share": {"gpu_request": 0.25, "gpu_limit": 0.5}})
+    assert started.status_code == 201, started.text
+    second = started.json()["id"]
     kube = await admin(control_plane)
     try:
         [a1] = await kernel_records(kube, first)
         [a2] = await kernel_records(kube, second)
+        assert started.json()["allocation"]["id"] == a2.id
         assert a1.node == a2.node == "gpu-node-2" and a1.gpus == a2.gpus  # the one T4
         daemon = DaemonClient(node_daemon_socket(node_agent, a1.node))
 
@@ -493,8 +499,9 @@ async def test_idle_kernel_pod_is_warned_then_released_busy_one_keeps_its_share(
         def warned() -> set[str]:
             return {a["kernel_id"] for a in rest(server, "GET", "reclaim").json()["warned"]}
 
-        assert await until(lambda: asyncio.to_thread(warned), 40, "the idle kernel's warning",
-                           interval=0.2) == {idle}
+        # (the busy kernel was busy for seconds before the idle one even started)
+        assert await until(lambda: asyncio.to_thread(lambda: idle in warned() and warned()),
+                           40, "the idle kernel's warning", interval=0.2) == {idle}
         [now] = await kernel_records(kube, idle)
         warning = now.extra["reclaim_warning"]
         assert warning["idle_s"] >= IDLE_AFTER and "has not used its GPU share" in (

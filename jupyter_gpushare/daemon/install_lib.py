@@ -23,7 +23,8 @@ def install(target: Path, source: Path | None = None) -> list[Path]:
     if not (source / "libgpushare.so").exists():
         raise FileNotFoundError(f"{source / 'libgpushare.so'} is not built")
     written = []
-    for path in sorted(source.rglob("*")):
+    shipped = [source / "libgpushare.so", *sorted((source / "sim").glob("*"))]
+    for path in shipped:  # not the sanitizer test builds under _lib/test
         if not path.is_file():
             continue
         dest = target / path.relative_to(source)

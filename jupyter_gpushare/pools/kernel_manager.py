@@ -1,6 +1,7 @@
 """The server's kernel manager with warm pools: ``ServerApp.kernel_manager_class =
-jupyter_gpushare.pools.PoolKernelManager`` (shipped in ``jupyter-config/``; ``jupyter gpushare
-lab`` passes it too).
+jupyter_gpushare.pools.PoolKernelManager`` in the server's config (``jupyter gpushare lab``
+passes it; jupyter_server reads only ``jpserver_extensions`` from the ``.d`` snippet a package
+ships, so the package cannot set it for a plain ``jupyter lab``).
 
 ``start_kernel(kernel_name=…, path=…, env=…, gpushare_share=…)`` resolves the share the way the
 provisioner will (server default < kernelspec config < the user's choice); when a pool's

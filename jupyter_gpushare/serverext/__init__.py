@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,21 @@ async def _start(serverapp: Any, settings: GpuShare) -> None:
     start_admin_tasks(serverapp, settings)  # warm pools, idle reclaim
 
 
+def _close_after_kernels(serverapp: Any) -> None:
+    """At shutdown, once the kernels are down, stop the Kubernetes backend's pod watch and
+    delete the server's Lease (module extensions get no unload hook, and the Lease must outlive
+    the kernel pods it owns)."""
+    cleanup_kernels = serverapp.cleanup_kernels
+
+    async def cleanup_kernels_then_close() -> None:
+        await cleanup_kernels()
+        k8s = sys.modules.get("jupyter_gpushare.k8s.backend")
+        if k8s is not None:
+            await k8s.close_context(delete_lease=True)
+
+    serverapp.cleanup_kernels = cleanup_kernels_then_close
+
+
 def _load_jupyter_server_extension(serverapp: Any) -> None:
     settings = GpuShare.instance(parent=serverapp)
     web_app = serverapp.web_app
@@ -95,6 +111,7 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
     web_app.add_handlers(".*$", admin_handlers(base_url) + handlers(base_url)
                          + ui_handlers(base_url))
     serverapp.io_loop.call_later(0, lambda: asyncio.ensure_future(_start(serverapp, settings)))
+    _close_after_kernels(serverapp)
     serverapp.log.info("gpushare: backend %s, ledger %s", settings.backend, settings.ledger_path)
 
 

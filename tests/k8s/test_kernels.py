@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from cluster import NAMESPACE, ControlPlane
+from servers import stop_process
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
@@ -259,6 +260,23 @@ async def test_killed_server_leaves_nothing_behind(
             await nothing_left(kube, kernel_id, timeout=60)
         assert await kube.get_lease(NAMESPACE, manifests.lease_name(server_id)) is None
         print(f"cleaned up {time.monotonic() - started:.1f} s after the server was killed")
+    finally:
+        await kube.close()
+
+
+async def test_stopped_server_shuts_its_kernels_down_and_deletes_its_lease(
+    control_plane: ControlPlane, jupyter_server_factory: Any
+) -> None:
+    server = jupyter_server_factory(lease_duration=300.0)  # expiry is not what cleans up here
+    kernel_id = start_kernel(server)
+    kube = await admin(control_plane)
+    try:
+        pod = await running_pod(kube, kernel_id)
+        server_id = pod["metadata"]["labels"][manifests.LABEL_SERVER]
+        assert await kube.get_lease(NAMESPACE, manifests.lease_name(server_id)) is not None
+        stop_process(server.proc)  # SIGTERM: jupyter_server's own shutdown
+        await nothing_left(kube, kernel_id, timeout=10)
+        assert await kube.get_lease(NAMESPACE, manifests.lease_name(server_id)) is None
     finally:
         await kube.close()
 

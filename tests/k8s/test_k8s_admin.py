@@ -32,6 +32,7 @@ from jupyter_gpushare.k8s import usage as k8s_usage
 from jupyter_gpushare.k8s.client import ApiException, Kube, connect
 from jupyter_gpushare.k8s.ledger import KubernetesLedger
 from jupyter_gpushare.ledger import Allocation
+from jupyter_gpushare.resize import UsageUnknown, resize
 from jupyter_gpushare.share import ShareSpec
 
 pytestmark = pytest.mark.timeout(300)
@@ -287,6 +288,10 @@ async def test_usage_configmap_tracks_a_daemons_allocation(
               f"{k8s_usage.CLOCK_SLACK:g} s)")
         assert allocation.id not in view.allocations and not view.covers(USAGE_NODE)
         assert f"{USAGE_NODE} (last report" in view.message
+        # a lower memory cap cannot be checked against old news: refused, saying why
+        with pytest.raises(UsageUnknown, match=f"node {USAGE_NODE} is not known now"):
+            await resize(ledger, allocation.id, {"gpu_memory": "128MiB"}, usage)
+        assert (await ledger.get(allocation.id)).memory == GIB
     finally:
         if worker is not None:
             worker.kill()

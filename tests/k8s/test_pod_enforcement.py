@@ -41,6 +41,15 @@ print(json.dumps({"state": s["state"], "simulated": s["simulated"], "id": s.get(
                   "request": a.get("request"), "kernels": (s["gpu"] or {}).get("kernels")}))
 """
 
+PANEL = """
+import json, time, jupyter_gpushare
+p = jupyter_gpushare.panel(interval=0.5)
+time.sleep(2.5)
+print(json.dumps({"updates": p.updates, "state": p.last_status["state"], "info": p.info.value,
+                  "title": p.title.value}))
+p.close()
+"""
+
 
 def daemon_of(node_agent: Any, node: str) -> DaemonClient:
     return DaemonClient(node_daemon_socket(node_agent, node))
@@ -72,6 +81,10 @@ async def test_kernel_pod_is_enforced_and_its_share_is_its_own(
         assert status == {"state": "active", "simulated": True, "id": record.id,
                           "memory_used": 256 * MIB, "memory_cap": 1 << 30, "request": 0.25,
                           "kernels": 2}
+        shown = json.loads(await execute(server, first, PANEL))
+        assert shown["updates"] >= 3 and shown["state"] == "active"  # the thread kept going
+        assert record.gpus[0] in shown["info"] and "1GiB" in shown["info"]
+        assert "256MiB" in shown["info"] and "simulated GPU" in shown["title"]
         text = await execute(server, first, "%gpushare gpus")
         assert "gpu-node-1" in text and "gpu-node-2" in text, text
 

@@ -172,8 +172,7 @@ class UsagePublisher:
     async def _owner(self) -> dict[str, Any] | None:
         """The Node, so that the ConfigMap goes with it; None when it cannot be read."""
         try:
-            node = await self.kube._json(self.kube.core.read_node(self.node,
-                                                                  _preload_content=False))
+            node = await self.kube.read_node(self.node)
         except ApiException:
             return None
         return {"apiVersion": "v1", "kind": "Node", "name": self.node,

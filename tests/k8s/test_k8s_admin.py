@@ -435,8 +435,20 @@ async def test_rest_lists_resizes_and_releases_kernel_pods(
         capped = rest(server, "PATCH", f"allocations/{a1.id}", json={"gpu_memory": "1GiB"})
         assert capped.status_code == 200, capped.text
         await applied(daemon, a1.id, {"memory_cap": GIB}, time.monotonic())
-        print(f"PATCH -> node daemon enforcing it: up {up_s * 1000:.0f} ms, "
-              f"down {down_s * 1000:.0f} ms")
+        applies, replies = [], []
+        for i in range(10):  # limit 0.75 <-> 0.5: PATCH sent -> answered, -> enforced
+            limit = 0.75 if i % 2 == 0 else 0.5
+            started = time.monotonic()
+            reply = rest(server, "PATCH", f"allocations/{a1.id}", json={"gpu_limit": limit})
+            replies.append(time.monotonic() - started)
+            assert reply.status_code == 200, reply.text
+            applies.append(await applied(daemon, a1.id, {"limit": limit}, started))
+        applies.sort()
+        replies.sort()
+        print(f"PATCH -> node daemon enforcing it: up {up_s * 1000:.0f} ms, down "
+              f"{down_s * 1000:.0f} ms; 10 limit changes: answered median "
+              f"{replies[5] * 1000:.0f} ms, enforced median {applies[5] * 1000:.0f} ms, "
+              f"max {applies[-1] * 1000:.0f} ms")
 
         # DELETE: the record goes, the daemon forgets the share, the kernel pod runs on
         [pod] = await kernel_pods(kube, second)

@@ -31,11 +31,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "k8s"))
 
-from cluster import ControlPlane, apply_deploy  # noqa: E402
+from cluster import (  # noqa: E402
+    ControlPlane,
+    apply_deploy,
+    node_agent_argv,
+    node_daemon_socket,
+)
 from servers import spawn, start_jupyter_server, stop_process  # noqa: E402
 from stress import run_stress, stress_inventory  # noqa: E402
 from test_kernels import execute  # noqa: E402
 
+from jupyter_gpushare.daemon.client import DaemonClient  # noqa: E402
 from jupyter_gpushare.k8s.client import ApiException, connect  # noqa: E402
 from jupyter_gpushare.k8s.ledger import KubernetesLedger  # noqa: E402
 from jupyter_gpushare.ledger.sqlite import SQLiteLedger  # noqa: E402
@@ -102,11 +108,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
               f"{1000 * statistics.median(lat_local):.2f} ms | ratio "
               f"{statistics.median(lat_k8s) / statistics.median(lat_local):.1f}x", flush=True)
 
-        agent = spawn([sys.executable, str(ROOT / "tests" / "k8s" / "node_agent.py"),
-                       "--kubeconfig", str(plane.kubeconfig("admin")),
-                       "--workdir", str(work / "nodes"), "--node=gpu-node-1=2xA100",
-                       "--node=gpu-node-2=1xT4"], work / "node-agent.log")
-        while "node agent ready" not in (work / "node-agent.log").read_text():
+        nodes = {"gpu-node-1": "2xA100", "gpu-node-2": "1xT4"}
+        agent = spawn(node_agent_argv(plane, work / "nodes", nodes), work / "node-agent.log")
+        sockets = [DaemonClient(node_daemon_socket(work / "nodes", n), 1.0) for n in nodes]
+        # the DaemonSet's node daemons enforce the kernel pods, as on a cluster
+        while not all(d.alive() for d in sockets):
             if agent.poll() is not None:
                 raise RuntimeError((work / "node-agent.log").read_text())
             await asyncio.sleep(0.2)

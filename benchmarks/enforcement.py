@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "enforcement"))
 
-from conftest import (  # noqa: E402
+from enforcement_support import (  # noqa: E402
     NODE,
     TENANT,
     add_allocation,

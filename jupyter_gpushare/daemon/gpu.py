@@ -25,6 +25,10 @@ EXTEND_GRACE_NS = 10_000_000
 PREEMPT_MIN_HOLD_NS = 2_000_000
 #: How long to wait for the holder's processes to drain after its lease ended.
 DRAIN_GRACE_NS = 2_000_000_000
+#: While a GPU has more than one tenant, a holder queues at most this share of a quantum of
+#: device work ahead (``runahead_ns`` in the header): a revoked or ending lease drains in about
+#: that long, so a waiter below its request runs within a fraction of a quantum.
+RUNAHEAD_QUANTA = 0.2
 
 
 @dataclass
@@ -85,6 +89,7 @@ class GpuLoop:
             tenant.credit = LimitCredit(monotonic_ns(), 2 * self.quantum_ns)
             tenant.window.total_ns = self.shm.slots[index].used_ns
             self.tenants[allocation] = tenant
+            self._publish_runahead()
         elif (tenant.request, tenant.limit, tenant.memory) != (request, limit, memory):
             tenant.request, tenant.limit, tenant.memory = request, limit, memory
             self.shm.configure(tenant.slot, request, limit, memory)
@@ -100,7 +105,13 @@ class GpuLoop:
         self.shm.release(tenant.slot)
         if self.holder is tenant:
             self._end_lease(monotonic_ns())
+        self._publish_runahead()
         log.info("GPU %s: released %s", self.uuid, allocation)
+
+    def _publish_runahead(self) -> None:
+        """Bound the holders' backlog while others could want the GPU (alone: no bound)."""
+        shared = len(self.tenants) > 1
+        self.shm.header.runahead_ns = int(self.quantum_ns * RUNAHEAD_QUANTA) if shared else 0
 
     def disconnected(self, tenant: Tenant) -> None:
         if tenant.connections == 0:  # nobody can be waiting or draining any more
@@ -220,6 +231,7 @@ class GpuLoop:
         until = now + grant.lease_ns
         slot.lease_start_ns = now
         slot.drain_end_ns = now
+        slot.drain_eta_ns = 0
         slot.first_launch_ns = 0
         slot.lease_until_ns = until
         self.shm.header.holder = tenant.slot + 1
@@ -249,6 +261,7 @@ class GpuLoop:
         header = self.shm.header
         if self.holder is None:
             header.next_slot = 0
+            header.next_other = 0
             return
         now = monotonic_ns()
         left = max(0, self.lease_until - now)
@@ -263,11 +276,12 @@ class GpuLoop:
                 v = replace(v, credit_ns=credit)
             views.append(v)
         grant = pick(views, self.quantum_ns, self.window_ns)
-        if grant is None:
-            header.next_slot = 0
-        else:
-            header.next_lease_ns = grant.lease_ns
-            header.next_slot = self.tenants[grant.key].slot + 1
+        other = pick([v for v in views if v.key != self.holder.allocation], self.quantum_ns,
+                     self.window_ns)
+        if grant is not None or other is not None:
+            header.next_lease_ns = (grant or other).lease_ns  # type: ignore[union-attr]
+        header.next_other = 0 if other is None else self.tenants[other.key].slot + 1
+        header.next_slot = 0 if grant is None else self.tenants[grant.key].slot + 1
 
     def _sync_holder(self) -> bool:
         """Adopt a handoff a client made: ``holder`` moved off our holder's slot, or our holder
@@ -382,6 +396,7 @@ class GpuLoop:
         self.draining = False
         self.shm.header.holder = 0
         self.shm.header.next_slot = 0
+        self.shm.header.next_other = 0
         self._cancel_timers()
         self.schedule()
 

@@ -71,6 +71,7 @@ class GpuShm:
         h.uuid = uuid.encode()[:63]
         h.holder = 0
         h.waiting_slots = 0
+        h.runahead_ns = 0  # the GPU loop publishes it once it knows its tenants
         for slot in self.slots:  # leases do not survive a daemon; memory reservations do
             slot.lease_until_ns = 0
             slot.joined = 0

@@ -1,4 +1,4 @@
-"""The wire format between the node daemon and the interposer (boxes 6 and 7), version 1.
+"""The wire format between the node daemon and the interposer (boxes 6 and 7), version 2.
 
 Written down once here; the C side is ``csrc/include/gpushare_wire.h`` and must match it (the
 tests compare the two: ``tests/enforcement/test_wire.py``).
@@ -13,12 +13,12 @@ Two channels
 
    ``hello`` (client → daemon, first message of an interposed process)::
 
-       {"op": "hello", "v": 1, "allocation": "a-…", "pid": 1234, "gpus": ["GPU-…", …]}
+       {"op": "hello", "v": 2, "allocation": "a-…", "pid": 1234, "gpus": ["GPU-…", …]}
 
    The daemon checks the peer's credentials (``SO_PEERCRED``): the connecting pid must be the
    allocation's ``pid`` (with a matching ``pid_start``) or one of its descendants. Reply::
 
-       {"ok": true, "v": 1, "epoch": 7, "quantum_ns": …, "window_ns": …,
+       {"ok": true, "v": 2, "epoch": 7, "quantum_ns": …, "window_ns": …,
         "gpus": [{"uuid": "GPU-…", "shm": "/dev/shm/…/GPU-….shm", "slot": 3,
                   "generation": 12}, …]}
 
@@ -34,7 +34,7 @@ Two channels
 
    ``status`` → ``{"ok": true, "allocations": […], "gpus": […], "daemon": {…}}`` (optionally
    ``"allocation": id`` to get one); ``refresh`` → re-reads the ledger, ``{"ok": true}``;
-   ``ping`` → ``{"ok": true, "v": 1, "epoch": …}``.
+   ``ping`` → ``{"ok": true, "v": 2, "epoch": …}``.
 
    A kernel's own share (peer-checked like ``hello``; :mod:`.kernel_ops`): ``release``
    (``"allocation"``), ``resize`` (``"allocation"``, ``"share"``), ``reserve`` (``"share"``, after
@@ -69,6 +69,31 @@ each process grants itself leases locally at its request share (duty cycle: ``qu
 shared-memory files (same path, same slots: memory already reserved is kept), bumps ``epoch``
 and clears leases.
 
+Direct handoff (the daemon sets policy, the processes do the handoffs): while a lease runs the
+daemon publishes in the header who should run next as if the lease ended now, ``next_slot`` (the
+holder included) and ``next_other`` (the best of the others), with ``next_lease_ns``. The last
+process of the holder to drain (``joined == 1``) hands the GPU over itself: to ``next_slot``, or
+to ``next_other`` when it is ``next_slot`` itself but stopped launching (idle). It stores the next
+slot's ``lease_start_ns``/``drain_end_ns``, moves ``holder`` with a compare-and-swap from its
+own slot, clears ``next_slot``/``next_other``, stores the new ``lease_until_ns``, bumps its
+``grant_seq`` and wakes it, then sends ``done`` with ``"handoff": slot``; the daemon adopts the
+new holder when it sees ``holder`` moved. Without a published next holder it sends a plain
+``done`` and the daemon grants.
+
+Runahead bound: while a GPU has more than one tenant the daemon publishes ``runahead_ns`` (a fifth
+of the quantum); 0 means no bound. A holder's process then keeps at most that much device time
+queued per stream ahead of the device (estimated from timing events recorded before launches:
+device time per launch from intervals in which the stream was busy), so a revoked or ending lease
+drains in about ``runahead_ns``, and a waiter below its request that preempts the holder runs
+within a fraction of a quantum.
+
+Drain end: a draining holder's agent stores in ``drain_eta_ns`` when it expects its queued work
+done (from the same estimate); it sleeps until shortly before and then polls the device. The next
+holder (``next_slot``), once the holder's lease is over, sleeps until shortly before
+``drain_eta_ns`` and then polls its own ``lease_until_ns`` (bounded to a few ms), so the grant the
+holder's agent stores is picked up without a wake-up on the path. A waiter sends ``want`` when it
+starts waiting and again at most every 10 ms.
+
 Lease extension: when the daemon published the holder itself as ``next_slot`` (nobody else may
 run now), the holder's agent does not drain at the end of its lease: it charges the old lease up
 to now (``drain_end_ns``), stores ``lease_start_ns`` and a new ``lease_until_ns`` with a
@@ -97,7 +122,7 @@ import ctypes
 import json
 from typing import Any
 
-VERSION = 1
+VERSION = 2
 MAGIC = 0x48535047  # "GPSH"
 SLOTS = 64
 HEADER_SIZE = 256
@@ -137,10 +162,11 @@ class Header(ctypes.Structure):
         ("waiting_slots", ctypes.c_uint32),  # 60: slots other than the holder that wait
         ("uuid", ctypes.c_char * 64),  # 64
         ("next_slot", ctypes.c_uint32),  # 128: slot + 1 the holder may hand the GPU to, 0 none
-        ("_pad0", ctypes.c_uint32),  # 132
+        ("next_other", ctypes.c_uint32),  # 132: the best of the others (holder idle), 0 none
         ("next_lease_ns", ctypes.c_uint64),  # 136: the lease to give it
         ("direct_handoffs", ctypes.c_uint64),  # 144: handoffs done by clients (atomic add)
-        ("_pad", ctypes.c_uint8 * 104),  # 152
+        ("runahead_ns", ctypes.c_uint64),  # 152: device time a holder may queue ahead, 0 = any
+        ("_pad", ctypes.c_uint8 * 96),  # 160
     ]
 
 
@@ -169,7 +195,8 @@ class Slot(ctypes.Structure):
         ("allocation", ctypes.c_char * 32),  # 112 allocation id, NUL-padded
         ("launches", ctypes.c_uint64),  # 144 atomic add (clients), batched per lease
         ("first_launch_ns", ctypes.c_uint64),  # 152 atomic min (clients): first join of a lease
-        ("_pad", ctypes.c_uint8 * 96),  # 160
+        ("drain_eta_ns", ctypes.c_uint64),  # 160 (clients): a draining holder's expected end
+        ("_pad", ctypes.c_uint8 * 88),  # 168
     ]
 
 

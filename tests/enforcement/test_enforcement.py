@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import (
+from enforcement_support import (
     GiB,
     add_allocation,
     remove_allocation,

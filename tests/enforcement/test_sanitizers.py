@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from conftest import LIB, add_allocation, spawn_tenant
+from enforcement_support import LIB, add_allocation, spawn_tenant
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -65,6 +65,6 @@ def test_offsets_match(c_layout):
 def test_messages_round_trip():
     line = wire.encode({"op": "hello", "v": wire.VERSION, "allocation": "a-0"})
     assert line.endswith(b"\n") and b"\n" not in line[:-1]
-    assert wire.decode(line) == {"op": "hello", "v": 1, "allocation": "a-0"}
+    assert wire.decode(line) == {"op": "hello", "v": wire.VERSION, "allocation": "a-0"}
     with pytest.raises(ValueError):
         wire.decode(b"[1, 2]")

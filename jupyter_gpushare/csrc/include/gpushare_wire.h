@@ -1,4 +1,4 @@
-/* gpushare_wire.h - the C side of the daemon <-> interposer wire format, version 1.
+/* gpushare_wire.h - the C side of the daemon <-> interposer wire format, version 2.
  *
  * The authoritative description is the docstring of jupyter_gpushare/daemon/wire.py; this header
  * reproduces its shared-memory layout field by field (tests/enforcement/test_wire.py compares the
@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define GPUSHARE_WIRE_VERSION 1u
+#define GPUSHARE_WIRE_VERSION 2u
 #define GPUSHARE_WIRE_MAGIC 0x48535047u /* "GPSH" */
 #define GPUSHARE_WIRE_SLOTS 64
 #define GPUSHARE_WIRE_HEADER_SIZE 256
@@ -39,10 +39,12 @@ struct gpushare_wire_header {
     _Atomic uint32_t waiting_slots;  /* 60: slots other than the holder waiting for a lease */
     char uuid[64];                   /* 64 */
     _Atomic uint32_t next_slot;      /* 128: slot + 1 the holder may hand the GPU to (daemon) */
-    uint32_t pad0;                   /* 132 */
+    _Atomic uint32_t next_other;     /* 132: slot + 1 to hand to when the holder is next but
+                                        does not want more (idle): the best of the others */
     _Atomic uint64_t next_lease_ns;  /* 136: the lease to give it */
     _Atomic uint64_t direct_handoffs; /* 144: handoffs done by clients */
-    uint8_t pad[104];                /* 152 */
+    _Atomic uint64_t runahead_ns;    /* 152: device time a holder may queue ahead (0: unbounded) */
+    uint8_t pad[96];                 /* 160 */
 };
 
 struct gpushare_wire_slot {
@@ -66,7 +68,8 @@ struct gpushare_wire_slot {
     char allocation[32];             /* 112 */
     _Atomic uint64_t launches;       /* 144 */
     _Atomic uint64_t first_launch_ns; /* 152: atomic min (clients): first join of the lease */
-    uint8_t pad[96];                 /* 160 */
+    _Atomic uint64_t drain_eta_ns;   /* 160: when the draining holder expects its work done */
+    uint8_t pad[88];                 /* 168 */
 };
 
 _Static_assert(sizeof(struct gpushare_wire_header) == GPUSHARE_WIRE_HEADER_SIZE, "header size");
@@ -79,10 +82,10 @@ _Static_assert(offsetof(struct gpushare_wire_slot, launches) == 144, "launches o
 /* The offsets by name, for the wire-format test (tools/wire_offsets in the build). */
 #define GPUSHARE_WIRE_HEADER_FIELDS(X) X(magic) X(version) X(slot_count) X(slot_size) \
     X(daemon_pid) X(epoch) X(heartbeat_ns) X(quantum_ns) X(window_ns) X(holder) \
-    X(waiting_slots) X(uuid) X(next_slot) X(next_lease_ns) X(direct_handoffs)
+    X(waiting_slots) X(uuid) X(next_slot) X(next_other) X(next_lease_ns) X(direct_handoffs) X(runahead_ns)
 #define GPUSHARE_WIRE_SLOT_FIELDS(X) X(lease_until_ns) X(lease_start_ns) X(grant_seq) X(state) \
     X(joined) X(waiters) X(mem_cap) X(mem_used) X(used_ns) X(drain_end_ns) X(request_ppm) \
     X(limit_ppm) X(lease_waits) X(wait_ns) X(oom_count) X(mem_peak) X(generation) \
-    X(allocation) X(launches) X(first_launch_ns)
+    X(allocation) X(launches) X(first_launch_ns) X(drain_eta_ns)
 
 #endif

@@ -85,6 +85,9 @@ static void resolve(void) {
 #define GS_RESOLVE_USED(name) real_##name = (__typeof__(&name))lookup(libcuda, #name);
     GS_USES(GS_RESOLVE_USED)
 #undef GS_RESOLVE_USED
+    if (!real_cuEventElapsedTime_v2) /* drivers before 12.8: the same call without the suffix */
+        real_cuEventElapsedTime_v2 =
+            (__typeof__(&cuEventElapsedTime_v2))lookup(libcuda, "cuEventElapsedTime");
     real_nvmlDeviceGetUUID =
         (nvmlReturn_t(*)(nvmlDevice_t, char *, unsigned int))lookup(libnvml, "nvmlDeviceGetUUID");
 }

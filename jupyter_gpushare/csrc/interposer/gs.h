@@ -73,12 +73,27 @@ void gs_resolve(void);
 void *gs_wrapper_for(const char *name);
 
 /* -- per-GPU state (lease.c) ---------------------------------------------------------------- */
+#define GS_MARKS 16
+struct gs_mark {              /* an event recorded before a launch (runahead bound) */
+    CUevent event;
+    uint64_t count;           /* launches on the stream before it */
+    int busy;                 /* the mark before it was still queued when it was recorded */
+};
+
 struct gs_stream {            /* a stream this process launched on */
     CUcontext ctx;
     CUstream stream;          /* normalised: 0/per-thread -> CU_STREAM_LEGACY */
     CUevent event;            /* created lazily in ctx */
     CUevent probe;            /* "is work still queued?" (the agent's idle check) */
     uint64_t lease;           /* lease_until of the last lease it was used under */
+    /* runahead bound in device time (lease.c: runahead_bound) */
+    uint64_t count;           /* launches admitted on it (approximate across threads) */
+    struct gs_mark marks[GS_MARKS]; /* oldest first from mhead: queued marks */
+    unsigned mhead, mlen;
+    CUevent ref_event;        /* the newest mark known complete ... */
+    uint64_t ref_count;       /* ... and the launches before it */
+    int ref_valid;
+    uint64_t launch_ns;       /* device time per launch (EWMA of busy intervals), 0 unknown */
     struct gs_stream *next;
 };
 
@@ -144,6 +159,7 @@ struct gs_tls {
     CUstream stream;          /* ... on this stream */
     struct gs_gpu *gpu;
     int budget;               /* launches before the next runahead check */
+    int given;                /* the budget the last slow path gave (launch counting) */
 };
 extern __thread struct gs_tls gs_tl;
 

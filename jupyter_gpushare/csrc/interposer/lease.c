@@ -10,6 +10,13 @@
  * and sends `done`: queued work never spills into the next tenant's lease, and the tenant is
  * charged the whole interval.
  *
+ * Handoffs go from process to process (wire.py: direct handoff): the draining agent grants the
+ * next holder the daemon published, in shared memory. To keep that short: while others share the
+ * GPU a stream queues at most `runahead_ns` of device time ahead (runahead_bound), the agent
+ * sleeps until shortly before the estimated drain end and then polls the device (wait_drained,
+ * publishing the estimate as `drain_eta_ns`), and the next holder polls for its grant from
+ * shortly before that estimate instead of sleeping on the futex.
+ *
  * Fail static: when the daemon is unreachable each process grants itself leases at its request
  * share (quantum on, quantum*(1-r)/r off) and the agent keeps reconnecting. Nothing here ever
  * exits or aborts the process.
@@ -24,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
@@ -38,6 +46,10 @@ __thread struct gs_tls gs_tl;
 #define RECONNECT_NS 200000000ull       /* try the daemon again every 200 ms */
 #define WAIT_SLICE_NS 50000000ull       /* re-check state at least every 50 ms while waiting */
 #define DEFAULT_QUANTUM_NS 20000000ull
+#define DRAIN_SPIN_MIN_NS 300000ull      /* a drain polls at least the last 0.3 ms */
+#define GRANT_SPIN_MAX_NS 5000000ull     /* the next holder polls for its grant at most 5 ms */
+#define GRANT_SPIN_MARGIN_NS 250000ull   /* ... from this long before the holder's drain ends */
+#define WANT_REPEAT_NS 10000000ull       /* a waiter repeats `want` at most every 10 ms */
 static int runahead_launches = 32;      /* launches on a stream between two runahead checks */
 
 static _Atomic int init_state;          /* 0 none, 1 running, 2 done */
@@ -427,6 +439,9 @@ static struct gs_stream *note_stream(struct gs_gpu *g, CUstream stream, uint64_t
         }
         if (!g->start_event) real_cuEventCreate(&g->start_event, CU_EVENT_DEFAULT);
         g->start_ctx = ctx;
+        /* the stream is idle at a lease's first launch: the event's device time is now (the
+         * drain's device end is this plus the events' elapsed time) */
+        g->join_ns = gs_now();
         if (g->start_event && real_cuEventRecord(g->start_event, e->stream) == CUDA_SUCCESS)
             g->start_lease = lease;
     }
@@ -457,6 +472,35 @@ void gs_stream_forget(CUstream stream) {
     if (gs_tl.stream == stream) gs_tl.stream = (CUstream)-1;
 }
 
+static uint64_t backlog_ns(struct gs_stream *e);
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+/* Waits for `event` (recorded on e's stream). With an estimate of the stream's backlog the agent
+ * sleeps until shortly before the estimated end and then polls, so the end of a drain is seen
+ * within microseconds even when a sleeping thread would wake late (a loaded host): the next
+ * tenant's handoff waits on it. Without one it blocks in the driver. */
+static void wait_drained(struct gs_gpu *g, struct gs_stream *e, CUevent event) {
+    uint64_t est = backlog_ns(e), start = gs_now();
+    if (est && real_cuEventQuery) {
+        atomic_max64(&g->slot->drain_eta_ns, start + est); /* the next holder wakes for it */
+        uint64_t margin = est / 4 > DRAIN_SPIN_MIN_NS ? est / 4 : DRAIN_SPIN_MIN_NS;
+        if (est > margin) sleep_ns(est - margin);
+        uint64_t give_up = start + est + margin + DRAIN_SPIN_MIN_NS;
+        while (real_cuEventQuery(event) == CUDA_ERROR_NOT_READY) {
+            if (gs_now() > give_up) break;
+            for (int i = 0; i < 64; i++) cpu_relax();
+        }
+    }
+    if (real_cuEventSynchronize) real_cuEventSynchronize(event);
+}
+
 /* Waits until every stream this process used under `lease` has finished its queued work;
  * returns when the device finished it (CLOCK_MONOTONIC): measured with events against the start
  * event where possible (so the agent's own wake-up latency is not charged), else the wall clock. */
@@ -479,7 +523,7 @@ static uint64_t drain(struct gs_gpu *g, uint64_t lease) {
         if (e->lease != lease) continue;
         if (e->event && real_cuEventSynchronize) {
             if (real_cuCtxSetCurrent) real_cuCtxSetCurrent(e->ctx);
-            real_cuEventSynchronize(e->event);
+            wait_drained(g, e, e->event);
             float ms = 0;
             if (timed && e->ctx == g->start_ctx &&
                 real_cuEventElapsedTime_v2(&ms, g->start_event, e->event) == CUDA_SUCCESS) {
@@ -497,6 +541,9 @@ static uint64_t drain(struct gs_gpu *g, uint64_t lease) {
             *pp = e->next;
             if (e->event && real_cuEventDestroy_v2) real_cuEventDestroy_v2(e->event);
             if (e->probe && real_cuEventDestroy_v2) real_cuEventDestroy_v2(e->probe);
+            for (unsigned k = 0; k < GS_MARKS && real_cuEventDestroy_v2; k++)
+                if (e->marks[k].event) real_cuEventDestroy_v2(e->marks[k].event);
+            if (e->ref_event && real_cuEventDestroy_v2) real_cuEventDestroy_v2(e->ref_event);
             free(e);
         } else {
             pp = &e->next;
@@ -518,26 +565,30 @@ static uint64_t drain(struct gs_gpu *g, uint64_t lease) {
 static int try_handoff(struct gs_gpu *g) {
     struct gpushare_wire_header *h = g->header;
     struct gpushare_wire_slot *s = g->slot;
-    if (!h || g->slot_index < 0 || !atomic_load(&gs.connected) || atomic_load(&s->joined) != 1)
-        return -1;
+    if (!h || g->slot_index < 0 || !atomic_load(&gs.connected)) return -1;
+    if (atomic_load(&s->joined) != 1) return -1;
     uint32_t next = atomic_load(&h->next_slot);
     if (next == 0 || next > GPUSHARE_WIRE_SLOTS) return -1;
     /* to ourselves only by extension (try_extend): a new lease in the same slot would overwrite
-     * the fields the daemon charges the old one from */
-    if (next == (uint32_t)g->slot_index + 1) return -1;
+     * the fields the daemon charges the old one from. We are here instead of extending because
+     * we went idle: the best of the others gets it */
+    if (next == (uint32_t)g->slot_index + 1) next = atomic_load(&h->next_other);
+    if (next == 0 || next > GPUSHARE_WIRE_SLOTS || next == (uint32_t)g->slot_index + 1) return -1;
     struct gpushare_wire_slot *n =
         (struct gpushare_wire_slot *)((char *)h + GPUSHARE_WIRE_HEADER_SIZE +
                                       (size_t)(next - 1) * GPUSHARE_WIRE_SLOT_SIZE);
-    if (atomic_load(&n->state) != GPUSHARE_SLOT_ACTIVE || atomic_load(&n->waiters) == 0)
-        return -1;
+    if (atomic_load(&n->state) != GPUSHARE_SLOT_ACTIVE) return -1;
+    if (atomic_load(&n->waiters) == 0) return -1;
     uint64_t now = gs_now(), lease_ns = atomic_load(&h->next_lease_ns);
     if (lease_ns == 0 || lease_ns > 1000000000ull) return -1;
     atomic_store(&n->lease_start_ns, now);
     atomic_store(&n->drain_end_ns, now);
+    atomic_store(&n->drain_eta_ns, 0);
     atomic_store(&n->first_launch_ns, 0);
     uint32_t mine = (uint32_t)g->slot_index + 1;
     if (!atomic_compare_exchange_strong(&h->holder, &mine, next)) return -1;
     atomic_store(&h->next_slot, 0);
+    atomic_store(&h->next_other, 0);
     atomic_store_explicit(&n->lease_until_ns, now + lease_ns, memory_order_release);
     atomic_fetch_add(&n->grant_seq, 1);
     syscall(SYS_futex, (uint32_t *)&n->grant_seq, FUTEX_WAKE, 1 << 30, NULL, NULL, 0);
@@ -607,11 +658,13 @@ static int try_extend(struct gs_gpu *g, uint64_t lease) {
         if (e->lease == lease) e->lease = until; /* drained at the end of the new lease */
     pthread_mutex_unlock(&g->streams_lock);
     atomic_store(&s->drain_end_ns, now);
+    atomic_store(&s->drain_eta_ns, 0);
     atomic_store(&s->first_launch_ns, 0);
     atomic_store(&s->lease_start_ns, now);
     uint64_t expected = lease;
     if (!atomic_compare_exchange_strong(&s->lease_until_ns, &expected, until)) return -1;
     atomic_store(&h->next_slot, 0);
+    atomic_store(&h->next_other, 0);
     expected = lease;
     atomic_compare_exchange_strong(&g->joined_lease, &expected, until);
     atomic_fetch_add(&s->grant_seq, 1);
@@ -639,6 +692,97 @@ static void runahead_check(struct gs_gpu *g, struct gs_stream *e) {
         real_cuEventRecord(e->event, e->stream);
     }
     pthread_mutex_unlock(&g->streams_lock);
+}
+
+/* Retires the marks the device passed (streams_lock held) and learns the device time per
+ * launch from them. */
+static void retire_marks(struct gs_stream *e) {
+    while (e->mlen > 0) {
+        struct gs_mark *m = &e->marks[e->mhead];
+        CUresult q = real_cuEventQuery(m->event);
+        if (q == CUDA_ERROR_NOT_READY) break;
+        float ms = 0;
+        if (q == CUDA_SUCCESS && m->busy && e->ref_valid && m->count > e->ref_count &&
+            real_cuEventElapsedTime_v2 &&
+            real_cuEventElapsedTime_v2(&ms, e->ref_event, m->event) == CUDA_SUCCESS && ms > 0) {
+            uint64_t per = (uint64_t)((double)ms * 1e6 / (double)(m->count - e->ref_count));
+            e->launch_ns = e->launch_ns ? (3 * e->launch_ns + per) / 4 : per;
+        }
+        CUevent t = e->ref_event;
+        e->ref_event = m->event;
+        m->event = t;
+        e->ref_count = m->count;
+        e->ref_valid = q == CUDA_SUCCESS;
+        e->mhead = (e->mhead + 1) % GS_MARKS;
+        e->mlen--;
+    }
+}
+
+/* Device time still queued on a stream by the runahead estimate (streams_lock held); 0 when
+ * there is no estimate. */
+static uint64_t backlog_ns(struct gs_stream *e) {
+    if (!real_cuEventQuery) return 0;
+    retire_marks(e);
+    if (!e->launch_ns || (!e->ref_valid && e->mlen == 0)) return 0;
+    uint64_t base = e->ref_valid ? e->ref_count : e->marks[e->mhead].count;
+    /* the first of them is running already: count it half */
+    return e->count > base ? (e->count - base) * e->launch_ns - e->launch_ns / 2 : 0;
+}
+
+/* Runahead bound in device time, while other tenants share the GPU (the daemon publishes
+ * `runahead_ns` then): before a launch, wait until the stream's queued work is estimated at most
+ * `bound` ns of device time, so that a revoked or expiring lease drains in about that long and
+ * a waiting tenant is not held up by a backlog queued long before its turn. Marks (timing events)
+ * are recorded before launches; completed marks give the device time per launch (from pairs
+ * recorded while the stream was busy: pure device time); the backlog is the launches not known
+ * complete times that. Returns the number of launches the caller may make before the next check
+ * (about a quarter of the bound), or -1 when the lease ended while it waited (no launch now). */
+static int runahead_bound(struct gs_gpu *g, struct gs_stream *e, uint64_t prior, uint64_t bound,
+                          uint64_t lease) {
+    if (!e || !e->stream || !real_cuEventRecord || !real_cuEventQuery || !real_cuEventCreate ||
+        !real_cuEventSynchronize)
+        return 1;
+    pthread_mutex_lock(&g->streams_lock);
+    e->count += prior;
+    int waited = 0;
+    for (;;) {
+        retire_marks(e);
+        /* the oldest mark that leaves at most `bound` queued once the device passed it */
+        CUevent wait = NULL;
+        if (e->mlen == GS_MARKS) {
+            wait = e->marks[e->mhead].event;
+        } else if (e->launch_ns && e->mlen > 0 &&
+                   (e->count - (e->ref_valid ? e->ref_count : e->marks[e->mhead].count)) *
+                           e->launch_ns > bound) {
+            for (unsigned k = 0; k < e->mlen; k++) {
+                struct gs_mark *m = &e->marks[(e->mhead + k) % GS_MARKS];
+                wait = m->event;
+                if ((e->count - m->count) * e->launch_ns <= bound) break;
+            }
+        }
+        if (!wait) break;
+        pthread_mutex_unlock(&g->streams_lock);
+        real_cuEventSynchronize(wait); /* outside the lock: the agent's drain needs it */
+        waited = 1;
+        pthread_mutex_lock(&g->streams_lock);
+    }
+    if (waited && atomic_load(&g->slot->lease_until_ns) != lease) {
+        pthread_mutex_unlock(&g->streams_lock); /* the lease ended meanwhile: no launch now */
+        return -1;
+    }
+    struct gs_mark *m = &e->marks[(e->mhead + e->mlen) % GS_MARKS];
+    if (!m->event) real_cuEventCreate(&m->event, CU_EVENT_DEFAULT);
+    if (m->event && real_cuEventRecord(m->event, e->stream) == CUDA_SUCCESS) {
+        m->count = e->count;
+        m->busy = e->mlen > 0;
+        e->mlen++;
+    }
+    e->count += 1; /* the launch being admitted */
+    uint64_t per = e->launch_ns;
+    pthread_mutex_unlock(&g->streams_lock);
+    if (!per) return 1; /* not measured yet: look at every launch */
+    uint64_t n = bound / 4 / per;
+    return n < 1 ? 1 : n > (uint64_t)runahead_launches ? runahead_launches : (int)n;
 }
 
 static int join(struct gs_gpu *g, uint64_t lease) {
@@ -681,11 +825,36 @@ static void failstatic_grant(struct gs_gpu *g, uint64_t now) {
     }
 }
 
+/* Whether this slot is the next holder the daemon picked: 0 no; 1 yes and the holder's lease
+ * is over (it is draining: the grant is imminent); else the holder's lease end. */
+static uint64_t next_after(struct gs_gpu *g, uint64_t now, uint64_t *eta) {
+    struct gpushare_wire_header *h = g->header;
+    if (!h || g->slot_index < 0 || !atomic_load(&gs.connected)) return 0;
+    uint32_t mine = (uint32_t)g->slot_index + 1, holder = atomic_load(&h->holder);
+    if (atomic_load(&h->next_slot) != mine || holder == 0 || holder == mine ||
+        holder > GPUSHARE_WIRE_SLOTS)
+        return 0;
+    struct gpushare_wire_slot *hs =
+        (struct gpushare_wire_slot *)((char *)h + GPUSHARE_WIRE_HEADER_SIZE +
+                                      (size_t)(holder - 1) * GPUSHARE_WIRE_SLOT_SIZE);
+    uint64_t until = atomic_load(&hs->lease_until_ns);
+    *eta = atomic_load(&hs->drain_eta_ns);
+    return until <= now ? 1 : until;
+}
+
 CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
     if (!gs.enabled) return CUDA_SUCCESS;
     uint64_t waited_from = 0;
     int spins = 0, waits = 0;
+    uint64_t spun = 0, last_want = 0; /* ns spent polling for a grant (bounded) */
     struct gpushare_wire_slot *counted = NULL; /* we are in its `waiters` until we join */
+    /* launches this thread made on the fast path since its last slow admission on `stream` */
+    uint64_t prior = 0;
+    if (gs_tl.gpu == g && gs_tl.stream == stream && gs_tl.given > 1) {
+        int left = gs_tl.budget > 0 ? gs_tl.budget : 0;
+        prior = gs_tl.given - 1 > left ? (uint64_t)(gs_tl.given - 1 - left) : 0;
+    }
+    gs_tl.given = 0;
     for (;;) {
         if (atomic_load(&gs.denied)) {
             if (counted) dec_floor(&counted->waiters);
@@ -702,12 +871,25 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
         uint64_t until = atomic_load_explicit(&s->lease_until_ns, memory_order_acquire);
         if (now < until && join(g, until) == 0) {
             if (counted) dec_floor(&counted->waiters);
+            counted = NULL;
             struct gs_stream *e = note_stream(g, stream, until);
-            if (gs_tl.lease == until && gs_tl.stream == stream && gs_tl.gpu == g) runahead_check(g, e);
+            uint64_t bound = g->header ? atomic_load(&g->header->runahead_ns) : 0;
+            int budget = runahead_launches;
+            if (bound && real_cuEventElapsedTime_v2) {
+                budget = runahead_bound(g, e, prior, bound, until);
+                prior = 0;
+                if (budget < 0) { /* the lease ended while we waited for the backlog */
+                    gs_tl.lease = 0;
+                    continue;
+                }
+            } else if (gs_tl.lease == until && gs_tl.stream == stream && gs_tl.gpu == g) {
+                runahead_check(g, e);
+            }
             gs_tl.lease = until;
             gs_tl.stream = stream;
             gs_tl.gpu = g;
-            gs_tl.budget = runahead_launches;
+            gs_tl.budget = budget;
+            gs_tl.given = budget;
             atomic_store_explicit(&g->last_launch_ns, now, memory_order_relaxed);
             if (waited_from) {
                 atomic_fetch_add(&s->lease_waits, 1);
@@ -735,8 +917,33 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
             counted = s;
         }
         waits++;
-        send_lease_msg("want", g, 0);
-        futex_wait(&s->grant_seq, seq, WAIT_SLICE_NS);
+        if (!last_want || now - last_want > WANT_REPEAT_NS) {
+            send_lease_msg("want", g, 0);
+            last_want = now;
+        }
+        uint64_t timeout = WAIT_SLICE_NS, eta = 0;
+        uint64_t holder_until = next_after(g, now, &eta);
+        if (holder_until == 1 && spun < GRANT_SPIN_MAX_NS) {
+            /* we are next and the holder is draining: sleep until shortly before the end its
+             * agent expects (a short slice until it published one), then poll for the grant,
+             * which the holder's agent stores the moment its work is done */
+            if (!eta || eta > now + GRANT_SPIN_MARGIN_NS) {
+                futex_wait(&s->grant_seq, seq,
+                           eta ? eta - now - GRANT_SPIN_MARGIN_NS : GRANT_SPIN_MARGIN_NS);
+                if (!eta) spun += GRANT_SPIN_MARGIN_NS; /* short slices: bounded like polling */
+                continue;
+            }
+            uint64_t t0 = gs_now(), t = t0;
+            while (atomic_load(&s->grant_seq) == seq && t - t0 < GRANT_SPIN_MAX_NS - spun &&
+                   next_after(g, t, &eta) == 1) {
+                for (int i = 0; i < 64; i++) cpu_relax();
+                t = gs_now();
+            }
+            spun += t - t0;
+            continue;
+        }
+        if (holder_until > now && holder_until - now < timeout) timeout = holder_until - now;
+        futex_wait(&s->grant_seq, seq, timeout);
         if (gs_now() - now > WAIT_SLICE_NS - 1000000ull)
             gs_log("waited a whole slice: seq %u->%u lease %llu joined %llu holder %u next %u",
                    seq, atomic_load(&s->grant_seq),
@@ -752,6 +959,8 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
 static void *agent_main(void *arg) {
     (void)arg;
     char buf[4096];
+    /* the agent's sleeps (lease ends, drains) end on time: no 50 us timer slack */
+    prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
     for (;;) {
         gs_check_released(); /* a released share: free this process's GPU memory (release.c) */
         uint64_t now = gs_now();

@@ -85,6 +85,10 @@ async def test_kernel_pod_is_enforced_and_its_share_is_its_own(
         assert shown["updates"] >= 3 and shown["state"] == "active"  # the thread kept going
         assert record.gpus[0] in shown["info"] and "1GiB" in shown["info"]
         assert "256MiB" in shown["info"] and "simulated GPU" in shown["title"]
+        # a live resize from inside the pod: the daemon updates the cluster ledger
+        text = await execute(server, first, "%gpushare request --gpu-limit 1.0")
+        [resized] = await kernel_records(kube, first)
+        assert resized.limit == 1.0 and daemon.status(record.id)["allocations"][0]["limit"] == 1.0
         text = await execute(server, first, "%gpushare gpus")
         assert "gpu-node-1" in text and "gpu-node-2" in text, text
 
@@ -102,7 +106,7 @@ async def test_kernel_pod_is_enforced_and_its_share_is_its_own(
         # Release from inside the kernel: the record and the daemon forget it, the memory is
         # freed, the pod and its Python state live on, CUDA refuses with the reason
         text = await execute(server, first, "%gpushare release")
-        assert f"Released 0.25–0.5 of an A100 ({record.id}" in text, text
+        assert f"Released 0.25–1 of an A100 ({record.id}" in text, text
         assert "256MiB of GPU memory freed" in text, text
         assert await kernel_records(kube, first) == []
         assert daemon.status(record.id).get("error") == wire.E_UNKNOWN_ALLOCATION

@@ -452,6 +452,7 @@ async def test_rest_lists_resizes_and_releases_kernel_pods(
 
         # DELETE: the record goes, the daemon forgets the share, the kernel pod runs on
         [pod] = await kernel_pods(kube, second)
+        await execute(server, second, "state = 41")
         assert rest(server, "DELETE", f"allocations/{a2.id}").status_code == 204
         assert await kernel_records(kube, second) == []
         assert rest(server, "GET", f"allocations/{a2.id}").status_code == 404
@@ -459,7 +460,7 @@ async def test_rest_lists_resizes_and_releases_kernel_pods(
         await until(lambda: asyncio.to_thread(
             lambda: daemon.status(a2.id).get("error") == "unknown_allocation"), 10,
             "the daemon to forget the released share")
-        assert (await execute(server, second, "print(1 + 1)")).strip() == "2"
+        assert (await execute(server, second, "print(state + 1)")).strip() == "42"
         assert [p["metadata"]["uid"] for p in await kernel_pods(kube, second)] == [
             pod["metadata"]["uid"]]
         assert {a["id"] for a in rest(server, "GET", "allocations").json()["allocations"]} == {

@@ -23,6 +23,7 @@ import psutil
 import pytest
 import yaml
 from cluster import ControlPlane, node_daemon_socket
+from kubernetes_asyncio.client import RbacAuthorizationV1Api
 from test_kernels import admin, execute, kernel_pods, kernel_records, nothing_left, start_kernel
 
 from jupyter_gpushare.daemon.client import DaemonClient
@@ -131,10 +132,7 @@ async def usage_namespace(control_plane: ControlPlane) -> AsyncIterator[Kube]:
     kube = await admin(control_plane)
     with contextlib.suppress(ApiException):
         await kube.core.create_namespace({"metadata": {"name": USAGE_NS}})
-    rbac = kube.api
-    from kubernetes_asyncio import client as k8s_client
-
-    roles = k8s_client.RbacAuthorizationV1Api(rbac)
+    roles = RbacAuthorizationV1Api(kube.api)
     for doc in rbac_copy(USAGE_NS):
         create = (roles.create_namespaced_role if doc["kind"] == "Role"
                   else roles.create_namespaced_role_binding)

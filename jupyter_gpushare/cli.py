@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import GpuShare
-from .inventory import NoGpuError, check_spec, parse_simulate
+from .inventory import Gpu, NoGpuError, check_spec, parse_simulate
 from .ledger import Allocation
 from .ledger.reconcile import process_start_time, reconcile
 from .placement import PlacementRefused, allocate
@@ -99,7 +99,18 @@ def cmd_kernelspec(args: argparse.Namespace) -> int:
 # -- status ----------------------------------------------------------------------------------------
 
 
-async def _status(settings: GpuShare) -> dict[str, Any]:
+async def _status(settings: GpuShare, namespace: str | None = None,
+                  kubeconfig: str = "") -> dict[str, Any]:
+    if namespace:  # the cluster's ledger; its reconcilers run in the cluster
+        from .k8s.client import connect
+        from .k8s.ledger import KubernetesLedger
+
+        kube = await connect(kubeconfig)
+        try:
+            cluster = KubernetesLedger(kube, namespace)
+            return _status_of(await cluster.gpus(), await cluster.list())
+        finally:
+            await kube.close()
     ledger = settings.local_ledger()
     problem = None
     try:
@@ -107,8 +118,11 @@ async def _status(settings: GpuShare) -> dict[str, Any]:
     except NoGpuError as exc:
         problem = str(exc)
     await reconcile(ledger, settings.node_name)
-    gpus = await ledger.gpus()
-    allocations = await ledger.list()
+    return _status_of(await ledger.gpus(), await ledger.list(), problem)
+
+
+def _status_of(gpus: list[Gpu], allocations: list[Allocation],
+               problem: str | None = None) -> dict[str, Any]:
     return {
         "simulated": any(g.simulated for g in gpus),
         "gpus": gpu_usage(gpus, allocations),
@@ -118,7 +132,8 @@ async def _status(settings: GpuShare) -> dict[str, Any]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    status = asyncio.run(_status(_settings(args.simulate)))
+    status = asyncio.run(_status(_settings(args.simulate), args.kubernetes_namespace,
+                                 args.kubeconfig))
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
@@ -226,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="GPUs, shares and holders")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--kubernetes-namespace", metavar="NS", default=None,
+                        help="the cluster's GPUs and shares (GpuLedgers in NS) instead of this "
+                        "machine's")
+    status.add_argument("--kubeconfig", default="",
+                        help="with --kubernetes-namespace: kubeconfig (default: in-cluster, "
+                        "else $KUBECONFIG)")
     status.add_argument("--simulate", metavar="N[xTYPE]", help=argparse.SUPPRESS)
     status.set_defaults(func=cmd_status)
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from typing import Any
 
 import pytest
-from cluster import ControlPlane
+from cluster import NAMESPACE, ControlPlane
 from servers import stop_process
 from test_kernels import admin, execute, kernel_records, nothing_left
 
@@ -63,6 +65,12 @@ async def test_pool_of_kernel_pods_serves_warm_then_cold_and_refills(
         for kernel_id in warm:  # warm pods hold real shares in the cluster ledger, as pool
             [record] = await kernel_records(kube, kernel_id)
             assert record.owner == "pool" and record.extra["pool"] == "pods"
+        status = await asyncio.to_thread(subprocess.run, [
+            sys.executable, "-m", "jupyter_gpushare", "status", "--kubernetes-namespace",
+            NAMESPACE, "--kubeconfig", str(control_plane.kubeconfig("server"))],
+            capture_output=True, text=True, timeout=60)
+        assert status.stdout.count("warm pool kernel") == 2, status.stdout + status.stderr
+        assert "gpu-node-1 GPU 1 A100" in status.stdout and "gpu-node-2 GPU 0 T4" in status.stdout
         root = next(p for p in tmp_path.iterdir() if (p / "server.log").exists())
         (root / "work").mkdir()
         first, first_s = await timed_start(server, "work/analysis.ipynb")

@@ -20,6 +20,20 @@ from jupyter_client.blocking import BlockingKernelClient
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts"
 
+#: run in a kernel holding a 1 GiB cap: what the interposer reports and allows (JSON line)
+CUDA_PROBE = """
+import ctypes, json
+cu = ctypes.CDLL("libcuda.so.1")
+dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+assert cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
+assert cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev) == 0
+free, total, ptr = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_uint64()
+cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
+small = cu.cuMemAlloc_v2(ctypes.byref(ptr), 256 << 20)
+big = cu.cuMemAlloc_v2(ctypes.byref(ptr), 1 << 30)
+print(json.dumps({"total": total.value, "small": small, "big": big}))
+"""
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -4,22 +4,9 @@ from __future__ import annotations
 
 import json
 
-from support import wait_for
+from support import CUDA_PROBE, wait_for
 
 from jupyter_gpushare.daemon.client import DaemonClient
-
-CUDA_PROBE = """
-import ctypes, json
-cu = ctypes.CDLL("libcuda.so.1")
-dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-assert cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
-assert cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev) == 0
-free, total, ptr = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_uint64()
-cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
-small = cu.cuMemAlloc_v2(ctypes.byref(ptr), 256 << 20)
-big = cu.cuMemAlloc_v2(ctypes.byref(ptr), 1 << 30)
-print(json.dumps({"total": total.value, "small": small, "big": big}))
-"""
 
 
 def test_kernel_memory_cap_is_enforced_by_the_interposer(jupyter_server):

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from cluster import ControlPlane, node_daemon_socket
+from support import CUDA_PROBE
 from test_kernels import admin, execute, kernel_pods, kernel_records, nothing_left, start_kernel
 
 from jupyter_gpushare.daemon import wire
@@ -20,18 +21,6 @@ pytestmark = pytest.mark.timeout(300)
 
 CUDA_ERROR_NOT_PERMITTED = 800
 MIB = 1 << 20
-CUDA_PROBE = """
-import ctypes, json
-cu = ctypes.CDLL("libcuda.so.1")
-dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-assert cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
-assert cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev) == 0
-free, total, ptr = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_uint64()
-cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
-small = cu.cuMemAlloc_v2(ctypes.byref(ptr), 256 << 20)
-big = cu.cuMemAlloc_v2(ctypes.byref(ptr), 1 << 30)
-print(json.dumps({"total": total.value, "small": small, "big": big}))
-"""
 STATUS = """
 import json, jupyter_gpushare
 s = jupyter_gpushare.status()

@@ -37,6 +37,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
+
 from ..usage import USAGE_KEYS, UsageView
 from .client import ApiException, Kube
 
@@ -330,8 +332,10 @@ class KubernetesUsage:
         try:
             return view_of(await self.reader.reports(fresh))
         except ApiException as exc:
-            return UsageView("kubernetes", message=f"usage ConfigMaps could not be read: "
-                             f"{exc.status} {exc.reason}")
+            problem = f"{exc.status} {exc.reason}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            problem = str(exc) or type(exc).__name__
+        return UsageView("kubernetes", message=f"usage ConfigMaps could not be read: {problem}")
 
     async def changed(self) -> None:
         """Nothing to do: node daemons watch their GpuLedger and apply changes themselves."""

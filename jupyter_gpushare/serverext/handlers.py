@@ -70,6 +70,10 @@ def type_summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+#: where the Kubernetes client's errors come from (HTTP answers, connections)
+CLUSTER_ERROR_MODULES = ("kubernetes_asyncio", "aiohttp")
+
+
 class GpushareHandler(APIHandler):  # type: ignore[misc]
     @property
     def gpushare(self) -> GpuShare:
@@ -86,6 +90,22 @@ class GpushareHandler(APIHandler):  # type: ignore[misc]
             self.fail(400, {"error": "bad_json", "message": "the body must be an object"})
             return None
         return body
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        """An API server that cannot be reached or refuses (backend ``kubernetes``) is the
+        cluster's problem, not a bug here: 503 ``cluster_unavailable`` with its words, instead
+        of 500 "Unhandled error"."""
+        exc = (kwargs.get("exc_info") or (None, None, None))[1]
+        if exc is not None and type(exc).__module__.split(".")[0] in CLUSTER_ERROR_MODULES:
+            status = getattr(exc, "status", None)
+            reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
+            detail = f"{status} {reason}" if status else str(reason)
+            self.set_status(503)
+            self.set_header("Content-Type", "application/json")
+            self.finish(json.dumps({"error": "cluster_unavailable",
+                                    "message": f"the Kubernetes API server: {detail}"}))
+            return
+        super().write_error(status_code, **kwargs)
 
     def fail(self, status: int, body: dict[str, Any]) -> None:
         self.set_status(status)

@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 
 from ..usage import USAGE_KEYS, served_here, usage_source
+from .handlers import GpushareHandler
 
 
 def usage_from_status(status: dict[str, Any]) -> list[dict[str, Any]]:
@@ -31,10 +31,10 @@ def usage_from_status(status: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: a.get(k) for k in USAGE_KEYS} for a in status.get("allocations", [])]
 
 
-class UsageHandler(APIHandler):  # type: ignore[misc]
+class UsageHandler(GpushareHandler):
     @web.authenticated
     async def get(self) -> None:
-        settings = self.settings["gpushare"]
+        settings = self.gpushare
         view = await (await usage_source(settings)).read()
         mine = served_here(settings)
         body: dict[str, Any] = {

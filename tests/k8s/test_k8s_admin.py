@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -553,3 +554,97 @@ async def test_idle_kernel_pod_is_warned_then_released_busy_one_keeps_its_share(
 
 async def _released(kube: Kube, kernel_id: str) -> bool:
     return await kernel_records(kube, kernel_id) == []
+
+
+
+# -- the cluster away --------------------------------------------------------------------------
+
+
+class Proxy:
+    """A TCP relay to the API server in a thread of its own; :meth:`stop` closes the listener and
+    every relayed connection, as if the API server went away; :meth:`start` brings it back on the
+    same port."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit("//", 1)[-1].rsplit(":", 1)
+        self.target = (host, int(port))
+        self.port = 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server: asyncio.base_events.Server | None = None
+        self.writers: set[asyncio.StreamWriter] = set()
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, ConnectionError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.close()
+            return
+        self.writers |= {writer, up_writer}
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        self.writers -= {writer, up_writer}
+
+    async def _start(self) -> None:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def _stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in list(self.writers):
+            writer.transport.abort()
+        await self.server.wait_closed()
+
+    def start(self) -> None:
+        self._call(self._start())
+
+    def stop(self) -> None:
+        self._call(self._stop())
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stop()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+async def test_rest_says_when_the_api_server_is_away_and_recovers(
+    control_plane: ControlPlane, jupyter_server_factory: Any, tmp_path: Path
+) -> None:
+    proxy = Proxy(control_plane.server_url)
+    proxy.start()
+    kubeconfig = tmp_path / "proxied.kubeconfig"
+    kubeconfig.write_text(control_plane.kubeconfig("server").read_text().replace(
+        control_plane.server_url, f"https://127.0.0.1:{proxy.port}"))
+    try:
+        server = jupyter_server_factory(
+            extra=f"c.KubernetesBackendConfig.kubeconfig = {str(kubeconfig)!r}\n")
+        assert rest(server, "GET", "gpus").status_code == 200
+        proxy.stop()
+        await asyncio.sleep(2.5)  # past the inventory's cache (KubernetesBackendConfig)
+        for path in ("gpus", "allocations", "reclaim", "allocations/a-0123456789abcdef"):
+            reply = await asyncio.to_thread(rest, server, "GET", path)
+            assert reply.status_code == 503, (path, reply.text)
+            body = reply.json()
+            assert body["error"] == "cluster_unavailable", body
+            assert body["message"].startswith("the Kubernetes API server: "), body
+        usage = (await asyncio.to_thread(rest, server, "GET", "usage")).json()
+        assert usage["daemon"] is False and "could not be read" in usage["message"], usage
+        proxy.start()
+        reply = await until(lambda: asyncio.to_thread(
+            lambda: (r := rest(server, "GET", "gpus")).status_code == 200 and r), 20,
+            "the server to use the API server again")
+        assert {g["node"] for g in reply.json()["gpus"]} >= {"gpu-node-1", "gpu-node-2"}
+    finally:
+        proxy.close()

@@ -331,9 +331,10 @@ class NodeAgent:
     async def _keep_running(self, running: RunningPod, pod: dict[str, Any], node: str,
                             root: Path, mounts: dict[str, str]) -> None:
         """``restartPolicy: Always``: a container that exits is started again (after 1 s)."""
-        restarts = dict.fromkeys(running.processes, 0)
+        containers = {c["name"]: c for c in pod["spec"]["containers"]}  # not the init ones
+        restarts = dict.fromkeys(containers, 0)
         while not running.stopping:
-            waits = {asyncio.ensure_future(p.wait()): n for n, p in running.processes.items()}
+            waits = {asyncio.ensure_future(running.processes[n].wait()): n for n in containers}
             done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             for task in pending:
                 task.cancel()
@@ -342,7 +343,7 @@ class NodeAgent:
             await asyncio.sleep(1.0)
             for task in done:
                 name = waits[task]
-                container = next(c for c in pod["spec"]["containers"] if c["name"] == name)
+                container = containers[name]
                 restarts[name] += 1
                 log.info("pod %s: container %s exited (%s); restart %d", running.name, name,
                          task.result(), restarts[name])

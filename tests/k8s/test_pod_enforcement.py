@@ -6,7 +6,11 @@ works in a pod as it does locally."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
+import time
 from typing import Any
 
 import pytest
@@ -15,7 +19,7 @@ from support import CUDA_PROBE
 from test_kernels import admin, execute, kernel_pods, kernel_records, nothing_left, start_kernel
 
 from jupyter_gpushare.daemon import wire
-from jupyter_gpushare.daemon.client import DaemonClient
+from jupyter_gpushare.daemon.client import DaemonClient, DaemonUnavailable
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -111,3 +115,48 @@ async def test_kernel_pod_is_enforced_and_its_share_is_its_own(
         for kernel in (first, second):
             await nothing_left(kube, kernel)
         await kube.close()
+
+
+async def test_kernel_pod_survives_its_node_daemon_being_killed(
+    control_plane: ControlPlane, node_agent: Any, jupyter_server_factory: Any
+) -> None:
+    server = jupyter_server_factory(gpu_type="T4", gpu_memory="1GiB")
+    kernel = start_kernel(server)
+    kube = await admin(control_plane)
+    try:
+        [record] = await kernel_records(kube, kernel)
+        await execute(server, kernel, CUDA_PROBE)
+        daemon = daemon_of(node_agent, record.node)
+        before = daemon.status(record.id)
+        assert before["allocations"][0]["connected"] is True
+        os.kill(before["daemon"]["pid"], signal.SIGKILL)
+        # the kernel keeps running meanwhile (fail static) ...
+        assert (await execute(server, kernel, "print(1 + 1)")).strip() == "2"
+
+        # ... the DaemonSet's container is restarted, and the pod's process reconnects to it
+        def reconnected() -> dict[str, Any] | None:
+            try:
+                now = daemon.status(record.id)
+            except (DaemonUnavailable, OSError):
+                return None
+            mine = (now.get("allocations") or [{}])[0]
+            restarted = now.get("daemon", {}).get("pid") != before["daemon"]["pid"]
+            return now if restarted and mine.get("connected") else None
+
+        after = await eventually(reconnected, 30)
+        assert after["allocations"][0]["memory_used"] == 256 * MIB  # rebuilt from the slots
+        assert after["daemon"]["refused"] == 0
+    finally:
+        server.request("DELETE", f"/api/kernels/{kernel}")
+        await nothing_left(kube, kernel)
+        await kube.close()
+
+
+async def eventually(check: Any, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await asyncio.to_thread(check)
+        if value:
+            return value
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.3)

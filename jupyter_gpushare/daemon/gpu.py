@@ -25,9 +25,12 @@ EXTEND_GRACE_NS = 10_000_000
 PREEMPT_MIN_HOLD_NS = 2_000_000
 #: How long to wait for the holder's processes to drain after its lease ended.
 DRAIN_GRACE_NS = 2_000_000_000
-#: While a GPU has more than one tenant, a holder queues at most this share of a quantum of
-#: device work ahead (``runahead_ns`` in the header): a revoked or ending lease drains in about
-#: that long, so a waiter below its request runs within a fraction of a quantum.
+#: A client's handoff moves ``holder`` and then stores the new lease; a half-done one is given
+#: this long to complete before the daemon takes it as it is.
+HANDOFF_SETTLE_NS = 2_000_000
+#: A tenant of a shared GPU that uses more than its request (time others may claim back) queues
+#: at most this share of a quantum of device work ahead (its slot's ``runahead_ns``): when a waiter
+#: below its request preempts it, its lease drains in about that long.
 RUNAHEAD_QUANTA = 0.2
 
 
@@ -89,7 +92,6 @@ class GpuLoop:
             tenant.credit = LimitCredit(monotonic_ns(), 2 * self.quantum_ns)
             tenant.window.total_ns = self.shm.slots[index].used_ns
             self.tenants[allocation] = tenant
-            self._publish_runahead()
         elif (tenant.request, tenant.limit, tenant.memory) != (request, limit, memory):
             tenant.request, tenant.limit, tenant.memory = request, limit, memory
             self.shm.configure(tenant.slot, request, limit, memory)
@@ -105,13 +107,17 @@ class GpuLoop:
         self.shm.release(tenant.slot)
         if self.holder is tenant:
             self._end_lease(monotonic_ns())
-        self._publish_runahead()
         log.info("GPU %s: released %s", self.uuid, allocation)
 
-    def _publish_runahead(self) -> None:
-        """Bound the holders' backlog while others could want the GPU (alone: no bound)."""
-        shared = len(self.tenants) > 1
-        self.shm.header.runahead_ns = int(self.quantum_ns * RUNAHEAD_QUANTA) if shared else 0
+    def _publish_runahead(self, now: int) -> None:
+        """Bound the queue of tenants above their request while others share the GPU: only
+        they can be preempted, and then their queued work is what the waiter waits for."""
+        bound = int(self.quantum_ns * RUNAHEAD_QUANTA) if len(self.tenants) > 1 else 0
+        w = self.window_ns
+        for t in self.tenants.values():
+            running = self.lease_start if self.holder is t else None
+            over = bound and t.window.used(now, w, running) > t.request * w
+            self.shm.slots[t.slot].runahead_ns = bound if over else 0
 
     def disconnected(self, tenant: Tenant) -> None:
         if tenant.connections == 0:  # nobody can be waiting or draining any more
@@ -255,6 +261,7 @@ class GpuLoop:
         self._timers.append(loop.call_at(until / 1e9, self._expire))
         self._timers.append(loop.call_at((start + UNUSED_LEASE_NS) / 1e9, self._check_unused))
         self._update_next()
+        self._publish_runahead(start)
 
     def _update_next(self) -> None:
         """Publish who the holder should hand the GPU to when its lease ends."""
@@ -295,9 +302,18 @@ class GpuLoop:
             until = int(self.shm.slots[self.holder.slot].lease_until_ns)
             if until == 0 or until == self.lease_until:
                 return False
+        new = next((t for t in self.tenants.values() if t.slot == moved - 1), None)
+        if new is not None and new is not self.holder:
+            slot = self.shm.slots[new.slot]
+            start, until = int(slot.lease_start_ns), int(slot.lease_until_ns)
+            if until <= start and monotonic_ns() - start < HANDOFF_SETTLE_NS:
+                # caught between the client's move of ``holder`` and its store of the lease:
+                # look again in a moment (acting now would see no lease and revoke it)
+                asyncio.get_running_loop().call_later(HANDOFF_SETTLE_NS / 1e9 / 20,
+                                                      self._sync_holder)
+                return True
         old = self.holder
         self._charge(old, int(self.shm.slots[old.slot].drain_end_ns))
-        new = next((t for t in self.tenants.values() if t.slot == moved - 1), None)
         if new is None:  # handed to a slot that was released meanwhile: take it back
             self.shm.slots[moved - 1].lease_until_ns = 0
             self.holder = None
@@ -418,6 +434,7 @@ class GpuLoop:
         self._sync_holder()
         self._publish_waiting()
         self._update_next()
+        self._publish_runahead(monotonic_ns())
         if self.holder is not None and self.shm.slots[self.holder.slot].lease_until_ns == 0:
             self._maybe_finish()  # over without a (usable) message
         self.schedule()

@@ -71,11 +71,11 @@ class GpuShm:
         h.uuid = uuid.encode()[:63]
         h.holder = 0
         h.waiting_slots = 0
-        h.runahead_ns = 0  # the GPU loop publishes it once it knows its tenants
         for slot in self.slots:  # leases do not survive a daemon; memory reservations do
             slot.lease_until_ns = 0
             slot.joined = 0
             slot.waiters = 0
+            slot.runahead_ns = 0
         self.heartbeat()
         h.version = wire.VERSION
         h.magic = wire.MAGIC  # last: a client checks it before anything else

@@ -80,12 +80,14 @@ own slot, clears ``next_slot``/``next_other``, stores the new ``lease_until_ns``
 new holder when it sees ``holder`` moved. Without a published next holder it sends a plain
 ``done`` and the daemon grants.
 
-Runahead bound: while a GPU has more than one tenant the daemon publishes ``runahead_ns`` (a fifth
-of the quantum); 0 means no bound. A holder's process then keeps at most that much device time
-queued per stream ahead of the device (estimated from timing events recorded before launches:
-device time per launch from intervals in which the stream was busy), so a revoked or ending lease
-drains in about ``runahead_ns``, and a waiter below its request that preempts the holder runs
-within a fraction of a quantum.
+Runahead bound: the daemon publishes a slot's ``runahead_ns`` (a fifth of the quantum) while the
+GPU has other tenants and the slot uses more than its request in the window (it runs on time
+others may claim back: only such a holder is preempted); 0 means no bound. Its processes then keep
+at most that much device time queued per stream ahead of the device (estimated from timing events
+recorded before launches: device time per launch from intervals in which the stream was busy), so
+a revoked lease drains in about ``runahead_ns``, and a waiter below its request that preempts the
+holder runs within a fraction of a quantum. Tenants within their request keep a deep queue (no
+cost to their throughput).
 
 Drain end: a draining holder's agent stores in ``drain_eta_ns`` when it expects its queued work
 done (from the same estimate); it sleeps until shortly before and then polls the device. The next
@@ -165,8 +167,7 @@ class Header(ctypes.Structure):
         ("next_other", ctypes.c_uint32),  # 132: the best of the others (holder idle), 0 none
         ("next_lease_ns", ctypes.c_uint64),  # 136: the lease to give it
         ("direct_handoffs", ctypes.c_uint64),  # 144: handoffs done by clients (atomic add)
-        ("runahead_ns", ctypes.c_uint64),  # 152: device time a holder may queue ahead, 0 = any
-        ("_pad", ctypes.c_uint8 * 96),  # 160
+        ("_pad", ctypes.c_uint8 * 104),  # 152
     ]
 
 
@@ -196,7 +197,8 @@ class Slot(ctypes.Structure):
         ("launches", ctypes.c_uint64),  # 144 atomic add (clients), batched per lease
         ("first_launch_ns", ctypes.c_uint64),  # 152 atomic min (clients): first join of a lease
         ("drain_eta_ns", ctypes.c_uint64),  # 160 (clients): a draining holder's expected end
-        ("_pad", ctypes.c_uint8 * 88),  # 168
+        ("runahead_ns", ctypes.c_uint64),  # 168 (daemon): device time it may queue ahead, 0 any
+        ("_pad", ctypes.c_uint8 * 80),  # 176
     ]
 
 

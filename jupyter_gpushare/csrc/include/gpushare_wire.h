@@ -43,8 +43,7 @@ struct gpushare_wire_header {
                                         does not want more (idle): the best of the others */
     _Atomic uint64_t next_lease_ns;  /* 136: the lease to give it */
     _Atomic uint64_t direct_handoffs; /* 144: handoffs done by clients */
-    _Atomic uint64_t runahead_ns;    /* 152: device time a holder may queue ahead (0: unbounded) */
-    uint8_t pad[96];                 /* 160 */
+    uint8_t pad[104];                /* 152 */
 };
 
 struct gpushare_wire_slot {
@@ -69,7 +68,8 @@ struct gpushare_wire_slot {
     _Atomic uint64_t launches;       /* 144 */
     _Atomic uint64_t first_launch_ns; /* 152: atomic min (clients): first join of the lease */
     _Atomic uint64_t drain_eta_ns;   /* 160: when the draining holder expects its work done */
-    uint8_t pad[88];                 /* 168 */
+    _Atomic uint64_t runahead_ns;    /* 168: device time it may queue ahead (daemon; 0: any) */
+    uint8_t pad[80];                 /* 176 */
 };
 
 _Static_assert(sizeof(struct gpushare_wire_header) == GPUSHARE_WIRE_HEADER_SIZE, "header size");
@@ -82,10 +82,10 @@ _Static_assert(offsetof(struct gpushare_wire_slot, launches) == 144, "launches o
 /* The offsets by name, for the wire-format test (tools/wire_offsets in the build). */
 #define GPUSHARE_WIRE_HEADER_FIELDS(X) X(magic) X(version) X(slot_count) X(slot_size) \
     X(daemon_pid) X(epoch) X(heartbeat_ns) X(quantum_ns) X(window_ns) X(holder) \
-    X(waiting_slots) X(uuid) X(next_slot) X(next_other) X(next_lease_ns) X(direct_handoffs) X(runahead_ns)
+    X(waiting_slots) X(uuid) X(next_slot) X(next_other) X(next_lease_ns) X(direct_handoffs)
 #define GPUSHARE_WIRE_SLOT_FIELDS(X) X(lease_until_ns) X(lease_start_ns) X(grant_seq) X(state) \
     X(joined) X(waiters) X(mem_cap) X(mem_used) X(used_ns) X(drain_end_ns) X(request_ppm) \
     X(limit_ppm) X(lease_waits) X(wait_ns) X(oom_count) X(mem_peak) X(generation) \
-    X(allocation) X(launches) X(first_launch_ns) X(drain_eta_ns)
+    X(allocation) X(launches) X(first_launch_ns) X(drain_eta_ns) X(runahead_ns)
 
 #endif

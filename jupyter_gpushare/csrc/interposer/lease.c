@@ -11,8 +11,9 @@
  * charged the whole interval.
  *
  * Handoffs go from process to process (wire.py: direct handoff): the draining agent grants the
- * next holder the daemon published, in shared memory. To keep that short: while others share the
- * GPU a stream queues at most `runahead_ns` of device time ahead (runahead_bound), the agent
+ * next holder the daemon published, in shared memory. To keep that short: while the slot uses
+ * more than its request of a shared GPU a stream queues at most `runahead_ns` of device time
+ * ahead (runahead_bound: a preempted lease drains quickly), the agent
  * sleeps until shortly before the estimated drain end and then polls the device (wait_drained,
  * publishing the estimate as `drain_eta_ns`), and the next holder polls for its grant from
  * shortly before that estimate instead of sleeping on the futex.
@@ -729,8 +730,8 @@ static uint64_t backlog_ns(struct gs_stream *e) {
     return e->count > base ? (e->count - base) * e->launch_ns - e->launch_ns / 2 : 0;
 }
 
-/* Runahead bound in device time, while other tenants share the GPU (the daemon publishes
- * `runahead_ns` then): before a launch, wait until the stream's queued work is estimated at most
+/* Runahead bound in device time, while this slot runs on time others may claim back (the daemon
+ * publishes the slot's `runahead_ns` then): before a launch, wait until the stream's queued work is estimated at most
  * `bound` ns of device time, so that a revoked or expiring lease drains in about that long and
  * a waiting tenant is not held up by a backlog queued long before its turn. Marks (timing events)
  * are recorded before launches; completed marks give the device time per launch (from pairs
@@ -795,6 +796,8 @@ static int join(struct gs_gpu *g, uint64_t lease) {
     atomic_fetch_add(&s->joined, 1);
     uint64_t zero = 0;
     g->join_ns = gs_now();
+    /* a launch is under way: the agent woken below must not take the process for idle */
+    atomic_store_explicit(&g->last_launch_ns, g->join_ns, memory_order_relaxed);
     atomic_compare_exchange_strong(&s->first_launch_ns, &zero, g->join_ns);
     if (atomic_load(&s->lease_until_ns) != lease) { /* revoked meanwhile: undo */
         uint64_t mine = lease;
@@ -873,7 +876,7 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
             if (counted) dec_floor(&counted->waiters);
             counted = NULL;
             struct gs_stream *e = note_stream(g, stream, until);
-            uint64_t bound = g->header ? atomic_load(&g->header->runahead_ns) : 0;
+            uint64_t bound = g->header ? atomic_load(&s->runahead_ns) : 0;
             int budget = runahead_launches;
             if (bound && real_cuEventElapsedTime_v2) {
                 budget = runahead_bound(g, e, prior, bound, until);
@@ -890,7 +893,7 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
             gs_tl.gpu = g;
             gs_tl.budget = budget;
             gs_tl.given = budget;
-            atomic_store_explicit(&g->last_launch_ns, now, memory_order_relaxed);
+            atomic_store_explicit(&g->last_launch_ns, gs_now(), memory_order_relaxed);
             if (waited_from) {
                 atomic_fetch_add(&s->lease_waits, 1);
                 atomic_fetch_add(&s->wait_ns, now - waited_from);

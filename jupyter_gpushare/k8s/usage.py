@@ -155,8 +155,9 @@ class UsagePublisher:
                 if exc.status != 404:
                     raise
                 self._exists = False
+        core: Any = self.kube.core  # plain dicts in, JSON out (as in .client)
         try:
-            await self.kube._json(self.kube.core.create_namespaced_config_map(
+            await self.kube._json(core.create_namespaced_config_map(
                 self.namespace, usage_configmap(document, self.namespace, await self._owner()),
                 _preload_content=False))
         except ApiException as exc:
@@ -167,7 +168,8 @@ class UsagePublisher:
 
     async def _patch(self, document: Mapping[str, Any]) -> None:
         body = {"data": {DATA_KEY: json.dumps(document, separators=(",", ":"))}}
-        await self.kube._json(self.kube.core.patch_namespaced_config_map(
+        core: Any = self.kube.core
+        await self.kube._json(core.patch_namespaced_config_map(
             self.name, self.namespace, body, _content_type="application/merge-patch+json",
             _preload_content=False))
 

@@ -98,7 +98,11 @@ async def get_context(config: KubernetesBackendConfig, aliases: Any) -> KubeCont
                 anchor=ServerAnchor(kube, ns, config.server_id, config.lease_duration,
                                     config.lease_renew_interval, config.owner_pod),
             )
-            await ctx.watcher.start()
+            try:
+                await ctx.watcher.start(config.connect_timeout)
+            except BaseException:
+                await kube.close()  # the next use tries again
+                raise
             _contexts[loop] = ctx
         return ctx
 

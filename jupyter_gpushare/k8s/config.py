@@ -121,6 +121,13 @@ class KubernetesBackendConfig(SingletonConfigurable):
     termination_grace = Int(
         5, config=True, help="terminationGracePeriodSeconds of kernel pods."
     )
+    connect_timeout = Float(
+        15.0,
+        config=True,
+        help="Seconds the server waits for the API server when it first needs the cluster; "
+        "then kernel starts and REST calls fail with 503 and the reason, and the next use "
+        "tries again.",
+    )
     lease_duration = Float(
         30.0,
         config=True,

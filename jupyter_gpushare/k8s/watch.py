@@ -15,11 +15,24 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from tornado.web import HTTPError
+
 from .client import ApiException, Kube
 
 log = logging.getLogger(__name__)
 
 Pod = dict[str, Any]
+
+
+class ClusterUnavailable(HTTPError):
+    """The API server cannot be reached: 503 with the reason (REST and kernel starts)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, log_message=message, reason="cluster_unavailable")
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class PodWatcher:
@@ -32,11 +45,20 @@ class PodWatcher:
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
+        self.last_error: str | None = None
 
-    async def start(self) -> None:
+    async def start(self, timeout: float | None = None) -> None:
+        """Start following; returns once the first listing is in. After ``timeout`` seconds
+        without one, stops and raises :class:`ClusterUnavailable` with the last error."""
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="gpushare-pod-watch")
-        await self._synced.wait()
+        try:
+            await asyncio.wait_for(self._synced.wait(), timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            await self.stop()
+            raise ClusterUnavailable(
+                f"the Kubernetes API server did not answer within {timeout:g} s "
+                f"({self.last_error or 'no reply'})") from None
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -126,10 +148,12 @@ class PodWatcher:
                 raise
             except ApiException as exc:
                 if exc.status != 410:
+                    self.last_error = f"{exc.status} {exc.reason}"
                     log.warning("gpushare: pod watch failed (%s); retrying", exc.status)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 5.0)
             except Exception as exc:
+                self.last_error = str(exc) or type(exc).__name__
                 log.warning("gpushare: pod watch interrupted (%s); retrying", exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from cluster import NAMESPACE, ControlPlane
+from cluster import NAMESPACE, ControlPlane, free_port
 from servers import stop_process
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
@@ -279,6 +279,28 @@ async def test_stopped_server_shuts_its_kernels_down_and_deletes_its_lease(
         assert await kube.get_lease(NAMESPACE, manifests.lease_name(server_id)) is None
     finally:
         await kube.close()
+
+
+async def test_unreachable_api_server_fails_kernel_starts_with_the_reason(
+    jupyter_server_factory: Any, tmp_path: Any
+) -> None:
+    dead = tmp_path / "dead.kubeconfig"
+    dead.write_text(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n"
+        f"    server: https://127.0.0.1:{free_port()}\n    insecure-skip-tls-verify: true\n"
+        "users:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: c\n  context:\n"
+        "    cluster: c\n    user: u\ncurrent-context: c\n")
+    server = jupyter_server_factory(extra=f"c.KubernetesBackendConfig.kubeconfig = {str(dead)!r}"
+                                          "\nc.KubernetesBackendConfig.connect_timeout = 3")
+    for _ in range(2):  # and again: a failed first use is not remembered
+        started = time.monotonic()
+        reply = await asyncio.to_thread(server.request, "POST", "/api/kernels",
+                                        json={"name": "gpushare-k8s"})
+        assert reply.status_code == 503, reply.text
+        assert "did not answer within 3 s" in reply.text, reply.text
+        assert time.monotonic() - started < 15
+    listed = await asyncio.to_thread(server.request, "GET", "/gpushare/api/allocations")
+    assert listed.status_code == 503 and "did not answer" in listed.text, listed.text
 
 
 async def test_type_no_node_has_is_refused_at_once(jupyter_server_factory: Any) -> None:

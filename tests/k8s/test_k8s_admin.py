@@ -25,7 +25,14 @@ import pytest
 import yaml
 from cluster import ControlPlane, node_daemon_socket
 from kubernetes_asyncio.client import RbacAuthorizationV1Api
-from test_kernels import admin, execute, kernel_pods, kernel_records, nothing_left, start_kernel
+from test_kernels import (
+    admin,
+    execute,
+    kernel_pods,
+    kernel_records,
+    shut_down,
+    start_kernel,
+)
 
 from jupyter_gpushare.daemon.client import DaemonClient
 from jupyter_gpushare.daemon.env import kernel_env
@@ -465,11 +472,7 @@ async def test_rest_lists_resizes_and_releases_kernel_pods(
         assert {a["id"] for a in rest(server, "GET", "allocations").json()["allocations"]} == {
             a1.id}
     finally:
-        for kernel in (first, second):
-            server.request("DELETE", f"/api/kernels/{kernel}")
-        for kernel in (first, second):
-            await nothing_left(kube, kernel)
-        await kube.close()
+        await shut_down(server, kube, first, second)
 
 
 # -- (c) idle reclaim on kernel pods ------------------------------------------------------------
@@ -545,11 +548,7 @@ async def test_idle_kernel_pod_is_warned_then_released_busy_one_keeps_its_share(
               f"after the share was made (idle_after {IDLE_AFTER:g} s), released "
               f"{released_at - warning['warned_at']:.1f} s after the warning (grace {GRACE:g} s)")
     finally:
-        for kernel in (busy, idle):
-            server.request("DELETE", f"/api/kernels/{kernel}")
-        for kernel in (busy, idle):
-            await nothing_left(kube, kernel)
-        await kube.close()
+        await shut_down(server, kube, busy, idle)
 
 
 async def _released(kube: Kube, kernel_id: str) -> bool:

@@ -109,6 +109,17 @@ async def execute(server: Any, kernel_id: str, code: str, timeout: float = 60.0,
         ws.close()
 
 
+async def shut_down(server: Any, kube: Kube, *kernel_ids: str) -> None:
+    """Shut the kernels down over REST, wait until none left anything behind, close ``kube``."""
+    try:
+        for kernel_id in kernel_ids:
+            await asyncio.to_thread(server.request, "DELETE", f"/api/kernels/{kernel_id}")
+        for kernel_id in kernel_ids:
+            await nothing_left(kube, kernel_id)
+    finally:
+        await kube.close()
+
+
 def start_kernel(server: Any, name: str = "gpushare-k8s") -> str:
     reply = server.request("POST", "/api/kernels", json={"name": name})
     assert reply.status_code == 201, reply.text + "\n" + server.log_text()[-3000:]

@@ -10,13 +10,20 @@ import asyncio
 import json
 import os
 import signal
-import time
 from typing import Any
 
 import pytest
 from cluster import ControlPlane, node_daemon_socket
 from support import CUDA_PROBE
-from test_kernels import admin, execute, kernel_pods, kernel_records, nothing_left, start_kernel
+from test_kernels import (
+    admin,
+    eventually,
+    execute,
+    kernel_pods,
+    kernel_records,
+    shut_down,
+    start_kernel,
+)
 
 from jupyter_gpushare.daemon import wire
 from jupyter_gpushare.daemon.client import DaemonClient, DaemonUnavailable
@@ -110,11 +117,7 @@ async def test_kernel_pod_is_enforced_and_its_share_is_its_own(
             pod["metadata"]["uid"]]
         assert daemon.status(other.id)["allocations"][0]["id"] == other.id  # untouched
     finally:
-        for kernel in (first, second):
-            server.request("DELETE", f"/api/kernels/{kernel}")
-        for kernel in (first, second):
-            await nothing_left(kube, kernel)
-        await kube.close()
+        await shut_down(server, kube, first, second)
 
 
 async def test_kernel_pod_survives_its_node_daemon_being_killed(
@@ -143,20 +146,10 @@ async def test_kernel_pod_survives_its_node_daemon_being_killed(
             restarted = now.get("daemon", {}).get("pid") != before["daemon"]["pid"]
             return now if restarted and mine.get("connected") else None
 
-        after = await eventually(reconnected, 30)
+        after = await eventually(lambda: asyncio.to_thread(reconnected), 30,
+                                 "the restarted daemon to take the kernel back")
         assert after["allocations"][0]["memory_used"] == 256 * MIB  # rebuilt from the slots
         assert after["daemon"]["refused"] == 0
     finally:
-        server.request("DELETE", f"/api/kernels/{kernel}")
-        await nothing_left(kube, kernel)
-        await kube.close()
+        await shut_down(server, kube, kernel)
 
-
-async def eventually(check: Any, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await asyncio.to_thread(check)
-        if value:
-            return value
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.3)

@@ -185,6 +185,14 @@ def main() -> int:
                       f"p50 {handoff.get('p50')} us, p99 {handoff.get('p99')} us, "
                       f"n={handoff.get('n')} (target p99 <= 100 us)")
                 figures["handoff_us"] = handoff
+            # context, not a figure of ours: a handoff is at least one thread noticing the end
+            # of the drain and one starting to launch; this is how late a plain sleep wakes here
+            wake = json.loads(subprocess.run([str(TENANT), "wake", "1000"], check=True,
+                                             capture_output=True, text=True).stdout)
+            print(f"host wake-up latency (2 ms sleeps, for reference): p50 {wake['p50_us']} us, "
+                  f"p99 {wake['p99_us']} us, max {wake['max_us']} us")
+            figures["host_wake_us"] = wake
+            figures["load1_end"] = round(os.getloadavg()[0], 2)
         finally:
             daemon.stop()
     print(json.dumps(figures))

@@ -22,7 +22,7 @@ UNUSED_LEASE_NS = 3_000_000
 #: How long the daemon lets a lone holder's agent extend its own lease before revoking.
 EXTEND_GRACE_NS = 10_000_000
 #: A lease runs at least this long before a waiter below its request may preempt it.
-PREEMPT_MIN_HOLD_NS = 2_000_000
+PREEMPT_MIN_HOLD_NS = 1_000_000
 #: How long to wait for the holder's processes to drain after its lease ended.
 DRAIN_GRACE_NS = 2_000_000_000
 #: A client's handoff moves ``holder`` and then stores the new lease; a half-done one is given
@@ -31,7 +31,7 @@ HANDOFF_SETTLE_NS = 2_000_000
 #: A tenant of a shared GPU that uses more than its request (time others may claim back) queues
 #: at most this share of a quantum of device work ahead (its slot's ``runahead_ns``): when a waiter
 #: below its request preempts it, its lease drains in about that long.
-RUNAHEAD_QUANTA = 0.2
+RUNAHEAD_QUANTA = 0.125
 
 
 @dataclass

@@ -71,6 +71,7 @@ class GpuShm:
         h.uuid = uuid.encode()[:63]
         h.holder = 0
         h.waiting_slots = 0
+        h.next_slot = h.next_other = 0  # a dead daemon's pick is no handoff target
         for slot in self.slots:  # leases do not survive a daemon; memory reservations do
             slot.lease_until_ns = 0
             slot.joined = 0

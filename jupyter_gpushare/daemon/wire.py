@@ -80,7 +80,7 @@ own slot, clears ``next_slot``/``next_other``, stores the new ``lease_until_ns``
 new holder when it sees ``holder`` moved. Without a published next holder it sends a plain
 ``done`` and the daemon grants.
 
-Runahead bound: the daemon publishes a slot's ``runahead_ns`` (a fifth of the quantum) while the
+Runahead bound: the daemon publishes a slot's ``runahead_ns`` (an eighth of the quantum) while the
 GPU has other tenants and the slot uses more than its request in the window (it runs on time
 others may claim back: only such a holder is preempted); 0 means no bound. Its processes then keep
 at most that much device time queued per stream ahead of the device (estimated from timing events
@@ -89,12 +89,13 @@ a revoked lease drains in about ``runahead_ns``, and a waiter below its request 
 holder runs within a fraction of a quantum. Tenants within their request keep a deep queue (no
 cost to their throughput).
 
-Drain end: a draining holder's agent stores in ``drain_eta_ns`` when it expects its queued work
-done (from the same estimate); it sleeps until shortly before and then polls the device. The next
-holder (``next_slot``), once the holder's lease is over, sleeps until shortly before
-``drain_eta_ns`` and then polls its own ``lease_until_ns`` (bounded to a few ms), so the grant the
-holder's agent stores is picked up without a wake-up on the path. A waiter sends ``want`` when it
-starts waiting and again at most every 10 ms.
+Drain end: the agent of a draining holder whose queue is bounded stores in ``drain_eta_ns`` when
+it expects its queued work done (from the same estimate); it sleeps until shortly before and then
+polls the device. The next holder (``next_slot``), once such a holder's lease is over, sleeps until
+shortly before ``drain_eta_ns`` and then polls its own ``grant_seq`` (bounded to a few ms), so the
+grant the holder's agent stores is picked up without a wake-up on the path; otherwise it sleeps on
+the futex until the grant wakes it. A waiter sends ``want`` when it starts waiting and again at
+most every 10 ms.
 
 Lease extension: when the daemon published the holder itself as ``next_slot`` (nobody else may
 run now), the holder's agent does not drain at the end of its lease: it charges the old lease up

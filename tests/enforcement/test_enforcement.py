@@ -81,15 +81,22 @@ def test_idle_tenant_time_is_taken_up(daemon, ledger, gpus, tmp_path):
 def test_small_launch_next_to_saturating_neighbour(daemon, ledger, gpus, tmp_path):
     big = add_allocation(ledger, gpus[0], 0.5, 1.0)
     small = add_allocation(ledger, gpus[0], 0.5, 1.0)
-    tb = spawn_tenant(daemon, ledger, big, gpus, ["spin", "5", "1000", "4"], tmp_path)
+    # the neighbour queues 16-24 ms of work ahead by itself (batches of 8 x 1 ms, two in flight)
+    tb = spawn_tenant(daemon, ledger, big, gpus, ["spin", "5", "1000", "8"], tmp_path)
     time.sleep(0.5)
     ts = spawn_tenant(daemon, ledger, small, gpus, ["small", "3.5", "20"], tmp_path)
     (result,) = ts.finish()
     tb.finish()
-    # one quantum (20 ms) plus the neighbour's queued batch (<= 2 x 4 ms) plus handoffs
+    # the neighbour runs above its request, so its queue is bounded (an eighth of the 20 ms
+    # quantum) and the small tenant preempts it: typically ~3 ms, within a quantum even on a
+    # loaded host (a deep queue alone would make it >= 16 ms)
     assert result["n"] > 50
-    assert result["p50_us"] <= 30_000, result
-    assert result["p99_us"] <= 45_000, result
+    assert result["p50_us"] <= 10_000, result
+    assert result["p99_us"] <= 25_000, result
+    # handoffs go from process to process (the daemon is not on the path)
+    gpu = daemon.client.status()["gpus"][0]
+    assert gpu["preemptions"] >= result["n"] // 2, gpu
+    assert gpu["direct_handoffs"] >= 0.8 * gpu["handoffs"], gpu
 
 
 def test_memory_cap_under_concurrency(daemon, ledger, gpus, tmp_path):
@@ -152,9 +159,11 @@ def test_daemon_kill9_fail_static_and_takeover(daemon, ledger, gpus, tmp_path):
     a = add_allocation(ledger, gpus[0], 0.3, 0.3)
     b = add_allocation(ledger, gpus[0], 0.7, 0.7)
     held = {"GS_TENANT_HOLD_BYTES": str(3 * 2**20)}
-    ta = spawn_tenant(daemon, ledger, a, gpus, ["spin", "9", "1000", "8"], tmp_path,
+    # long enough that the measured stretch after the takeover fits in the run even when the new
+    # daemon is slow to start on a loaded host
+    ta = spawn_tenant(daemon, ledger, a, gpus, ["spin", "13", "1000", "8"], tmp_path,
                       extra_env=held)
-    tb = spawn_tenant(daemon, ledger, b, gpus, ["spin", "9", "1000", "8"], tmp_path)
+    tb = spawn_tenant(daemon, ledger, b, gpus, ["spin", "13", "1000", "8"], tmp_path)
     time.sleep(2.0)
     daemon.kill9()
     time.sleep(1.5)  # fail static: each runs at its request share on its own
@@ -174,8 +183,12 @@ def test_daemon_kill9_fail_static_and_takeover(daemon, ledger, gpus, tmp_path):
         ta.finish()
         tb.finish()
         assert ta.proc.returncode == 0 and tb.proc.returncode == 0, (ta.stderr, tb.stderr)
-        # enforced again within a few windows
-        sa, sb = shares([ta, tb], restarted + int(2e9), restarted + int(5e9))
+        # enforced again within a few windows (1 s each): measured from 1.5 s after the
+        # takeover for up to 3.5 s, ending before the tenants do
+        end = min(t.lines[-1]["t"] for t in (ta, tb)) - int(0.3e9)
+        lo, hi = restarted + int(1.5e9), min(restarted + int(5e9), end)
+        assert hi - lo >= int(1.5e9), "the takeover took too long to measure after it"
+        sa, sb = shares([ta, tb], lo, hi)
         assert abs(sa - 0.3) <= 0.05 and abs(sb - 0.7) <= 0.05, (sa, sb)
     finally:
         new.stop()

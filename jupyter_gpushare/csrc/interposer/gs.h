@@ -94,6 +94,7 @@ struct gs_stream {            /* a stream this process launched on */
     uint64_t ref_count;       /* ... and the launches before it */
     int ref_valid;
     uint64_t launch_ns;       /* device time per launch (EWMA of busy intervals), 0 unknown */
+    int bounded;              /* the last check was bounded: marks cover all its launches */
     struct gs_stream *next;
 };
 

@@ -488,7 +488,8 @@ static inline void cpu_relax(void) {
  * within microseconds even when a sleeping thread would wake late (a loaded host): the next
  * tenant's handoff waits on it. Without one it blocks in the driver. */
 static void wait_drained(struct gs_gpu *g, struct gs_stream *e, CUevent event) {
-    uint64_t est = backlog_ns(e), start = gs_now();
+    /* only a bounded stream's marks are dense enough (a quarter of the bound apart) */
+    uint64_t est = e->bounded ? backlog_ns(e) : 0, start = gs_now();
     if (est && real_cuEventQuery) {
         atomic_max64(&g->slot->drain_eta_ns, start + est); /* the next holder wakes for it */
         uint64_t margin = est / 4 > DRAIN_SPIN_MIN_NS ? est / 4 : DRAIN_SPIN_MIN_NS;
@@ -686,6 +687,7 @@ static int try_extend(struct gs_gpu *g, uint64_t lease) {
 static void runahead_check(struct gs_gpu *g, struct gs_stream *e) {
     if (!e || !real_cuEventRecord || !real_cuEventQuery) return;
     pthread_mutex_lock(&g->streams_lock);
+    e->bounded = 0;
     if (!e->event && real_cuEventCreate) real_cuEventCreate(&e->event, CU_EVENT_DEFAULT);
     if (e->event && e->stream) {
         if (real_cuEventQuery(e->event) == CUDA_ERROR_NOT_READY && real_cuEventSynchronize)
@@ -745,6 +747,7 @@ static int runahead_bound(struct gs_gpu *g, struct gs_stream *e, uint64_t prior,
         return 1;
     pthread_mutex_lock(&g->streams_lock);
     e->count += prior;
+    e->bounded = 1;
     int waited = 0;
     for (;;) {
         retire_marks(e);
@@ -829,7 +832,8 @@ static void failstatic_grant(struct gs_gpu *g, uint64_t now) {
 }
 
 /* Whether this slot is the next holder the daemon picked: 0 no; 1 yes and the holder's lease
- * is over (it is draining: the grant is imminent); else the holder's lease end. */
+ * is over and its queue bounded (a short drain, whose end its agent publishes: the grant is
+ * imminent); else the holder's lease end (0 when its drain may be long: just wait). */
 static uint64_t next_after(struct gs_gpu *g, uint64_t now, uint64_t *eta) {
     struct gpushare_wire_header *h = g->header;
     if (!h || g->slot_index < 0 || !atomic_load(&gs.connected)) return 0;
@@ -842,6 +846,7 @@ static uint64_t next_after(struct gs_gpu *g, uint64_t now, uint64_t *eta) {
                                       (size_t)(holder - 1) * GPUSHARE_WIRE_SLOT_SIZE);
     uint64_t until = atomic_load(&hs->lease_until_ns);
     *eta = atomic_load(&hs->drain_eta_ns);
+    if (!atomic_load(&hs->runahead_ns)) return 0;
     return until <= now ? 1 : until;
 }
 
@@ -892,7 +897,9 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
             gs_tl.stream = stream;
             gs_tl.gpu = g;
             gs_tl.budget = budget;
-            gs_tl.given = budget;
+            /* launches are counted for the bound only while it applies: unbounded ones are not
+             * covered by marks (the estimate then errs low: a drain polls longer, never late) */
+            gs_tl.given = bound ? budget : 0;
             atomic_store_explicit(&g->last_launch_ns, gs_now(), memory_order_relaxed);
             if (waited_from) {
                 atomic_fetch_add(&s->lease_waits, 1);
@@ -948,8 +955,8 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
         if (holder_until > now && holder_until - now < timeout) timeout = holder_until - now;
         futex_wait(&s->grant_seq, seq, timeout);
         if (gs_now() - now > WAIT_SLICE_NS - 1000000ull)
-            gs_log("waited a whole slice: seq %u->%u lease %llu joined %llu holder %u next %u",
-                   seq, atomic_load(&s->grant_seq),
+            gs_log("waited a whole slice (until %llu): seq %u->%u lease %llu joined %llu holder %u "
+                   "next %u", (unsigned long long)gs_now(), seq, atomic_load(&s->grant_seq),
                    (unsigned long long)atomic_load(&s->lease_until_ns),
                    (unsigned long long)atomic_load(&g->joined_lease),
                    g->header ? atomic_load(&g->header->holder) : 0,

@@ -6,6 +6,7 @@
  *   gs_tenant small SECONDS PERIOD_MS             a small kernel every PERIOD_MS: wait stats
  *   gs_tenant mem THREADS ITERS MAXBYTES SEED     random alloc/free from threads; invariants
  *   gs_tenant bench N                             ns per launch (busy_us(0)) and per direct call
+ *   gs_tenant wake N                              the host's wake-up latency (N sleeps of 2 ms)
  *   gs_tenant info                                memory as the process sees it
  *   gs_tenant fork SECONDS KERNEL_US              spin in a forked child and in the parent
  *   gs_tenant paths                               every launch and allocation path once
@@ -21,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -422,6 +424,26 @@ static int forked(double seconds, uint64_t kernel_us) {
     return 0;
 }
 
+/* The host's own wake-up latency, for context next to handoff figures: how late N sleeps of
+ * 2 ms (CLOCK_MONOTONIC, absolute, 1 ns timer slack) wake up. No CUDA. */
+static int wake(int n) {
+    prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
+    uint64_t *late = malloc((size_t)n * sizeof *late);
+    if (!late) return 2;
+    for (int i = 0; i < n; i++) {
+        uint64_t t = now_ns() + 2000000ull;
+        struct timespec ts = {(time_t)(t / 1000000000ull), (long)(t % 1000000000ull)};
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) != 0) {
+        }
+        late[i] = now_ns() - t;
+    }
+    qsort(late, (size_t)n, sizeof *late, cmp_u64);
+    printf("{\"n\":%d,\"p50_us\":%.1f,\"p99_us\":%.1f,\"max_us\":%.1f}\n", n,
+           late[n / 2] / 1e3, late[(n * 99) / 100] / 1e3, late[n - 1] / 1e3);
+    free(late);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (argc >= 5 && strcmp(argv[1], "spin") == 0)
@@ -431,6 +453,7 @@ int main(int argc, char **argv) {
         return mem(atoi(argv[2]), atoi(argv[3]), strtoull(argv[4], NULL, 10),
                    (unsigned)atoi(argv[5]));
     if (argc >= 3 && strcmp(argv[1], "bench") == 0) return bench(atol(argv[2]));
+    if (argc >= 3 && strcmp(argv[1], "wake") == 0 && atoi(argv[2]) > 0) return wake(atoi(argv[2]));
     if (argc >= 2 && strcmp(argv[1], "info") == 0) return info();
     if (argc >= 2 && strcmp(argv[1], "paths") == 0) return paths();
     if (argc >= 4 && strcmp(argv[1], "fork") == 0)

@@ -94,7 +94,6 @@ struct gs_stream {            /* a stream this process launched on */
     uint64_t ref_count;       /* ... and the launches before it */
     int ref_valid;
     uint64_t launch_ns;       /* device time per launch (EWMA of busy intervals), 0 unknown */
-    int bounded;              /* the last check was bounded: marks cover all its launches */
     struct gs_stream *next;
 };
 
@@ -118,6 +117,8 @@ struct gs_gpu {
     uint64_t start_lease;    /* lease the start event belongs to */
     uint64_t untimed_lease;  /* an extended lease: charged by the wall clock (see try_extend) */
     uint64_t join_ns;        /* CLOCK_MONOTONIC when this process joined it */
+    uint64_t start_host_ns;  /* CLOCK_MONOTONIC when start_event was recorded on an idle stream:
+                                its device time (a clock anchor for drain estimates) */
 };
 
 struct gs_global {

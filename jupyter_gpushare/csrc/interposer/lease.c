@@ -13,10 +13,10 @@
  * Handoffs go from process to process (wire.py: direct handoff): the draining agent grants the
  * next holder the daemon published, in shared memory. To keep that short: while the slot uses
  * more than its request of a shared GPU a stream queues at most `runahead_ns` of device time
- * ahead (runahead_bound: a preempted lease drains quickly), the agent
- * sleeps until shortly before the estimated drain end and then polls the device (wait_drained,
- * publishing the estimate as `drain_eta_ns`), and the next holder polls for its grant from
- * shortly before that estimate instead of sleeping on the futex.
+ * ahead (runahead_bound: a preempted lease drains quickly); timing marks on every stream tell
+ * the agent when its drain should end, so it sleeps until just before and then polls the device
+ * (wait_drained, publishing the estimate as `drain_eta_ns`), and the next holder polls for its
+ * grant from just before that estimate instead of sleeping on the futex.
  *
  * Fail static: when the daemon is unreachable each process grants itself leases at its request
  * share (quantum on, quantum*(1-r)/r off) and the agent keeps reconnecting. Nothing here ever
@@ -47,9 +47,11 @@ __thread struct gs_tls gs_tl;
 #define RECONNECT_NS 200000000ull       /* try the daemon again every 200 ms */
 #define WAIT_SLICE_NS 50000000ull       /* re-check state at least every 50 ms while waiting */
 #define DEFAULT_QUANTUM_NS 20000000ull
-#define DRAIN_SPIN_MIN_NS 300000ull      /* a drain polls at least the last 0.3 ms */
-#define GRANT_SPIN_MAX_NS 5000000ull     /* the next holder polls for its grant at most 5 ms */
-#define GRANT_SPIN_MARGIN_NS 250000ull   /* ... from this long before the holder's drain ends */
+#define DRAIN_SPIN_NS 200000ull          /* a drain polls from 0.2 ms before its estimated end
+                                           to 0.2 ms after it */
+#define MARK_NS 1000000ull               /* runahead marks about this much device time apart */
+#define GRANT_SPIN_MAX_NS 500000ull      /* the next holder polls for its grant at most 0.5 ms */
+#define GRANT_SPIN_MARGIN_NS 150000ull   /* ... from this long before the holder's drain ends */
 #define WANT_REPEAT_NS 10000000ull       /* a waiter repeats `want` at most every 10 ms */
 static int runahead_launches = 32;      /* launches on a stream between two runahead checks */
 
@@ -443,8 +445,11 @@ static struct gs_stream *note_stream(struct gs_gpu *g, CUstream stream, uint64_t
         /* the stream is idle at a lease's first launch: the event's device time is now (the
          * drain's device end is this plus the events' elapsed time) */
         g->join_ns = gs_now();
-        if (g->start_event && real_cuEventRecord(g->start_event, e->stream) == CUDA_SUCCESS)
+        g->start_host_ns = 0;
+        if (g->start_event && real_cuEventRecord(g->start_event, e->stream) == CUDA_SUCCESS) {
             g->start_lease = lease;
+            g->start_host_ns = g->join_ns;
+        }
     }
     pthread_mutex_unlock(&g->streams_lock);
     return e;
@@ -473,7 +478,20 @@ void gs_stream_forget(CUstream stream) {
     if (gs_tl.stream == stream) gs_tl.stream = (CUstream)-1;
 }
 
-static uint64_t backlog_ns(struct gs_stream *e);
+static uint64_t drain_eta(struct gs_gpu *g, struct gs_stream *e);
+
+/* Wakes (without granting) the next holder the daemon picked, so it sees a drain estimate. */
+static void wake_next(struct gs_gpu *g) {
+    struct gpushare_wire_header *h = g->header;
+    if (!h || g->slot_index < 0) return;
+    uint32_t next = atomic_load(&h->next_slot);
+    if (next == 0 || next > GPUSHARE_WIRE_SLOTS || next == (uint32_t)g->slot_index + 1) return;
+    struct gpushare_wire_slot *n =
+        (struct gpushare_wire_slot *)((char *)h + GPUSHARE_WIRE_HEADER_SIZE +
+                                      (size_t)(next - 1) * GPUSHARE_WIRE_SLOT_SIZE);
+    if (atomic_load(&n->waiters) > 0)
+        syscall(SYS_futex, (uint32_t *)&n->grant_seq, FUTEX_WAKE, 1 << 30, NULL, NULL, 0);
+}
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -483,21 +501,28 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* Waits for `event` (recorded on e's stream). With an estimate of the stream's backlog the agent
- * sleeps until shortly before the estimated end and then polls, so the end of a drain is seen
- * within microseconds even when a sleeping thread would wake late (a loaded host): the next
- * tenant's handoff waits on it. Without one it blocks in the driver. */
+/* Waits for `event` (recorded on e's stream). With an estimate of when the stream's work ends
+ * (drain_eta) the agent publishes it (`drain_eta_ns`, and wakes the next holder so it can get
+ * ready), sleeps until shortly before, with a look at the device at least every millisecond, and
+ * then polls briefly: the end of a drain is seen within microseconds even where a sleeping thread
+ * wakes late (a loaded host), and the next tenant's handoff waits on it. Polls stay short (a
+ * thread spinning long on a busy host is preempted); past them it blocks in the driver. */
 static void wait_drained(struct gs_gpu *g, struct gs_stream *e, CUevent event) {
-    /* only a bounded stream's marks are dense enough (a quarter of the bound apart) */
-    uint64_t est = e->bounded ? backlog_ns(e) : 0, start = gs_now();
-    if (est && real_cuEventQuery) {
-        atomic_max64(&g->slot->drain_eta_ns, start + est); /* the next holder wakes for it */
-        uint64_t margin = est / 4 > DRAIN_SPIN_MIN_NS ? est / 4 : DRAIN_SPIN_MIN_NS;
-        if (est > margin) sleep_ns(est - margin);
-        uint64_t give_up = start + est + margin + DRAIN_SPIN_MIN_NS;
-        while (real_cuEventQuery(event) == CUDA_ERROR_NOT_READY) {
-            if (gs_now() > give_up) break;
-            for (int i = 0; i < 64; i++) cpu_relax();
+    uint64_t eta = drain_eta(g, e);
+    if (eta && real_cuEventQuery) {
+        atomic_max64(&g->slot->drain_eta_ns, eta);
+        wake_next(g);
+        uint64_t give_up = eta + DRAIN_SPIN_NS;
+        for (;;) {
+            if (real_cuEventQuery(event) != CUDA_ERROR_NOT_READY) break;
+            uint64_t now = gs_now();
+            if (now > give_up) break; /* longer than estimated */
+            if (now + DRAIN_SPIN_NS < eta) {
+                uint64_t d = eta - DRAIN_SPIN_NS - now;
+                sleep_ns(d < 1000000ull ? d : 1000000ull);
+            } else {
+                for (int i = 0; i < 64; i++) cpu_relax();
+            }
         }
     }
     if (real_cuEventSynchronize) real_cuEventSynchronize(event);
@@ -687,7 +712,6 @@ static int try_extend(struct gs_gpu *g, uint64_t lease) {
 static void runahead_check(struct gs_gpu *g, struct gs_stream *e) {
     if (!e || !real_cuEventRecord || !real_cuEventQuery) return;
     pthread_mutex_lock(&g->streams_lock);
-    e->bounded = 0;
     if (!e->event && real_cuEventCreate) real_cuEventCreate(&e->event, CU_EVENT_DEFAULT);
     if (e->event && e->stream) {
         if (real_cuEventQuery(e->event) == CUDA_ERROR_NOT_READY && real_cuEventSynchronize)
@@ -732,6 +756,24 @@ static uint64_t backlog_ns(struct gs_stream *e) {
     return e->count > base ? (e->count - base) * e->launch_ns - e->launch_ns / 2 : 0;
 }
 
+/* When the stream's queued work should be done (CLOCK_MONOTONIC; streams_lock held), 0 when
+ * unknown: the newest completed mark's device time (timed against the start event, whose device
+ * time is known) plus the launches after it times the device time per launch. */
+static uint64_t drain_eta(struct gs_gpu *g, struct gs_stream *e) {
+    uint64_t est = backlog_ns(e), now = gs_now(); /* also retires the marks */
+    if (!est) return 0;
+    float ms = 0;
+    if (e->ref_valid && g->start_event && g->start_host_ns && g->start_ctx == e->ctx &&
+        real_cuEventElapsedTime_v2 &&
+        real_cuEventElapsedTime_v2(&ms, g->start_event, e->ref_event) == CUDA_SUCCESS) {
+        int64_t ref_done = (int64_t)g->start_host_ns + (int64_t)((double)ms * 1e6);
+        int64_t eta = ref_done + (int64_t)((e->count - e->ref_count) * e->launch_ns);
+        if (eta > (int64_t)now) return (uint64_t)eta;
+        return now; /* should be done about now */
+    }
+    return now + est;
+}
+
 /* Runahead bound in device time, while this slot runs on time others may claim back (the daemon
  * publishes the slot's `runahead_ns` then): before a launch, wait until the stream's queued work is estimated at most
  * `bound` ns of device time, so that a revoked or expiring lease drains in about that long and
@@ -747,14 +789,21 @@ static int runahead_bound(struct gs_gpu *g, struct gs_stream *e, uint64_t prior,
         return 1;
     pthread_mutex_lock(&g->streams_lock);
     e->count += prior;
-    e->bounded = 1;
     int waited = 0;
     for (;;) {
         retire_marks(e);
-        /* the oldest mark that leaves at most `bound` queued once the device passed it */
+        /* the oldest mark that leaves at most `bound` queued once the device passed it (no
+         * bound: at most 2 x runahead_launches launches, as without marks) */
         CUevent wait = NULL;
+        uint64_t most = 2 * (uint64_t)runahead_launches;
         if (e->mlen == GS_MARKS) {
             wait = e->marks[e->mhead].event;
+        } else if (!bound) {
+            for (unsigned k = 0; k < e->mlen && e->count - e->marks[e->mhead].count > most; k++) {
+                struct gs_mark *m = &e->marks[(e->mhead + k) % GS_MARKS];
+                wait = m->event;
+                if (e->count - m->count <= most) break;
+            }
         } else if (e->launch_ns && e->mlen > 0 &&
                    (e->count - (e->ref_valid ? e->ref_count : e->marks[e->mhead].count)) *
                            e->launch_ns > bound) {
@@ -785,7 +834,8 @@ static int runahead_bound(struct gs_gpu *g, struct gs_stream *e, uint64_t prior,
     uint64_t per = e->launch_ns;
     pthread_mutex_unlock(&g->streams_lock);
     if (!per) return 1; /* not measured yet: look at every launch */
-    uint64_t n = bound / 4 / per;
+    /* marks about a quarter of the bound apart, or MARK_NS (the drain estimate's grain) */
+    uint64_t n = (bound ? bound / 4 : MARK_NS) / per;
     return n < 1 ? 1 : n > (uint64_t)runahead_launches ? runahead_launches : (int)n;
 }
 
@@ -832,8 +882,8 @@ static void failstatic_grant(struct gs_gpu *g, uint64_t now) {
 }
 
 /* Whether this slot is the next holder the daemon picked: 0 no; 1 yes and the holder's lease
- * is over and its queue bounded (a short drain, whose end its agent publishes: the grant is
- * imminent); else the holder's lease end (0 when its drain may be long: just wait). */
+ * is over (it is draining; *eta: when its agent expects the end, 0 not known yet); else the
+ * holder's lease end. */
 static uint64_t next_after(struct gs_gpu *g, uint64_t now, uint64_t *eta) {
     struct gpushare_wire_header *h = g->header;
     if (!h || g->slot_index < 0 || !atomic_load(&gs.connected)) return 0;
@@ -846,7 +896,6 @@ static uint64_t next_after(struct gs_gpu *g, uint64_t now, uint64_t *eta) {
                                       (size_t)(holder - 1) * GPUSHARE_WIRE_SLOT_SIZE);
     uint64_t until = atomic_load(&hs->lease_until_ns);
     *eta = atomic_load(&hs->drain_eta_ns);
-    if (!atomic_load(&hs->runahead_ns)) return 0;
     return until <= now ? 1 : until;
 }
 
@@ -883,7 +932,7 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
             struct gs_stream *e = note_stream(g, stream, until);
             uint64_t bound = g->header ? atomic_load(&s->runahead_ns) : 0;
             int budget = runahead_launches;
-            if (bound && real_cuEventElapsedTime_v2) {
+            if (real_cuEventElapsedTime_v2) {
                 budget = runahead_bound(g, e, prior, bound, until);
                 prior = 0;
                 if (budget < 0) { /* the lease ended while we waited for the backlog */
@@ -897,9 +946,7 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
             gs_tl.stream = stream;
             gs_tl.gpu = g;
             gs_tl.budget = budget;
-            /* launches are counted for the bound only while it applies: unbounded ones are not
-             * covered by marks (the estimate then errs low: a drain polls longer, never late) */
-            gs_tl.given = bound ? budget : 0;
+            gs_tl.given = budget;
             atomic_store_explicit(&g->last_launch_ns, gs_now(), memory_order_relaxed);
             if (waited_from) {
                 atomic_fetch_add(&s->lease_waits, 1);
@@ -938,9 +985,9 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
              * agent expects (a short slice until it published one), then poll for the grant,
              * which the holder's agent stores the moment its work is done */
             if (!eta || eta > now + GRANT_SPIN_MARGIN_NS) {
+                /* the agent wakes us when it publishes its estimate; the grant wakes us too */
                 futex_wait(&s->grant_seq, seq,
-                           eta ? eta - now - GRANT_SPIN_MARGIN_NS : GRANT_SPIN_MARGIN_NS);
-                if (!eta) spun += GRANT_SPIN_MARGIN_NS; /* short slices: bounded like polling */
+                           eta ? eta - now - GRANT_SPIN_MARGIN_NS : WAIT_SLICE_NS);
                 continue;
             }
             uint64_t t0 = gs_now(), t = t0;

@@ -27,6 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "enforcement"))
+sys.path.insert(0, str(HERE.parent))  # this checkout's package and libraries, whatever is installed
 
 from enforcement_support import (  # noqa: E402
     NODE,

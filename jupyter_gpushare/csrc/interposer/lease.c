@@ -731,8 +731,9 @@ static void retire_marks(struct gs_stream *e) {
         float ms = 0;
         if (q == CUDA_SUCCESS && m->busy && e->ref_valid && m->count > e->ref_count &&
             real_cuEventElapsedTime_v2 &&
-            real_cuEventElapsedTime_v2(&ms, e->ref_event, m->event) == CUDA_SUCCESS && ms > 0) {
+            real_cuEventElapsedTime_v2(&ms, e->ref_event, m->event) == CUDA_SUCCESS && ms >= 0) {
             uint64_t per = (uint64_t)((double)ms * 1e6 / (double)(m->count - e->ref_count));
+            if (per == 0) per = 1; /* measured: launches that take no device time to speak of */
             e->launch_ns = e->launch_ns ? (3 * e->launch_ns + per) / 4 : per;
         }
         CUevent t = e->ref_event;
@@ -833,7 +834,8 @@ static int runahead_bound(struct gs_gpu *g, struct gs_stream *e, uint64_t prior,
     e->count += 1; /* the launch being admitted */
     uint64_t per = e->launch_ns;
     pthread_mutex_unlock(&g->streams_lock);
-    if (!per) return 1; /* not measured yet: look at every launch */
+    /* not measured yet (the stream has not been busy): bounded, look at every launch */
+    if (!per) return bound ? 1 : runahead_launches;
     /* marks about a quarter of the bound apart, or MARK_NS (the drain estimate's grain) */
     uint64_t n = (bound ? bound / 4 : MARK_NS) / per;
     return n < 1 ? 1 : n > (uint64_t)runahead_launches ? runahead_launches : (int)n;

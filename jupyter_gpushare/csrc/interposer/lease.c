@@ -906,6 +906,7 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
     uint64_t waited_from = 0;
     int spins = 0, waits = 0;
     uint64_t spun = 0, last_want = 0; /* ns spent polling for a grant (bounded) */
+    int poked = 0;
     struct gpushare_wire_slot *counted = NULL; /* we are in its `waiters` until we join */
     /* launches this thread made on the fast path since its last slow admission on `stream` */
     uint64_t prior = 0;
@@ -969,6 +970,10 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
         if (atomic_load(&gs.failstatic) || !atomic_load(&gs.connected)) {
             failstatic_grant(g, now);
             continue;
+        }
+        if (!poked && atomic_load(&g->joined_lease) != 0) {
+            poked = 1; /* our lease was revoked: the agent drains and hands over now */
+            poke_agent();
         }
         if (counted != s) { /* stay counted while woken and until we join (or give up) */
             if (counted) dec_floor(&counted->waiters);
@@ -1060,7 +1065,13 @@ static void *agent_main(void *arg) {
                 }
                 if (idle_at < wake) wake = idle_at > now ? idle_at : now + 1000000ull;
             }
-            if (g->header && wake > now + 1000000ull) wake = now + 1000000ull; /* watch waiters */
+            /* watch waiters and revocations; closely while preemptible (a bounded queue is
+             * drained in a few ms, so a late look would leave the GPU idle) */
+            uint64_t watch = atomic_load(&s->runahead_ns) && g->header &&
+                                     atomic_load(&g->header->waiting_slots) > 0
+                                 ? 250000ull
+                                 : 1000000ull;
+            if (g->header && wake > now + watch) wake = now + watch;
             if (wake < deadline) deadline = wake;
         }
         if (atomic_load(&gs.connected)) {

@@ -2,7 +2,7 @@
 run by the node agent on every fake node): the interposer in the pod connects through the
 mounted socket, the daemon checks that the process runs in the allocation's pod (its cgroups
 name the pod UID the server recorded), and the notebook side (status, ``%gpushare``, Release)
-works in a pod as it does locally."""
+works in a pod as it does locally; two pods get their compute shares of one GPU."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import asyncio
 import json
 import os
 import signal
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,8 +27,12 @@ from test_kernels import (
     start_kernel,
 )
 
+import jupyter_gpushare
 from jupyter_gpushare.daemon import wire
 from jupyter_gpushare.daemon.client import DaemonClient, DaemonUnavailable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "enforcement"))
+from enforcement_support import Tenant, build_c, shares
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -153,3 +159,44 @@ async def test_kernel_pod_survives_its_node_daemon_being_killed(
     finally:
         await shut_down(server, kube, kernel)
 
+
+
+TENANT_RUN = """
+import subprocess
+done = subprocess.run([{tenant!r}, "spin", "{seconds}", "1000", "8"], capture_output=True,
+                      text=True, timeout=120)
+print(done.stdout)
+"""
+
+
+async def test_two_kernel_pods_get_their_shares_of_one_gpu(
+    control_plane: ControlPlane, node_agent: Any, jupyter_server_factory: Any
+) -> None:
+    """Compute shares in pods: 0.3 and 0.7 (request = limit) of the node's one T4, each pod
+    saturating it with a driver-API program it runs (a child of the kernel: same pod)."""
+    tenant = Path(jupyter_gpushare.__file__).parent / "_lib" / "test" / "gs_tenant"
+    if not tenant.exists():
+        build_c()
+    server = jupyter_server_factory()
+    kernels = []
+    for share in (0.3, 0.7):
+        reply = server.request("POST", "/gpushare/api/kernels", json={
+            "name": "gpushare-k8s-t4", "share": {"gpu_request": share, "gpu_limit": share}})
+        assert reply.status_code == 201, reply.text
+        kernels.append(reply.json()["id"])
+    kube = await admin(control_plane)
+    try:
+        seconds = 7
+        code = TENANT_RUN.format(tenant=str(tenant), seconds=seconds)
+        outputs = await asyncio.gather(*(execute(server, k, code, timeout=120) for k in kernels))
+        runs = []
+        for out in outputs:
+            lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+            assert lines, out
+            runs.append(Tenant(proc=None, allocation=None, lines=lines))  # type: ignore[arg-type]
+        t0 = max(r.lines[0]["start"] for r in runs) + 2_000_000_000  # both running, settled
+        got = shares(runs, t0, t0 + 4_000_000_000)
+        print(f"kernel pods at 0.3 / 0.7 of a T4: {got[0]:.3f} / {got[1]:.3f}")
+        assert abs(got[0] - 0.3) < 0.05 and abs(got[1] - 0.7) < 0.05, got
+    finally:
+        await shut_down(server, kube, *kernels)

@@ -93,12 +93,11 @@ Drain end: every process records timing events ("marks") on its streams about ev
 of device work (more often under a runahead bound); from them the agent of a draining holder knows
 when its queued work should be done (the newest completed mark's device time, anchored by the
 lease's first event, plus the launches after it times the device time per launch). It stores that
-in ``drain_eta_ns``, wakes the next holder (``next_slot``) without granting, sleeps until shortly
-before and then polls the device for a fraction of a millisecond. The next holder sleeps until
-shortly before ``drain_eta_ns`` and then polls its own ``grant_seq`` briefly, so the grant the
-holder's agent stores is picked up without a wake-up on the path; otherwise it sleeps on the futex
-until the grant wakes it. A waiter sends ``want`` when it starts waiting and again at most every
-10 ms.
+in ``drain_eta_ns`` (for observers), sleeps until shortly before and then polls the device for a
+fraction of a millisecond, so it grants the next holder microseconds after the device's end. The
+next holder sleeps on its ``grant_seq`` futex until the grant wakes it (a poller there would share
+a CPU with the draining agent on a small host and delay it). A waiter sends ``want`` when it starts
+waiting and again at most every 10 ms.
 
 Lease extension: when the daemon published the holder itself as ``next_slot`` (nobody else may
 run now), the holder's agent does not drain at the end of its lease: it charges the old lease up

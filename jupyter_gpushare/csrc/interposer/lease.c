@@ -13,10 +13,10 @@
  * Handoffs go from process to process (wire.py: direct handoff): the draining agent grants the
  * next holder the daemon published, in shared memory. To keep that short: while the slot uses
  * more than its request of a shared GPU a stream queues at most `runahead_ns` of device time
- * ahead (runahead_bound: a preempted lease drains quickly); timing marks on every stream tell
- * the agent when its drain should end, so it sleeps until just before and then polls the device
- * (wait_drained, publishing the estimate as `drain_eta_ns`), and the next holder polls for its
- * grant from just before that estimate instead of sleeping on the futex.
+ * ahead (runahead_bound: a preempted lease drains quickly), and timing marks on every stream
+ * tell the agent when its drain should end, so it sleeps until just before and then polls the
+ * device (wait_drained): the grant follows the device's end by microseconds, and the next
+ * holder's first launch by one futex wake-up.
  *
  * Fail static: when the daemon is unreachable each process grants itself leases at its request
  * share (quantum on, quantum*(1-r)/r off) and the agent keeps reconnecting. Nothing here ever
@@ -50,8 +50,6 @@ __thread struct gs_tls gs_tl;
 #define DRAIN_SPIN_NS 200000ull          /* a drain polls from 0.2 ms before its estimated end
                                            to 0.2 ms after it */
 #define MARK_NS 1000000ull               /* runahead marks about this much device time apart */
-#define GRANT_SPIN_MAX_NS 500000ull      /* the next holder polls for its grant at most 0.5 ms */
-#define GRANT_SPIN_MARGIN_NS 150000ull   /* ... from this long before the holder's drain ends */
 #define WANT_REPEAT_NS 10000000ull       /* a waiter repeats `want` at most every 10 ms */
 static int runahead_launches = 32;      /* launches on a stream between two runahead checks */
 
@@ -480,19 +478,6 @@ void gs_stream_forget(CUstream stream) {
 
 static uint64_t drain_eta(struct gs_gpu *g, struct gs_stream *e);
 
-/* Wakes (without granting) the next holder the daemon picked, so it sees a drain estimate. */
-static void wake_next(struct gs_gpu *g) {
-    struct gpushare_wire_header *h = g->header;
-    if (!h || g->slot_index < 0) return;
-    uint32_t next = atomic_load(&h->next_slot);
-    if (next == 0 || next > GPUSHARE_WIRE_SLOTS || next == (uint32_t)g->slot_index + 1) return;
-    struct gpushare_wire_slot *n =
-        (struct gpushare_wire_slot *)((char *)h + GPUSHARE_WIRE_HEADER_SIZE +
-                                      (size_t)(next - 1) * GPUSHARE_WIRE_SLOT_SIZE);
-    if (atomic_load(&n->waiters) > 0)
-        syscall(SYS_futex, (uint32_t *)&n->grant_seq, FUTEX_WAKE, 1 << 30, NULL, NULL, 0);
-}
-
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
@@ -502,16 +487,16 @@ static inline void cpu_relax(void) {
 }
 
 /* Waits for `event` (recorded on e's stream). With an estimate of when the stream's work ends
- * (drain_eta) the agent publishes it (`drain_eta_ns`, and wakes the next holder so it can get
- * ready), sleeps until shortly before, with a look at the device at least every millisecond, and
- * then polls briefly: the end of a drain is seen within microseconds even where a sleeping thread
- * wakes late (a loaded host), and the next tenant's handoff waits on it. Polls stay short (a
- * thread spinning long on a busy host is preempted); past them it blocks in the driver. */
+ * (drain_eta) the agent publishes it (`drain_eta_ns`, for observers), sleeps until shortly
+ * before, with a look at the device at least every millisecond, and then polls briefly: the end
+ * of a drain is seen within microseconds instead of one more wake-up later, and the next tenant's
+ * handoff waits on it. The next holder itself sleeps on its futex until the grant: a poller there
+ * would share a CPU with this agent on a small host and delay it. Polls stay short (a thread
+ * spinning long on a busy host is preempted); past them it blocks in the driver. */
 static void wait_drained(struct gs_gpu *g, struct gs_stream *e, CUevent event) {
     uint64_t eta = drain_eta(g, e);
     if (eta && real_cuEventQuery) {
         atomic_max64(&g->slot->drain_eta_ns, eta);
-        wake_next(g);
         uint64_t give_up = eta + DRAIN_SPIN_NS;
         for (;;) {
             if (real_cuEventQuery(event) != CUDA_ERROR_NOT_READY) break;
@@ -883,29 +868,11 @@ static void failstatic_grant(struct gs_gpu *g, uint64_t now) {
     }
 }
 
-/* Whether this slot is the next holder the daemon picked: 0 no; 1 yes and the holder's lease
- * is over (it is draining; *eta: when its agent expects the end, 0 not known yet); else the
- * holder's lease end. */
-static uint64_t next_after(struct gs_gpu *g, uint64_t now, uint64_t *eta) {
-    struct gpushare_wire_header *h = g->header;
-    if (!h || g->slot_index < 0 || !atomic_load(&gs.connected)) return 0;
-    uint32_t mine = (uint32_t)g->slot_index + 1, holder = atomic_load(&h->holder);
-    if (atomic_load(&h->next_slot) != mine || holder == 0 || holder == mine ||
-        holder > GPUSHARE_WIRE_SLOTS)
-        return 0;
-    struct gpushare_wire_slot *hs =
-        (struct gpushare_wire_slot *)((char *)h + GPUSHARE_WIRE_HEADER_SIZE +
-                                      (size_t)(holder - 1) * GPUSHARE_WIRE_SLOT_SIZE);
-    uint64_t until = atomic_load(&hs->lease_until_ns);
-    *eta = atomic_load(&hs->drain_eta_ns);
-    return until <= now ? 1 : until;
-}
-
 CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
     if (!gs.enabled) return CUDA_SUCCESS;
     uint64_t waited_from = 0;
     int spins = 0, waits = 0;
-    uint64_t spun = 0, last_want = 0; /* ns spent polling for a grant (bounded) */
+    uint64_t last_want = 0;
     int poked = 0;
     struct gpushare_wire_slot *counted = NULL; /* we are in its `waiters` until we join */
     /* launches this thread made on the fast path since its last slow admission on `stream` */
@@ -985,29 +952,7 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
             send_lease_msg("want", g, 0);
             last_want = now;
         }
-        uint64_t timeout = WAIT_SLICE_NS, eta = 0;
-        uint64_t holder_until = next_after(g, now, &eta);
-        if (holder_until == 1 && spun < GRANT_SPIN_MAX_NS) {
-            /* we are next and the holder is draining: sleep until shortly before the end its
-             * agent expects (a short slice until it published one), then poll for the grant,
-             * which the holder's agent stores the moment its work is done */
-            if (!eta || eta > now + GRANT_SPIN_MARGIN_NS) {
-                /* the agent wakes us when it publishes its estimate; the grant wakes us too */
-                futex_wait(&s->grant_seq, seq,
-                           eta ? eta - now - GRANT_SPIN_MARGIN_NS : WAIT_SLICE_NS);
-                continue;
-            }
-            uint64_t t0 = gs_now(), t = t0;
-            while (atomic_load(&s->grant_seq) == seq && t - t0 < GRANT_SPIN_MAX_NS - spun &&
-                   next_after(g, t, &eta) == 1) {
-                for (int i = 0; i < 64; i++) cpu_relax();
-                t = gs_now();
-            }
-            spun += t - t0;
-            continue;
-        }
-        if (holder_until > now && holder_until - now < timeout) timeout = holder_until - now;
-        futex_wait(&s->grant_seq, seq, timeout);
+        futex_wait(&s->grant_seq, seq, WAIT_SLICE_NS);
         if (gs_now() - now > WAIT_SLICE_NS - 1000000ull)
             gs_log("waited a whole slice (until %llu): seq %u->%u lease %llu joined %llu holder %u "
                    "next %u", (unsigned long long)gs_now(), seq, atomic_load(&s->grant_seq),

@@ -285,8 +285,9 @@ class GpuLoop:
         grant = pick(views, self.quantum_ns, self.window_ns)
         other = pick([v for v in views if v.key != self.holder.allocation], self.quantum_ns,
                      self.window_ns)
-        if grant is not None or other is not None:
-            header.next_lease_ns = (grant or other).lease_ns  # type: ignore[union-attr]
+        chosen = grant or other
+        if chosen is not None:
+            header.next_lease_ns = chosen.lease_ns
         header.next_other = 0 if other is None else self.tenants[other.key].slot + 1
         header.next_slot = 0 if grant is None else self.tenants[grant.key].slot + 1
 

@@ -20,6 +20,29 @@ from jupyter_client.blocking import BlockingKernelClient
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts"
 
+#: a saturating loop of simulated kernels in a thread of the kernel (cells still run).
+BUSY = """
+import ctypes, threading
+cu = ctypes.CDLL("libcuda.so.1")
+P = ctypes.c_void_p
+cu.cuLaunchKernel.argtypes = [P] + [ctypes.c_uint] * 7 + [P, P, P]
+dev, ctx, mod, fn = ctypes.c_int(), P(), P(), P()
+assert cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
+assert cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev) == 0
+assert cu.cuModuleLoadData(ctypes.byref(mod), b"any module") == 0
+assert cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"busy_us") == 0
+us = ctypes.c_uint64(2000)
+params = (P * 1)(ctypes.cast(ctypes.byref(us), P))
+stop = threading.Event()
+def spin():
+    cu.cuCtxSetCurrent(ctx)
+    while not stop.is_set():
+        cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, None, params, None)
+        cu.cuCtxSynchronize()
+spinner = threading.Thread(target=spin, daemon=True)
+spinner.start()
+"""
+
 #: run in a kernel holding a 1 GiB cap: what the interposer reports and allows (JSON line)
 CUDA_PROBE = """
 import ctypes, json

@@ -27,7 +27,6 @@ NTP; a skew beyond ``CLOCK_SLACK`` makes reports look stale (never fresher than 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
@@ -39,6 +38,7 @@ from typing import Any
 
 import aiohttp
 
+from ..periodic import PeriodicTask
 from ..usage import USAGE_KEYS, UsageView
 from .client import ApiException, Kube
 
@@ -117,32 +117,37 @@ def usage_configmap(document: Mapping[str, Any], namespace: str,
             "data": {DATA_KEY: json.dumps(document, separators=(",", ":"))}}
 
 
-class UsagePublisher:
-    """Writes a node daemon's usage into its node's ConfigMap every ``interval`` seconds.
+class UsagePublisher(PeriodicTask):
+    """Writes a node daemon's usage into its node's ConfigMap every ``every`` seconds.
 
     Never fatal to the daemon: failed writes (API server away, RBAC missing) are logged once per
     distinct error and retried on the next interval."""
+
+    what = "usage report"
 
     def __init__(self, kube: Kube, namespace: str, node: str,
                  status: Callable[[], Mapping[str, Any]],
                  servers: Callable[[], Mapping[str, str | None]],
                  interval: float = DEFAULT_INTERVAL, clock: Callable[[], float] = time.time
                  ) -> None:
+        super().__init__(log)
         self.kube = kube
         self.namespace = namespace
         self.node = node
         self.status = status
         self.servers = servers
-        self.interval = interval
+        self.every = interval
         self.clock = clock
         self.name = configmap_name(node)
         self.published = 0
         self._exists = False
         self._last_error: str | None = None
-        self._task: asyncio.Task[None] | None = None
+
+    def interval(self) -> float:
+        return self.every
 
     def document(self) -> dict[str, Any]:
-        return usage_document(self.status(), self.servers(), self.node, self.interval,
+        return usage_document(self.status(), self.servers(), self.node, self.every,
                               self.clock())
 
     async def publish_once(self) -> None:
@@ -182,35 +187,22 @@ class UsagePublisher:
         return {"apiVersion": "v1", "kind": "Node", "name": self.node,
                 "uid": node["metadata"]["uid"], "blockOwnerDeletion": False}
 
-    async def run(self) -> None:
-        while True:
-            started = time.monotonic()
-            try:
-                await self.publish_once()
-                self.published += 1
-                if self._last_error is not None:
-                    log.info("usage ConfigMap %s/%s written again", self.namespace, self.name)
-                self._last_error = None
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # never stop the daemon over its usage report
-                text = f"{type(exc).__name__}: {getattr(exc, 'reason', None) or exc}"
-                if text != self._last_error:
-                    log.warning("writing usage ConfigMap %s/%s failed (retrying every %g s): %s",
-                                self.namespace, self.name, self.interval, text)
-                self._last_error = text
-            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
-
-    def start(self) -> UsagePublisher:
-        self._task = asyncio.get_running_loop().create_task(self.run())
-        return self
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+    async def run_once(self) -> None:
+        try:
+            await self.publish_once()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # never stop the daemon over its usage report
+            text = f"{type(exc).__name__}: {getattr(exc, 'reason', None) or exc}"
+            if text != self._last_error:
+                log.warning("writing usage ConfigMap %s/%s failed (retrying every %g s): %s",
+                            self.namespace, self.name, self.every, text)
+            self._last_error = text
+            return
+        self.published += 1
+        if self._last_error is not None:
+            log.info("usage ConfigMap %s/%s written again", self.namespace, self.name)
+        self._last_error = None
 
 
 def start_publisher(daemon: Any, ledger: Any, interval: float = DEFAULT_INTERVAL
@@ -226,8 +218,10 @@ def start_publisher(daemon: Any, ledger: Any, interval: float = DEFAULT_INTERVAL
 
     log.info("publishing usage to ConfigMap %s/%s every %g s", ledger.namespace,
              configmap_name(daemon.settings.node), interval)
-    return UsagePublisher(ledger.kube, ledger.namespace, daemon.settings.node, daemon.status,
-                          servers, interval).start()
+    publisher = UsagePublisher(ledger.kube, ledger.namespace, daemon.settings.node,
+                               daemon.status, servers, interval)
+    publisher.start()
+    return publisher
 
 
 # -- the server side ---------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import pytest
 import yaml
 from cluster import ControlPlane, node_daemon_socket
 from kubernetes_asyncio.client import RbacAuthorizationV1Api
+from support import BUSY
 from test_kernels import (
     admin,
     execute,
@@ -477,26 +478,6 @@ async def test_rest_lists_resizes_and_releases_kernel_pods(
 
 # -- (c) idle reclaim on kernel pods ------------------------------------------------------------
 
-#: saturating simulated GPU work in a thread of the kernel (cells still run)
-BUSY = """
-import ctypes, threading
-cu = ctypes.CDLL("libcuda.so.1")
-P = ctypes.c_void_p
-cu.cuLaunchKernel.argtypes = [P] + [ctypes.c_uint] * 7 + [P, P, P]
-dev, ctx, mod, fn = ctypes.c_int(), P(), P(), P()
-assert cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
-assert cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev) == 0
-assert cu.cuModuleLoadData(ctypes.byref(mod), b"any module") == 0
-assert cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"busy_us") == 0
-us = ctypes.c_uint64(2000)
-params = (P * 1)(ctypes.cast(ctypes.byref(us), P))
-def spin():
-    cu.cuCtxSetCurrent(ctx)
-    while True:
-        cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, None, params, None)
-        cu.cuCtxSynchronize()
-threading.Thread(target=spin, daemon=True).start()
-"""
 
 IDLE_AFTER, GRACE = 8.0, 6.0
 

@@ -175,27 +175,10 @@ def start_worker(env: dict[str, str]) -> subprocess.Popen[str]:
 
 
 #: holds 256 MiB and saturates its share until told to stop (a line on stdin), then idles
-WORKER = """
-import ctypes, sys, threading
-cu = ctypes.CDLL("libcuda.so.1")
-P = ctypes.c_void_p
-cu.cuLaunchKernel.argtypes = [P] + [ctypes.c_uint] * 7 + [P, P, P]
-dev, ctx, mod, fn, ptr = ctypes.c_int(), P(), P(), P(), ctypes.c_uint64()
-assert cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
-assert cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev) == 0
+WORKER = BUSY + """
+import sys
+ptr = ctypes.c_uint64()
 assert cu.cuMemAlloc_v2(ctypes.byref(ptr), 256 << 20) == 0
-assert cu.cuModuleLoadData(ctypes.byref(mod), b"any module") == 0
-assert cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"busy_us") == 0
-us = ctypes.c_uint64(2000)
-params = (P * 1)(ctypes.cast(ctypes.byref(us), P))
-stop = threading.Event()
-def spin():
-    cu.cuCtxSetCurrent(ctx)
-    while not stop.is_set():
-        cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, None, params, None)
-        cu.cuCtxSynchronize()
-spinner = threading.Thread(target=spin)
-spinner.start()
 print("busy", flush=True)
 sys.stdin.readline()
 stop.set()

@@ -298,16 +298,18 @@ class Daemon:
         self, client: Client, allocation_id: str
     ) -> tuple[Allocation | None, dict[str, Any] | None]:
         """``allocation_id``'s allocation if the peer may act on it, else a refusal (counted and
-        logged); re-reads the ledger once before refusing, in case it changed since the poll."""
+        logged). Before refusing it re-reads the ledger once (it may have changed since the last
+        read), and keeps re-reading for a kernel pod whose UID the server has not recorded yet
+        (it does so right after creating the pod) up to ``POD_RECORD_WAIT_NS``."""
         allocation = self.allocations.get(allocation_id)
         refusal = self._check_peer(client, allocation)
         deadline = monotonic_ns() + POD_RECORD_WAIT_NS
-        if refusal is not None:
-            await self.refresh()
-            allocation = self.allocations.get(allocation_id)
-            refusal = self._check_peer(client, allocation)
-        while refusal is not None and _pod_pending(allocation) and monotonic_ns() < deadline:
-            await asyncio.sleep(0.2)  # the server records the pod's UID right after creating it
+        looks = 0
+        while refusal is not None and (looks == 0 or (
+                _pod_pending(allocation) and monotonic_ns() < deadline)):
+            if looks:
+                await asyncio.sleep(0.2)
+            looks += 1
             await self.refresh()
             allocation = self.allocations.get(allocation_id)
             refusal = self._check_peer(client, allocation)

@@ -32,30 +32,22 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from jupyter_client.connect import KernelConnectionInfo
-from tornado.web import HTTPError
 
 from ..inventory import Gpu, simulator_device_list
 from ..ledger import Allocation, Ledger
 from ..provisioner.backend import KernelBackend
 from . import manifests
 from .anchor import ServerAnchor
-from .client import ApiException, Kube, connect
+from .client import ApiException, ClusterError, Kube, connect
 from .config import KubernetesBackendConfig
 from .ledger import KubernetesLedger
 from .watch import PodWatcher
 
 
-class KernelPodFailed(HTTPError):
-    """The kernel pod could not run; the message is the cluster's reason. An HTTP error, so that
-    jupyter_server's ``POST /api/kernels`` answers with these words (503) rather than
-    "Unhandled error"."""
+class KernelPodFailed(ClusterError):
+    """The kernel pod could not run; the message is the cluster's reason."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(503, log_message=message, reason="kernel_pod_failed")
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
+    reason_code = "kernel_pod_failed"
 
 
 @dataclass

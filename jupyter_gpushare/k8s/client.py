@@ -15,6 +15,22 @@ from typing import Any
 
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
+from tornado.web import HTTPError
+
+
+class ClusterError(HTTPError):
+    """Something the cluster did or could not do, in its words: an HTTP 503 with ``reason``,
+    so that REST calls and jupyter_server's ``POST /api/kernels`` answer with the message rather
+    than "Unhandled error"."""
+
+    reason_code = "cluster_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, log_message=message, reason=self.reason_code)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 GROUP = "gpushare.jupyter.org"
 VERSION = "v1alpha1"

@@ -15,24 +15,17 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from tornado.web import HTTPError
-
-from .client import ApiException, Kube
+from .client import ApiException, ClusterError, Kube
 
 log = logging.getLogger(__name__)
 
 Pod = dict[str, Any]
 
 
-class ClusterUnavailable(HTTPError):
-    """The API server cannot be reached: 503 with the reason (REST and kernel starts)."""
+class ClusterUnavailable(ClusterError):
+    """The API server cannot be reached (REST and kernel starts answer 503 with the reason)."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(503, log_message=message, reason="cluster_unavailable")
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
+    reason_code = "cluster_unavailable"
 
 
 class PodWatcher:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -246,3 +248,21 @@ def test_a_forked_child_does_not_keep_its_parents_memory(sim_machine: SimMachine
         assert sim_machine.state().processes() == []
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+def test_the_cuda_runtime_is_told_once_why_it_cannot_run(sim_machine: SimMachine) -> None:
+    """The CUDA runtime's first call asks for the driver's private export tables; the simulator
+    refuses them (as before) and says once on stderr that it runs driver-API programs only."""
+    probe = (
+        "import ctypes, sys\n"
+        "cuda = ctypes.CDLL('libcuda.so.1')\n"
+        "table = ctypes.c_void_p(1)\n"
+        "uuid = (ctypes.c_ubyte * 16)()\n"
+        "codes = [cuda.cuGetExportTable(ctypes.byref(table), uuid) for _ in range(3)]\n"
+        "print(codes, table.value)\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", probe], env=sim_machine.env, capture_output=True,
+                         text=True, timeout=60, check=True)
+    assert ran.stdout.split() == ["[801,", "801,", "801]", "None"]  # CUDA_ERROR_NOT_SUPPORTED
+    assert ran.stderr.count("driver-API programs only") == 1, ran.stderr
+    assert "real NVIDIA GPU" in ran.stderr and "--simulate" in ran.stderr

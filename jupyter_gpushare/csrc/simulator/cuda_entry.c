@@ -1,6 +1,8 @@
 /* cuda_entry.c - error names, cuGetProcAddress (the driver's symbol table) and cuGetExportTable. */
 #define _GNU_SOURCE
+#include <stdatomic.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "sim_cuda.h"
 
@@ -96,9 +98,24 @@ CUresult cuGetErrorString(CUresult error, const char **pStr)
 }
 
 /* The simulator has none of the private tables the CUDA runtime asks for. */
+/* The CUDA runtime (libcudart: PyTorch, CuPy, ...) asks for the driver's private export tables
+ * first thing; without them it fails every call with cudaErrorNotSupported and says nothing about
+ * why. Say it once per process, on stderr, in the user's words. */
+static const char runtime_note[] =
+    "gpushare simulator: this simulated GPU runs CUDA driver-API programs only. The CUDA runtime "
+    "(libcudart, used by PyTorch, CuPy, ...) needs private driver tables that the simulator does "
+    "not have, so its calls fail with cudaErrorNotSupported. Run such programs on a real NVIDIA "
+    "GPU: leave out --simulate / GPUSHARE_SIMULATE on a machine with the NVIDIA driver.\n";
+static atomic_int runtime_noted;
+
 CUresult cuGetExportTable(const void **ppExportTable, const CUuuid *pExportTableId)
 {
     (void)pExportTableId;
+    if (!atomic_exchange(&runtime_noted, 1)) {
+        if (write(STDERR_FILENO, runtime_note, sizeof runtime_note - 1) < 0) {
+            /* nothing to do: stderr is closed */
+        }
+    }
     if (ppExportTable)
         *ppExportTable = NULL;
     return CUDA_ERROR_NOT_SUPPORTED;

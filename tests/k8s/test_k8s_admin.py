@@ -239,7 +239,10 @@ async def test_usage_configmap_tracks_a_daemons_allocation(
         busy = await until(lambda: _entry(usage, allocation.id, lambda e: e["connected"] and (
             e["achieved_share"] >= 0.4)), 15, "the busy process's share in the report")
         assert busy["memory_used"] == 256 * MIB and busy["idle_s"] < 1.0
-        assert busy["achieved_share"] <= 0.53  # its limit, as the daemon measures it
+        # held to its limit (alone it would take ~1.0); the report's window is the daemon's
+        # 1 s, so on a loaded CI machine one window may read a few hundredths over 0.5 - the
+        # +-0.03 promise is per 10 s and tests/enforcement measures it that way
+        assert busy["achieved_share"] <= 0.6
         worker.stdin.write("stop\n")
         worker.stdin.flush()
         assert worker.stdout.readline().strip() == "idle"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from jupyter_server.auth.decorator import authorized
 from jupyter_server.utils import url_path_join
 from tornado import web
 
@@ -25,6 +26,7 @@ from .handlers import GpushareHandler
 
 class PoolsHandler(GpushareHandler):
     @web.authenticated
+    @authorized
     async def get(self) -> None:
         pools = getattr(self.kernel_manager, "pools", None)
         if pools is None:
@@ -39,6 +41,7 @@ class PoolsHandler(GpushareHandler):
 
 class ReclaimHandler(GpushareHandler):
     @web.authenticated
+    @authorized
     async def get(self) -> None:
         s = self.gpushare
         mine = served_here(s)

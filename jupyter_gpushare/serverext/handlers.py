@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
@@ -74,7 +75,15 @@ def type_summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 CLUSTER_ERROR_MODULES = ("kubernetes_asyncio", "aiohttp")
 
 
+#: The Authorizer resource of every gpushare endpoint: ``read`` for GET (see GPUs, allocations,
+#: usage, pools), ``write`` for POST/PATCH/DELETE (start a kernel with a share, resize, release).
+#: ``POST /gpushare/api/kernels`` also needs ``write`` on the core ``kernels`` resource.
+AUTH_RESOURCE = "gpushare"
+
+
 class GpushareHandler(APIHandler):  # type: ignore[misc]
+    auth_resource = AUTH_RESOURCE
+
     @property
     def gpushare(self) -> GpuShare:
         return self.settings["gpushare"]
@@ -145,6 +154,7 @@ class GpushareHandler(APIHandler):  # type: ignore[misc]
 
 class GpusHandler(GpushareHandler):
     @web.authenticated
+    @authorized
     async def get(self) -> None:
         gpus, problem = await self.inventory()
         allocations = await (await self.ledger()).list()  # everyone's: what is free
@@ -161,6 +171,7 @@ class GpusHandler(GpushareHandler):
 
 class AllocationsHandler(GpushareHandler):
     @web.authenticated
+    @authorized
     async def get(self) -> None:
         mine = served_here(self.gpushare)
         allocations = [a for a in await (await self.ledger()).list()
@@ -170,12 +181,14 @@ class AllocationsHandler(GpushareHandler):
 
 class AllocationHandler(GpushareHandler):
     @web.authenticated
+    @authorized
     async def get(self, allocation_id: str) -> None:
         found = await self.own_allocation(allocation_id)
         if found is not None:
             self.finish(json.dumps(found.to_json()))
 
     @web.authenticated
+    @authorized
     async def delete(self, allocation_id: str) -> None:
         """Release the share; the kernel keeps running (its node daemon forgets the share, the
         interposer frees its GPU memory and refuses further CUDA work; on Kubernetes the kernel
@@ -192,6 +205,7 @@ class AllocationHandler(GpushareHandler):
         self.finish()
 
     @web.authenticated
+    @authorized
     async def patch(self, allocation_id: str) -> None:
         """Live resize: ``{"gpu_request"?, "gpu_limit"?, "gpu_memory"?}`` -> 200 with the
         changed allocation; 400 invalid share; 409 ``no_fit`` (not on its current GPU) or
@@ -226,6 +240,7 @@ class AllocationHandler(GpushareHandler):
 
 class PresetsHandler(GpushareHandler):
     @web.authenticated
+    @authorized
     async def get(self) -> None:
         self.finish(json.dumps({
             "default": self.gpushare.default_spec().to_json(),
@@ -238,6 +253,8 @@ class KernelsHandler(GpushareHandler):
     """Start a kernel holding a chosen share (``POST /api/kernels`` has no room for one)."""
 
     @web.authenticated
+    @authorized
+    @authorized(resource="kernels")  # it starts a kernel, as POST /api/kernels does
     async def post(self) -> None:
         body = self.json_body()
         if body is None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from jupyter_server.auth.decorator import authorized
 from jupyter_server.utils import url_path_join
 from tornado import web
 
@@ -33,6 +34,7 @@ def usage_from_status(status: dict[str, Any]) -> list[dict[str, Any]]:
 
 class UsageHandler(GpushareHandler):
     @web.authenticated
+    @authorized
     async def get(self) -> None:
         settings = self.gpushare
         view = await (await usage_source(settings)).read()

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from support import REPO
 
+import jupyter_gpushare
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NODE_TOOLS = {"node", "nodejs", "npm", "npx", "corepack", "yarn", "jlpm"}
@@ -61,7 +63,8 @@ def test_wheel_installs_labextension_without_node(tmp_path: Path) -> None:
     )
     (wheel,) = wheels.glob("jupyter_gpushare-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    shipped = "jupyter_gpushare-0.1.0.data/data/share/jupyter/labextensions/jupyter-gpushare/"
+    shipped = (f"jupyter_gpushare-{jupyter_gpushare.__version__}.data/data/share/jupyter/"
+               "labextensions/jupyter-gpushare/")
     assert shipped + "package.json" in names and shipped + "install.json" in names
     assert any(n.startswith(shipped + "static/remoteEntry.") for n in names)
 

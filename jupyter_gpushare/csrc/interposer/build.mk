@@ -3,7 +3,8 @@
 #   _lib/test/gs_tenant[-asan|-tsan], _lib/test/libgpushare-asan.so, _lib/test/libgpushare-tsan.so
 GS_DIR := $(CURDIR)/interposer
 GS_SRC := $(GS_DIR)/dispatch.c $(GS_DIR)/lease.c $(GS_DIR)/launch.c $(GS_DIR)/memory.c $(GS_DIR)/release.c
-GS_HDR := $(GS_DIR)/gs.h $(CURDIR)/include/gpushare_wire.h $(CURDIR)/include/gpushare_cuda.h
+GS_HDR := $(GS_DIR)/gs.h $(CURDIR)/include/gpushare_wire.h $(CURDIR)/include/gpushare_cuda.h \
+	$(CURDIR)/include/glibc_baseline.h
 GS_LIBS := -ldl -lpthread
 GS_SO := -shared -Wl,-Bsymbolic-functions
 ASAN := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined
@@ -12,7 +13,8 @@ ALL += $(LIB)/libgpushare.so
 
 $(LIB)/libgpushare.so: $(GS_SRC) $(GS_HDR)
 	@mkdir -p $(LIB)
-	$(CC) $(CFLAGS) $(BASEFLAGS) -o $@ $(GS_SRC) $(GS_SO) -Wl,--no-undefined $(GS_LIBS)
+	$(CC) $(CFLAGS) $(BASEFLAGS) -include $(CURDIR)/include/glibc_baseline.h -o $@ $(GS_SRC) \
+	    $(GS_SO) -Wl,--no-undefined -Wl,--no-as-needed -l:libdl.so.2 -l:libpthread.so.0 -Wl,--as-needed
 
 $(LIB)/test/libgpushare-asan.so: $(GS_SRC) $(GS_HDR)
 	@mkdir -p $(LIB)/test

@@ -93,7 +93,25 @@ class PoolKernelManager(AsyncMappingKernelManager):  # type: ignore[misc]
             claimed = await self._claim(path, kwargs)
             if claimed is not None:
                 return claimed
-        return await super().start_kernel(kernel_id=kernel_id, path=cast(Any, path), **kwargs)
+        try:
+            return await super().start_kernel(kernel_id=kernel_id, path=cast(Any, path),
+                                              **kwargs)
+        except BaseException:
+            self.forget_failed_starts()
+            raise
+
+    def forget_failed_starts(self) -> None:
+        """Drop the starts that failed from jupyter_client's pending kernels.
+
+        ``MultiKernelManager`` keeps a failed start's task in ``_pending_kernels`` (without
+        pending kernels the kernel never joins ``_kernels``); ``shutdown_all`` then shuts that id
+        down, jupyter_server answers 404 "Kernel does not exist", and the server cannot stop
+        (SIGTERM/Ctrl-C hang). A refused share (409 no fit) is an everyday failed start here.
+        A done start task whose kernel is not in the map is such a leftover: nothing is pending.
+        """
+        for kernel_id, task in list(self._pending_kernels.items()):
+            if kernel_id not in self and task.done():
+                self._pending_kernels.pop(kernel_id, None)
 
     async def _claim(self, path: str | None, kwargs: dict[str, Any]) -> str | None:
         kernel_name = kwargs.get("kernel_name") or self.default_kernel_name
@@ -140,4 +158,5 @@ class PoolKernelManager(AsyncMappingKernelManager):  # type: ignore[misc]
 
     async def shutdown_all(self, now: bool = False) -> None:  # type: ignore[override]
         await self.pools.stop()  # no refill while the server shuts down
+        self.forget_failed_starts()
         await ensure_async(super().shutdown_all(now=now))

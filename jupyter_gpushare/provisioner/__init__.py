@@ -17,6 +17,7 @@ refused by name (jupyter_client would otherwise drop a misspelled key silently).
 
 from __future__ import annotations
 
+import asyncio
 import getpass
 import os
 from collections.abc import Callable
@@ -174,14 +175,36 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             spec = check_spec(spec, await self.kernel_backend.inventory(), self.settings.aliases())
             self.allocation = await self._reserve(spec)
         except ShareError as exc:
+            self._forget_refused_start()
             raise ShareRefused(400, exc.to_json()) from exc
         except PlacementRefused as exc:
+            self._forget_refused_start()
             raise ShareRefused(409, exc.to_json()) from exc
         try:
             return await self.kernel_backend.pre_launch(self.allocation, **kwargs)
         except BaseException:
             await self._release("launch preparation failed")
             raise
+
+    def _forget_refused_start(self) -> None:
+        """Let a refused start leave nothing pending in the server's kernel manager.
+
+        jupyter_client's ``MultiKernelManager`` keeps a failed start's task in
+        ``_pending_kernels``; its ``shutdown_all`` then fails on that id (jupyter_server: 404
+        "Kernel does not exist") and the server hangs on Ctrl-C/SIGTERM. Once the start task
+        is done, drop it, unless the kernel joined the map (pending kernels, or a restart)."""
+        manager = getattr(self.parent, "parent", None)  # KernelManager -> MultiKernelManager
+        pending = getattr(manager, "_pending_kernels", None)
+        task = pending.get(self.kernel_id) if isinstance(pending, dict) else None
+        if not isinstance(task, asyncio.Future) or manager is None or pending is None:
+            return
+        kernel_id = self.kernel_id
+
+        def forget(done: asyncio.Future[Any]) -> None:
+            if kernel_id not in manager and pending.get(kernel_id) is done:
+                pending.pop(kernel_id, None)
+
+        task.add_done_callback(forget)
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         try:

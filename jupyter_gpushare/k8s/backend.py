@@ -155,6 +155,8 @@ class KubernetesKernelBackend(KernelBackend):
     async def pre_launch(self, allocation: Allocation, **kwargs: Any) -> dict[str, Any]:
         ctx = await self.context()
         km = self.provisioner.parent
+        if km is None:  # jupyter_client always sets it; a provisioner made by hand has none
+            raise RuntimeError("the gpushare provisioner has no kernel manager (parent)")
         kernel_id = str(self.provisioner.kernel_id)
         self.pod_name = f"gpushare-kernel-{kernel_id[:8]}-{uuid.uuid4().hex[:5]}"
         self.failure = None

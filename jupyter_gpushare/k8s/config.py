@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import Any
 
 from traitlets import Bool, Dict, Float, Int, List, Unicode, default
 from traitlets.config import SingletonConfigurable
@@ -53,13 +54,13 @@ class KubernetesBackendConfig(SingletonConfigurable):
     env = Dict(
         default_value={}, config=True, help="Extra environment variables of kernel containers."
     )
-    volumes = List(
+    volumes: List[Any] = List(
         default_value=[], config=True, help="Extra pod volumes (Kubernetes Volume objects)."
     )
-    volume_mounts = List(
+    volume_mounts: List[Any] = List(
         default_value=[], config=True, help="Extra volumeMounts of the kernel container."
     )
-    tolerations = List(default_value=[], config=True, help="Tolerations of kernel pods.")
+    tolerations: List[Any] = List(default_value=[], config=True, help="Tolerations of kernel pods.")
     node_selector = Dict(default_value={}, config=True, help="Extra nodeSelector of kernel pods.")
     labels = Dict(default_value={}, config=True, help="Extra labels of kernel pods.")
     annotations = Dict(default_value={}, config=True, help="Extra annotations of kernel pods.")

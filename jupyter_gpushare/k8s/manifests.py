@@ -389,9 +389,10 @@ def gpus_from_node(node: Mapping[str, Any], aliases: TypeAliases) -> list[Gpu]:
                 simulated=bool(e.get("simulated", False)),
             ))
         return gpus
-    product = labels.get(PRODUCT_LABEL)
-    if not product:
+    label = labels.get(PRODUCT_LABEL)
+    if not label:
         return []
+    product = str(label)
     try:
         count = int(labels.get(COUNT_LABEL, "1"))
         memory = int(labels.get(MEMORY_LABEL, "0")) * 2**20

@@ -14,6 +14,7 @@ reader (server, ``jupyter gpushare status``, ``run``, the node daemon) sees one 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import random
 import time
 import uuid
@@ -241,7 +242,7 @@ class Ledger(ABC):
     async def update(
         self,
         allocation_id: str,
-        change: Callable[[Allocation, list[Allocation]], Allocation],
+        change: Callable[[Allocation, builtins.list[Allocation]], Allocation],
     ) -> Allocation:
         """Apply ``change(allocation, others_on_its_node)`` atomically; it may raise to refuse
         (for example a resize that no longer fits). Raises :class:`AllocationNotFound`."""

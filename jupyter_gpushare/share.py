@@ -4,9 +4,12 @@ One immutable model, :class:`ShareSpec`, with one parser per entry point (kernel
 JSON, command-line flags) and one validator. Every refusal is a :class:`ShareError` that names the
 field, the value given and what is allowed; nothing is reserved before a spec validates.
 
-Units: compute as a fraction of one GPU (``0 < gpu_request <= gpu_limit <= 1``) or, with
-``gpu_count > 1``, whole GPUs; memory in bytes, human suffixes accepted (``10GiB``, ``512Mi``,
-``2G``).
+Units: compute as a fraction of one GPU (``0 < gpu_request <= gpu_limit <= 1``) in steps of
+:data:`COMPUTE_UNIT` (0.01 of a GPU: ``0.25`` and ``0.3`` are shares, ``0.333`` and ``1e-320`` are
+refused with the unit named) or, with ``gpu_count > 1``, whole GPUs; memory in bytes, human
+suffixes accepted (``10GiB``, ``512Mi``, ``2G``), at least :data:`MEMORY_UNIT` (1 MiB) and at most
+:data:`MAX_MEMORY`. Numbers are ASCII: other scripts' digits (``"٠٫٥"``), ``NaN``/``Infinity``,
+booleans and numbers too long to mean anything are refused by name, never an exception.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
+from fractions import Fraction
 from typing import Any
 
 #: The public field names (kernelspec ``metadata.kernel_provisioner.config`` keys and REST JSON).
@@ -28,6 +32,14 @@ SHARE_FIELDS = (
 )
 LABEL_KINDS = ("affinity", "anti_affinity", "exclusive")
 MAX_GPU_COUNT = 16
+#: the smallest compute share, and the step of every compute share: 0.01 of one GPU
+COMPUTE_UNIT = 0.01
+#: the smallest memory cap (a smaller one cannot hold a CUDA context anyway)
+MEMORY_UNIT = 2**20
+#: the largest memory cap anyone may write down (1 PiB; real GPUs are far below it)
+MAX_MEMORY = 2**50
+#: how much of a refused value an error message repeats
+SHOWN_CHARS = 80
 
 _UNITS = {
     "": 1,
@@ -49,8 +61,11 @@ _UNITS = {
     "ti": 2**40,
     "tib": 2**40,
 }
-_MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_LABEL_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
+# ASCII only: ``\d`` and ``float()`` also take other scripts' digits
+_MEMORY_RE = re.compile(r"^[ \t]*([0-9]{1,1000}(?:\.[0-9]{1,1000})?)[ \t]*([a-zA-Z]{0,3})[ \t]*\Z")
+_NUMBER_RE = re.compile(
+    r"^[ \t]*\+?([0-9]{0,30}(?:\.[0-9]{0,30})?(?:[eE][+-]?[0-9]{1,4})?)[ \t]*\Z")
+_LABEL_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?\Z")
 
 
 class ShareError(ValueError):
@@ -58,9 +73,9 @@ class ShareError(ValueError):
 
     def __init__(self, field: str, value: object, allowed: str) -> None:
         self.field = field
-        self.value = value
+        self.value = _shown(value)
         self.allowed = allowed
-        super().__init__(f"{field}={value!r} is not allowed: {allowed}")
+        super().__init__(f"{field}={self.value!r} is not allowed: {allowed}")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -70,6 +85,31 @@ class ShareError(ValueError):
             "allowed": self.allowed,
             "message": str(self),
         }
+
+
+def _shown(value: object) -> object:
+    """``value`` as an error repeats it: a string or repr cut to :data:`SHOWN_CHARS`, a number
+    of more digits than that described (``str()`` of a 5,000-digit int raises in Python 3.11)."""
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return value
+    if isinstance(value, int):
+        if value.bit_length() > 3 * SHOWN_CHARS:
+            return f"<a number of about {int(value.bit_length() * 0.30103) + 1} digits>"
+        return value
+    text = value if isinstance(value, str) else _short_repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 1] + "…"
+
+
+def _short_repr(value: object) -> str:
+    """``repr`` of a JSON value without walking deep or huge structures."""
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(repr(k)[:SHOWN_CHARS] for k in list(value)[:8]) + ": …}"
+    if isinstance(value, list | tuple):
+        return f"[… {len(value)} item(s)]"
+    try:
+        return repr(value)[: SHOWN_CHARS + 1]
+    except (ValueError, RecursionError):
+        return f"<{type(value).__name__}>"
 
 
 def _jsonable(value: object) -> object:
@@ -89,51 +129,75 @@ def format_bytes(n: int) -> str:
 
 
 def parse_memory(value: object, field: str = "gpu_memory") -> int:
-    """Parse a memory size: an int of bytes or a string such as ``10GiB``, ``512Mi``, ``2G``."""
+    """Parse a memory size: an int of bytes or a string such as ``10GiB``, ``512Mi``, ``2G``,
+    from :data:`MEMORY_UNIT` (1 MiB) to :data:`MAX_MEMORY` (1 PiB); fractions of a byte are
+    dropped (``1.5KiB`` of a ``1000.7MiB`` cap does not matter)."""
+    sizes = f"from 1MiB to {format_bytes(MAX_MEMORY)}"
     if isinstance(value, bool):
-        raise ShareError(field, value, "a size in bytes or with a unit, e.g. 10GiB, 512Mi, 2G")
+        raise ShareError(field, value, f"a size in bytes or with a unit, e.g. 10GiB, 512Mi, 2G, "
+                         f"{sizes}")
     if isinstance(value, int):
-        number: float = value
+        number = Fraction(value)
     elif isinstance(value, float):
         if not math.isfinite(value) or value != int(value):
-            raise ShareError(field, value, "a whole number of bytes, or a size such as 10GiB")
-        number = value
+            raise ShareError(field, value, f"a whole number of bytes, or a size such as 10GiB, "
+                             f"{sizes}")
+        number = Fraction(value)
     elif isinstance(value, str):
         match = _MEMORY_RE.match(value)
         unit = match.group(2).lower() if match else ""
         if not match or unit not in _UNITS:
             raise ShareError(
-                field, value, "a size in bytes or with a unit (B, KiB, MiB, GiB, TiB, K, M, G, T)"
+                field, value, "a size in bytes or with a unit (B, KiB, MiB, GiB, TiB, K, M, G, "
+                f"T) in ASCII digits, {sizes}"
             )
-        number = float(match.group(1)) * _UNITS[unit]
+        number = Fraction(match.group(1)) * _UNITS[unit]  # exact: no float overflow or rounding
     else:
-        raise ShareError(field, value, "a size in bytes or with a unit, e.g. 10GiB, 512Mi, 2G")
-    if number <= 0:
-        raise ShareError(field, value, "more than 0 bytes")
+        raise ShareError(field, value, f"a size in bytes or with a unit, e.g. 10GiB, 512Mi, 2G, "
+                         f"{sizes}")
+    if number < MEMORY_UNIT:
+        raise ShareError(field, value, f"at least 1MiB (the smallest memory cap); {sizes}")
+    if number > MAX_MEMORY:
+        raise ShareError(field, value, f"at most {format_bytes(MAX_MEMORY)}; {sizes}")
     return int(number)
 
 
+def _number(value: object) -> float | None:
+    """An ASCII decimal number (int, float or string such as ``"0.25"``, ``"2.5e-1"``) as a
+    float, or None: no booleans, other scripts' digits, ``_`` separators, NaN or infinities, and
+    no int too large for a float."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return float(value) if abs(value) < 2**63 else None
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, str):
+        match = _NUMBER_RE.match(value)
+        if not match or not any(c.isdigit() for c in match.group(1).split("e")[0].split("E")[0]):
+            return None
+        number = float(match.group(1))
+        return number if math.isfinite(number) else None
+    return None
+
+
 def _parse_fraction(value: object, field: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ShareError(field, value, "a number in (0, 1], the fraction of one GPU")
-    try:
-        number = float(value)
-    except ValueError:
-        raise ShareError(field, value, "a number in (0, 1], the fraction of one GPU") from None
-    if not math.isfinite(number) or number <= 0 or number > 1:
-        raise ShareError(field, value, "a number in (0, 1], the fraction of one GPU")
-    return number
+    """A compute share: a multiple of :data:`COMPUTE_UNIT` in (0, 1]."""
+    allowed = (f"a number in (0, 1] in steps of {COMPUTE_UNIT:g}, the fraction of one GPU "
+               f"(the smallest share is {COMPUTE_UNIT:g})")
+    number = _number(value)
+    if number is None or number <= 0 or number > 1:
+        raise ShareError(field, value, allowed)
+    units = round(number / COMPUTE_UNIT)
+    if units < 1 or abs(number - units * COMPUTE_UNIT) > 1e-9:
+        raise ShareError(field, value, allowed)
+    return round(units * COMPUTE_UNIT, 2)
 
 
 def _parse_count(value: object) -> int:
     allowed = f"a whole number of GPUs from 1 to {MAX_GPU_COUNT}"
-    if isinstance(value, bool):
-        raise ShareError("gpu_count", value, allowed)
-    try:
-        number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ShareError("gpu_count", value, allowed) from None
-    if not math.isfinite(number) or number != int(number) or not 1 <= number <= MAX_GPU_COUNT:
+    number = _number(value)
+    if number is None or number != int(number) or not 1 <= number <= MAX_GPU_COUNT:
         raise ShareError("gpu_count", value, allowed)
     return int(number)
 
@@ -353,6 +417,6 @@ def _article(word: str) -> str:
 def _parse_type(value: object) -> str | None:
     if value is None or value == "" or value == "any":
         return None
-    if not isinstance(value, str) or not re.match(r"^[A-Za-z0-9][A-Za-z0-9 _.-]{0,63}$", value):
+    if not isinstance(value, str) or not re.match(r"^[A-Za-z0-9][A-Za-z0-9 _.-]{0,63}\Z", value):
         raise ShareError("gpu_type", value, "a GPU type name such as A100, H100 or T4")
     return value

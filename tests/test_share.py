@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -9,19 +10,31 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jupyter_gpushare.inventory import TypeAliases, check_spec, simulated_gpus
-from jupyter_gpushare.share import GpuLabels, ShareError, ShareSpec, format_bytes, parse_memory
+from jupyter_gpushare.share import (
+    MEMORY_UNIT,
+    SHOWN_CHARS,
+    GpuLabels,
+    ShareError,
+    ShareSpec,
+    format_bytes,
+    parse_memory,
+)
 
 
 @pytest.mark.parametrize(
     ("text", "expected"),
     [("10GiB", 10 * 2**30), ("512Mi", 512 * 2**20), ("2G", 2 * 10**9), ("1.5GiB", 3 * 2**29),
-     ("4096", 4096), (1024, 1024), (" 3 MiB ", 3 * 2**20)],
+     ("1048576", 2**20), (2**20, 2**20), (" 3 MiB ", 3 * 2**20), ("1.0000001MiB", 2**20),
+     ("1024TiB", 2**50)],
 )
 def test_memory_sizes(text, expected):
     assert parse_memory(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["10 parsecs", "-1GiB", "0", "GiB", True, 1.5, None, [1]])
+@pytest.mark.parametrize("bad", ["10 parsecs", "-1GiB", "0", "GiB", True, 1.5, None, [1], "4096",
+                                 1024, "0.0000001", "9" * 400 + "GiB",
+                                 pytest.param(10**5000, id="5001-digits"), 1e300, "１０GiB",
+                                 "١٠GiB", "10GiB\n", "1025TiB", float("nan"), float("inf")])
 def test_bad_memory_names_field_and_units(bad):
     with pytest.raises(ShareError) as err:
         parse_memory(bad)
@@ -105,3 +118,60 @@ def test_format_bytes():
     assert format_bytes(10 * 2**30) == "10GiB"
     assert format_bytes(3 * 2**29) == "1.5GiB"
     assert format_bytes(12) == "12B"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(0.25, 0.25), ("0.3", 0.3), (".5", 0.5), ("5e-1", 0.5), (1, 1.0), ("0.01", 0.01),
+     (0.1 + 0.2, 0.3)],
+)
+def test_compute_shares_are_steps_of_the_unit(value, expected):
+    assert ShareSpec.from_mapping({"gpu_request": value, "gpu_limit": 1}).gpu_request == expected
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [1e-320, "1e-320", 0.005, 0.333, "0.333", 10**400, -(10**400), "9" * 5000, "٠٫٥", "٠.٥",
+     "０.５", "1_0", "nan", "Infinity", "-0", 0, True, False, "0.5\n", "", " ", ".", "e5",
+     [0.5], {"x": 1}, None.__class__],
+)
+def test_meaningless_or_foreign_numbers_are_refused_with_the_unit(bad):
+    with pytest.raises(ShareError) as err:
+        ShareSpec.from_mapping({"gpu_request": bad})
+    assert err.value.field == "gpu_request"
+    assert "steps of 0.01" in err.value.allowed and "smallest share is 0.01" in err.value.allowed
+    body = err.value.to_json()
+    json.dumps(body)  # always writable, whatever the value was
+    assert len(str(body["value"])) <= SHOWN_CHARS + 2
+
+
+@pytest.mark.parametrize("bad", [10**400, 2.5, "x2", "٢", True, "1e400", float("inf"), 17, 0])
+def test_gpu_count_refuses_huge_foreign_and_fractional_counts(bad):
+    with pytest.raises(ShareError) as err:
+        ShareSpec.from_mapping({"gpu_count": bad, "gpu_request": 1, "gpu_limit": 1})
+    assert err.value.field == "gpu_count" and "whole number of GPUs" in err.value.allowed
+
+
+def test_huge_values_are_shown_cut_short():
+    with pytest.raises(ShareError) as err:
+        parse_memory("9" * 5000 + "GiB")
+    assert len(str(err.value)) < 300 and "ASCII digits" in err.value.allowed
+    with pytest.raises(ShareError) as err:
+        parse_memory(10**5000)
+    assert "about 5001 digits" in str(err.value)
+    deep: object = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(ShareError) as err:
+        ShareSpec.from_mapping({"gpu_request": deep})
+    assert err.value.to_json()["value"] == "[… 1 item(s)]"
+    with pytest.raises(ShareError) as err:
+        ShareSpec.from_mapping(deep)  # type: ignore[arg-type]
+    assert err.value.field == "share"
+
+
+def test_memory_unit_is_stated():
+    with pytest.raises(ShareError) as err:
+        parse_memory("0.0000001")
+    assert err.value.allowed.startswith("at least 1MiB")
+    assert parse_memory("1MiB") == MEMORY_UNIT

@@ -19,7 +19,7 @@ from typing import Any
 
 from .config import GpuShare
 from .inventory import Gpu, NoGpuError, check_spec, parse_simulate
-from .ledger import Allocation
+from .ledger import Allocation, LedgerUnavailable
 from .ledger.reconcile import process_start_time, reconcile
 from .placement import PlacementRefused, allocate
 from .provisioner.environment import kernel_environment
@@ -291,6 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NoGpuError as exc:
         print(f"gpushare: {exc}", file=sys.stderr)
         return 4
+    except LedgerUnavailable as exc:  # a full disk, a read-only or corrupt ledger: one line
+        print(f"gpushare: {exc}", file=sys.stderr)
+        return 5
 
 
 if __name__ == "__main__":

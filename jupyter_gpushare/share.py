@@ -73,7 +73,7 @@ class ShareError(ValueError):
 
     def __init__(self, field: str, value: object, allowed: str) -> None:
         self.field = field
-        self.value = _shown(value)
+        self.value = shown_value(value)
         self.allowed = allowed
         super().__init__(f"{field}={self.value!r} is not allowed: {allowed}")
 
@@ -87,7 +87,7 @@ class ShareError(ValueError):
         }
 
 
-def _shown(value: object) -> object:
+def shown_value(value: object) -> object:
     """``value`` as an error repeats it: a string or repr cut to :data:`SHOWN_CHARS`, a number
     of more digits than that described (``str()`` of a 5,000-digit int raises in Python 3.11)."""
     if isinstance(value, bool) or value is None or isinstance(value, float):

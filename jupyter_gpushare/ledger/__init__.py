@@ -40,6 +40,20 @@ class LedgerConflict(RuntimeError):
     """A compare-and-swap kept losing (very heavy contention); nothing was changed."""
 
 
+class LedgerUnavailable(RuntimeError):
+    """The ledger cannot be read or written (a full disk, a read-only or corrupt file); nothing
+    was changed. REST answers 503 ``ledger_unavailable``, the CLI prints one line."""
+
+    def __init__(self, where: str, reason: str) -> None:
+        super().__init__(f"the ledger {where} is unavailable: {reason}")
+        self.where = where
+        self.reason = reason
+
+    def to_json(self) -> dict[str, str]:
+        return {"error": "ledger_unavailable", "message": str(self), "ledger": self.where,
+                "reason": self.reason}
+
+
 class AllocationNotFound(KeyError):
     def __init__(self, allocation_id: str) -> None:
         super().__init__(allocation_id)

@@ -6,20 +6,37 @@ transaction that checks the node's version, rewrites its rows and bumps the vers
 atomic across threads and processes and survives a crash of any of them (WAL journal).
 
 Calls run in a worker thread (``asyncio.to_thread``), never on the event loop; each call opens its
-own connection, so the ledger is safe to share between threads and to fork.
+own connection, so the ledger is safe to share between threads and to fork. Creating the object
+touches nothing; the file and its schema are made on first use.
+
+Failures: any SQLite error (a full disk, ``SQLITE_FULL``; a read-only file or directory; a file
+that is not a database) is raised as :class:`~jupyter_gpushare.ledger.LedgerUnavailable` with
+SQLite's reason and code, after the transaction is rolled back (or found already rolled back:
+SQLite rolls back by itself on ``SQLITE_FULL``), so a failed write leaves the rows before it. A
+row that cannot be read (not JSON, missing fields, an impossible share) is skipped by readers with
+one warning per row, and kept as it is by writers, never silently dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import sqlite3
-from collections.abc import Sequence
-from contextlib import closing
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing, contextmanager
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 from ..inventory import Gpu
-from . import Allocation, Ledger, Snapshot
+from . import Allocation, Ledger, LedgerUnavailable, Snapshot
+
+log = logging.getLogger("jupyter_gpushare.ledger")
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (node TEXT PRIMARY KEY, version INTEGER NOT NULL);
@@ -31,73 +48,140 @@ CREATE TABLE IF NOT EXISTS gpus (
 """
 
 
+def _unavailable(method: Callable[P, T]) -> Callable[P, T]:
+    """SQLite's errors leave a primitive as :class:`LedgerUnavailable` with the reason."""
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return method(*args, **kwargs)
+        except sqlite3.Error as exc:
+            ledger = args[0]
+            assert isinstance(ledger, SQLiteLedger)
+            raise LedgerUnavailable(str(ledger.path), _reason(exc)) from None
+        except OSError as exc:  # the directory cannot be made
+            ledger = args[0]
+            assert isinstance(ledger, SQLiteLedger)
+            raise LedgerUnavailable(str(ledger.path), exc.strerror or str(exc)) from None
+
+    return wrapper
+
+
+def _reason(exc: sqlite3.Error) -> str:
+    name = getattr(exc, "sqlite_errorname", None)
+    return f"{exc} ({name})" if name else str(exc)
+
+
 class SQLiteLedger(Ledger):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with closing(self._connect()) as db:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.executescript(_SCHEMA)
+        self._ready = False
+        self._warned: set[str] = set()  # unreadable rows already named in the log
+        self._lock = threading.Lock()
 
     def _connect(self) -> sqlite3.Connection:
+        if not self._ready:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-        db.execute("PRAGMA busy_timeout=30000")
-        db.execute("PRAGMA synchronous=NORMAL")
+        try:
+            db.execute("PRAGMA busy_timeout=30000")
+            db.execute("PRAGMA synchronous=NORMAL")
+            if not self._ready:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.executescript(_SCHEMA)
+                self._ready = True
+        except BaseException:
+            db.close()
+            raise
         return db
+
+    @contextmanager
+    def _transaction(self, db: sqlite3.Connection, kind: str = "") -> Iterator[None]:
+        """``BEGIN [kind]`` … ``COMMIT``; on any error a rollback that cannot hide the error
+        (SQLite may have rolled back already, e.g. on SQLITE_FULL)."""
+        db.execute(f"BEGIN {kind}".strip())
+        try:
+            yield
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                try:
+                    db.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass  # the first error is the one to report; closing discards the rest
+            raise
+
+    def _warn_once(self, key: str, what: str, exc: Exception) -> None:
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        log.warning("gpushare: the ledger %s: skipping %s that cannot be read (%s: %s); it is "
+                    "kept in the file as it is", self.path, what, type(exc).__name__, exc)
+
+    def _allocation(self, row_id: str, body: str) -> Allocation | None:
+        try:
+            return Allocation.from_json(json.loads(body))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            self._warn_once(f"allocation:{row_id}", f"allocation row {row_id!r}", exc)
+            return None
 
     # -- synchronous primitives (also used directly by the CLI and tests) --------------------
 
+    @_unavailable
     def snapshot_sync(self) -> Snapshot:
         with closing(self._connect()) as db:
-            db.execute("BEGIN")
-            versions = dict(db.execute("SELECT node, version FROM nodes").fetchall())
-            rows = db.execute("SELECT body FROM allocations ORDER BY rowid").fetchall()
-            db.execute("COMMIT")
-        return Snapshot(
-            allocations=tuple(Allocation.from_json(json.loads(body)) for (body,) in rows),
-            versions=versions,
-        )
+            with self._transaction(db):
+                versions = dict(db.execute("SELECT node, version FROM nodes").fetchall())
+                rows = db.execute("SELECT id, body FROM allocations ORDER BY rowid").fetchall()
+        allocations = (self._allocation(row_id, body) for row_id, body in rows)
+        return Snapshot(allocations=tuple(a for a in allocations if a is not None),
+                        versions=versions)
 
+    @_unavailable
     def compare_and_swap_sync(
         self, node: str, expected_version: int, allocations: Sequence[Allocation]
     ) -> bool:
-        with closing(self._connect()) as db:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                row = db.execute("SELECT version FROM nodes WHERE node=?", (node,)).fetchone()
-                if (row[0] if row else 0) != expected_version:
-                    db.execute("ROLLBACK")
-                    return False
-                db.execute("DELETE FROM allocations WHERE node=?", (node,))
-                db.executemany(
-                    "INSERT INTO allocations (id, node, body) VALUES (?, ?, ?)",
-                    [(a.id, node, json.dumps(a.to_json())) for a in allocations],
-                )
-                db.execute(
-                    "INSERT INTO nodes (node, version) VALUES (?, ?) "
-                    "ON CONFLICT(node) DO UPDATE SET version=excluded.version",
-                    (node, expected_version + 1),
-                )
-                db.execute("COMMIT")
-                return True
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
+        with closing(self._connect()) as db, self._transaction(db, "IMMEDIATE"):
+            row = db.execute("SELECT version FROM nodes WHERE node=?", (node,)).fetchone()
+            if (row[0] if row else 0) != expected_version:
+                return False
+            rows = db.execute("SELECT id, body FROM allocations WHERE node=?", (node,))
+            new = {a.id for a in allocations}
+            unreadable = [row_id for row_id, body in rows.fetchall()
+                          if row_id not in new and self._allocation(row_id, body) is None]
+            db.execute("DELETE FROM allocations WHERE node=? AND id NOT IN "
+                       f"({','.join('?' * len(unreadable))})", (node, *unreadable))
+            db.executemany(
+                "INSERT INTO allocations (id, node, body) VALUES (?, ?, ?)",
+                [(a.id, node, json.dumps(a.to_json())) for a in allocations],
+            )
+            db.execute(
+                "INSERT INTO nodes (node, version) VALUES (?, ?) "
+                "ON CONFLICT(node) DO UPDATE SET version=excluded.version",
+                (node, expected_version + 1),
+            )
+            return True
 
+    @_unavailable
     def put_gpus_sync(self, node: str, gpus: Sequence[Gpu]) -> None:
-        with closing(self._connect()) as db:
-            db.execute("BEGIN IMMEDIATE")
+        with closing(self._connect()) as db, self._transaction(db, "IMMEDIATE"):
             db.execute("DELETE FROM gpus WHERE node=?", (node,))
             db.executemany(
                 "INSERT OR REPLACE INTO gpus (uuid, node, body) VALUES (?, ?, ?)",
                 [(g.uuid, node, json.dumps(g.to_json())) for g in gpus],
             )
-            db.execute("COMMIT")
 
+    @_unavailable
     def gpus_sync(self) -> list[Gpu]:
         with closing(self._connect()) as db:
-            rows = db.execute("SELECT body FROM gpus ORDER BY node, rowid").fetchall()
-        gpus = [Gpu.from_json(json.loads(body)) for (body,) in rows]
+            rows = db.execute("SELECT uuid, body FROM gpus ORDER BY node, rowid").fetchall()
+        gpus = []
+        for uuid, body in rows:
+            try:
+                gpus.append(Gpu.from_json(json.loads(body)))
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+                self._warn_once(f"gpu:{uuid}", f"GPU row {uuid!r}", exc)
         return sorted(gpus, key=lambda g: (g.node, g.index))
 
     # -- the async interface ----------------------------------------------------------------

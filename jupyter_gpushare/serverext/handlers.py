@@ -23,11 +23,11 @@ from tornado import web
 
 from ..config import GpuShare
 from ..inventory import Gpu, NoGpuError, check_spec
-from ..ledger import Allocation, AllocationNotFound, Ledger, LedgerConflict
+from ..ledger import Allocation, AllocationNotFound, Ledger, LedgerConflict, LedgerUnavailable
 from ..placement import PlacementRefused
 from ..provisioner import ShareRefused
 from ..resize import BelowUse, UsageUnknown, resize
-from ..share import ShareError, ShareSpec
+from ..share import ShareError, ShareSpec, shown_value
 from ..usage import is_kubernetes, served_here, usage_source
 
 
@@ -81,7 +81,7 @@ CLUSTER_ERROR_MODULES = ("kubernetes_asyncio", "aiohttp")
 AUTH_RESOURCE = "gpushare"
 
 
-class GpushareHandler(APIHandler):  # type: ignore[misc]
+class GpushareHandler(APIHandler):
     auth_resource = AUTH_RESOURCE
 
     @property
@@ -89,14 +89,19 @@ class GpushareHandler(APIHandler):  # type: ignore[misc]
         return self.settings["gpushare"]
 
     def json_body(self) -> dict[str, Any] | None:
-        """The request's JSON object, or None after answering 400."""
+        """The request's JSON object (``{}`` for an empty body), or None after answering 400
+        ``bad_json``: not UTF-8, not JSON, nested too deep for the parser (RecursionError), a
+        number of more digits than Python converts (ValueError), or not an object."""
         try:
-            body = json.loads(self.request.body or b"{}")
-        except json.JSONDecodeError as exc:
-            self.fail(400, {"error": "bad_json", "message": f"request body: {exc}"})
+            body = json.loads(self.request.body or b"{}", parse_int=_json_int)
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError too
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+            self.fail(400, {"error": "bad_json",
+                            "message": f"the request body is not valid JSON: {reason}"})
             return None
         if not isinstance(body, dict):
-            self.fail(400, {"error": "bad_json", "message": "the body must be an object"})
+            self.fail(400, {"error": "bad_json", "message": "the request body must be a JSON "
+                            f"object, not {_json_kind(body)}"})
             return None
         return body
 
@@ -105,6 +110,12 @@ class GpushareHandler(APIHandler):  # type: ignore[misc]
         cluster's problem, not a bug here: 503 ``cluster_unavailable`` with its words, instead
         of 500 "Unhandled error"."""
         exc = (kwargs.get("exc_info") or (None, None, None))[1]
+        if isinstance(exc, LedgerUnavailable):  # a full disk, a read-only or corrupt ledger
+            self.log.warning("gpushare: %s", exc)
+            self.set_status(503)
+            self.set_header("Content-Type", "application/json")
+            self.finish(json.dumps(exc.to_json()))
+            return
         if exc is not None and type(exc).__module__.split(".")[0] in CLUSTER_ERROR_MODULES:
             status = getattr(exc, "status", None)
             reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
@@ -123,6 +134,22 @@ class GpushareHandler(APIHandler):  # type: ignore[misc]
 
     async def ledger(self) -> Ledger:
         return await self.gpushare.ledger()
+
+    async def check_kernel_name(self, name: object) -> bool:
+        """Whether ``name`` is a kernelspec whose provisioner is gpushare's; else False after
+        answering 400 with the field ``name`` and the gpushare kernelspecs there are."""
+        ksm = self.kernel_spec_manager
+        specs = await _maybe_await(ksm.get_all_specs())
+        ours = sorted(n for n, s in specs.items()
+                      if ((s.get("spec") or {}).get("metadata") or {})
+                      .get("kernel_provisioner", {}).get("provisioner_name") == PROVISIONER)
+        if isinstance(name, str) and name in ours:
+            return True
+        allowed = ("the name of a gpushare kernelspec: " + ", ".join(ours) if ours
+                   else "a gpushare kernelspec, and none is installed (jupyter gpushare "
+                        "kernelspec install)")
+        self.fail(400, _field_error("name", name, allowed))
+        return False
 
     async def inventory(self) -> tuple[list[Gpu], str | None]:
         """The GPUs placement can use, and why there are none when there are none."""
@@ -256,10 +283,24 @@ class KernelsHandler(GpushareHandler):
     @authorized
     @authorized(resource="kernels")  # it starts a kernel, as POST /api/kernels does
     async def post(self) -> None:
+        """``{"name": a gpushare kernelspec, "path"?: str, "share"?: {…}}`` -> 201 with the
+        kernel model and its ``allocation``; 400 naming the field for anything else."""
         body = self.json_body()
         if body is None:
             return None
-        share = body.get("share") or {}
+        unknown = sorted(set(body) - {"name", "path", "share"})
+        if unknown:
+            return self.fail(400, _field_error(unknown[0], body[unknown[0]],
+                                               "known keys are name, path, share"))
+        if not await self.check_kernel_name(body.get("name")):
+            return None
+        path = body.get("path")
+        if path is not None and not isinstance(path, str):
+            return self.fail(400, _field_error("path", path, "a path under the server's root "
+                                               "(a string), or absent"))
+        share = body.get("share")
+        if share is None:
+            share = {}
         try:
             spec = ShareSpec.from_mapping(share, defaults=self.gpushare.default_spec())
             gpus, problem = await self.inventory()
@@ -297,6 +338,28 @@ async def _maybe_await(value: Any) -> Any:
     if hasattr(value, "__await__"):
         return await value
     return value
+
+
+#: the kernel provisioner a gpushare kernelspec names
+PROVISIONER = "gpushare-provisioner"
+
+
+def _field_error(field: str, value: object, allowed: str) -> dict[str, Any]:
+    """A 400 body for a request field outside the share (same shape as ShareError's)."""
+    shown = shown_value(value)
+    return {"error": "invalid_request", "field": field, "value": shown, "allowed": allowed,
+            "message": f"{field}={shown!r} is not allowed: {allowed}"}
+
+
+def _json_int(text: str) -> int | str:
+    """A JSON integer; one of more digits than Python converts (4,300) stays its text, so the
+    field it was given for refuses it by name (no value here has that many digits)."""
+    return int(text) if len(text) <= 4000 else text
+
+
+def _json_kind(value: object) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(value), type(value).__name__)
 
 
 def _not_found(allocation_id: str) -> dict[str, str]:

@@ -35,6 +35,19 @@ class DaemonConfig(Configurable):
                            "loopback unless the network is trusted).").tag(config=True)
     metrics_port = Int(0, help="Port of the Prometheus endpoint; 0 disables it, -1 picks a "
                        "free port.").tag(config=True)
+    max_connections_per_uid = Int(256, help="Connections one uid may hold open to the agent's "
+                                  "socket (uid 0 and the agent's own uid are not capped); more "
+                                  "are closed at once.").tag(config=True)
+    max_connections_per_pod = Int(64, help="Connections one kernel pod may hold open to the "
+                                  "agent's socket.").tag(config=True)
+    idle_timeout_s = Float(60.0, help="Seconds after which a connection that holds no GPU "
+                           "share and sent no request is closed (0: never).").tag(config=True)
+    fd_reserve = Int(64, help="File descriptors kept for admins and processes that hold a GPU "
+                     "share: other new connections are refused when fewer are free.").tag(
+                         config=True)
+    admin_group = Unicode("", help="Unix group whose members see every share in the agent's "
+                          "status, as root and the agent's own user do (empty: none).").tag(
+                              config=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +85,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--usage-interval", type=float, default=2.0, metavar="S",
                         help="with --kubernetes-namespace: seconds between writes of this node's "
                         "usage to its ConfigMap gpushare-usage-<node> (0: never)")
+    parser.add_argument("--max-connections-per-uid", type=int, metavar="N",
+                        default=d.max_connections_per_uid,
+                        help=DaemonConfig.max_connections_per_uid.help)
+    parser.add_argument("--max-connections-per-pod", type=int, metavar="N",
+                        default=d.max_connections_per_pod,
+                        help=DaemonConfig.max_connections_per_pod.help)
+    parser.add_argument("--idle-timeout", type=float, metavar="S", default=d.idle_timeout_s,
+                        help=DaemonConfig.idle_timeout_s.help)
+    parser.add_argument("--fd-reserve", type=int, metavar="N", default=d.fd_reserve,
+                        help=DaemonConfig.fd_reserve.help)
+    parser.add_argument("--admin-group", metavar="GROUP", default=d.admin_group,
+                        help=DaemonConfig.admin_group.help)
     parser.add_argument("--log-level", default="INFO", help="logging level")
 
 
@@ -122,6 +147,24 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.quantum_ms <= 1000 or not args.quantum_ms <= args.window_ms <= 60000:
         logging.error("need 1 <= quantum-ms <= window-ms <= 60000")
         return 2
+    limits = {"--max-connections-per-uid": args.max_connections_per_uid,
+              "--max-connections-per-pod": args.max_connections_per_pod,
+              "--fd-reserve": args.fd_reserve}
+    for name, value in limits.items():
+        if value < 1:
+            logging.error("%s %s: need a whole number >= 1", name, value)
+            return 2
+    if not 0 <= args.idle_timeout <= 86400:
+        logging.error("--idle-timeout %s: need 0 (never) to 86400 seconds", args.idle_timeout)
+        return 2
+    if args.admin_group:
+        import grp
+
+        try:
+            grp.getgrnam(args.admin_group)
+        except KeyError:
+            logging.error("--admin-group %s: no such group", args.admin_group)
+            return 2
     try:
         asyncio.run(_main(args))
     except KeyboardInterrupt:
@@ -154,6 +197,11 @@ async def _main(args: argparse.Namespace) -> None:
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port or None,
         nvml_library=nvml_library,
+        max_connections_per_uid=args.max_connections_per_uid,
+        max_connections_per_pod=args.max_connections_per_pod,
+        fd_reserve=args.fd_reserve,
+        idle_timeout_s=args.idle_timeout,
+        admin_group=args.admin_group or None,
     )
     daemon = Daemon(ledger, settings)
     await daemon.start()

@@ -13,8 +13,8 @@ import contextlib
 import hashlib
 import logging
 import os
-import socket
-import struct
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +23,10 @@ import psutil
 
 from ..ledger import Allocation, Ledger
 from . import wire
+from .admission import Admins, Admission, Peer, raise_fd_limit, read_peer, user_name
 from .gpu import GpuLoop, Tenant
 from .identity import pod_uid_of
+from .ratelog import RateLimitedLog
 from .shm import GpuShm, monotonic_ns
 
 log = logging.getLogger("jupyter_gpushare.daemon")
@@ -33,6 +35,16 @@ log = logging.getLogger("jupyter_gpushare.daemon")
 PID_START_TOLERANCE = 0.05
 #: how long a kernel pod's hello waits for the server to record the pod's UID
 POD_RECORD_WAIT_NS = 2_500_000_000  # within the interposer's 3 s hello timeout
+
+# One connection's bounds (see ``_Protocol``): requests read but not answered yet, and their bytes;
+# the reply bytes the client has not read yet before the agent stops reading its requests; how
+# many refused or unreadable requests in a row close the connection; requests handled before the
+# connection gives the others a turn.
+MAX_QUEUED = 32
+MAX_QUEUED_BYTES = 128 * 1024
+WRITE_HIGH_WATER = 64 * 1024
+MAX_BAD_IN_A_ROW = 16
+BATCH = 16
 
 
 def default_state_dir(socket_path: Path) -> Path:
@@ -55,6 +67,15 @@ class DaemonSettings:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
     nvml_library: str | None = None
+    #: connection caps (``daemon/admission.py``); uid 0 and the agent's own uid are not capped
+    max_connections_per_uid: int = 256
+    max_connections_per_pod: int = 64
+    #: descriptors kept for admins and processes that hold a share
+    fd_reserve: int = 64
+    #: a connection that holds no share is closed after this long without a request (0: never)
+    idle_timeout_s: float = 60.0
+    #: members of this group see every share in ``status`` (as uid 0 and the agent's uid do)
+    admin_group: str | None = None
 
 
 @dataclass(eq=False)
@@ -66,6 +87,8 @@ class Client:
     uid: int
     allocation: str | None = None
     tenants: list[tuple[GpuLoop, Tenant]] = field(default_factory=list)
+    #: the checked identity (``admission.read_peer``); None only for in-process callers
+    peer: Peer | None = None
 
 
 class Daemon:
@@ -89,12 +112,19 @@ class Daemon:
         self._tasks: list[asyncio.Task[Any]] = []
         self._refresh_lock = asyncio.Lock()
         self._stopping = asyncio.Event()
+        self.admins = Admins(settings.admin_group)
+        self.admission = Admission(settings.max_connections_per_uid,
+                                   settings.max_connections_per_pod, settings.fd_reserve)
+        self.ledger_log = RateLimitedLog(log, "reading the ledger failed")
+        self.refused_log = RateLimitedLog(log, "refused a connection", level=logging.WARNING)
+        self.request_log = RateLimitedLog(log, "a request failed", first_traceback=True)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
         path = self.settings.socket_path
         path.parent.mkdir(parents=True, exist_ok=True)
+        fd_limit = raise_fd_limit()
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # the caller checked that no live daemon answers on it
         loop = asyncio.get_running_loop()
@@ -109,6 +139,10 @@ class Daemon:
         log.info("gpushare daemon on %s (node %s, quantum %.0f ms, window %.0f ms, state %s)",
                  path, self.settings.node, self.settings.quantum_ns / 1e6,
                  self.settings.window_ns / 1e6, self.state_dir)
+        log.info("connections: at most %d per uid, %d per pod, idle timeout %g s, %d of %d "
+                 "descriptors kept for share holders", self.settings.max_connections_per_uid,
+                 self.settings.max_connections_per_pod, self.settings.idle_timeout_s,
+                 self.settings.fd_reserve, fd_limit)
 
     async def serve_forever(self) -> None:
         await self._stopping.wait()
@@ -138,8 +172,10 @@ class Daemon:
             await asyncio.sleep(self.settings.poll_ns / 1e9)
             try:
                 await self.refresh()
-            except Exception:  # a busy or missing ledger must not stop the daemon
-                log.exception("reading the ledger failed")
+            except Exception as exc:  # a busy or missing ledger must not stop the daemon
+                self.ledger_log.failed(f"{type(exc).__name__}: {exc}", exc)
+            else:
+                self.ledger_log.ok()
 
     async def _watch_ledger(self) -> None:
         """Kubernetes: the node's GpuLedger is watched, each change applied as it comes."""
@@ -149,10 +185,11 @@ class Daemon:
                 async for found in watch(self.settings.node):
                     async with self._refresh_lock:
                         self._sync({a.id: a for a in found})
+                    self.ledger_log.ok()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # the API server away: keep enforcing what we know, re-watch
-                log.exception("watching the ledger failed; retrying")
+            except Exception as exc:  # the API server away: keep enforcing what we know, re-watch
+                self.ledger_log.failed(f"watching: {type(exc).__name__}: {exc}", exc)
                 await asyncio.sleep(1.0)
 
     async def refresh(self) -> None:
@@ -235,7 +272,7 @@ class Daemon:
         if op == "hello":
             return await self._hello(client, message)
         if op == "status":
-            return self.status(message.get("allocation"))
+            return self.status(message.get("allocation"), viewer=client.peer)
         if op == "refresh":
             await self.refresh()
             return {"ok": True}
@@ -245,8 +282,15 @@ class Daemon:
             if op == "gpus":
                 return await kernel_ops.gpus(self)
             return await getattr(kernel_ops, op)(self, client, message)
+        if isinstance(op, str) and op.startswith("ledger."):  # the agent owns the ledger
+            from . import ledger_ops
+
+            return await ledger_ops.handle(self, client, message)
         if op == "ping":
-            return {"ok": True, "v": wire.VERSION, "epoch": self.epoch, "pid": os.getpid()}
+            from .ledger_ops import access_of
+
+            return {"ok": True, "v": wire.VERSION, "epoch": self.epoch, "pid": os.getpid(),
+                    "system": access_of(self).system}
         return wire.refusal(wire.E_BAD_REQUEST, f"unknown op {op!r}")
 
     def _lease_event(self, client: Client, op: str, message: dict[str, Any]) -> None:
@@ -359,11 +403,21 @@ class Daemon:
 
     # -- status -------------------------------------------------------------------------------
 
-    def status(self, allocation_id: str | None = None) -> dict[str, Any]:
+    def status(self, allocation_id: str | None = None,
+               viewer: Peer | None = None) -> dict[str, Any]:
+        """What the agent enforces. A ``viewer`` (a connected client) sees only its own shares
+        (:meth:`caller_shares`) unless it is an admin; the GPU entries show every GPU's totals
+        but name only the viewer's shares. No ``viewer``: the agent itself (metrics, the usage
+        publisher) sees everything."""
+        if allocation_id is not None and not isinstance(allocation_id, str):
+            return wire.refusal(wire.E_BAD_REQUEST, "allocation: an allocation id (a string)")
         now = monotonic_ns()
+        mine = self.caller_shares(viewer) if viewer is not None else None
         allocations = []
         for allocation in self.allocations.values():
             if allocation_id is not None and allocation.id != allocation_id:
+                continue
+            if mine is not None and not mine(allocation):
                 continue
             per_gpu = [
                 gpu.tenant_status(gpu.tenants[allocation.id], now)
@@ -391,13 +445,25 @@ class Daemon:
             })
         if allocation_id is not None and not allocations:
             refusal = wire.refusal(wire.E_UNKNOWN_ALLOCATION, f"no allocation {allocation_id!r}")
-            if allocation_id in self.reclaimed:  # released by idle reclaim after this warning
+            gone = self.released.get(allocation_id)
+            if allocation_id in self.reclaimed and (  # released by idle reclaim after a warning
+                    mine is None or (gone is not None and mine(gone))):
                 refusal["reclaimed"] = self.reclaimed[allocation_id]
             return refusal
+        shown = {a["id"] for a in allocations} if mine is not None else None
         gpus = []
         for gpu in self.gpus.values():
             entry = gpu.status(now)
             entry["nvml"] = self.nvml.get(gpu.uuid)
+            tenants = list(gpu.tenants.values())
+            entry["shares"] = len(tenants)
+            entry["reserved_request"] = round(sum(t.request for t in tenants), 4)
+            entry["free_request"] = round(max(0.0, 1.0 - entry["reserved_request"]), 4)
+            entry["reserved_memory"] = sum(t.memory for t in tenants)
+            if shown is not None:  # others' shares are counted above, not named
+                entry["allocations"] = [a for a in entry["allocations"] if a in shown]
+                if entry["holder"] not in shown:
+                    entry["holder"] = None
             gpus.append(entry)
         return {
             "ok": True,
@@ -416,6 +482,47 @@ class Daemon:
             "allocations": allocations,
             "gpus": gpus,
         }
+
+    def caller_shares(self, peer: Peer) -> Callable[[Allocation], bool]:
+        """Which allocations are ``peer``'s (what ``status`` shows it): all for an admin; else
+        a kernel pod's record to a process in that pod, and a local record to its uid
+        (``extra["uid"]``, or its ``user`` where the record has no uid) or to its process and
+        that process's descendants (the peer check of ``hello``)."""
+        if peer.admin:
+            return lambda allocation: True
+        name = user_name(peer.uid)
+        lineage = _lineage(peer.pid) if peer.pod is None else {}
+
+        def mine(allocation: Allocation) -> bool:
+            if allocation.extra.get("k8s_pod"):
+                return peer.pod is not None and peer.pod == allocation.extra.get("k8s_pod_uid")
+            if peer.pod is not None:
+                return False
+            uid = allocation.extra.get("uid")
+            if uid is not None:
+                if uid == peer.uid:
+                    return True
+            elif name is not None and allocation.user == name:
+                return True
+            started = lineage.get(allocation.pid) if allocation.pid is not None else None
+            return started is not None and (allocation.pid_start is None or abs(
+                started - allocation.pid_start) <= PID_START_TOLERANCE)
+
+        return mine
+
+    def holds_share(self, peer: Peer) -> bool:
+        """Whether ``peer`` holds a share on this node (may use the descriptor reserve)."""
+        mine = self.caller_shares(peer)
+        return any(mine(a) for a in self.allocations.values())
+
+
+def _lineage(pid: int) -> dict[int, float]:
+    """``pid`` and its ancestors, each with its create time (empty when it is gone)."""
+    try:
+        process = psutil.Process(pid)
+        return {p.pid: p.create_time() for p in [process, *process.parents()]}
+    except psutil.Error:
+        return {}
 
 
 def _pod_pending(allocation: Allocation | None) -> bool:
@@ -443,67 +550,199 @@ def _check_pod_peer(client: Client, allocation: Allocation) -> dict[str, Any] | 
 
 
 class _Protocol(asyncio.Protocol):
-    """Line framing for one connection; requests are handled in order."""
+    """Line framing for one connection; requests are handled in order, in bounded memory.
+
+    The connection is admitted or refused (closed at once, with one refusal line) by
+    :class:`.admission.Admission` from the peer's identity (:func:`.admission.read_peer`). Then at
+    most ``MAX_QUEUED`` requests (``MAX_QUEUED_BYTES``) wait to be handled and at most
+    ``WRITE_HIGH_WATER`` bytes of replies wait for the client to read them: past either, the agent
+    stops reading the connection (``pause_reading``) until they drain, so a client that writes and
+    never reads holds a bounded buffer, not the agent's memory. A partial line is at most
+    ``wire.MAX_LINE`` bytes; ``MAX_BAD_IN_A_ROW`` unreadable or refused requests in a row close
+    the connection; one that holds no share is closed after ``idle_timeout_s`` without a request.
+    """
 
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
         self.buffer = bytearray()
         self.client: Client | None = None
-        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        #: (request, or None with a ready reply; the reply; the request's size in bytes)
+        self.queue: deque[tuple[dict[str, Any] | None, dict[str, Any] | None, int]] = deque()
+        self.queued_bytes = 0
         self.worker: asyncio.Task[None] | None = None
+        self.paused: set[str] = set()  # why reading is paused: "queue", "write"
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.bad_in_a_row = 0
+        self.last_request = 0.0
+        self.idle_timer: asyncio.TimerHandle | None = None
+
+    # -- admission ---------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
-        sock: socket.socket = transport.get_extra_info("socket")
-        pid, uid, _gid = struct.unpack(
-            "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        )
-        self.client = Client(transport, pid, uid)
+        try:
+            peer = read_peer(transport.get_extra_info("socket"), self.daemon.admins)
+        except OSError as exc:  # gone already
+            log.debug("no peer credentials: %s", exc)
+            transport.abort()
+            return
+        why = self.daemon.admission.admit(peer, lambda: self.daemon.holds_share(peer))
+        if why is not None:
+            self.daemon.refused_log.failed(f"pid {peer.pid} ({peer.counted_as}): {why}")
+            transport.write(wire.encode(wire.refusal(wire.E_NOT_PERMITTED, why)))
+            if transport.get_write_buffer_size():
+                transport.abort()  # it does not even read its refusal
+            else:
+                transport.close()
+            return
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        self.client = Client(transport, peer.pid, peer.uid, peer=peer)
         self.daemon.clients.add(self.client)
+        self.last_request = asyncio.get_running_loop().time()
+        self._arm_idle_timer(self.daemon.settings.idle_timeout_s)
+
+    def _arm_idle_timer(self, delay: float) -> None:
+        if self.daemon.settings.idle_timeout_s > 0:
+            self.idle_timer = asyncio.get_running_loop().call_later(delay, self._idle_check)
+
+    def _idle_check(self) -> None:
+        self.idle_timer = None
+        client = self.client
+        if client is None or client.transport.is_closing() or client.allocation is not None:
+            return  # a connection holding a share is never timed out
+        timeout = self.daemon.settings.idle_timeout_s
+        idle = asyncio.get_running_loop().time() - self.last_request
+        if idle < timeout:
+            self._arm_idle_timer(timeout - idle)
+            return
+        log.debug("closing the connection of pid %d: no request for %.0f s", client.pid, idle)
+        client.transport.abort()
+
+    # -- reading -----------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        if len(self.buffer) > wire.MAX_LINE and b"\n" not in self.buffer:
-            assert self.client is not None
-            self.client.transport.close()
+        if self.client is None or self.client.transport.is_closing():
             return
-        while (end := self.buffer.find(b"\n")) >= 0:
+        self.buffer += data
+        self._fill()
+
+    def _fill(self) -> None:
+        """Moves complete lines from the buffer into the queue while it has room; pauses or
+        resumes reading accordingly."""
+        assert self.client is not None
+        transport = self.client.transport
+        while self._has_room() and (end := self.buffer.find(b"\n")) >= 0:
             line = bytes(self.buffer[:end])
             del self.buffer[: end + 1]
             if line.strip():
+                self.last_request = asyncio.get_running_loop().time()
                 self._dispatch(line)
+                if transport.is_closing():
+                    return
+        if len(self.buffer) > wire.MAX_LINE and b"\n" not in self.buffer:
+            log.debug("closing the connection of pid %d: a line over %d bytes", self.client.pid,
+                      wire.MAX_LINE)
+            transport.abort()
+            return
+        if self._has_room():
+            self._resume("queue")
+        else:
+            self._pause("queue")
+
+    def _has_room(self) -> bool:
+        return len(self.queue) < MAX_QUEUED and self.queued_bytes < MAX_QUEUED_BYTES
+
+    def _pause(self, why: str) -> None:
+        assert self.client is not None
+        if not self.paused and not self.client.transport.is_closing():
+            self.client.transport.pause_reading()
+        self.paused.add(why)
+
+    def _resume(self, why: str) -> None:
+        assert self.client is not None
+        if why not in self.paused:
+            return
+        self.paused.discard(why)
+        if not self.paused and not self.client.transport.is_closing():
+            self.client.transport.resume_reading()
 
     def _dispatch(self, line: bytes) -> None:
         assert self.client is not None
         try:
-            message = wire.decode(line)
+            message: dict[str, Any] | None = wire.decode(line)
         except ValueError:
-            self.client.transport.write(wire.encode(wire.refusal(wire.E_BAD_REQUEST,
-                                                                 "not a JSON object")))
+            message = None
+        if message is None or not isinstance(message.get("op"), str):
+            self._enqueue(None, wire.refusal(wire.E_BAD_REQUEST, "not a JSON object with an op"),
+                          len(line))
             return
-        if message.get("op") in ("want", "done") and self.queue.empty() and self.worker is None:
+        if message["op"] in ("want", "done") and not self.queue and self.worker is None:
             # the hot messages: handled inline, no task switch (lease handoff latency)
-            self.daemon._lease_event(self.client, message["op"], message)
+            try:
+                self.daemon._lease_event(self.client, message["op"], message)
+            except (TypeError, ValueError) as exc:
+                self._enqueue(None, wire.refusal(wire.E_BAD_REQUEST, f"{message['op']}: {exc}"),
+                              len(line))
             return
-        self.queue.put_nowait(message)
+        self._enqueue(message, None, len(line))
+
+    def _enqueue(self, message: dict[str, Any] | None, reply: dict[str, Any] | None,
+                 size: int) -> None:
+        self.queue.append((message, reply, size))
+        self.queued_bytes += size
         if self.worker is None:
             self.worker = asyncio.get_running_loop().create_task(self._work())
 
+    # -- answering ---------------------------------------------------------------------------
+
     async def _work(self) -> None:
         assert self.client is not None
+        transport = self.client.transport
+        handled = 0
         try:
-            while not self.queue.empty():
-                message = self.queue.get_nowait()
-                try:
-                    reply = await self.daemon.handle(self.client, message)
-                except Exception as exc:
-                    log.exception("request %r failed", message.get("op"))
-                    reply = wire.refusal("internal", str(exc))
-                if reply is not None and not self.client.transport.is_closing():
-                    self.client.transport.write(wire.encode(reply))
+            while self.queue and not transport.is_closing():
+                if not self.writable.is_set():  # the client reads its replies first
+                    await self.writable.wait()
+                    continue
+                message, reply, size = self.queue.popleft()
+                self.queued_bytes -= size
+                if message is not None:
+                    try:
+                        reply = await self.daemon.handle(self.client, message)
+                    except Exception as exc:
+                        self.daemon.request_log.failed(f"{message.get('op')!r}: {exc!r}", exc)
+                        reply = wire.refusal("internal", str(exc))
+                if reply is not None and not transport.is_closing():
+                    self.bad_in_a_row = self.bad_in_a_row + 1 if reply.get("ok") is False else 0
+                    transport.write(wire.encode(reply))
+                    if self.bad_in_a_row >= MAX_BAD_IN_A_ROW:
+                        log.debug("closing the connection of pid %d: %d refused requests in a "
+                                  "row", self.client.pid, self.bad_in_a_row)
+                        transport.close()
+                        return
+                self._fill()
+                handled += 1
+                if handled % BATCH == 0:  # let other connections have their turn
+                    await asyncio.sleep(0)
         finally:
             self.worker = None
 
+    def pause_writing(self) -> None:
+        self.writable.clear()
+        self._pause("write")
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+        self._resume("write")
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+        self.writable.set()  # a waiting worker ends
+        self.queue.clear()
+        self.buffer.clear()
         if self.client is not None:
+            assert self.client.peer is not None
+            self.daemon.admission.left(self.client.peer)
             self.daemon.disconnected(self.client)

@@ -1,0 +1,190 @@
+"""Who is on the other end of the agent's socket, and whether the agent lets them in (box 6).
+
+The trust edge of the node agent's control socket. :func:`read_peer` is the one place a caller's
+identity is read: the kernel's credentials of the connecting process (``SO_PEERCRED``: PID, uid,
+gid), the kernel pod it runs in (its cgroups, :func:`.identity.pod_uid_of`) and whether it is an
+admin (uid 0, the agent's own uid or a member of the admin group; never a process in a kernel
+pod). Everything behind it (:class:`Admission`, the status filter, the peer checks) takes the
+:class:`Peer` it returns.
+
+:class:`Admission` keeps one client from taking the agent's descriptors from the others: at most
+``per_uid`` connections per uid (uid 0 and the agent's own uid are exempt) and ``per_pod`` per
+kernel pod (pods often share one uid, so a pod is counted as itself); and once fewer than
+``reserve`` descriptors are free, only admins and peers that hold a share on this node may open a
+connection. The caller closes a refused connection at once.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import resource
+import socket
+import struct
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .identity import pod_uid_of
+
+#: how long a uid's user name and group list are cached (s)
+NAME_CACHE_S = 30.0
+
+
+@dataclass(frozen=True)
+class Peer:
+    """The checked identity of a connected process."""
+
+    pid: int
+    uid: int
+    gid: int
+    #: UID of the kernel pod it runs in (None: not in a pod, or in the agent's own pod)
+    pod: str | None
+    #: uid 0, the agent's own uid or a member of the admin group, and not in a kernel pod
+    admin: bool
+
+    @property
+    def counted_as(self) -> str:
+        """What the connection caps count it under: its pod, else its uid."""
+        return f"pod {self.pod}" if self.pod else f"uid {self.uid}"
+
+
+class Admins:
+    """Who is an admin of this agent: uid 0, the agent's own uid, members of ``group``."""
+
+    def __init__(self, group: str | None = None) -> None:
+        self.euid = os.geteuid()
+        self.own_pod = pod_uid_of(os.getpid())
+        self.group = group or None
+        self.gid: int | None = None
+        if self.group is not None:
+            try:
+                self.gid = grp.getgrnam(self.group).gr_gid
+            except KeyError:
+                raise ValueError(f"--admin-group {self.group!r}: no such group") from None
+        self._groups: dict[int, tuple[float, frozenset[int]]] = {}
+
+    def admits(self, uid: int, gid: int) -> bool:
+        if uid in (0, self.euid):
+            return True
+        if self.gid is None:
+            return False
+        return gid == self.gid or self.gid in self._groups_of(uid)
+
+    def _groups_of(self, uid: int) -> frozenset[int]:
+        now = time.monotonic()
+        cached = self._groups.get(uid)
+        if cached is not None and now - cached[0] < NAME_CACHE_S:
+            return cached[1]
+        try:
+            entry = pwd.getpwuid(uid)
+            groups = frozenset(os.getgrouplist(entry.pw_name, entry.pw_gid))
+        except (KeyError, OSError):
+            groups = frozenset()
+        if len(self._groups) > 4096:
+            self._groups.clear()
+        self._groups[uid] = (now, groups)
+        return groups
+
+
+def read_peer(sock: socket.socket, admins: Admins) -> Peer:
+    """The identity of the process at the other end of ``sock`` (a unix stream socket), from the
+    kernel, not from anything the process says."""
+    pid, uid, gid = struct.unpack(
+        "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    )
+    pod = pod_uid_of(pid)
+    if pod is not None and pod == admins.own_pod:
+        pod = None  # the agent's own pod (or container) is its local side
+    return Peer(pid, uid, gid, pod, admin=pod is None and admins.admits(uid, gid))
+
+
+def user_name(uid: int) -> str | None:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit; returns the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+class Admission:
+    """Connection caps and the descriptor reserve (see the module's doc)."""
+
+    def __init__(self, per_uid: int, per_pod: int, reserve: int,
+                 fd_limit: Callable[[], int] | None = None,
+                 open_fds: Callable[[], int] | None = None) -> None:
+        self.per_uid = per_uid
+        self.per_pod = per_pod
+        self.reserve = reserve
+        self.exempt = {0, os.geteuid()}
+        self.connections: Counter[str] = Counter()
+        self.refused = 0
+        self._fd_limit = fd_limit or (lambda: resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        self._open_fds = open_fds or _count_open_fds
+        self._measured = 0  # open descriptors at the last count
+        self._measured_with = 0  # connections open then
+        self._measured_at = -1e9
+
+    @property
+    def total(self) -> int:
+        return sum(self.connections.values())
+
+    def admit(self, peer: Peer, holds_share: Callable[[], bool]) -> str | None:
+        """Counts ``peer``'s new connection and returns None, or says why it is refused.
+        ``holds_share`` is asked only under the descriptor reserve."""
+        key = peer.counted_as
+        if peer.pod is not None:
+            cap: int | None = self.per_pod
+        else:
+            cap = None if peer.uid in self.exempt else self.per_uid
+        if cap is not None and self.connections[key] >= cap:
+            self.refused += 1
+            return (f"{key} already has {self.connections[key]} connections to the gpushare agent "
+                    f"(at most {cap}); close some")
+        if not peer.admin and self.free_fds() < self.reserve and not holds_share():
+            self.refused += 1
+            return ("the gpushare agent is short of file descriptors; its last "
+                    f"{self.reserve} are kept for processes that hold a GPU share")
+        self.connections[key] += 1
+        return None
+
+    def left(self, peer: Peer) -> None:
+        key = peer.counted_as
+        self.connections[key] -= 1
+        if self.connections[key] <= 0:
+            del self.connections[key]
+
+    def free_fds(self) -> int:
+        """Descriptors still free (estimated between counts: a count of ``/proc/self/fd`` costs
+        a directory read, so it is redone only every second or near the limit)."""
+        limit = self._fd_limit()
+        total = self.total
+        estimate = self._measured + (total - self._measured_with)
+        now = time.monotonic()
+        if now - self._measured_at > 1.0 or limit - estimate < 4 * self.reserve + 128:
+            self._measured = self._open_fds()
+            self._measured_with = total
+            self._measured_at = now
+            estimate = self._measured
+        return limit - estimate
+
+
+def _count_open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0

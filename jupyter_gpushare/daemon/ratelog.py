@@ -1,0 +1,52 @@
+"""A log line for a failure that may repeat many times a second (a broken ledger read every
+250 ms, a flood of refused connections): the first one is logged with its reason, then at most one
+line per ``every`` seconds while it goes on (saying how many happened since), the traceback only at
+debug level (or once, first, for a failure that is a bug: ``first_traceback``), and one line when
+it is over."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+
+class RateLimitedLog:
+    def __init__(self, logger: logging.Logger, what: str, every: float = 60.0,
+                 level: int = logging.ERROR, first_traceback: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger = logger
+        self.what = what
+        self.every = every
+        self.level = level
+        self.clock = clock
+        self.first_traceback = first_traceback
+        self.failing = False
+        self.since_line = 0  # failures not logged since the last line
+        self.last_line = 0.0
+
+    def failed(self, reason: object, exc: BaseException | None = None) -> None:
+        """One more failure; ``reason`` is the text logged (an exception's ``str``)."""
+        now = self.clock()
+        if not self.failing:
+            self.failing = True
+            self.since_line = 0
+            self.last_line = now
+            self.logger.log(self.level, "%s: %s", self.what, reason,
+                            exc_info=exc if self.first_traceback
+                            or self.logger.isEnabledFor(logging.DEBUG) else None)
+            return
+        if exc is not None and self.logger.isEnabledFor(logging.DEBUG):
+            self.logger.debug("%s: %s", self.what, reason, exc_info=exc)
+        self.since_line += 1
+        if now - self.last_line >= self.every:
+            self.logger.log(self.level, "%s: %s (%d times in the last %.0f s)", self.what,
+                            reason, self.since_line, now - self.last_line)
+            self.since_line = 0
+            self.last_line = now
+
+    def ok(self) -> None:
+        """The failure is over (logged once, if it was failing)."""
+        if self.failing:
+            self.failing = False
+            self.logger.log(max(logging.INFO, self.level - 20), "%s: working again", self.what)

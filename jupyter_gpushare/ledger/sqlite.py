@@ -23,6 +23,7 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -58,7 +59,7 @@ def _unavailable(method: Callable[P, T]) -> Callable[P, T]:
         except sqlite3.Error as exc:
             ledger = args[0]
             assert isinstance(ledger, SQLiteLedger)
-            raise LedgerUnavailable(str(ledger.path), _reason(exc)) from None
+            raise LedgerUnavailable(str(ledger.path), _reason(exc, ledger.path)) from None
         except OSError as exc:  # the directory cannot be made
             ledger = args[0]
             assert isinstance(ledger, SQLiteLedger)
@@ -67,9 +68,25 @@ def _unavailable(method: Callable[P, T]) -> Callable[P, T]:
     return wrapper
 
 
-def _reason(exc: sqlite3.Error) -> str:
-    name = getattr(exc, "sqlite_errorname", None)
-    return f"{exc} ({name})" if name else str(exc)
+def _reason(exc: sqlite3.Error, path: Path) -> str:
+    """SQLite's words and code, and what they mean here: a full file system (SQLite says
+    SQLITE_FULL, or an I/O error when the WAL index could not grow), a read-only one or file."""
+    name = getattr(exc, "sqlite_errorname", None) or ""
+    reason = f"{exc} ({name})" if name else str(exc)
+    try:
+        if name == "SQLITE_FULL" or name.startswith("SQLITE_IOERR"):
+            if os.statvfs(path.parent).f_bavail == 0:
+                reason += f"; no space left on the file system of {path.parent}"
+        elif name.startswith(("SQLITE_CANTOPEN", "SQLITE_READONLY")):
+            if os.statvfs(path.parent).f_flag & os.ST_RDONLY:
+                reason += f"; {path.parent} is on a read-only file system"
+            elif path.exists() and not os.access(path, os.W_OK):
+                reason += "; the file is read-only for this user"
+            elif not os.access(path.parent, os.W_OK):
+                reason += f"; its directory {path.parent} is not writable for this user"
+    except OSError:
+        pass
+    return reason
 
 
 class SQLiteLedger(Ledger):

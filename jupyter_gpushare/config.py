@@ -1,16 +1,24 @@
 """Server-wide gpushare configuration (traitlets) and the per-process objects it implies.
 
-``GpuShare`` is a singleton: the server extension creates it with the server's config, and every
-provisioner of that server reads the same instance. Outside a server (``jupyter console``, the
-CLI) it is created from the environment (``GPUSHARE_SIMULATE``, ``GPUSHARE_LEDGER``, …).
+There is one ``GpuShare`` per Jupyter server: :meth:`GpuShare.for_server` creates it with the
+server's config (``parent=serverapp``) on first use (the kernel manager or the server extension,
+whichever comes first), and every provisioner, handler and task of that server finds that one
+through its parents (:meth:`GpuShare.of`), so a second ServerApp in the same process keeps its
+own configuration, ledger and node. Outside a server (``jupyter console``, nbclient, the CLI)
+``GpuShare.instance()`` is the process's one, created from the environment
+(``GPUSHARE_SIMULATE``, ``GPUSHARE_LEDGER``, …).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import sys
+import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from traitlets import Bool, Dict, Enum, Float, List, Unicode, default, validate
 from traitlets.config import SingletonConfigurable
@@ -26,14 +34,42 @@ from .inventory import (
     parse_simulate,
 )
 from .ledger import Ledger
+from .ledger.agent import AgentLedger
 from .ledger.sqlite import SQLiteLedger
 from .placement import Policy
 from .placement.config import GpusharePlacement
 from .share import SHARE_FIELDS, ShareError, ShareSpec
 
+#: each Jupyter server's own settings (see GpuShare.for_server)
+_PER_SERVER: weakref.WeakKeyDictionary[Any, GpuShare] = weakref.WeakKeyDictionary()
+
+
+def _is_server_app(obj: object) -> bool:
+    serverapp = sys.modules.get("jupyter_server.serverapp")
+    return serverapp is not None and isinstance(obj, serverapp.ServerApp)
+
 
 class GpuShare(SingletonConfigurable):
     """GPU sharing for this Jupyter server: backend, default share, GPU types, simulation."""
+
+    @classmethod
+    def for_server(cls, serverapp: Any) -> GpuShare:
+        """``serverapp``'s own settings, created with its config on first use."""
+        settings = _PER_SERVER.get(serverapp)
+        if settings is None:
+            settings = _PER_SERVER[serverapp] = cls(parent=serverapp)
+        return settings
+
+    @classmethod
+    def of(cls, configurable: Any) -> GpuShare:
+        """The settings that apply to ``configurable`` (a provisioner, a kernel manager): those of
+        the Jupyter server among its parents; outside a server, :meth:`instance`."""
+        node = configurable
+        while node is not None:
+            if _is_server_app(node):
+                return cls.for_server(node)
+            node = getattr(node, "parent", None)
+        return cls.instance()
 
     backend = Enum(
         ["local", "kubernetes"],
@@ -201,8 +237,13 @@ class GpuShare(SingletonConfigurable):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)
         self._gpus: list[Gpu] | None = None
-        self._ledger: SQLiteLedger | None = None
-        self._gpu_lock = asyncio.Lock()
+        self._ledger: Ledger | None = None
+        self._system_agent: tuple[str, bool] | None = None  # (socket, a system agent serves it)
+        # one lock per event loop (see local_gpus), and one for the blocking discovery
+        self._gpu_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+            weakref.WeakKeyDictionary())
+        self._discover_lock = threading.Lock()
+        self._published = False
 
     # -- derived objects -------------------------------------------------------------------------
 
@@ -230,23 +271,60 @@ class GpuShare(SingletonConfigurable):
         config = KubernetesBackendConfig.instance(config=self.config)
         return (await get_context(config, self.aliases())).ledger
 
-    def local_ledger(self) -> SQLiteLedger:
-        if self._ledger is None or self._ledger.path != Path(self.ledger_path):
+    def system_agent(self) -> bool:
+        """Whether the machine's system agent serves ``socket_path`` (``paths.find_agent``; its
+        ping says so). Asked once per socket path: a ping of about a millisecond."""
+        if self._system_agent is None or self._system_agent[0] != self.socket_path:
+            self._system_agent = (self.socket_path,
+                                  paths.is_system_agent(Path(self.socket_path)))
+        return self._system_agent[1]
+
+    def local_ledger(self) -> Ledger:
+        """This machine's ledger: the system agent's (an :class:`AgentLedger` on its socket,
+        with JupyterHub's per-user bound) when one serves ``socket_path``, else the SQLite file
+        ``ledger_path`` (a per-user agent follows it)."""
+        if self.system_agent():
+            if not (isinstance(self._ledger, AgentLedger)
+                    and self._ledger.socket_path == Path(self.socket_path)):
+                from .hub import ENV_MAX, share_from_environment
+
+                self._ledger = AgentLedger(self.socket_path, share_from_environment(ENV_MAX))
+            return self._ledger
+        if not (isinstance(self._ledger, SQLiteLedger)
+                and self._ledger.path == Path(self.ledger_path)):
             self._ledger = SQLiteLedger(self.ledger_path)
         return self._ledger
 
     def discover_gpus(self) -> list[Gpu]:
         """This machine's GPUs (blocking: NVML). Raises NoGpuError with a clear message."""
-        if self._gpus is None:
-            self._gpus = discover_local(self.simulate or None, self.aliases(), self.node_name)
-        return self._gpus
+        with self._discover_lock:
+            if self._gpus is None:
+                self._gpus = discover_local(self.simulate or None, self.aliases(), self.node_name)
+            return self._gpus
 
     async def local_gpus(self) -> Sequence[Gpu]:
-        """This machine's GPUs, discovered once and published to the ledger."""
-        async with self._gpu_lock:
-            if self._gpus is None:
-                gpus = await asyncio.to_thread(self.discover_gpus)
-                await self.local_ledger().put_gpus(self.node_name, gpus)
+        """This machine's GPUs, discovered once and published to the ledger.
+
+        Any event loop may ask: jupyter_client runs a synchronous kernel manager's start on a
+        loop of its own thread while the server's loop waits for it, so a lock shared across
+        loops would wait for a task of the blocked loop (a deadlock). Each loop has its own lock;
+        two loops may both publish, which is idempotent."""
+        loop = asyncio.get_running_loop()
+        lock = self._gpu_locks.setdefault(loop, asyncio.Lock())
+        async with lock:
+            if not self._published:
+                ledger = self.local_ledger()
+                if isinstance(ledger, AgentLedger):  # the system agent publishes its GPUs
+                    published = [g for g in await ledger.gpus() if g.node == self.node_name]
+                    if not published:
+                        raise NoGpuError(f"the gpushare system agent on {self.socket_path} "
+                                         f"publishes no GPUs of node {self.node_name}")
+                    with self._discover_lock:
+                        self._gpus = published
+                else:
+                    gpus = await asyncio.to_thread(self.discover_gpus)
+                    await ledger.put_gpus(self.node_name, gpus)
+                self._published = True
             return list(self._gpus or [])
 
     @property

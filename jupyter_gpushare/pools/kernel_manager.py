@@ -37,7 +37,7 @@ class PoolKernelManager(AsyncMappingKernelManager):  # type: ignore[misc]
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.gpushare = GpuShare.instance(parent=self.parent)  # bad pools refused right here
+        self.gpushare = GpuShare.of(self)  # the server's; bad pools refused right here
         pools = [self._pool(p) for p in parse_pools(self.gpushare.pools)]
         self.pools = PoolManager(self, pools)
         for pool in pools:

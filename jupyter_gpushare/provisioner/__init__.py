@@ -90,13 +90,19 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         self._crashed = False
         self._shutdown_asked = False
         self._owner = "kernel"  # "pool" for a warm pool kernel (see jupyter_gpushare.pools)
+        self._settings: GpuShare | None = None
         self._pool: str | None = None
 
     # -- helpers ---------------------------------------------------------------------------------
 
     @property
     def settings(self) -> GpuShare:
-        return GpuShare.instance()
+        """The settings of the server whose kernel manager started this kernel (found through
+        the parents: KernelManager -> MultiKernelManager -> ServerApp); without a server, the
+        process's ``GpuShare.instance()``."""
+        if self._settings is None:
+            self._settings = GpuShare.of(self.parent)
+        return self._settings
 
     @property
     def kernel_backend(self) -> KernelBackend:

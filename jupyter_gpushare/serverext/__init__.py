@@ -8,15 +8,14 @@ releases allocations left behind by dead kernels or servers, and keeps doing so 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from ..config import GpuShare
-from ..daemon.env import interposer_path
-from ..daemon.supervisor import ensure_daemon
+from ..daemon.supervisor import AgentWatch, ensure_agent
 from ..inventory import Gpu, NoGpuError
 from ..ledger.reconcile import reconcile
 from ..periodic import PeriodicTask
@@ -56,24 +55,16 @@ class Reconciler(PeriodicTask):
 
 async def start_node_daemon(settings: GpuShare, gpus: Sequence[Gpu], log: Any) -> None:
     """Start this machine's node daemon unless one answers already (enforcement on, and the
-    interposer built: without it there is nothing for a daemon to enforce)."""
-    if not (settings.enforce and interposer_path().exists()):
-        log.warning("gpushare: enforcement is off (enforce=%s, interposer %s); shares are "
-                    "bookkeeping only", settings.enforce, interposer_path())
-        return
-    await asyncio.to_thread(
-        ensure_daemon,
-        Path(settings.socket_path),
-        Path(settings.ledger_path),
-        [g for g in gpus if g.simulated] or None,
-        settings.node_name,
-        log,
-    )
+    interposer built: without it there is nothing for a daemon to enforce); see
+    :func:`jupyter_gpushare.daemon.supervisor.ensure_agent`."""
+    await ensure_agent(settings, gpus, log)
 
 
 async def _start(serverapp: Any, settings: GpuShare) -> None:
+    has_gpus = False
     try:
         gpus = await settings.local_gpus()
+        has_gpus = True
         kind = "simulated " if settings.simulated else ""
         serverapp.log.info("gpushare: %d %sGPU(s) on %s: %s", len(gpus), kind,
                            settings.node_name, ", ".join(f"{g.index}:{g.type}" for g in gpus))
@@ -85,16 +76,40 @@ async def _start(serverapp: Any, settings: GpuShare) -> None:
     reconciler = Reconciler(settings, serverapp.kernel_manager, serverapp.log)
     serverapp.web_app.settings["gpushare_reconciler"] = reconciler
     reconciler.start()
+    if has_gpus and settings.backend == "local":  # a node agent that died is started again
+        watch = AgentWatch(settings, serverapp.log)  # (on Kubernetes: the agents' DaemonSet)
+        serverapp.web_app.settings["gpushare_agent_watch"] = watch
+        watch.start()
     start_admin_tasks(serverapp, settings)  # warm pools, idle reclaim
 
 
+async def stop_tasks(serverapp: Any) -> None:
+    """Stop what the extension runs in the background for ``serverapp``: the start task (if it
+    is still discovering GPUs or starting the daemon) and every periodic task kept in the web
+    app's settings (reconciliation, idle reclaim, …), awaiting each, so that none outlives its
+    server ("Task was destroyed but it is pending" when the loop closes)."""
+    settings = serverapp.web_app.settings
+    handle = settings.pop("gpushare_start_handle", None)
+    if handle is not None:
+        serverapp.io_loop.remove_timeout(handle)  # not begun yet: never will
+    start = settings.pop("gpushare_start_task", None)
+    if start is not None and not start.done():
+        start.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await start
+    for task in [v for v in settings.values() if isinstance(v, PeriodicTask)]:
+        await task.stop()
+
+
 def _close_after_kernels(serverapp: Any) -> None:
-    """At shutdown, once the kernels are down, stop the Kubernetes backend's pod watch and
-    delete the server's Lease (module extensions get no unload hook, and the Lease must outlive
-    the kernel pods it owns)."""
+    """At shutdown: stop the background tasks before the kernels go down (no reconciliation or
+    reclaim of kernels being shut down), and once the kernels are down stop the Kubernetes
+    backend's pod watch and delete the server's Lease (module extensions get no unload hook,
+    and the Lease must outlive the kernel pods it owns)."""
     cleanup_kernels = serverapp.cleanup_kernels
 
     async def cleanup_kernels_then_close() -> None:
+        await stop_tasks(serverapp)
         await cleanup_kernels()
         k8s = sys.modules.get("jupyter_gpushare.k8s.backend")
         if k8s is not None:
@@ -104,13 +119,19 @@ def _close_after_kernels(serverapp: Any) -> None:
 
 
 def _load_jupyter_server_extension(serverapp: Any) -> None:
-    settings = GpuShare.instance(parent=serverapp)
+    settings = GpuShare.for_server(serverapp)  # this server's own (not the process's)
     web_app = serverapp.web_app
     web_app.settings["gpushare"] = settings
     base_url = web_app.settings["base_url"]
     web_app.add_handlers(".*$", admin_handlers(base_url) + handlers(base_url)
                          + ui_handlers(base_url))
-    serverapp.io_loop.call_later(0, lambda: asyncio.ensure_future(_start(serverapp, settings)))
+
+    def begin() -> None:
+        web_app.settings.pop("gpushare_start_handle", None)
+        web_app.settings["gpushare_start_task"] = asyncio.ensure_future(
+            _start(serverapp, settings))
+
+    web_app.settings["gpushare_start_handle"] = serverapp.io_loop.call_later(0, begin)
     _close_after_kernels(serverapp)
     serverapp.log.info("gpushare: backend %s, ledger %s", settings.backend, settings.ledger_path)
 

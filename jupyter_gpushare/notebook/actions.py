@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..daemon.client import DaemonClient, DaemonUnavailable
-from ..share import ShareError, format_bytes
+from ..share import ShareError, ShareSpec, format_bytes
 
 RELEASED_MESSAGE = (
     "The GPU share of this kernel was released and its GPU memory freed; this process cannot "
@@ -178,7 +178,8 @@ def status() -> dict[str, Any]:
     gpu: dict[str, Any] | None = None
     for entry in reply.get("gpus") or []:
         if entry.get("uuid") == uuid:
-            gpu = {**_gpu_facts(uuid), **entry, "kernels": len(entry.get("allocations") or [])}
+            kernels = entry.get("shares", len(entry.get("allocations") or []))  # others unnamed
+            gpu = {**_gpu_facts(uuid), **entry, "kernels": kernels}
     return {**base, "state": "active", "allocation_id": current, "allocation": allocation,
             "gpu": gpu, "daemon": reply.get("daemon"), "message": ""}
 
@@ -287,7 +288,11 @@ def request(
 
     While the kernel holds a share: request, limit and memory change at once on the same GPU
     when placement allows it there (else :class:`GpushareError` with the reason; nothing
-    changes); another GPU type needs a new share (release, then request). After a release: a
+    changes); another GPU type needs a new share (release, then request). Only what is given
+    changes, with two rules: a request above the current limit is refused unless a limit is
+    given too (the limit is a promise of "at most", not raised behind the user's back), and
+    an "auto" memory cap (request × the GPU's memory, what a share without ``gpu_memory``
+    gets) follows a new request (kept where the kernel already uses more). After a release: a
     new share is reserved on this node for this kernel; this process cannot use it (its CUDA
     context is gone), a kernel restart does. Returns ``{"allocation", "live", "message"}``."""
     share = _share_args(gpu_request, gpu_limit, gpu_memory, gpu_type)
@@ -299,12 +304,18 @@ def request(
         if gpu_type is not None:
             raise GpushareError("A live change keeps the GPU: another GPU type needs a new "
                                 "share (release this one, then request).", "invalid_share")
+        share, auto_memory = _live_change(current, share)
         reply = _ask(_client().resize, current, share)
+        kept = ""
+        if not reply.get("ok") and auto_memory and reply.get("error") == "below_use":
+            share.pop("gpu_memory")  # the kernel uses more than the auto cap would be: keep it
+            reply = _ask(_client().resize, current, share)
+            kept = " The memory cap stays: the kernel uses more than request × GPU memory."
         if not reply.get("ok"):
             raise _refused(reply)
         return {"allocation": reply["allocation"], "live": True,
                 "message": f"This kernel now holds {describe(reply['allocation'])} "
-                           "(changed live)."}
+                           f"(changed live).{kept}"}
     if _state.released is None:
         raise NoShare("This kernel holds no GPU share and released none: it was not started "
                       "with one; pick a 'GPU share' kernel.", "no_share")
@@ -321,6 +332,41 @@ def request(
                        "released its GPU and cannot create a CUDA context again: restart the "
                        "kernel (Kernel > Restart Kernel) to use the new share; the restart keeps "
                        "it."}
+
+
+def _live_change(current: str, share: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The resize to ask the daemon for: ``share`` checked against the share held now, with the
+    limit pinned (a request above it is refused here) and an auto memory cap following the
+    request. Returns the change and whether the memory in it is that auto cap."""
+    try:
+        asked = ShareSpec.from_mapping(share, defaults=ShareSpec(gpu_request=0.01,
+                                                                 gpu_limit=1.0))
+    except ShareError as exc:
+        raise GpushareError(str(exc), "invalid_share", exc.to_json()) from None
+    if "gpu_request" not in share:
+        return share, False
+    held = status()
+    allocation = held.get("allocation")
+    if held.get("state") != "active" or not allocation:
+        return share, False  # the daemon answers the resize with the reason
+    request, limit = float(allocation["request"]), float(allocation["limit"])
+    change = dict(share)
+    if "gpu_limit" not in share:
+        if asked.gpu_request > limit + 1e-9:
+            raise GpushareError(
+                f"gpu_request {asked.gpu_request:g} is above this kernel's limit "
+                f"{limit:g} (the most it may use), and a request cannot exceed its limit: "
+                f"give the limit too, e.g. --gpu-request {asked.gpu_request:g} --gpu-limit "
+                f"{asked.gpu_request:g} (gpu_limit= in Python)", "invalid_share",
+                {"field": "gpu_request", "value": asked.gpu_request, "limit": limit})
+        change["gpu_limit"] = limit  # unchanged: never lifted with the request
+    total = int((held.get("gpu") or {}).get("memory") or 0)
+    cap = int(allocation.get("memory_cap") or 0)
+    auto = ("gpu_memory" not in share and total > 0 and asked.gpu_request != request
+            and abs(cap - int(total * request)) <= 1)
+    if auto:
+        change["gpu_memory"] = int(total * asked.gpu_request)
+    return change, auto
 
 
 def describe(allocation: dict[str, Any]) -> str:

@@ -19,6 +19,7 @@ from nbkit import (
 from support import wait_for
 
 USAGE = "%gpushare [--gpu-request GPU_REQUEST]"
+GIB = 2**30
 
 
 def test_status_gpus_and_live_request_and_refusals(jupyter_server):
@@ -60,7 +61,7 @@ def test_status_gpus_and_live_request_and_refusals(jupyter_server):
     assert "alloc 0" in client.execute(ALLOCATE)
     text = client.execute("%gpushare request --gpu-memory 128MiB")
     assert "128MiB is below the 256MiB the kernel uses" in text, text
-    assert allocations_of(server, kernel["id"])[0]["gpu_memory"] == alloc["gpu_memory"]
+    assert allocations_of(server, kernel["id"])[0]["gpu_memory"] == now["gpu_memory"]
 
     # a kernel cannot release or resize another kernel's allocation (peer credentials)
     reply = json.loads(client.execute(
@@ -74,6 +75,46 @@ def test_status_gpus_and_live_request_and_refusals(jupyter_server):
     assert daemon(server).release(other_alloc["id"])["error"] == "not_permitted"
     assert allocations_of(server, other["id"])[0]["id"] == other_alloc["id"]
     assert daemon_allocation(server, other_alloc["id"])["limit"] == 0.5
+    client.close()
+
+
+def test_request_changes_only_what_is_asked(jupyter_server):
+    """The limit is never raised behind the user's back; an auto memory cap (request × GPU
+    memory) follows the request; an explicit one stays."""
+    server = jupyter_server("1xA100")  # 80GiB
+    kernel, alloc = start_kernel(server)  # the kernelspec's 0.25–0.5, memory auto: 20GiB
+    client = server.client(kernel["id"])
+
+    def held() -> tuple[float, float, int]:
+        [a] = allocations_of(server, kernel["id"])
+        mine = daemon_allocation(server, alloc["id"])
+        assert (mine["request"], mine["limit"], mine["memory_cap"]) == (
+            a["gpu_request"], a["gpu_limit"], a["gpu_memory"])  # the daemon enforces it
+        return a["gpu_request"], a["gpu_limit"], a["gpu_memory"]
+
+    assert held() == (0.25, 0.5, 20 * GIB)
+    text = client.execute("%gpushare request --gpu-request 0.9")
+    assert "gpu_request 0.9 is above this kernel's limit 0.5" in text, text
+    assert "--gpu-request 0.9 --gpu-limit 0.9" in text
+    assert held() == (0.25, 0.5, 20 * GIB)
+    text = client.execute("%gpushare request --gpu-request 0.4")
+    assert "now holds 0.4–0.5 of an A100" in text and "32GiB" in text, text
+    assert held() == (0.4, 0.5, 32 * GIB)  # 0.4 × 80GiB: auto memory follows
+    client.execute("%gpushare request --gpu-limit 1")
+    assert held() == (0.4, 1.0, 32 * GIB)  # only the limit
+    client.execute("%gpushare request --gpu-request 0.9 --gpu-limit 0.9")
+    assert held() == (0.9, 0.9, int(80 * GIB * 0.9))
+    client.execute("%gpushare request --gpu-memory 10GiB")
+    assert held() == (0.9, 0.9, 10 * GIB)
+    client.execute("%gpushare request --gpu-request 0.5")
+    assert held() == (0.5, 0.9, 10 * GIB)  # an explicit cap stays
+    refused = client.execute(
+        "import jupyter_gpushare\n"
+        "from jupyter_gpushare.notebook.actions import GpushareError\n"
+        "try:\n    jupyter_gpushare.request(gpu_request=1.0)\n"
+        "except GpushareError as e:\n    print(e.code, e)")
+    assert refused.startswith("invalid_share gpu_request 1 is above this kernel's limit 0.9")
+    assert held() == (0.5, 0.9, 10 * GIB)
     client.close()
 
 

@@ -22,6 +22,7 @@ from traitlets.config import Configurable
 from .. import paths
 from ..inventory import local_node_name
 from ..ledger import Ledger
+from .shm import StateDirError
 
 
 class DaemonConfig(Configurable):
@@ -169,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(_main(args))
     except KeyboardInterrupt:
         pass
+    except StateDirError as exc:  # an unsafe lease-memory directory: say which and why
+        logging.error("%s", exc)
+        return 2
     return 0
 
 

@@ -27,7 +27,7 @@ from .admission import Admins, Admission, Peer, raise_fd_limit, read_peer, user_
 from .gpu import GpuLoop, Tenant
 from .identity import pod_uid_of
 from .ratelog import RateLimitedLog
-from .shm import GpuShm, monotonic_ns
+from .shm import GpuShm, StateDir, fallback_state_dir, is_private_dir, monotonic_ns, send_line
 
 log = logging.getLogger("jupyter_gpushare.daemon")
 
@@ -48,12 +48,18 @@ BATCH = 16
 
 
 def default_state_dir(socket_path: Path) -> Path:
-    """Where the per-GPU shared-memory files live: /dev/shm when there is one."""
+    """Where the agent's lease memory lives (a private directory, see :class:`.shm.StateDir`):
+    ``$XDG_RUNTIME_DIR/gpushare/<digest>`` when that runtime directory is private to us, else
+    ``/dev/shm/gpushare-<uid>-<digest>`` when it is ours or can be made ours; when someone else
+    prepared that name, a fresh unpredictable directory in /dev/shm (or ``state/`` next to the
+    socket without /dev/shm). ``<digest>`` names the socket, so one agent per socket finds its
+    files again after a restart."""
     digest = hashlib.sha1(str(socket_path.resolve()).encode()).hexdigest()[:12]
-    base = Path("/dev/shm")
-    if base.is_dir() and os.access(base, os.W_OK):
-        return base / f"gpushare-{os.getuid()}-{digest}"
-    return socket_path.parent / "shm"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and Path(runtime).is_absolute() and is_private_dir(Path(runtime)):
+        return Path(runtime) / "gpushare" / digest
+    return fallback_state_dir(Path("/dev/shm"), f"gpushare-{os.geteuid()}-{digest}",
+                              socket_path.parent / "state")
 
 
 @dataclass
@@ -89,6 +95,8 @@ class Client:
     tenants: list[tuple[GpuLoop, Tenant]] = field(default_factory=list)
     #: the checked identity (``admission.read_peer``); None only for in-process callers
     peer: Peer | None = None
+    #: descriptors that go with the next reply line (the ``hello`` reply's lease memory)
+    send_fds: list[int] = field(default_factory=list)
 
 
 class Daemon:
@@ -96,6 +104,8 @@ class Daemon:
         self.ledger = ledger
         self.settings = settings
         self.state_dir = settings.state_dir or default_state_dir(settings.socket_path)
+        #: opened and checked now: an unsafe directory stops the agent (StateDirError)
+        self.state = StateDir(self.state_dir)
         self.gpus: dict[str, GpuLoop] = {}
         self.allocations: dict[str, Allocation] = {}
         self.clients: set[Client] = set()
@@ -238,8 +248,7 @@ class Daemon:
     def _gpu(self, uuid: str) -> GpuLoop:
         gpu = self.gpus.get(uuid)
         if gpu is None:
-            path = self.state_dir / f"{uuid}.shm"
-            shm = GpuShm(path, uuid, self.settings.quantum_ns, self.settings.window_ns)
+            shm = GpuShm(self.state, uuid, self.settings.quantum_ns, self.settings.window_ns)
             self.epoch = max(self.epoch, shm.header.epoch)
             gpu = GpuLoop(uuid, shm, self.settings.quantum_ns, self.settings.window_ns)
             self.gpus[uuid] = gpu
@@ -314,7 +323,8 @@ class Daemon:
             return refusal
         assert allocation is not None
         wanted = [str(g) for g in message.get("gpus") or allocation.gpus]
-        gpus = []
+        gpus: list[dict[str, Any]] = []
+        fds: list[int] = []
         for uuid in allocation.gpus:
             if uuid not in wanted:
                 continue
@@ -324,11 +334,13 @@ class Daemon:
             client.tenants.append((gpu, tenant))
             gpus.append({
                 "uuid": uuid,
-                "shm": str(gpu.shm.path),
+                "fd": len(fds),  # index into the descriptors sent with this reply
                 "slot": tenant.slot,
                 "generation": int(gpu.shm.slots[tenant.slot].generation),
             })
+            fds.append(gpu.shm.fd)
         client.allocation = allocation.id
+        client.send_fds = fds  # with the reply line, in one sendmsg (``shm.send_line``)
         return {
             "ok": True,
             "v": wire.VERSION,
@@ -715,7 +727,8 @@ class _Protocol(asyncio.Protocol):
                         reply = wire.refusal("internal", str(exc))
                 if reply is not None and not transport.is_closing():
                     self.bad_in_a_row = self.bad_in_a_row + 1 if reply.get("ok") is False else 0
-                    transport.write(wire.encode(reply))
+                    fds, self.client.send_fds = self.client.send_fds, []
+                    send_line(transport, wire.encode(reply), fds)
                     if self.bad_in_a_row >= MAX_BAD_IN_A_ROW:
                         log.debug("closing the connection of pid %d: %d refused requests in a "
                                   "row", self.client.pid, self.bad_in_a_row)

@@ -2,17 +2,31 @@
 
 The daemon writes whole 8-byte aligned words (single stores on the 64-bit platforms we support)
 and wakes waiters with a shared ``FUTEX_WAKE``; the clients do the atomic read-modify-writes.
-"""
 
+The files live in the agent's private state directory (:class:`StateDir`): mode 0700, owned by
+the agent, checked with ``lstat``/``fstat`` before use; every file in it is opened relative to the
+directory's descriptor with ``O_NOFOLLOW`` (``O_EXCL`` when created), mode 0600, and checked by
+``fstat`` before it is reused. No path leaves the agent: clients get the memory as descriptors
+over the socket (``SCM_RIGHTS``, see :mod:`.wire`).
+"""
 from __future__ import annotations
 
+import array
+import asyncio
+import contextlib
 import ctypes
+import logging
 import mmap
 import os
+import socket
+import stat
+import tempfile
 import time
 from pathlib import Path
 
 from . import wire
+
+log = logging.getLogger("jupyter_gpushare.daemon")
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine, 202)
 _FUTEX_WAKE = 1
@@ -37,22 +51,172 @@ def futex_wake(address: int) -> None:
     )
 
 
-class GpuShm:
-    """One GPU's shared-memory file, created or (after a daemon restart) reused."""
+class StateDirError(RuntimeError):
+    """The agent's state directory is not safe to use (the message names the path and why)."""
 
-    def __init__(self, path: Path, uuid: str, quantum_ns: int, window_ns: int) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            os.fchmod(fd, 0o666)  # kernels may run as other users on a shared node
-            reused = os.fstat(fd).st_size == wire.FILE_SIZE
-            if not reused:
-                os.ftruncate(fd, 0)
-                os.ftruncate(fd, wire.FILE_SIZE)
-            self._map = mmap.mmap(fd, wire.FILE_SIZE, mmap.MAP_SHARED)
-        finally:
+
+def _owner_name(uid: int) -> str:
+    import pwd
+
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def check_private_dir(path: Path) -> os.stat_result:
+    """``path`` is a real directory (not a symlink) owned by this process's euid with no group
+    or other permission bits; else :class:`StateDirError` naming the path and its owner."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise StateDirError(f"state directory {path}: {exc.strerror}") from exc
+    problem = None
+    if stat.S_ISLNK(st.st_mode):
+        problem = "is a symbolic link"
+    elif not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory"
+    elif st.st_uid != os.geteuid():
+        problem = f"is not owned by the agent ({_owner_name(os.geteuid())})"
+    elif st.st_mode & 0o077:
+        problem = f"has mode {stat.S_IMODE(st.st_mode):04o} (need 0700: no group/other access)"
+    if problem:
+        raise StateDirError(f"refusing state directory {path}: it {problem}; owner "
+                            f"{_owner_name(st.st_uid)}. Remove it or pass another --state-dir.")
+    return st
+
+
+def is_private_dir(path: Path) -> bool:
+    try:
+        check_private_dir(path)
+    except StateDirError:
+        return False
+    return True
+
+
+def make_private_dir(path: Path) -> Path:
+    """Creates ``path`` with mode 0700 (its missing parents with the default mode) unless it
+    exists, then checks it (:func:`check_private_dir`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise StateDirError(f"state directory {path}: {exc.strerror}") from exc
+    check_private_dir(path)
+    return path
+
+
+def fallback_state_dir(base: Path, name: str, alternative: Path) -> Path:
+    """``base/name`` made private to us; when someone else prepared that name, a fresh directory
+    with an unpredictable name in ``base`` (``tempfile.mkdtemp``: mode 0700, ``O_EXCL``); without
+    a writable ``base``, ``alternative``."""
+    if not (base.is_dir() and os.access(base, os.W_OK)):
+        return alternative
+    candidate = base / name
+    try:
+        return make_private_dir(candidate)
+    except StateDirError as exc:
+        fresh = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=base))
+        log.warning("%s Using %s instead (lease memory of an earlier agent is not reused).",
+                    exc, fresh)
+        return fresh
+
+
+class StateDir:
+    """The agent's private directory, held open: files are opened relative to its descriptor,
+    so nothing done to the path after the check (a rename, a symlink swap) reaches them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = make_private_dir(path)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        st, checked = os.fstat(fd), os.lstat(path)
+        if (st.st_dev, st.st_ino) != (checked.st_dev, checked.st_ino):  # swapped meanwhile
             os.close(fd)
+            raise StateDirError(f"state directory {path} changed while it was opened")
+        self.fd = fd
+
+    def open_file(self, name: str, size: int, *, fresh: bool = False) -> tuple[int, bool]:
+        """``(fd, reused)`` of the file ``name`` (``size`` bytes, mode 0600, read-write). An
+        existing one is reused when it is a regular file of ours with that size (and ``fresh``
+        is not set); anything else under that name is unlinked (never followed) and a new file
+        created with ``O_EXCL``."""
+        if not name or "/" in name or name in (".", "..") or "\0" in name:
+            raise StateDirError(f"state file name {name!r}: a plain file name is allowed")
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+        if not fresh:
+            try:
+                fd = os.open(name, flags, dir_fd=self.fd)
+            except FileNotFoundError:
+                fd = -1
+            except OSError:  # a symlink (ELOOP) or something we cannot open: replace it
+                fd = -1
+            if fd >= 0:
+                st = os.fstat(fd)
+                if (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
+                        and st.st_size == size):
+                    if stat.S_IMODE(st.st_mode) != 0o600:
+                        os.fchmod(fd, 0o600)  # our own file, through its descriptor
+                    return fd, True
+                os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self.fd)
+        fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=self.fd)
+        try:
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, False
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def send_line(transport: asyncio.Transport, line: bytes, fds: list[int]) -> None:
+    """Writes ``line`` to a client; ``fds`` go with its first byte (``SCM_RIGHTS`` in one
+    ``sendmsg``), so the client gets them with exactly this reply. That needs the transport's
+    buffer to be empty (else the line would overtake earlier replies): a client that has not
+    read its earlier replies, or whose socket buffer is full, is disconnected instead."""
+    if not fds:
+        transport.write(line)
+        return
+    if transport.get_write_buffer_size():
+        log.debug("closing a connection: replies unread before a reply with descriptors")
+        transport.abort()
+        return
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM,
+                        fileno=transport.get_extra_info("socket").fileno())
+    try:
+        sent = raw.sendmsg([line], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                     array.array("i", fds).tobytes())])
+    except OSError as exc:  # EAGAIN: its buffer is full of unread replies; or it is gone
+        log.debug("closing a connection: sending descriptors failed: %s", exc)
+        transport.abort()
+        return
+    finally:
+        raw.detach()  # the transport owns the descriptor
+    if sent < len(line):
+        transport.write(line[sent:])
+
+
+def reopen_readonly(fd: int) -> int:
+    """A new read-only open file description of ``fd``'s file: a client given it cannot map it
+    writable (``mmap(PROT_WRITE, MAP_SHARED)`` fails with ``EACCES``)."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
+class GpuShm:
+    """One GPU's shared-memory file, created or (after a daemon restart) reused. ``fd`` stays
+    open: it is what a client's ``hello`` reply carries."""
+
+    def __init__(self, state: StateDir, uuid: str, quantum_ns: int, window_ns: int) -> None:
+        self.path = state.path / f"{uuid}.shm"
+        self.fd, reused = state.open_file(f"{uuid}.shm", wire.FILE_SIZE)
+        self._map = mmap.mmap(self.fd, wire.FILE_SIZE, mmap.MAP_SHARED)
         self.header = wire.Header.from_buffer(self._map, 0)
         self.slots = [
             wire.Slot.from_buffer(self._map, wire.HEADER_SIZE + i * wire.SLOT_SIZE)
@@ -139,3 +303,5 @@ class GpuShm:
             self._map.close()
         except BufferError:  # a ctypes view is still alive; the mapping goes with the process
             pass
+        with contextlib.suppress(OSError):
+            os.close(self.fd)

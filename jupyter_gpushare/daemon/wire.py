@@ -1,4 +1,4 @@
-"""The wire format between the node daemon and the interposer (boxes 6 and 7), version 2.
+"""The wire format between the node daemon and the interposer (boxes 6 and 7), version 3.
 
 Written down once here; the C side is ``csrc/include/gpushare_wire.h`` and must match it (the
 tests compare the two: ``tests/enforcement/test_wire.py``).
@@ -13,17 +13,20 @@ Two channels
 
    ``hello`` (client → daemon, first message of an interposed process)::
 
-       {"op": "hello", "v": 2, "allocation": "a-…", "pid": 1234, "gpus": ["GPU-…", …]}
+       {"op": "hello", "v": 3, "allocation": "a-…", "pid": 1234, "gpus": ["GPU-…", …]}
 
    The daemon checks the peer's credentials (``SO_PEERCRED``): the connecting pid must be the
    allocation's ``pid`` (with a matching ``pid_start``) or one of its descendants. Reply::
 
-       {"ok": true, "v": 2, "epoch": 7, "quantum_ns": …, "window_ns": …,
-        "gpus": [{"uuid": "GPU-…", "shm": "/dev/shm/…/GPU-….shm", "slot": 3,
-                  "generation": 12}, …]}
+       {"ok": true, "v": 3, "epoch": 7, "quantum_ns": …, "window_ns": …,
+        "gpus": [{"uuid": "GPU-…", "fd": 0, "slot": 3, "generation": 12}, …]}
 
    or ``{"ok": false, "error": "not_permitted" | "unknown_allocation" | "bad_version", …}``.
-   The client maps each ``shm`` file and uses slot ``slot`` of it (see below).
+   **No path crosses the socket**: the lease memory comes as file descriptors (``SCM_RIGHTS``)
+   sent in the same ``sendmsg`` as the first byte of this reply line; ``"fd"`` is an index into
+   that array. The client receives them with ``recvmsg`` while it reads the line, maps them and
+   closes them. The files behind them live in the agent's private state directory (mode 0700,
+   files 0600, opened ``O_NOFOLLOW``/``O_EXCL``; :mod:`.shm`), which no client can open.
 
    ``want`` (no reply): ``{"op": "want", "gpu": "GPU-…"}`` — a thread of this process is blocked
    waiting for a lease on that GPU (it already incremented the slot's ``waiters``).
@@ -34,7 +37,7 @@ Two channels
 
    ``status`` → ``{"ok": true, "allocations": […], "gpus": […], "daemon": {…}}`` (optionally
    ``"allocation": id`` to get one); ``refresh`` → re-reads the ledger, ``{"ok": true}``;
-   ``ping`` → ``{"ok": true, "v": 2, "epoch": …}``.
+   ``ping`` → ``{"ok": true, "v": 3, "epoch": …}``.
 
    A kernel's own share (peer-checked like ``hello``; :mod:`.kernel_ops`): ``release``
    (``"allocation"``), ``resize`` (``"allocation"``, ``"share"``), ``reserve`` (``"share"``, after
@@ -127,7 +130,7 @@ import ctypes
 import json
 from typing import Any
 
-VERSION = 2
+VERSION = 3
 MAGIC = 0x48535047  # "GPSH"
 SLOTS = 64
 HEADER_SIZE = 256

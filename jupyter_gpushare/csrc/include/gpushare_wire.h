@@ -1,4 +1,4 @@
-/* gpushare_wire.h - the C side of the daemon <-> interposer wire format, version 2.
+/* gpushare_wire.h - the C side of the daemon <-> interposer wire format, version 3.
  *
  * The authoritative description is the docstring of jupyter_gpushare/daemon/wire.py; this header
  * reproduces its shared-memory layout field by field (tests/enforcement/test_wire.py compares the
@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define GPUSHARE_WIRE_VERSION 2u
+#define GPUSHARE_WIRE_VERSION 3u
 #define GPUSHARE_WIRE_MAGIC 0x48535047u /* "GPSH" */
 #define GPUSHARE_WIRE_SLOTS 64
 #define GPUSHARE_WIRE_HEADER_SIZE 256

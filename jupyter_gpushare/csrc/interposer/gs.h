@@ -105,6 +105,7 @@ struct gs_gpu {
     uint64_t generation;
     int slot_index;                      /* our slot in the shared file (-1: local) */
     void *map;
+    uint64_t map_dev, map_ino;           /* the mapped file (a reconnect may hand us the same) */
     _Atomic uint64_t joined_lease;       /* lease this process joined (0: none) */
     _Atomic uint64_t last_launch_ns;
     _Atomic uint64_t proc_mem;           /* bytes this process holds (moved on remap) */

@@ -34,6 +34,7 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -280,17 +281,19 @@ static struct gs_gpu *gpu_by_uuid(const char *uuid, int add) {
     return g;
 }
 
-/* Maps slot `index` of a GPU's shared file; moves this process's reservations over. */
-static int attach(struct gs_gpu *g, const char *path, int index, uint64_t generation) {
-    if (g->header && g->slot == (struct gpushare_wire_slot *)((char *)g->map +
-                                                              GPUSHARE_WIRE_HEADER_SIZE +
-                                                              (size_t)index * GPUSHARE_WIRE_SLOT_SIZE) &&
+/* Maps slot `index` of a GPU's shared file, received as descriptor `fd` with the hello reply
+ * (the caller closes it); moves this process's reservations over. */
+static int attach(struct gs_gpu *g, int fd, int index, uint64_t generation) {
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
+        st.st_size < (off_t)GPUSHARE_WIRE_FILE_SIZE)
+        return -1;
+    if (g->header && g->map_dev == (uint64_t)st.st_dev && g->map_ino == (uint64_t)st.st_ino &&
+        g->slot == (struct gpushare_wire_slot *)((char *)g->map + GPUSHARE_WIRE_HEADER_SIZE +
+                                                 (size_t)index * GPUSHARE_WIRE_SLOT_SIZE) &&
         g->generation == generation)
         return 0; /* same file, same slot (reconnect, or a forked child) */
-    int fd = open(path, O_RDWR | O_CLOEXEC);
-    if (fd < 0) return -1;
     void *map = mmap(NULL, GPUSHARE_WIRE_FILE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
     if (map == MAP_FAILED) return -1;
     struct gpushare_wire_header *h = map;
     if (h->magic != GPUSHARE_WIRE_MAGIC || h->version != GPUSHARE_WIRE_VERSION || index < 0 ||
@@ -306,6 +309,8 @@ static int attach(struct gs_gpu *g, const char *path, int index, uint64_t genera
     if (mine && (first || atomic_load(&slot->generation) != g->generation))
         atomic_fetch_add(&slot->mem_used, mine); /* reserved before we knew the slot */
     g->map = map; /* an old mapping is left in place: threads may still read it */
+    g->map_dev = (uint64_t)st.st_dev;
+    g->map_ino = (uint64_t)st.st_ino;
     g->generation = generation;
     g->slot_index = index;
     g->header = h;
@@ -313,17 +318,43 @@ static int attach(struct gs_gpu *g, const char *path, int index, uint64_t genera
     return 0;
 }
 
-static int read_line(int fd, char *buf, size_t n, int timeout_ms) {
+#define GS_MAX_FDS (3 * GS_MAX_GPUS)
+
+/* Reads one reply line, collecting the descriptors that come with it (SCM_RIGHTS, close-on-exec)
+ * into fds[0..*nfds); descriptors beyond `maxfds` are closed. 0 on success; on failure every
+ * descriptor received is closed. */
+static int read_line_fds(int fd, char *buf, size_t n, int timeout_ms, int *fds, int *nfds,
+                         int maxfds) {
     size_t len = 0;
+    *nfds = 0;
     while (len + 1 < n) {
         struct pollfd p = {fd, POLLIN, 0};
-        if (poll(&p, 1, timeout_ms) <= 0) return -1;
-        ssize_t r = recv(fd, buf + len, n - 1 - len, 0);
-        if (r <= 0) return -1;
+        if (poll(&p, 1, timeout_ms) <= 0) break;
+        union {
+            struct cmsghdr align;
+            char buf[CMSG_SPACE(sizeof(int) * GS_MAX_FDS)];
+        } control;
+        struct iovec iov = {buf + len, n - 1 - len};
+        struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                             .msg_controllen = sizeof control.buf};
+        ssize_t r = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+            size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (size_t k = 0; k < count; k++) {
+                int got;
+                memcpy(&got, CMSG_DATA(c) + k * sizeof(int), sizeof got);
+                if (*nfds < maxfds) fds[(*nfds)++] = got;
+                else close(got);
+            }
+        }
+        if (r <= 0) break;
         len += (size_t)r;
         buf[len] = 0;
         if (memchr(buf, '\n', len)) return 0;
     }
+    for (int k = 0; k < *nfds; k++) close(fds[k]);
+    *nfds = 0;
     return -1;
 }
 
@@ -350,12 +381,14 @@ static int connect_and_hello(void) {
     }
     snprintf(msg + off, sizeof msg - (size_t)off, "}\n");
     static char reply[16384];
+    int fds[GS_MAX_FDS], nfds = 0;
     if (send(fd, msg, strlen(msg), MSG_NOSIGNAL) != (ssize_t)strlen(msg) ||
-        read_line(fd, reply, sizeof reply, 3000) != 0) {
+        read_line_fds(fd, reply, sizeof reply, 3000, fds, &nfds, GS_MAX_FDS) != 0) {
         close(fd);
         return -1;
     }
     if (!strstr(reply, "\"ok\":true")) {
+        for (int k = 0; k < nfds; k++) close(fds[k]);
         char why[200] = "refused by the gpushare daemon";
         json_string(json_find(reply, "message"), why, sizeof why);
         char reason[256];
@@ -369,15 +402,17 @@ static int connect_and_hello(void) {
     const char *p = strstr(reply, "\"gpus\":");
     int attached = 0;
     while (p && (p = strstr(p, "\"uuid\":")) != NULL) {
-        char uuid[64] = "", path[512] = "";
+        char uuid[64] = "";
         json_string(p + 7, uuid, sizeof uuid);
-        const char *s = json_find(p, "shm"), *i = json_find(p, "slot"), *gen = json_find(p, "generation");
-        if (!s || !i || !gen) break;
-        json_string(s, path, sizeof path);
+        const char *f = json_find(p, "fd"), *i = json_find(p, "slot"), *gen = json_find(p, "generation");
+        if (!f || !i || !gen) break;
+        int k = atoi(f);
         struct gs_gpu *g = gpu_by_uuid(uuid, 1);
-        if (g && attach(g, path, atoi(i), strtoull(gen, NULL, 10)) == 0) attached++;
+        if (g && k >= 0 && k < nfds && attach(g, fds[k], atoi(i), strtoull(gen, NULL, 10)) == 0)
+            attached++;
         p = gen;
     }
+    for (int k = 0; k < nfds; k++) close(fds[k]); /* mapped (or not wanted) */
     if (!attached) {
         close(fd);
         return -1;

@@ -16,6 +16,7 @@ shares) and are shut down with the server.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any, cast
 
@@ -25,6 +26,7 @@ from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelMana
 from jupyter_server.utils import ensure_async
 
 from ..config import GpuShare
+from ..provisioner import GpushareProvisioner
 from ..share import SHARE_FIELDS, ShareError, ShareSpec
 from .config import PoolConfigError, PoolProfile, parse_pools
 from .manager import Pool, PoolManager
@@ -38,6 +40,7 @@ class PoolKernelManager(AsyncMappingKernelManager):  # type: ignore[misc]
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.gpushare = GpuShare.of(self)  # the server's; bad pools refused right here
+        self._managers_starting: dict[str, Any] = {}
         pools = [self._pool(p) for p in parse_pools(self.gpushare.pools)]
         self.pools = PoolManager(self, pools)
         for pool in pools:
@@ -133,12 +136,46 @@ class PoolKernelManager(AsyncMappingKernelManager):  # type: ignore[misc]
             return None
 
     async def start_warm_kernel(self, profile: PoolProfile, kernel_id: str) -> str:
-        """Start one warm kernel for ``profile`` (the share owned by the pool)."""
-        return await super().start_kernel(
-            kernel_id=kernel_id, path=cast(Any, ""), kernel_name=profile.kernelspec,
-            env=dict(os.environ), gpushare_share=dict(profile.share), gpushare_owner="pool",
-            gpushare_pool=profile.name,
-        )
+        """Start one warm kernel for ``profile`` (the share owned by the pool).
+
+        Cancelled (the server stops while it starts), it leaves nothing behind: the kernel
+        process, if it was launched, is killed, its share released, its connection file and
+        zmq sockets closed, and nothing is left pending in jupyter_client's map."""
+        try:
+            return await super().start_kernel(
+                kernel_id=kernel_id, path=cast(Any, ""), kernel_name=profile.kernelspec,
+                env=dict(os.environ), gpushare_share=dict(profile.share), gpushare_owner="pool",
+                gpushare_pool=profile.name,
+            )
+        except asyncio.CancelledError:
+            await asyncio.shield(self._abandon_start(kernel_id))
+            raise
+        finally:
+            self._managers_starting.pop(kernel_id, None)
+
+    def pre_start_kernel(self, kernel_name: str | None, kwargs: Any) -> tuple[Any, str, str]:
+        km, kernel_name, kernel_id = super().pre_start_kernel(kernel_name, kwargs)
+        if kwargs.get("gpushare_owner") == "pool":
+            self._managers_starting[kernel_id] = km  # reachable if its start is cancelled
+        return km, kernel_name, kernel_id
+
+    async def _abandon_start(self, kernel_id: str) -> None:
+        km = self._managers_starting.pop(kernel_id, None)
+        try:
+            if kernel_id in self:  # it started: an ordinary shutdown
+                await ensure_async(self.shutdown_kernel(kernel_id, now=True))
+            elif km is not None:
+                if km.has_kernel:
+                    await ensure_async(km.shutdown_kernel(now=True))  # kill, then clean up
+                else:
+                    await ensure_async(km.cleanup_resources())  # sockets, files, the share
+                provisioner = getattr(km, "provisioner", None)
+                if isinstance(provisioner, GpushareProvisioner):
+                    await provisioner.abandon("its pool start was cancelled")
+        except Exception:
+            self.log.exception("gpushare: cleaning up the cancelled start of %s", kernel_id)
+        finally:
+            self.forget_failed_starts()
 
     def mark_claimed(self, kernel_id: str) -> None:
         kernel = self.get_kernel(kernel_id)

@@ -182,12 +182,16 @@ class PoolManager:
         began = time.monotonic()
         kernel_id = str(uuid.uuid4())
         self._starting_ids.add(kernel_id)  # hidden from the kernel list from the first moment
+        client = None
         try:
-            await self.km.start_warm_kernel(pool.profile, kernel_id)
+            await self.km.start_warm_kernel(pool.profile, kernel_id)  # cleans up if cancelled
             client = self.km.get_kernel(kernel_id).client()
             client.start_channels(hb=False)
             await ensure_async(client.wait_for_ready(timeout=60))  # an AsyncKernelClient
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # stop(): the server shuts down (it stops the kernel)
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    client.stop_channels()
             raise
         except Exception as exc:
             pool.failures += 1

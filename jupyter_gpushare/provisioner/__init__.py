@@ -271,6 +271,18 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             else:
                 await self._mark_restarting()
 
+    async def abandon(self, why: str) -> None:
+        """A start cancelled before its kernel ran (a pool's start when the server stops):
+        release what it reserved, also a record whose reservation completed in its worker
+        thread after the cancel (found by this kernel id)."""
+        await self._release(why)
+        ledger = await self._ledger()
+        for leftover in await ledger.list():
+            if leftover.kernel_id == self.kernel_id and leftover.state == "reserved":
+                if await ledger.release(leftover.id, if_unchanged=leftover) is not None:
+                    self.log.info("gpushare: released %s of kernel %s (%s)", leftover.id,
+                                  self.kernel_id, why)
+
     async def claim_from_pool(self, pool: str) -> Allocation:
         """A warm pool kernel is handed to a user (:mod:`jupyter_gpushare.pools`): its share is
         the kernel's from now on (owner ``kernel``), and a later re-reservation is a user's."""

@@ -50,7 +50,27 @@ class Reconciler(PeriodicTask):
             live_kernel_ids=set(self.kernel_manager.list_kernel_ids()),
             logger=self.log,
         )
-        return len(released)
+        return len(released) + len(await self.free_abandoned_pool_starts(ledger))
+
+    async def free_abandoned_pool_starts(self, ledger: Any) -> list[Any]:
+        """Release this server's ``pool`` records still ``reserved`` whose warm start is no
+        longer under way and whose kernel is not in the kernel manager (a start cancelled
+        while its reservation was being written), although the server lives."""
+        pools = getattr(self.kernel_manager, "pools", None)
+        if pools is None:
+            return []
+        released = []
+        for allocation in await ledger.list(self.settings.node_name):
+            if (allocation.owner == "pool" and allocation.state == "reserved"
+                    and allocation.server_pid == os.getpid()
+                    and allocation.kernel_id not in pools.unclaimed()
+                    and allocation.kernel_id not in self.kernel_manager):
+                if await ledger.release(allocation.id, if_unchanged=allocation) is not None:
+                    self.log.info("gpushare: released %s of pool %s: its start (kernel %s) "
+                                  "was abandoned", allocation.id,
+                                  allocation.extra.get("pool"), allocation.kernel_id)
+                    released.append(allocation)
+        return released
 
 
 async def start_node_daemon(settings: GpuShare, gpus: Sequence[Gpu], log: Any) -> None:

@@ -1,11 +1,31 @@
-"""Where gpushare keeps its state on a machine; each path can be overridden by an env variable."""
+"""Where gpushare keeps its state on a machine; each path can be overridden by an env variable.
+
+Finding the node agent (:func:`find_agent`, one function for every caller: users' servers,
+``jupyter gpushare run``, the provisioner, kernels): ``GPUSHARE_SOCKET`` when it is set; else the
+system agent's socket (:data:`SYSTEM_SOCKET`) when a system agent answers there (its ``ping``
+says ``"system": true``); else this user's own socket (:func:`user_socket_path`), where a
+per-user agent is started on demand. With a system agent nobody starts a per-user agent, and the
+ledger is the agent's (:class:`~jupyter_gpushare.ledger.agent.AgentLedger`).
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from jupyter_core.paths import jupyter_data_dir, jupyter_runtime_dir
+
+#: the system agent's socket and ledger (``jupyter gpushare daemon --system``)
+SYSTEM_SOCKET = Path("/run/gpushare/daemon.sock")
+SYSTEM_LEDGER = Path("/var/lib/gpushare/ledger.sqlite")
+
+#: how long one discovery is reused (s): a ping per call would add a round trip to each
+FIND_CACHE_S = 5.0
 
 
 def ledger_path() -> Path:
@@ -14,10 +34,67 @@ def ledger_path() -> Path:
     return Path(env) if env else Path(jupyter_data_dir()) / "gpushare" / "ledger.sqlite"
 
 
+def user_socket_path() -> Path:
+    """This user's own agent's socket (the per-user agent, started on demand)."""
+    return Path(jupyter_runtime_dir()) / "gpushare" / "daemon.sock"
+
+
 def socket_path() -> Path:
-    """The node daemon's unix socket (``GPUSHARE_SOCKET``)."""
-    env = os.environ.get("GPUSHARE_SOCKET")
-    return Path(env) if env else Path(jupyter_runtime_dir()) / "gpushare" / "daemon.sock"
+    """The node agent's unix socket: :func:`find_agent`'s (``GPUSHARE_SOCKET`` first)."""
+    return find_agent().socket
+
+
+@dataclass(frozen=True)
+class AgentAddress:
+    """Where the node agent for this process is, and whether it is the machine's system agent
+    (then it owns the ledger: use :class:`~jupyter_gpushare.ledger.agent.AgentLedger`)."""
+
+    socket: Path
+    system: bool
+
+
+_found: dict[str, tuple[float, AgentAddress]] = {}
+_found_lock = threading.Lock()
+
+
+def find_agent(*, fresh: bool = False) -> AgentAddress:
+    """The agent this process should use (see the module docstring). Blocking (a ping of at
+    most ~1 s on a unix socket); async callers run it in a thread or call it once at start."""
+    env = os.environ.get("GPUSHARE_SOCKET", "")
+    with _found_lock:
+        cached = _found.get(env)
+        if cached is not None and not fresh and time.monotonic() - cached[0] < FIND_CACHE_S:
+            return cached[1]
+    if env:
+        found = AgentAddress(Path(env), is_system_agent(Path(env)))
+    elif is_system_agent(SYSTEM_SOCKET):
+        found = AgentAddress(SYSTEM_SOCKET, True)
+    else:
+        found = AgentAddress(user_socket_path(), False)
+    with _found_lock:
+        _found[env] = (time.monotonic(), found)
+    return found
+
+
+def is_system_agent(path: Path, timeout: float = 1.0) -> bool:
+    """Whether a system agent answers on ``path`` (``ping`` says ``"system": true``)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(str(path))
+        sock.sendall(b'{"op":"ping"}\n')
+        data = b""
+        while b"\n" not in data and len(data) < 65536:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return False
+            data += chunk
+        reply = json.loads(data.split(b"\n", 1)[0])
+        return isinstance(reply, dict) and reply.get("ok") is True and reply.get("system") is True
+    except (OSError, ValueError):
+        return False
+    finally:
+        sock.close()
 
 
 def lib_dir() -> Path:

@@ -11,17 +11,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from traitlets import Float, Int, Unicode
 from traitlets.config import Configurable
 
 from .. import paths
-from ..inventory import local_node_name
+from ..inventory import TypeAliases, local_node_name
 from ..ledger import Ledger
+from ..placement import Policy
+from ..share import ShareError
+from .ledger_ops import Access, configure
+from .lock import UnsafeDirectory, ensure_private_dir
+from .lock import holder as lock_holder
+from .lock import take as take_lock
 from .shm import StateDirError
 
 
@@ -54,9 +63,35 @@ class DaemonConfig(Configurable):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DaemonConfig()
     parser.add_argument("--socket", type=Path, default=None,
-                        help=f"unix socket to serve (default {paths.socket_path()})")
+                        help=f"unix socket to serve (default: $GPUSHARE_SOCKET, else "
+                        f"{paths.user_socket_path()}; with --system {paths.SYSTEM_SOCKET})")
     parser.add_argument("--ledger", type=Path, default=None,
-                        help=f"SQLite ledger to follow (default {paths.ledger_path()})")
+                        help=f"SQLite ledger to follow (default: $GPUSHARE_LEDGER, else "
+                        f"{paths.ledger_path()}; with --system {paths.SYSTEM_LEDGER}, which the "
+                        "agent alone opens and serves to users on its socket)")
+    parser.add_argument("--system", action="store_true",
+                        help="run as the machine's system agent (a system service, as root): it "
+                        "owns the ledger and serves placement, release and resize to every "
+                        "user, each seeing and changing only their own shares")
+    parser.add_argument("--group", default=None, metavar="GROUP",
+                        help="with --system: only members of this Unix group (and admins) may "
+                        "use the GPUs (socket mode 0660, group GROUP); default: every user "
+                        "(socket 0666, callers known by their peer credentials)")
+    parser.add_argument("--max-share", default=None, metavar="JSON",
+                        help="with --system: the most any one share may hold, as JSON share "
+                        "keys, e.g. '{\"gpu_request\": 0.5, \"gpu_limit\": 0.5, "
+                        "\"gpu_memory\": \"40GiB\"}'; recorded on each share when it is "
+                        "created (with JupyterHub's GPUSHARE_MAX_SHARE: the smaller wins) and "
+                        "enforced on every later change")
+    parser.add_argument("--group-max-share", action="append", default=[],
+                        metavar="GROUP=JSON",
+                        help="with --system: a bound for members of GROUP (repeatable); where "
+                        "several apply, the smallest of each field wins")
+    parser.add_argument("--config", action="append", default=[], type=Path, metavar="FILE",
+                        help="Jupyter config file(s) (.py or .json) with the deployment's "
+                        "c.GpuShare.type_aliases and c.GpusharePlacement.* (policy, cordons, "
+                        "exclusions) for the agent's own placements (a kernel's reserve); "
+                        "default: jupyter_server_config.* on the Jupyter config path")
     parser.add_argument("--kubernetes-namespace", default=None, metavar="NS",
                         help="follow the Kubernetes ledger (GpuLedger records in NS) instead of "
                         "a SQLite ledger (a DaemonSet on a cluster)")
@@ -114,7 +149,25 @@ async def _ledger(args: argparse.Namespace) -> Ledger:
         return KubernetesLedger(await connect(args.kubeconfig), args.kubernetes_namespace)
     from ..ledger.sqlite import SQLiteLedger
 
-    return SQLiteLedger(args.ledger or paths.ledger_path())
+    return SQLiteLedger(ledger_file(args))
+
+
+def serve_path(args: argparse.Namespace) -> Path:
+    """The socket this agent serves: --socket, $GPUSHARE_SOCKET, else the system or the user's
+    default."""
+    if args.socket:
+        return Path(args.socket).absolute()
+    if os.environ.get("GPUSHARE_SOCKET"):
+        return Path(os.environ["GPUSHARE_SOCKET"]).absolute()
+    return paths.SYSTEM_SOCKET if args.system else paths.user_socket_path().absolute()
+
+
+def ledger_file(args: argparse.Namespace) -> Path:
+    if args.ledger:
+        return Path(args.ledger).absolute()
+    if os.environ.get("GPUSHARE_LEDGER"):
+        return Path(os.environ["GPUSHARE_LEDGER"]).absolute()
+    return paths.SYSTEM_LEDGER if args.system else paths.ledger_path()
 
 
 async def _simulate_value(args: argparse.Namespace, ledger: Ledger, node: str) -> str | None:
@@ -126,13 +179,15 @@ async def _simulate_value(args: argparse.Namespace, ledger: Ledger, node: str) -
     return labels.get(SIMULATE_LABEL) or None
 
 
-async def _publish_gpus(ledger: Ledger, node: str, simulate: str | None) -> None:
-    """On Kubernetes the daemon publishes its node's GPUs (the inventory placement reads)."""
-    if not hasattr(ledger, "kube"):
+async def _publish_gpus(ledger: Ledger, node: str, simulate: str | None, system: bool = False,
+                        aliases: TypeAliases | None = None) -> None:
+    """On Kubernetes and as a system agent the daemon publishes its node's GPUs (the inventory
+    placement reads)."""
+    if not hasattr(ledger, "kube") and not system:
         return  # the local server publishes a workstation's GPUs itself
     from ..inventory import discover_local
 
-    gpus = await asyncio.to_thread(discover_local, simulate, None, node)
+    gpus = await asyncio.to_thread(discover_local, simulate, aliases, node)
     try:
         await ledger.put_gpus(node, gpus)
     except Exception as exc:  # enforcement does not depend on it: say so and go on
@@ -167,24 +222,143 @@ def run(args: argparse.Namespace) -> int:
             logging.error("--admin-group %s: no such group", args.admin_group)
             return 2
     try:
-        asyncio.run(_main(args))
+        access = _access(args)
+    except (ValueError, KeyError) as exc:
+        logging.error("%s", exc)
+        return 2
+    path = serve_path(args)
+    try:
+        if args.system:
+            os.umask(0o077)  # the ledger, its journal and the lock: the agent's alone
+            ensure_private_dir(path.parent, 0o755)
+            ensure_private_dir(ledger_file(args).parent, 0o700)
+        else:
+            ensure_private_dir(path.parent, 0o755, exact=False)
+        held = take_lock(path)
+    except (UnsafeDirectory, OSError) as exc:
+        logging.error("cannot serve %s: %s", path, exc)
+        return 2
+    if held is None:  # another agent serves this socket: nothing to do
+        print(f"gpushare daemon: another agent (pid {_serving_pid(path) or '?'}) already "
+              f"serves {path}; exiting", flush=True)
+        return 0
+    try:
+        asyncio.run(_main(args, access))
     except KeyboardInterrupt:
         pass
     except StateDirError as exc:  # an unsafe lease-memory directory: say which and why
         logging.error("%s", exc)
         return 2
+    finally:
+        os.close(held)
     return 0
 
 
-async def _main(args: argparse.Namespace) -> None:
+def _serving_pid(path: Path) -> int | None:
+    """The pid of the agent that holds ``path``'s lock: its ping (it may still be starting),
+    else what it wrote in the lock file."""
+    from .client import DaemonClient
+
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        try:
+            pid = DaemonClient(path, timeout=1.0).ping().get("pid")
+            if isinstance(pid, int):
+                return pid
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    return lock_holder(path)
+
+
+def _access(args: argparse.Namespace) -> Access:
+    """Who may do what (ledger_ops.Access) and the placement config, from the command line."""
+    import grp
+
+    from ..share import ShareSpec
+
+    def parse_bound(text: str, what: str) -> ShareSpec:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            raise ValueError(f"{what} {text!r}: not JSON share keys, e.g. "
+                             '\'{"gpu_request": 0.5, "gpu_limit": 0.5}\'') from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{what} {text!r}: a JSON object of share keys")
+        try:
+            return ShareSpec.from_mapping(data)
+        except ShareError as exc:
+            raise ValueError(f"{what}: {exc}") from None
+
+    def gid_of(name: str, what: str) -> int:
+        try:
+            return grp.getgrnam(name).gr_gid
+        except KeyError:
+            raise ValueError(f"{what} {name}: no such group") from None
+
+    system_only = {"--group": args.group, "--max-share": args.max_share,
+                   "--group-max-share": args.group_max_share}
+    for name, value in system_only.items():
+        if value and not args.system:
+            raise ValueError(f"{name} needs --system (a per-user agent serves one user)")
+    group_bounds = {}
+    for item in args.group_max_share:
+        group, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--group-max-share {item!r}: GROUP=JSON")
+        group_bounds[gid_of(group, "--group-max-share")] = parse_bound(text, "--group-max-share")
+    policy, aliases = _placement_config(args.config)
+    return Access(
+        system=args.system,
+        user_gid=gid_of(args.group, "--group") if args.group else None,
+        max_share=parse_bound(args.max_share, "--max-share") if args.max_share else None,
+        group_bounds=group_bounds,
+        policy=policy,
+        aliases=aliases,
+    )
+
+
+def _placement_config(files: Sequence[Path]) -> tuple[Policy, TypeAliases]:
+    """The deployment's placement policy and type aliases: ``c.GpusharePlacement.*`` and
+    ``c.GpuShare.type_aliases`` from ``files``, else from jupyter_server_config.* on the Jupyter
+    config path (what users' servers read)."""
+    from jupyter_core.paths import jupyter_config_path
+    from traitlets.config import Config
+    from traitlets.config.loader import JSONFileConfigLoader, PyFileConfigLoader
+
+    from ..config import GpuShare
+
+    if files:
+        candidates = [Path(f) for f in files]
+        for f in candidates:
+            if not f.is_file():
+                raise ValueError(f"--config {f}: no such file")
+    else:
+        candidates = [Path(d) / f"jupyter_server_config{ext}"
+                      for d in reversed(jupyter_config_path()) for ext in (".json", ".py")]
+    config = Config()
+    for f in candidates:
+        if not f.is_file():
+            continue
+        loader_class = PyFileConfigLoader if f.suffix == ".py" else JSONFileConfigLoader
+        try:
+            config.merge(loader_class(f.name, path=str(f.parent)).load_config())
+        except Exception as exc:
+            raise ValueError(f"config file {f}: {exc}") from None
+    settings = GpuShare(config=config)
+    aliases = settings.aliases()
+    return settings.policy(), aliases
+
+
+async def _main(args: argparse.Namespace, access: Access) -> None:
     from .env import simulator_environ
     from .server import Daemon, DaemonSettings
 
-    socket_path = (args.socket or paths.socket_path()).absolute()
+    socket_path = serve_path(args)
     node = args.node or local_node_name()
     ledger = await _ledger(args)
     simulate = await _simulate_value(args, ledger, node)
-    await _publish_gpus(ledger, node, simulate)
+    await _publish_gpus(ledger, node, simulate, args.system, access.aliases)
     nvml_library = None
     if simulate:
         from ..inventory import simulated_gpus
@@ -208,7 +382,12 @@ async def _main(args: argparse.Namespace) -> None:
         admin_group=args.admin_group or None,
     )
     daemon = Daemon(ledger, settings)
+    configure(daemon, access)
     await daemon.start()
+    reconciler = None
+    if args.system:
+        _system_socket(socket_path, access)
+        reconciler = asyncio.create_task(_reconcile_forever(ledger, node))
     usage = None
     if args.kubernetes_namespace:  # the servers read this node's usage from a ConfigMap
         from ..k8s.usage import start_publisher
@@ -231,11 +410,42 @@ async def _main(args: argparse.Namespace) -> None:
     try:
         await daemon.serve_forever()
     finally:
+        if reconciler is not None:
+            reconciler.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reconciler
         if usage is not None:
             await usage.stop()
         with contextlib.suppress(Exception):
             await daemon.close()
         await ledger.close()
+
+
+def _system_socket(path: Path, access: Access) -> None:
+    """The system socket's mode: 0666 (every user; callers are known by their credentials), or
+    0660 with group ``--group`` (only its members reach the GPUs)."""
+    if access.user_gid is not None:
+        os.chown(path, 0 if os.geteuid() == 0 else -1, access.user_gid)
+        os.chmod(path, 0o660)
+    else:
+        os.chmod(path, 0o666)
+
+
+#: seconds between the system agent's reconciliations (holders gone: their shares released)
+RECONCILE_S = 5.0
+
+
+async def _reconcile_forever(ledger: Ledger, node: str) -> None:
+    """A system agent releases the shares whose process or server died, whoever's they were
+    (a user's server can release only its own)."""
+    from ..ledger.reconcile import reconcile
+
+    while True:
+        try:
+            await reconcile(ledger, node)
+        except Exception as exc:  # a busy ledger: next round
+            logging.warning("reconciliation failed: %s", exc)
+        await asyncio.sleep(RECONCILE_S)
 
 
 async def _status(daemon: object) -> dict:

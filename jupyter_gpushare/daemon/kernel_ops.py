@@ -13,8 +13,14 @@ allocation and frees the process's GPU memory) → ``{"ok": true, "released": Al
 the new memory cap is below what the kernel uses now) → ``{"ok": true, "allocation": …}``.
 
 ``reserve`` ``{"op": "reserve", "share": {…}}`` → after a ``release`` by this process: a new share
-on this node for the same kernel (placement decides the GPU). The process itself cannot use it
-(its CUDA context is gone); a restart of the kernel does. → ``{"ok": true, "allocation": …}``.
+on this node for the same kernel, placed by :func:`jupyter_gpushare.placement.allocate` with the
+deployment's policy and type aliases (the agent's ``--config``: cordons, exclusions, affinity).
+The process itself cannot use it (its CUDA context is gone); a restart of the kernel does.
+→ ``{"ok": true, "allocation": …}``.
+
+Bounds: ``resize`` and ``reserve`` are checked against the bound recorded on the allocation when
+it was created (:mod:`jupyter_gpushare.bound`: JupyterHub's ``GPUSHARE_MAX_SHARE`` and the
+agent's ``--max-share``), so a kernel cannot lift its own bound by asking again.
 
 ``gpus`` → ``{"ok": true, "gpus": [Gpu + free capacity], "simulated": bool}`` for every node in
 the ledger.
@@ -26,17 +32,22 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..inventory import TypeAliases, check_spec
+from .. import bound as bounds
+from ..inventory import check_spec
 from ..ledger import Allocation, AllocationNotFound
-from ..placement import PlacementRefused, place
+from ..placement import PlacementRefused, allocate
+from ..placement.engine import SETTLED
 from ..share import ShareError, ShareSpec
 from . import wire
+from .ledger_ops import access_of
 
 if TYPE_CHECKING:
     from .server import Client, Daemon
 
 E_NO_FIT = "no_fit"
 E_NOTHING_RELEASED = "nothing_released"
+#: what a reserved share does not inherit from the released one (placement and reclaim state)
+_NOT_CARRIED = (SETTLED, "reclaim_warning")
 
 
 async def release(daemon: Daemon, client: Client, message: dict[str, Any]) -> dict[str, Any]:
@@ -65,9 +76,14 @@ async def resize(daemon: Daemon, client: Client, message: dict[str, Any]) -> dic
     change = dict(message.get("share") or {})
     gpus = await daemon.ledger.gpus()
     used = _memory_used(daemon, allocation)
+
+    def within_bound(current: Allocation, others: list[Allocation]) -> Allocation:
+        after = resized(current, others, gpus, change, used)
+        bounds.check_within(after.spec, after.memory, bounds.recorded(current.extra))
+        return after
+
     try:
-        changed = await daemon.ledger.update(
-            allocation.id, lambda current, others: resized(current, others, gpus, change, used))
+        changed = await daemon.ledger.update(allocation.id, within_bound)
     except ShareError as exc:
         return _share_error(exc)
     except (PlacementRefused, BelowUse) as exc:
@@ -98,15 +114,18 @@ async def reserve(daemon: Daemon, client: Client, message: dict[str, Any]) -> di
     share = dict(message.get("share") or {})
     node = daemon.settings.node
     inventory = [g for g in await daemon.ledger.gpus() if g.node == node]
+    access = access_of(daemon)
     try:
+        bound = bounds.recorded(previous.extra)
         defaults = replace(previous.spec, gpu_memory=None, gpu_type=None)
-        spec = check_spec(ShareSpec.from_mapping(share, defaults=defaults), inventory,
-                          TypeAliases())
-        allocation = await daemon.ledger.allocate(
-            spec, inventory, place, owner=previous.owner, kernel_id=previous.kernel_id,
+        spec = bounds.narrowed(ShareSpec.from_mapping(share, defaults=defaults), bound)
+        spec = check_spec(spec, inventory, access.aliases)
+        allocation = await allocate(
+            daemon.ledger, spec, inventory, access.policy, owner=previous.owner,
+            kernel_id=previous.kernel_id,
             backend=previous.backend, state="active", pid=previous.pid,
             pid_start=previous.pid_start, server_pid=previous.server_pid, user=previous.user,
-            extra=dict(previous.extra),
+            extra={k: v for k, v in previous.extra.items() if k not in _NOT_CARRIED},
         )
     except ShareError as exc:
         return _share_error(exc)

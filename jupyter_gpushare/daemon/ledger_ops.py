@@ -1,0 +1,385 @@
+"""The node agent as the owner of its node's ledger (system mode, issue 12).
+
+On a shared machine the agent (``jupyter gpushare daemon --system``, root) is the only process
+that opens the SQLite ledger (``/var/lib/gpushare/ledger.sqlite``, 0600 in a 0700 directory).
+Users' servers, ``jupyter gpushare run``, provisioners and kernels reach it through
+:class:`~jupyter_gpushare.ledger.agent.AgentLedger`, which speaks these ops on the agent's socket:
+
+``ledger.snapshot`` → ``{"ok", "allocations": [Allocation…], "versions": {node: v}}``. A caller
+    who is not an admin sees its own allocations whole and everyone else's only as capacity
+    (:func:`redact`: id, node, GPUs, share, memory, state; no user, kernel id, pid or extra).
+``ledger.cas`` ``{"node", "version", "allocations": [...], "bound": {...}|null}`` →
+    ``{"ok": true, "swapped": bool}`` or a refusal. Authorized by diffing the node's current
+    allocations against the proposed ones (:func:`authorize`): a non-admin may add, change or
+    remove only allocations whose owner uid (``extra["uid"]``) is its own; added records are
+    stamped with the caller's uid and user name and with the bound that applies (the smallest of
+    the caller's ``bound``, the agent's ``--max-share`` and its groups' bounds); the uid, user and
+    bound of a record can then not be changed by its holder, and every change is checked against
+    the recorded bound. The result is checked for capacity (no GPU's requests over 1, no GPU's
+    memory caps over its memory).
+``ledger.gpus`` → ``{"ok", "gpus": [Gpu…]}``; ``ledger.put_gpus`` (admins only: the agent
+    publishes its node's inventory itself).
+
+Identity comes from the socket's peer credentials (``SO_PEERCRED``, :class:`Client.uid`), read at
+the edge (:func:`caller`); everything behind takes a checked :class:`Caller`.
+"""
+
+from __future__ import annotations
+
+import grp
+import logging
+import os
+import pwd
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from .. import bound as bounds
+from ..inventory import Gpu, TypeAliases
+from ..ledger import Allocation
+from ..placement import Policy
+from ..placement.engine import SETTLED
+from ..share import ShareError, ShareSpec
+from . import wire
+
+if TYPE_CHECKING:
+    from .server import Client, Daemon
+
+log = logging.getLogger("jupyter_gpushare.daemon")
+
+#: ``Allocation.extra`` key: the uid that owns an allocation made through the agent
+UID_KEY = "uid"
+#: ``Allocation.extra`` key on a record shown to a caller who does not own it
+REDACTED_KEY = "redacted"
+#: how long a uid's groups are cached (s)
+GROUPS_TTL_S = 10.0
+
+
+@dataclass
+class Access:
+    """Who may do what on this agent (set from the command line by :mod:`.cli`)."""
+
+    system: bool = False
+    #: members of these gids are admins (root and the agent's own uid always are; the
+    #: connection's ``Peer.admin`` decides where the agent has one)
+    admin_gids: frozenset[int] = frozenset()
+    #: when set, only members of this gid (and admins) may use the GPUs
+    user_gid: int | None = None
+    #: the agent's bound for every allocation (``--max-share``)
+    max_share: ShareSpec | None = None
+    #: per-group bounds (``--group-max-share GROUP=…``): gid -> bound
+    group_bounds: Mapping[int, ShareSpec] = field(default_factory=dict)
+    #: the deployment's placement policy (``reserve``) and type aliases
+    policy: Policy = field(default_factory=Policy)
+    aliases: TypeAliases = field(default_factory=TypeAliases)
+    _groups: dict[int, tuple[float, frozenset[int]]] = field(default_factory=dict)
+
+    def groups_of(self, uid: int) -> frozenset[int]:
+        cached = self._groups.get(uid)
+        if cached is not None and time.monotonic() - cached[0] < GROUPS_TTL_S:
+            return cached[1]
+        try:
+            entry = pwd.getpwuid(uid)
+            gids = frozenset(os.getgrouplist(entry.pw_name, entry.pw_gid))
+        except KeyError:  # a uid with no passwd entry: no groups
+            gids = frozenset()
+        self._groups[uid] = (time.monotonic(), gids)
+        return gids
+
+
+_ACCESS: weakref.WeakKeyDictionary[Any, Access] = weakref.WeakKeyDictionary()
+
+
+def configure(daemon: Daemon, access: Access) -> None:
+    _ACCESS[daemon] = access
+
+
+def access_of(daemon: Daemon) -> Access:
+    found = _ACCESS.get(daemon)
+    if found is None:
+        found = _ACCESS[daemon] = Access()
+    return found
+
+
+@dataclass(frozen=True)
+class Caller:
+    """A checked identity: the peer's uid, its user name, and whether it is an admin."""
+
+    uid: int
+    name: str
+    admin: bool
+    groups: frozenset[int]
+
+
+def caller(daemon: Daemon, client: Client) -> Caller:
+    """The checked identity of ``client``: its peer credentials as the connection read them
+    (``Client.peer``: uid, and admin = uid 0, the agent's uid or the admin group, never a
+    process in a kernel pod)."""
+    access = access_of(daemon)
+    groups = access.groups_of(client.uid)
+    peer = getattr(client, "peer", None)
+    if peer is not None:
+        admin = bool(peer.admin)
+    else:
+        admin = client.uid in (0, os.geteuid()) or bool(groups & access.admin_gids)
+    try:
+        name = pwd.getpwuid(client.uid).pw_name
+    except KeyError:
+        name = str(client.uid)
+    return Caller(client.uid, name, admin, groups)
+
+
+def may_use(daemon: Daemon, who: Caller) -> dict[str, Any] | None:
+    """None when ``who`` may use this agent's GPUs, else the refusal."""
+    access = access_of(daemon)
+    if who.admin:
+        return None
+    if not access.system:
+        return wire.refusal(wire.E_NOT_PERMITTED, f"this is user {os.geteuid()}'s own gpushare "
+                            f"agent; uid {who.uid} may not use its ledger")
+    if access.user_gid is not None and access.user_gid not in who.groups:
+        return wire.refusal(wire.E_NOT_PERMITTED, f"user {who.name} is not in group "
+                            f"{_group_name(access.user_gid)}, which may use this machine's GPUs")
+    return None
+
+
+def bound_for(daemon: Daemon, who: Caller, asked: ShareSpec | None) -> ShareSpec | None:
+    """The bound to record on an allocation ``who`` creates: the smallest of what its server
+    asked (JupyterHub's ``GPUSHARE_MAX_SHARE``), the agent's and its groups' bounds."""
+    access = access_of(daemon)
+    group = [b for gid, b in access.group_bounds.items() if gid in who.groups]
+    return bounds.tightest([asked, access.max_share, *group])
+
+
+def owner_uid(allocation: Allocation) -> int | None:
+    uid = allocation.extra.get(UID_KEY)
+    return uid if isinstance(uid, int) and not isinstance(uid, bool) else None
+
+
+def redact(allocation: Allocation) -> Allocation:
+    """What a caller who does not own ``allocation`` sees: its capacity only."""
+    extra: dict[str, Any] = {REDACTED_KEY: True}
+    if allocation.extra.get(SETTLED):  # placement orders affinity groups by it
+        extra[SETTLED] = True
+    return Allocation(id=allocation.id, node=allocation.node, gpus=allocation.gpus,
+                      spec=allocation.spec, memory=allocation.memory, owner="other",
+                      backend=allocation.backend, state=allocation.state,
+                      created=allocation.created, extra=extra)
+
+
+def visible(allocation: Allocation, who: Caller) -> Allocation:
+    return allocation if who.admin or owner_uid(allocation) == who.uid else redact(allocation)
+
+
+# -- ops -----------------------------------------------------------------------------------------
+
+
+async def handle(daemon: Daemon, client: Client, message: dict[str, Any]) -> dict[str, Any]:
+    op = message.get("op")
+    who = caller(daemon, client)
+    refusal = may_use(daemon, who)
+    if refusal is not None:
+        return refusal
+    try:
+        if op == "ledger.snapshot":
+            snap = await daemon.ledger.snapshot()
+            return {"ok": True, "allocations": [visible(a, who).to_json()
+                                                for a in snap.allocations],
+                    "versions": dict(snap.versions)}
+        if op == "ledger.gpus":
+            return {"ok": True, "gpus": [g.to_json() for g in await daemon.ledger.gpus()]}
+        if op == "ledger.put_gpus":
+            return await _put_gpus(daemon, who, message)
+        if op == "ledger.cas":
+            return await _cas(daemon, who, message)
+    except ShareError as exc:
+        return {"ok": False, **exc.to_json()}
+    return wire.refusal(wire.E_BAD_REQUEST, f"unknown op {op!r}")
+
+
+async def _put_gpus(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dict[str, Any]:
+    if access_of(daemon).system and not who.admin:
+        return wire.refusal(wire.E_NOT_PERMITTED, "the system agent publishes this machine's "
+                            "GPUs itself; only an admin may replace them")
+    node = message.get("node")
+    raw = message.get("gpus")
+    if not isinstance(node, str) or not isinstance(raw, list):
+        return wire.refusal(wire.E_BAD_REQUEST, "ledger.put_gpus needs node (a string) and "
+                            "gpus (a list)")
+    try:
+        gpus = [Gpu.from_json(g) for g in raw]
+    except (TypeError, KeyError, ValueError, AttributeError) as exc:
+        return wire.refusal(wire.E_BAD_REQUEST, f"gpus: not a list of GPUs ({exc})")
+    await daemon.ledger.put_gpus(node, gpus)
+    return {"ok": True}
+
+
+def _parse_allocations(raw: object) -> list[Allocation]:
+    if not isinstance(raw, list):
+        raise ShareError("allocations", raw, "a list of allocations")
+    out = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise ShareError(f"allocations[{i}]", item, "an allocation object")
+        try:
+            out.append(Allocation.from_json(item))
+        except ShareError as exc:
+            raise ShareError(f"allocations[{i}].{exc.field}", exc.value, exc.allowed) from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ShareError(f"allocations[{i}]", item.get("id"),
+                             f"an allocation with every field ({type(exc).__name__}: {exc})"
+                             ) from None
+    ids = [a.id for a in out]
+    if len(set(ids)) != len(ids):
+        raise ShareError("allocations", sorted({i for i in ids if ids.count(i) > 1}),
+                         "each allocation id once")
+    return out
+
+
+async def _cas(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dict[str, Any]:
+    node = message.get("node")
+    version = message.get("version")
+    if not isinstance(node, str) or not isinstance(version, int) or isinstance(version, bool):
+        return wire.refusal(wire.E_BAD_REQUEST, "ledger.cas needs node (a string) and version "
+                            "(an integer)")
+    proposed = _parse_allocations(message.get("allocations"))
+    asked = bounds.from_json(message.get("bound"), "bound")
+    snap = await daemon.ledger.snapshot()
+    if snap.versions.get(node, 0) != version:
+        return {"ok": True, "swapped": False}
+    current = snap.on_node(node)
+    inventory = [g for g in await daemon.ledger.gpus() if g.node == node]
+    try:
+        result = authorize(current, proposed, who, node, inventory,
+                           bound_for(daemon, who, asked), access_of(daemon).system)
+    except NotPermitted as exc:
+        log.warning("refused ledger.cas from uid %d (%s): %s", who.uid, who.name, exc)
+        return wire.refusal(wire.E_NOT_PERMITTED, str(exc))
+    except OverCapacity as exc:
+        return {"ok": False, "error": "over_capacity", "message": str(exc)}
+    swapped = await daemon.ledger.compare_and_swap(node, version, result)
+    if swapped and node == daemon.settings.node:
+        await daemon.refresh()  # in force before the caller hears "swapped"
+    return {"ok": True, "swapped": swapped}
+
+
+class NotPermitted(Exception):
+    """The caller may not make this change (another user's share, a protected field)."""
+
+
+class OverCapacity(Exception):
+    """The proposed allocations would put a GPU over its compute or memory."""
+
+
+#: fields of a record its holder may not change (the agent stamps them)
+PROTECTED = (UID_KEY, bounds.EXTRA_KEY)
+
+
+def authorize(current: Sequence[Allocation], proposed: Sequence[Allocation], who: Caller,
+              node: str, inventory: Sequence[Gpu], bound: ShareSpec | None,
+              system: bool) -> list[Allocation]:
+    """The allocations to write for ``who``'s proposal on ``node``, or NotPermitted /
+    OverCapacity / ShareError. Pure."""
+    old = {a.id: a for a in current}
+    new = {a.id: a for a in proposed}
+    for a in proposed:
+        if a.node != node:
+            raise NotPermitted(f"allocation {a.id} names node {a.node!r}, not {node!r}")
+    result: list[Allocation] = []
+    touched: set[str] = set()
+    for a in current:  # kept, changed or removed
+        mine = who.admin or owner_uid(a) == who.uid
+        if a.id not in new:
+            if not mine:
+                raise NotPermitted(f"allocation {a.id} belongs to another user; only they or "
+                                   "an admin may release it")
+            continue
+        sent = new[a.id]
+        if not mine:
+            if redact(sent) != redact(a):
+                raise NotPermitted(f"allocation {a.id} belongs to another user; only they or "
+                                   "an admin may change it")
+            result.append(a)  # the stored record, not what came back redacted
+            continue
+        if sent == a:
+            result.append(a)
+            continue
+        if not who.admin:
+            _check_fields(sent, who, inventory)
+            for key in PROTECTED:
+                if sent.extra.get(key) != a.extra.get(key):
+                    raise NotPermitted(f"allocation {a.id}: extra.{key} is set by the agent and "
+                                       "cannot be changed by its holder")
+            if sent.user != a.user:
+                raise NotPermitted(f"allocation {a.id}: user is set by the agent")
+        if sent.spec != a.spec or sent.memory != a.memory or sent.gpus != a.gpus:
+            bounds.check_within(sent.spec, sent.memory, bounds.recorded(a.extra))
+            touched.update(sent.gpus)
+        result.append(sent)
+    for a in proposed:  # added
+        if a.id in old:
+            continue
+        if not who.admin:
+            _check_fields(a, who, inventory)
+        if REDACTED_KEY in a.extra:
+            raise NotPermitted(f"allocation {a.id}: a redacted record cannot be added")
+        stamped = a
+        if system and not (who.admin and owner_uid(a) is not None):
+            stamped = replace(a, user=who.name, extra={**a.extra, UID_KEY: who.uid})
+        applies = bounds.tightest([bound, bounds.recorded(a.extra) if who.admin else None])
+        if not who.admin or applies is not None:
+            bounds.check_within(stamped.spec, stamped.memory, applies)
+            stamped = replace(stamped, extra=bounds.record(stamped.extra, applies))
+        result.append(stamped)
+        touched.update(a.gpus)
+    _check_capacity(result, inventory, touched)
+    return result
+
+
+def _check_fields(a: Allocation, who: Caller, inventory: Sequence[Gpu]) -> None:
+    """What a non-admin may put in a record of its own."""
+    known = {g.uuid for g in inventory}
+    unknown = [u for u in a.gpus if u not in known]
+    if unknown or not a.gpus or len(set(a.gpus)) != len(a.gpus):
+        raise NotPermitted(f"allocation {a.id}: gpus {list(a.gpus)} are not distinct GPUs of "
+                           "this node")
+    if a.spec.gpu_count != len(a.gpus) or a.memory < 0 or a.spec.gpu_memory != a.memory:
+        raise NotPermitted(f"allocation {a.id}: gpu_count, gpus and gpu_memory disagree")
+    if a.backend != "local":
+        raise NotPermitted(f"allocation {a.id}: backend {a.backend!r} (this agent records "
+                           "local shares)")
+    for what, pid in (("pid", a.pid), ("server_pid", a.server_pid)):
+        if pid is not None and not _owned_by(pid, who.uid):
+            raise NotPermitted(f"allocation {a.id}: {what} {pid} is not a process of user "
+                               f"{who.name}")
+
+
+def _owned_by(pid: int, uid: int) -> bool:
+    try:
+        return psutil.Process(pid).uids().real == uid
+    except (psutil.Error, ValueError, OverflowError):
+        return False
+
+
+def _check_capacity(result: Sequence[Allocation], inventory: Sequence[Gpu],
+                    touched: set[str]) -> None:
+    by_uuid = {g.uuid: g for g in inventory}
+    for uuid in sorted(touched):
+        gpu = by_uuid.get(uuid)
+        on = [a for a in result if uuid in a.gpus]
+        request = sum(a.request for a in on)
+        if request > 1.0 + 1e-6:
+            raise OverCapacity(f"GPU {uuid} would hold requests of {request:g} (at most 1)")
+        if gpu is not None and sum(a.memory for a in on) > gpu.memory:
+            raise OverCapacity(f"GPU {uuid} would hold memory caps over its {gpu.memory} bytes")
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)

@@ -1,0 +1,464 @@
+"""System mode: one node agent owns a shared machine's ledger (issue 12).
+
+Real Unix users (``useradd``; CI runs as root) against one ``jupyter gpushare daemon --system``
+on a simulated A100, its socket and ledger in a root-owned 0755 directory. Each user's code runs
+in a forked process that has switched to that user's uid and groups (``setuid``), so the agent
+knows it only by its peer credentials, exactly as it knows a user's Jupyter server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jupyter_gpushare import bound as bounds
+from jupyter_gpushare import paths
+from jupyter_gpushare.daemon import ledger_ops
+from jupyter_gpushare.daemon.client import DaemonClient
+from jupyter_gpushare.inventory import Gpu
+from jupyter_gpushare.ledger import Allocation
+from jupyter_gpushare.ledger.agent import AgentLedger
+from jupyter_gpushare.ledger.reconcile import process_start_time
+from jupyter_gpushare.placement import PlacementRefused, allocate
+from jupyter_gpushare.resize import resized
+from jupyter_gpushare.share import ShareError, ShareSpec
+
+NODE = "gs-h3"
+GiB = 2**30
+ALICE, BOB = "gsh3alice", "gsh3bob"
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (useradd, setuid)")
+
+
+# -- real users and the agent ----------------------------------------------------------------
+
+
+def unix_user(name: str) -> pwd.struct_passwd:
+    """A real user (``useradd -m`` when missing)."""
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "-m", "--shell", "/bin/sh", name], check=False,
+                       stderr=subprocess.DEVNULL)
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        pytest.skip(f"could not create the user {name} (useradd)")
+
+
+class Agent:
+    def __init__(self, directory: Path, *extra: str, system: bool = True,
+                 simulate: str = "1xA100") -> None:
+        self.dir = directory
+        self.socket = directory / "daemon.sock"
+        self.ledger = directory / "state" / "ledger.sqlite"
+        args = [sys.executable, "-m", "jupyter_gpushare.daemon", "--socket", str(self.socket),
+                "--ledger", str(self.ledger), "--node", NODE, "--simulate", simulate,
+                "--state-dir", str(directory / "shm"), "--poll-ms", "100", *extra]
+        if system:
+            args.append("--system")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
+        self.log = directory / "daemon.log"
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=out, env=env,
+                                         start_new_session=True)
+        deadline = time.monotonic() + 30
+        while not DaemonClient(self.socket, timeout=1).alive():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the agent did not start: {self.log.read_text()}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def agent_dir() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="gs-h3-", dir="/tmp"))
+    path.chmod(0o755)  # root-owned, others may enter (the socket), nobody else may write
+    return path
+
+
+@pytest.fixture
+def agent() -> Iterator[Callable[..., Agent]]:
+    made: list[Agent] = []
+
+    def start(*extra: str, system: bool = True, simulate: str = "1xA100") -> Agent:
+        found = Agent(agent_dir(), *extra, system=system, simulate=simulate)
+        made.append(found)
+        return found
+
+    yield start
+    for a in made:
+        a.stop()
+        shutil.rmtree(a.dir, ignore_errors=True)
+
+
+def as_user(user: pwd.struct_passwd, work: Callable[..., Any], *args: Any,
+            start: Any = None) -> Any:
+    """Run ``work(*args)`` (a coroutine function) in a forked process as ``user``; returns
+    ``("ok", result)`` or ``("error", type name, message, agent error code)``. ``start``: a
+    multiprocessing Event the child waits for before it begins (to start several at once)."""
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        os.setgroups(os.getgrouplist(user.pw_name, user.pw_gid))
+        os.setgid(user.pw_gid)
+        os.setuid(user.pw_uid)
+        os.environ["HOME"] = user.pw_dir
+        os.environ["USER"] = user.pw_name
+        if start is not None:
+            start.wait(30)
+        try:
+            send.send(("ok", asyncio.run(work(*args))))
+        except BaseException as exc:
+            send.send(("error", type(exc).__name__, str(exc), getattr(exc, "error", None)))
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    send.close()
+    proc.result = receive  # type: ignore[attr-defined]
+    return proc
+
+
+def result_of(proc: Any, timeout: float = 60) -> Any:
+    assert proc.result.poll(timeout), "the user's process gave no result"
+    out = proc.result.recv()
+    proc.join(10)
+    return out
+
+
+def run_as(user: pwd.struct_passwd, work: Callable[..., Any], *args: Any) -> Any:
+    return result_of(as_user(user, work, *args))
+
+
+# -- what the users' processes do (module level: they run in forked children) ----------------
+
+
+async def place(socket: str, request: float, bound: dict[str, Any] | None = None) -> dict:
+    ledger = AgentLedger(socket, bounds.from_json(bound) if bound else None)
+    inventory = await ledger.gpus()
+    try:
+        a = await allocate(ledger, ShareSpec(request, request), inventory, None, owner="run")
+    except PlacementRefused as exc:
+        return {"refused": exc.message}
+    return {"allocation": a.to_json()}
+
+
+async def snapshot(socket: str) -> list[dict[str, Any]]:
+    return [a.to_json() for a in (await AgentLedger(socket).snapshot()).allocations]
+
+
+async def release(socket: str, allocation_id: str) -> Any:
+    released = await AgentLedger(socket).release(allocation_id)
+    return released.to_json() if released else None
+
+
+async def resize_share(socket: str, allocation_id: str, change: dict[str, Any]) -> dict:
+    """A PATCH-like resize: the REST handler's read-modify-CAS through the agent."""
+    ledger = AgentLedger(socket)
+    gpus = await ledger.gpus()
+    after = await ledger.update(allocation_id,
+                                lambda cur, others: resized(cur, others, gpus, change, None))
+    return after.to_json()
+
+
+async def cas_replacing(socket: str, allocation_id: str, **changes: Any) -> bool:
+    """A hand-made compare-and-swap that changes fields of one record (an attack, mostly)."""
+    ledger = AgentLedger(socket)
+    snap = await ledger.snapshot()
+    found = snap.find(allocation_id)
+    assert found is not None
+    rest = [a for a in snap.on_node(found.node) if a.id != allocation_id]
+    return await ledger.compare_and_swap(found.node, snap.versions[found.node],
+                                         [*rest, replace(found, **changes)])
+
+
+async def put_gpus(socket: str) -> None:
+    await AgentLedger(socket).put_gpus(NODE, [Gpu(NODE, "GPU-fake", 0, "fake", "A100", 10**15)])
+
+
+async def touch_files(paths_to_try: list[str]) -> dict[str, str]:
+    """Try to open each path for reading and for writing; what happened to each."""
+    out = {}
+    for path in paths_to_try:
+        for mode, flags in (("r", os.O_RDONLY), ("w", os.O_WRONLY)):
+            try:
+                os.close(os.open(path, flags | os.O_NOFOLLOW))
+                out[f"{mode}:{path}"] = "opened"
+            except OSError as exc:
+                out[f"{mode}:{path}"] = type(exc).__name__
+    return out
+
+
+async def status(socket: str) -> dict[str, Any]:
+    return await asyncio.to_thread(DaemonClient(socket).status)
+
+
+async def kernel_resize(socket: str, allocation_id: str, share: dict[str, Any]) -> dict:
+    """A kernel's own resize op: this process becomes the allocation's process first."""
+    ledger = AgentLedger(socket)
+    pid = os.getpid()
+    start = process_start_time(pid)
+    await ledger.update(allocation_id, lambda a, _o: replace(a, pid=pid, pid_start=start,
+                                                             state="active"))
+    return await asyncio.to_thread(DaemonClient(socket).resize, allocation_id, share)
+
+
+# -- the tests ------------------------------------------------------------------------------
+
+
+def test_two_users_one_gpu_one_is_placed_other_refused_and_cannot_touch_it(agent) -> None:
+    alice, bob = unix_user(ALICE), unix_user(BOB)
+    a = agent()
+    socket = str(a.socket)
+    start = multiprocessing.get_context("fork").Event()
+    procs = [as_user(u, place, socket, 0.75, start=start) for u in (alice, bob)]
+    time.sleep(0.3)
+    start.set()  # both ask 0.75 of the one A100 at the same instant
+    outcomes = [result_of(p) for p in procs]
+    assert all(o[0] == "ok" for o in outcomes), outcomes
+    placed = [o[1]["allocation"] for o in outcomes if "allocation" in o[1]]
+    refused = [o[1]["refused"] for o in outcomes if "refused" in o[1]]
+    assert len(placed) == 1 and len(refused) == 1, outcomes
+    assert "0.25" in refused[0]  # the reason names what is free
+    winner = placed[0]
+    owner, other = (alice, bob) if outcomes[0][1].get("allocation") else (bob, alice)
+    assert winner["user"] == owner.pw_name and winner["extra"]["uid"] == owner.pw_uid
+
+    # the other user sees the share only as capacity
+    seen = run_as(other, snapshot, socket)
+    assert seen[0] == "ok"
+    (theirs,) = [s for s in seen[1] if s["id"] == winner["id"]]
+    assert theirs["gpu_request"] == 0.75 and theirs["gpus"] == winner["gpus"]
+    assert theirs["user"] == "" and theirs["pid"] is None and theirs["kernel_id"] is None
+    assert theirs["server_pid"] is None and theirs["extra"] == {"redacted": True}
+    # ... and cannot release it, resize it, or rewrite it
+    for work, args in ((release, (winner["id"],)),
+                       (resize_share, (winner["id"], {"gpu_request": 0.1, "gpu_limit": 0.1})),
+                       (cas_replacing, (winner["id"],))):
+        outcome = run_as(other, work, socket, *args)
+        assert outcome[:2] == ("error", "AgentRefused") and outcome[3] == "not_permitted", (
+            work.__name__, outcome)
+    # nor publish GPUs
+    outcome = run_as(other, put_gpus, socket)
+    assert outcome[3] == "not_permitted", outcome
+    # the agent's status shows the other user none of its details
+    shown = run_as(other, status, socket)[1]
+    assert winner["id"] not in json.dumps(shown.get("allocations", []))
+    # no file of the agent can be opened by the other user, let alone written
+    files = [str(a.ledger), f"{a.ledger}-wal", f"{a.ledger}-shm", f"{a.socket}.lock",
+             str(a.log)]
+    opened = run_as(other, touch_files, [f for f in files if os.path.exists(f)])[1]
+    assert not any(v == "opened" and k.startswith("w:") for k, v in opened.items()), opened
+    for f in (str(a.ledger), f"{a.socket}.lock"):
+        assert opened[f"r:{f}"] == "PermissionError", opened
+    assert oct(os.stat(a.ledger.parent).st_mode & 0o777) == "0o700"
+    assert os.stat(a.ledger).st_mode & 0o077 == 0
+    # root sees everything; the owner releases its own share
+    root_view = asyncio.run(snapshot(socket))
+    (full,) = [s for s in root_view if s["id"] == winner["id"]]
+    assert full["user"] == owner.pw_name and full["extra"]["uid"] == owner.pw_uid
+    assert run_as(owner, release, socket, winner["id"])[0] == "ok"
+    assert asyncio.run(snapshot(socket)) == []
+
+
+def test_per_user_bound_is_recorded_and_holds_on_every_path(agent) -> None:
+    alice = unix_user(ALICE)
+    a = agent("--max-share", '{"gpu_request": 0.5, "gpu_limit": 0.5}')
+    socket = str(a.socket)
+    hub_bound = {"gpu_request": 0.25, "gpu_limit": 0.25, "gpu_memory": 10 * GiB}
+    over = run_as(alice, place, socket, 0.5, hub_bound)
+    assert over[:2] == ("error", "ShareError") and "gpu_request" in over[2], over
+    made = run_as(alice, place, socket, 0.25, hub_bound)[1]["allocation"]
+    assert made["extra"]["bound"]["gpu_limit"] == 0.25
+    assert made["extra"]["bound"]["gpu_memory"] == 10 * GiB
+    # PATCH-like: read-modify-CAS through the agent
+    grown = run_as(alice, resize_share, socket, made["id"],
+                   {"gpu_request": 1.0, "gpu_limit": 1.0})
+    assert grown[:2] == ("error", "ShareError") and "at most 0.25" in grown[2], grown
+    more_memory = run_as(alice, resize_share, socket, made["id"], {"gpu_memory": "20GiB"})
+    assert more_memory[:2] == ("error", "ShareError") and "gpu_memory" in more_memory[2]
+    # lifting the recorded bound itself is not the holder's to do
+    lifted = run_as(alice, cas_replacing, socket, made["id"], extra={"uid": alice.pw_uid})
+    assert lifted[3] == "not_permitted", lifted
+    # the kernel's own resize op (this process becomes the share's process)
+    by_kernel = run_as(alice, kernel_resize, socket, made["id"],
+                       {"gpu_request": 1.0, "gpu_limit": 1.0})
+    assert by_kernel[0] == "ok" and by_kernel[1]["ok"] is False, by_kernel
+    assert by_kernel[1]["field"] == "gpu_request" and "0.25" in by_kernel[1]["allowed"]
+    # within the bound is fine; the agent's own --max-share bounds a user without a Hub bound
+    smaller = run_as(alice, resize_share, socket, made["id"], {"gpu_memory": "5GiB"})
+    assert smaller[0] == "ok" and smaller[1]["gpu_memory"] == 5 * GiB
+    assert run_as(alice, place, socket, 0.75)[:2] == ("error", "ShareError")
+
+
+def test_reserve_uses_the_deployments_policy_and_aliases(agent, tmp_path: Path) -> None:
+    config = tmp_path / "jupyter_server_config.json"
+    from jupyter_gpushare.inventory import simulated_gpus
+
+    first, second = simulated_gpus("2xA100", NODE)
+    config.write_text(json.dumps({
+        "GpuShare": {"type_aliases": {"BIG": ["A100"]}},
+        "GpusharePlacement": {"cordoned_gpus": [first.uuid]},
+    }))
+    a = agent("--config", str(config), system=False, simulate="2xA100")
+    ledger = AgentLedger(a.socket)
+
+    async def hold() -> Allocation:
+        gpus = await ledger.gpus()
+        # recorded on the cordoned GPU by hand (it was placed before the cordon)
+        mine = Allocation(id=Allocation.new_id(), node=NODE, gpus=(first.uuid,),
+                          spec=ShareSpec(0.5, 0.5, gpu_memory=GiB, gpu_type="A100"),
+                          memory=GiB, state="active", pid=os.getpid(),
+                          pid_start=process_start_time(os.getpid()))
+        snap = await ledger.snapshot()
+        assert await ledger.compare_and_swap(NODE, snap.versions.get(NODE, 0), [mine])
+        assert {g.uuid for g in gpus} == {first.uuid, second.uuid}
+        return mine
+
+    mine = asyncio.run(hold())
+    client = DaemonClient(a.socket)
+    assert client.release(mine.id)["ok"]
+    reply = client.reserve({"gpu_type": "BIG", "gpu_request": 0.5, "gpu_limit": 0.5})
+    assert reply["ok"], reply
+    assert reply["allocation"]["gpus"] == [second.uuid]  # not the cordoned one
+    assert reply["allocation"]["gpu_type"] == "A100"
+
+
+def test_eight_agents_started_at_once_leave_one(tmp_path: Path) -> None:
+    directory = agent_dir()
+    socket = directory / "daemon.sock"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
+    args = [sys.executable, "-m", "jupyter_gpushare.daemon", "--socket", str(socket),
+            "--ledger", str(directory / "ledger.sqlite"), "--node", NODE,
+            "--simulate", "1xA100", "--state-dir", str(directory / "shm")]
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                              start_new_session=True, text=True) for _ in range(8)]
+    try:
+        deadline = time.monotonic() + 60
+        while sum(p.poll() is None for p in procs) > 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        alive = [p for p in procs if p.poll() is None]
+        assert len(alive) == 1, [p.returncode for p in procs]
+        assert all(p.returncode == 0 for p in procs if p not in alive)
+        assert DaemonClient(socket).ping()["pid"] == alive[0].pid
+        said = procs[0].stdout.read() if procs[0] not in alive else procs[1].stdout.read()
+        assert f"another agent (pid {alive[0].pid}) already serves {socket}" in said
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(10)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_lock_refuses_a_directory_others_may_write(tmp_path: Path) -> None:
+    from jupyter_gpushare.daemon.lock import UnsafeDirectory, take
+
+    shared = Path(tempfile.mkdtemp(prefix="gs-h3-", dir="/tmp"))
+    try:
+        shared.chmod(0o1777)
+        with pytest.raises(UnsafeDirectory, match="writable by other users"):
+            take(shared / "daemon.sock")
+        shared.chmod(0o755)
+        (shared / "daemon.sock.lock").symlink_to(tmp_path / "victim")
+        with pytest.raises(OSError):  # O_NOFOLLOW: a planted symlink is never followed
+            take(shared / "daemon.sock")
+        assert not (tmp_path / "victim").exists()
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_discovery_finds_the_system_agent_first(agent, monkeypatch) -> None:
+    a = agent()
+    monkeypatch.setenv("GPUSHARE_SOCKET", str(a.socket))
+    found = paths.find_agent(fresh=True)
+    assert found.system and found.socket == a.socket
+    from jupyter_gpushare.config import GpuShare
+
+    settings = GpuShare(socket_path=str(a.socket), node_name=NODE)
+    assert isinstance(settings.local_ledger(), AgentLedger)
+    gpus = asyncio.run(settings.local_gpus())  # the agent's inventory, not this process's
+    assert [g.type for g in gpus] == ["A100"] and gpus[0].node == NODE
+    b = agent(system=False)
+    monkeypatch.setenv("GPUSHARE_SOCKET", str(b.socket))
+    assert not paths.find_agent(fresh=True).system
+    assert not isinstance(GpuShare(socket_path=str(b.socket)).local_ledger(), AgentLedger)
+
+
+# -- the authorization rules, pure --------------------------------------------------------
+
+
+GPU = Gpu(NODE, "GPU-1", 0, "NVIDIA A100", "A100", 80 * GiB)
+
+
+def record(uid: int, request: float = 0.25, **extra: Any) -> Allocation:
+    return Allocation(id=Allocation.new_id(), node=NODE, gpus=(GPU.uuid,),
+                      spec=ShareSpec(request, request, gpu_memory=GiB), memory=GiB,
+                      user=f"u{uid}", extra={"uid": uid, **extra})
+
+
+def test_authorize_rules() -> None:
+    alice = ledger_ops.Caller(1001, "alice", False, frozenset())
+    root = ledger_ops.Caller(0, "root", True, frozenset())
+    hers, his = record(1001), record(1002)
+    current = [hers, his]
+
+    def go(who: ledger_ops.Caller, proposed: list[Allocation],
+           bound: ShareSpec | None = None) -> list[Allocation]:
+        return ledger_ops.authorize(current, proposed, who, NODE, [GPU], bound, True)
+
+    redacted = ledger_ops.redact(his)
+    assert go(alice, [hers, redacted]) == [hers, his]  # the stored record is kept
+    with pytest.raises(ledger_ops.NotPermitted):
+        go(alice, [hers])  # removing his
+    with pytest.raises(ledger_ops.NotPermitted):
+        go(alice, [hers, replace(redacted, gpus=("GPU-2",))])
+    with pytest.raises(ledger_ops.NotPermitted):
+        go(alice, [replace(hers, extra={"uid": 1002}), redacted])  # giving hers away
+    added = replace(record(1002, 0.25), user="mallory")  # claims to be his
+    out = go(alice, [hers, redacted, added])
+    assert out[-1].extra["uid"] == 1001 and out[-1].user == "alice"
+    with pytest.raises(ledger_ops.OverCapacity):
+        go(alice, [hers, redacted, record(1001, 0.75)])
+    with pytest.raises(ShareError, match="gpu_request"):
+        go(alice, [hers, redacted, record(1001, 0.5)], ShareSpec(0.25, 0.25))
+    assert go(root, [hers]) == [hers]  # an admin may release anyone's
+    bounded = record(1001)
+    bounded = replace(bounded, extra=bounds.record(bounded.extra, ShareSpec(0.25, 0.25)))
+    with pytest.raises(ShareError):
+        ledger_ops.authorize([bounded], [replace(bounded, spec=ShareSpec(0.5, 0.5, GiB))],
+                             alice, NODE, [GPU], None, True)
+
+
+def test_tightest_bound() -> None:
+    hub = ShareSpec(0.5, 1.0, gpu_memory=40 * GiB)
+    admin = ShareSpec(0.75, 0.75)
+    both = bounds.tightest([hub, admin, None])
+    assert both is not None
+    assert (both.gpu_request, both.gpu_limit, both.gpu_memory) == (0.5, 0.75, 40 * GiB)
+    assert bounds.tightest([None]) is None
+    with pytest.raises(ShareError, match="gpu_type"):
+        bounds.tightest([ShareSpec(gpu_type="A100"), ShareSpec(gpu_type="T4")])

@@ -249,3 +249,18 @@ def test_cli_says_one_line(gpushare_env: dict[str, str], tmp_path: Path) -> None
         assert lines[-1] == (f"gpushare: the ledger {ledger} is unavailable: file is not a "
                              "database (SQLITE_NOTADB)"), result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_a_failing_ledger_is_logged_once_a_minute_not_per_call(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "ledger.sqlite"
+    corrupt(path)
+    ledger = SQLiteLedger(path)
+    with caplog.at_level(logging.WARNING, logger="jupyter_gpushare.ledger"):
+        for _ in range(20):  # a daemon or a status bar polling
+            with pytest.raises(LedgerUnavailable):
+                asyncio.run(ledger.snapshot())
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"gpushare: the ledger {path} is unavailable: file is not a database "
+                     "(SQLITE_NOTADB)"], lines
+    assert all(r.exc_info is None for r in caplog.records)  # no traceback

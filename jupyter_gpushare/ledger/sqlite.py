@@ -12,7 +12,8 @@ touches nothing; the file and its schema are made on first use.
 Failures: any SQLite error (a full disk, ``SQLITE_FULL``; a read-only file or directory; a file
 that is not a database) is raised as :class:`~jupyter_gpushare.ledger.LedgerUnavailable` with
 SQLite's reason and code, after the transaction is rolled back (or found already rolled back:
-SQLite rolls back by itself on ``SQLITE_FULL``), so a failed write leaves the rows before it. A
+SQLite rolls back by itself on ``SQLITE_FULL``), so a failed write leaves the rows before it;
+the failure is logged once a minute at most, one line, no traceback. A
 row that cannot be read (not JSON, missing fields, an impossible share) is skipped by readers with
 one warning per row, and kept as it is by writers, never silently dropped.
 """
@@ -26,6 +27,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager
 from pathlib import Path
@@ -56,16 +58,35 @@ def _unavailable(method: Callable[P, T]) -> Callable[P, T]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
         try:
             return method(*args, **kwargs)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:  # OSError: the directory cannot be made
             ledger = args[0]
             assert isinstance(ledger, SQLiteLedger)
-            raise LedgerUnavailable(str(ledger.path), _reason(exc, ledger.path)) from None
-        except OSError as exc:  # the directory cannot be made
-            ledger = args[0]
-            assert isinstance(ledger, SQLiteLedger)
-            raise LedgerUnavailable(str(ledger.path), exc.strerror or str(exc)) from None
+            reason = (_reason(exc, ledger.path) if isinstance(exc, sqlite3.Error)
+                      else exc.strerror or str(exc))
+            _log_unavailable(str(ledger.path), reason)
+            raise LedgerUnavailable(str(ledger.path), reason) from None
 
     return wrapper
+
+
+#: how often one failure of the ledger is logged (each caller still gets the error at once)
+LOG_EVERY_S = 60.0
+_logged: dict[tuple[str, str], tuple[float, int]] = {}
+_logged_lock = threading.Lock()
+
+
+def _log_unavailable(path: str, reason: str) -> None:
+    """One warning line per failure and minute, however many calls meet it (a daemon or a
+    status bar polls every few hundred ms)."""
+    now = time.monotonic()
+    with _logged_lock:
+        last, suppressed = _logged.get((path, reason), (-LOG_EVERY_S, 0))
+        if now - last < LOG_EVERY_S:
+            _logged[(path, reason)] = (last, suppressed + 1)
+            return
+        _logged[(path, reason)] = (now, 0)
+    more = f" ({suppressed} more time(s) in the last minute)" if suppressed else ""
+    log.warning("gpushare: the ledger %s is unavailable: %s%s", path, reason, more)
 
 
 def _reason(exc: sqlite3.Error, path: Path) -> str:

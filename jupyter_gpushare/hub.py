@@ -57,9 +57,10 @@ ENV_DISABLED = "GPUSHARE_DISABLED"
 #: Option names in the form (and in ``user_options``).
 OPT_TYPE, OPT_SHARE, OPT_MEMORY = "gpu_type", "gpu_share", "gpu_memory"
 ANY_TYPE, AUTO_MEMORY = "any", "auto"
-#: Syntax of a custom share: "REQUEST" or "REQUEST-LIMIT" (checked again by ShareSpec).
-SHARE_RE = r"^\s*\d*\.?\d+\s*(-\s*\d*\.?\d+\s*)?$"
-MEMORY_RE = r"^\s*\d+(\.\d+)?\s*([KMGT]i?B?|[kmgt]i?b?)?\s*$"
+#: Syntax of a custom share, checked in the browser: "REQUEST" or "REQUEST-LIMIT", ASCII digits,
+#: at most two decimals (steps of 0.01); the server checks it again with ShareSpec (share.py).
+SHARE_RE = r"^\s*([0-9]*\.)?[0-9]{1,2}\s*(-\s*([0-9]*\.)?[0-9]{1,2}\s*)?$"
+MEMORY_RE = r"^\s*[0-9]+(\.[0-9]+)?\s*([KMGT]i?B?|[kmgt]i?b?)?\s*$"
 
 
 class GpuOptionError(ValueError):
@@ -447,7 +448,8 @@ class GpuProfiles(LoggingConfigurable):
                 "enabled": True,
                 "display_name": "Custom share: REQUEST or REQUEST-LIMIT, e.g. 0.3-0.6",
                 "validation_regex": SHARE_RE,
-                "validation_message": "A fraction of one GPU, or two: request-limit (0.3-0.6)",
+                "validation_message": "A fraction of one GPU in steps of 0.01, or two: "
+                                      "request-limit (0.3-0.6)",
             }
         return option
 

@@ -175,3 +175,26 @@ def test_memory_unit_is_stated():
         parse_memory("0.0000001")
     assert err.value.allowed.startswith("at least 1MiB")
     assert parse_memory("1MiB") == MEMORY_UNIT
+
+
+@pytest.mark.parametrize("text", ["0.25", "0.3-0.6", ".5", "1", "0.01", "0.333", "0.005",
+                                  "٠.٥", "1e-3", "0.5-0.25", "0.3 - 0.6"])
+def test_hub_form_pattern_agrees_with_the_parser(text):
+    """The Hub form checks a custom share in the browser (hub.SHARE_RE) before the server
+    parses it: a text the pattern lets through is one the parser reads alike or refuses by
+    name, and no share the parser accepts is blocked by the pattern."""
+    import re
+
+    from jupyter_gpushare.hub import SHARE_RE
+
+    request, _, limit = text.partition("-")
+    try:
+        ShareSpec.from_mapping({"gpu_request": request.strip(),
+                                "gpu_limit": limit.strip() or request.strip()})
+        parsed = True
+    except ShareError:
+        parsed = False
+    if parsed:
+        assert re.match(SHARE_RE, text), text
+    if not re.match(SHARE_RE, text):
+        assert not parsed, text

@@ -11,12 +11,20 @@ pod). Everything behind it (:class:`Admission`, the status filter, the peer chec
 ``per_uid`` connections per uid (uid 0 and the agent's own uid are exempt) and ``per_pod`` per
 kernel pod (pods often share one uid, so a pod is counted as itself); and once fewer than
 ``reserve`` descriptors are free, only admins and peers that hold a share on this node may open a
-connection. The caller closes a refused connection at once.
+connection. A refused connection is closed at once.
+
+:class:`Listener` accepts connections itself rather than through asyncio's server, one at a time,
+so that each is admitted or refused (and closed) before the next is accepted: asyncio's server
+accepts a whole backlog first, which can run the agent out of descriptors before any admission
+check runs, and then stops accepting, honest clients too, for a second at a time.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import grp
+import logging
 import os
 import pwd
 import resource
@@ -28,6 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .identity import pod_uid_of
+from .ratelog import RateLimitedLog
+
+log = logging.getLogger("jupyter_gpushare.daemon")
 
 #: how long a uid's user name and group list are cached (s)
 NAME_CACHE_S = 30.0
@@ -188,3 +199,56 @@ def _count_open_fds() -> int:
         return len(os.listdir("/proc/self/fd"))
     except OSError:
         return 0
+
+
+class Listener:
+    """The agent's listening unix socket; ``accepted`` gets each new connection (non-blocking)
+    and must admit it or close it before returning."""
+
+    #: connections accepted per turn of the event loop (then the others get a turn)
+    PER_TURN = 64
+
+    def __init__(self, path: str, backlog: int, accepted: Callable[[socket.socket], None]) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.bind(path)
+            self.sock.listen(backlog)
+        except OSError:
+            self.sock.close()
+            raise
+        self.sock.setblocking(False)
+        self.accepted = accepted
+        self.short = RateLimitedLog(log, "accepting a connection failed")
+        self.closed = False
+        self.loop.add_reader(self.sock.fileno(), self._ready)
+
+    def _ready(self) -> None:
+        for _ in range(self.PER_TURN):
+            try:
+                conn, _addr = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                self.short.ok()
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM,
+                                     errno.ECONNABORTED):
+                    raise
+                self.short.failed(str(exc))
+                if exc.errno != errno.ECONNABORTED:  # out of resources: try again shortly
+                    self.loop.remove_reader(self.sock.fileno())
+                    self.loop.call_later(0.05, self._resume)
+                    return
+                continue
+            conn.setblocking(False)
+            self.accepted(conn)
+
+    def _resume(self) -> None:
+        if not self.closed:
+            self.loop.add_reader(self.sock.fileno(), self._ready)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.loop.remove_reader(self.sock.fileno())
+            self.sock.close()

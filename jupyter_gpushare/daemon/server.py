@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import socket
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import psutil
 
 from ..ledger import Allocation, Ledger
 from . import wire
-from .admission import Admins, Admission, Peer, raise_fd_limit, read_peer, user_name
+from .admission import Admins, Admission, Listener, Peer, raise_fd_limit, read_peer, user_name
 from .gpu import GpuLoop, Tenant
 from .identity import pod_uid_of
 from .ratelog import RateLimitedLog
@@ -45,6 +46,9 @@ MAX_QUEUED_BYTES = 128 * 1024
 WRITE_HIGH_WATER = 64 * 1024
 MAX_BAD_IN_A_ROW = 16
 BATCH = 16
+#: connections waiting to be accepted: a client's non-blocking connect fails at once (EAGAIN)
+#: when this is full, so it is deep enough for a burst of connects from an abuser
+LISTEN_BACKLOG = 1024
 
 
 def default_state_dir(socket_path: Path) -> Path:
@@ -109,7 +113,7 @@ class Daemon:
         self.gpus: dict[str, GpuLoop] = {}
         self.allocations: dict[str, Allocation] = {}
         self.clients: set[Client] = set()
-        self.server: asyncio.AbstractServer | None = None
+        self.server: Listener | None = None
         self.epoch = 0
         self.started_ns = monotonic_ns()
         self.refused = 0
@@ -137,8 +141,7 @@ class Daemon:
         fd_limit = raise_fd_limit()
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # the caller checked that no live daemon answers on it
-        loop = asyncio.get_running_loop()
-        self.server = await loop.create_unix_server(lambda: _Protocol(self), path=str(path))
+        self.server = Listener(str(path), LISTEN_BACKLOG, self._accepted)
         os.chmod(path, 0o666)  # peers are authenticated by credentials, not by file mode
         await self.refresh()
         follow = self._watch_ledger if hasattr(self.ledger, "watch_node") else self._poll_ledger
@@ -405,6 +408,32 @@ class Daemon:
             f"({allocation.pid}) or one of its children",
         )
 
+    def _accepted(self, conn: socket.socket) -> None:
+        """A new connection: admitted (its own ``_Protocol``) or refused and closed at once."""
+        try:
+            peer = read_peer(conn, self.admins)
+        except OSError as exc:  # gone already
+            log.debug("no peer credentials: %s", exc)
+            conn.close()
+            return
+        why = self.admission.admit(peer, lambda: self.holds_share(peer))
+        if why is not None:
+            self.refused_log.failed(f"pid {peer.pid} ({peer.counted_as}): {why}")
+            with contextlib.suppress(OSError):
+                conn.send(wire.encode(wire.refusal(wire.E_NOT_PERMITTED, why)))
+            conn.close()
+            return
+        task = asyncio.get_running_loop().create_task(
+            asyncio.get_running_loop().connect_accepted_socket(lambda: _Protocol(self, peer), conn))
+        task.add_done_callback(lambda t: self._connect_failed(t, peer, conn))
+
+    def _connect_failed(self, task: asyncio.Task[Any], peer: Peer, conn: socket.socket) -> None:
+        if task.cancelled() or task.exception() is not None:
+            log.debug("could not serve pid %d: %r", peer.pid,
+                      None if task.cancelled() else task.exception())
+            self.admission.left(peer)
+            conn.close()
+
     def disconnected(self, client: Client) -> None:
         self.clients.discard(client)
         for gpu, tenant in client.tenants:
@@ -564,18 +593,20 @@ def _check_pod_peer(client: Client, allocation: Allocation) -> dict[str, Any] | 
 class _Protocol(asyncio.Protocol):
     """Line framing for one connection; requests are handled in order, in bounded memory.
 
-    The connection is admitted or refused (closed at once, with one refusal line) by
-    :class:`.admission.Admission` from the peer's identity (:func:`.admission.read_peer`). Then at
-    most ``MAX_QUEUED`` requests (``MAX_QUEUED_BYTES``) wait to be handled and at most
-    ``WRITE_HIGH_WATER`` bytes of replies wait for the client to read them: past either, the agent
-    stops reading the connection (``pause_reading``) until they drain, so a client that writes and
-    never reads holds a bounded buffer, not the agent's memory. A partial line is at most
-    ``wire.MAX_LINE`` bytes; ``MAX_BAD_IN_A_ROW`` unreadable or refused requests in a row close
-    the connection; one that holds no share is closed after ``idle_timeout_s`` without a request.
+    The connection was admitted already (``Daemon._accepted``: :class:`.admission.Admission` on
+    the peer's identity from :func:`.admission.read_peer`; a refused one is closed at once with
+    one refusal line). At most ``MAX_QUEUED`` requests (``MAX_QUEUED_BYTES``) wait to be handled
+    and at most ``WRITE_HIGH_WATER`` bytes of replies wait for the client to read them: past
+    either, the agent stops reading the connection (``pause_reading``) until they drain, so a
+    client that writes and never reads holds a bounded buffer, not the agent's memory. A partial
+    line is at most ``wire.MAX_LINE`` bytes; ``MAX_BAD_IN_A_ROW`` unreadable or refused requests in
+    a row close the connection; one that holds no share is closed after ``idle_timeout_s`` without
+    a request.
     """
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Daemon, peer: Peer) -> None:
         self.daemon = daemon
+        self.peer = peer
         self.buffer = bytearray()
         self.client: Client | None = None
         #: (request, or None with a ready reply; the reply; the request's size in bytes)
@@ -589,25 +620,11 @@ class _Protocol(asyncio.Protocol):
         self.last_request = 0.0
         self.idle_timer: asyncio.TimerHandle | None = None
 
-    # -- admission ---------------------------------------------------------------------------
+    # -- the connection's life -----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
-        try:
-            peer = read_peer(transport.get_extra_info("socket"), self.daemon.admins)
-        except OSError as exc:  # gone already
-            log.debug("no peer credentials: %s", exc)
-            transport.abort()
-            return
-        why = self.daemon.admission.admit(peer, lambda: self.daemon.holds_share(peer))
-        if why is not None:
-            self.daemon.refused_log.failed(f"pid {peer.pid} ({peer.counted_as}): {why}")
-            transport.write(wire.encode(wire.refusal(wire.E_NOT_PERMITTED, why)))
-            if transport.get_write_buffer_size():
-                transport.abort()  # it does not even read its refusal
-            else:
-                transport.close()
-            return
+        peer = self.peer
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         self.client = Client(transport, peer.pid, peer.uid, peer=peer)
         self.daemon.clients.add(self.client)
@@ -755,7 +772,6 @@ class _Protocol(asyncio.Protocol):
         self.writable.set()  # a waiting worker ends
         self.queue.clear()
         self.buffer.clear()
+        self.daemon.admission.left(self.peer)
         if self.client is not None:
-            assert self.client.peer is not None
-            self.daemon.admission.left(self.client.peer)
             self.daemon.disconnected(self.client)

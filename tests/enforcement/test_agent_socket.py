@@ -1,0 +1,274 @@
+"""The node agent's socket under hostile local users (issue 12): bounded memory per client,
+connection caps, idle timeouts, the descriptor reserve, ``status`` showing only the caller's own
+shares, and the ledger-failure log that does not flood. Clients are real Unix users
+(``agent_abuse_support.py``); the tight latency figure is in benchmarks/agent_abuse.py."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+
+import psutil
+from agent_abuse_support import (
+    FLOOD,
+    GARBAGE,
+    HOLD,
+    HONEST,
+    IDLE,
+    STATUS,
+    finish,
+    percentile,
+    raise_own_fd_limit,
+    read_json,
+    record,
+    run_as,
+    shared_dir,
+    start_agent,
+    unix_user,
+)
+from enforcement_support import add_allocation, shares, spawn_tenant
+
+from jupyter_gpushare.daemon.ratelog import RateLimitedLog
+from jupyter_gpushare.ledger.sqlite import SQLiteLedger
+
+MB = 2**20
+
+
+class _Sampler(threading.Thread):
+    """The agent's peak RSS and descriptor count while it runs."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.process = psutil.Process(pid)
+        self.rss = 0
+        self.fds = 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                self.rss = max(self.rss, self.process.memory_info().rss)
+                self.fds = max(self.fds, self.process.num_fds())
+            except psutil.Error:
+                return
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(5)
+
+
+def test_abuse_leaves_the_agent_small_and_an_honest_kernel_served(built, gpus):
+    """A ping flood that never reads (1M asked), 5,000 idle connections of another user, garbage
+    frames, all at once, while an honest kernel of a third user says hello and keeps asking for
+    its own status, and an interposed tenant keeps launching at its 0.5 share."""
+    raise_own_fd_limit()
+    honest_user, idle_user, rough_user = (unix_user(n) for n in
+                                          ("gsagent-a", "gsagent-b", "gsagent-c"))
+    directory = shared_dir()
+    agent = start_agent(directory)
+    sampler = _Sampler(agent.proc.pid)
+    try:
+        ledger = SQLiteLedger(agent.ledger_path)
+        base_fds = psutil.Process(agent.proc.pid).num_fds()
+        sampler.start()
+        honest = run_as(honest_user, HONEST, str(agent.socket), "6")
+        mine = record(ledger, gpus[0], pid=honest.pid, uid=honest_user.pw_uid,
+                      user=honest_user.pw_name, kernel_id="k-honest")
+        share = add_allocation(ledger, gpus[0], 0.5, 0.5)
+        agent.client.refresh()
+
+        idle = run_as(idle_user, IDLE, str(agent.socket), "5000")
+        opened = read_json(idle)
+        flood = run_as(rough_user, FLOOD, str(agent.socket), "1000000")
+        flooded = read_json(flood)
+        garbage = run_as(rough_user, GARBAGE, str(agent.socket))
+        tenant = spawn_tenant(agent, ledger, share, gpus, ["spin", "5", "1000", "8"], directory)
+        assert honest.stdin is not None
+        honest.stdin.write(mine.id + "\n")
+        honest.stdin.flush()
+        served = read_json(honest)
+        tenant.finish()
+        idle_left = finish(idle)
+        junk = finish(garbage)
+        finish_flood = flood
+        assert finish_flood.stdin is not None
+        finish_flood.stdin.close()
+        flood.wait(30)
+    finally:
+        sampler.stop()
+        agent.stop()
+    log = agent.log.read_text()
+
+    # the flood: the agent stopped reading long before 1M requests (memory bounded per client)
+    assert flooded.get("sent_requests", 0) < 1_000_000, flooded
+    # 5,000 idle connections of one uid: at most 256 kept (the per-uid cap), the rest closed
+    assert opened["connected"] + opened["failed"] == 5000, opened
+    assert idle_left["still_open"] <= 256, idle_left
+    # garbage: answered at most 16 times in a row, then the connection is closed
+    assert junk["connections"] >= 1 and junk["unclosed"] == 0, junk
+    assert junk["max_answers"] <= 16, junk
+    # the agent stayed small, and its descriptors bounded
+    assert sampler.rss < 100 * MB, f"agent RSS {sampler.rss / MB:.0f} MB\n{log[-3000:]}"
+    assert sampler.fds <= base_fds + 256 + 64, (sampler.fds, base_fds)
+    # the honest kernel was served all along (tight figures: benchmarks/agent_abuse.py)
+    assert served["hello"] and served["n_errors"] == 0, served
+    assert len(served["status_ms"]) >= 50, len(served["status_ms"])
+    p99 = percentile(served["status_ms"] + served["ping_ms"], 0.99)
+    assert p99 <= 50, f"honest round trip p99 {p99:.1f} ms"
+    # and the tenant kept its share (the agent's lease loop was not starved)
+    t0 = tenant.lines[0]["start"] + int(1.5e9)
+    (got,) = shares([tenant], t0, t0 + int(3e9))
+    assert 0.4 <= got <= 0.56, got
+    assert "Traceback" not in log, log[-3000:]
+    assert log.count("refused a connection") <= 3, log[-3000:]
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_status_shows_each_user_only_their_own_shares(built, gpus):
+    """User B's ``status`` has none of A's allocation id, kernel id or PID; B sees its shares by
+    uid, by user name (records without a uid) and by process; root and the admin group see
+    all; B cannot ask for A's allocation by id."""
+    user_a, user_b = unix_user("gsagent-a"), unix_user("gsagent-b")
+    admin = unix_user("gsagent-d", groups=("gsagentadm",))
+    directory = shared_dir()
+    agent = start_agent(directory, "--admin-group", "gsagentadm")
+    try:
+        ledger = SQLiteLedger(agent.ledger_path)
+        ask_a = run_as(user_a, STATUS, str(agent.socket))
+        ask_b = run_as(user_b, STATUS, str(agent.socket))
+        ask_b_for_a = run_as(user_b, STATUS, str(agent.socket))
+        ask_admin = run_as(admin, STATUS, str(agent.socket))
+        a = record(ledger, gpus[0], pid=ask_a.pid, uid=user_a.pw_uid, user=user_a.pw_name,
+                   kernel_id="k-of-user-a")
+        b_uid = record(ledger, gpus[0], pid=None, uid=user_b.pw_uid, user=user_a.pw_name)
+        b_name = record(ledger, gpus[0], pid=None, user=user_b.pw_name)
+        b_process = record(ledger, gpus[0], pid=ask_b.pid, user="somebody-else")
+        agent.client.refresh()
+        everything = {a.id, b_uid.id, b_name.id, b_process.id}
+
+        def ask(proc, allocation=""):
+            assert proc.stdin is not None
+            proc.stdin.write(allocation + "\n")
+            proc.stdin.flush()
+            reply = read_json(proc)
+            proc.wait(30)
+            return reply
+
+        seen_b = ask(ask_b)
+        seen_a = ask(ask_a)
+        b_for_a = ask(ask_b_for_a, a.id)
+        seen_admin = ask(ask_admin)
+        seen_root = agent.client.status()
+    finally:
+        agent.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+    ids = lambda reply: {x["id"] for x in reply["allocations"]}  # noqa: E731
+    assert ids(seen_b) == {b_uid.id, b_name.id, b_process.id}, seen_b
+    text = str(seen_b)
+    assert a.id not in text and "k-of-user-a" not in text and str(ask_a.pid) not in text
+    [gpu] = seen_b["gpus"]  # the GPU's totals are shown, the others' shares are not named
+    assert gpu["shares"] == 4 and abs(gpu["reserved_request"] - 0.8) < 1e-6, gpu
+    assert set(gpu["allocations"]) == ids(seen_b) and gpu["holder"] in (None, *ids(seen_b))
+    assert ids(seen_a) == {a.id}, seen_a
+    assert b_for_a["ok"] is False and b_for_a["error"] == "unknown_allocation", b_for_a
+    assert a.id not in str({k: v for k, v in b_for_a.items() if k != "message"})
+    assert ids(seen_root) == everything and ids(seen_admin) == everything, seen_admin
+
+
+def test_idle_connections_time_out_but_share_holders_stay(built, gpus):
+    user_a, user_b = unix_user("gsagent-a"), unix_user("gsagent-b")
+    directory = shared_dir()
+    agent = start_agent(directory, "--idle-timeout", "1")
+    try:
+        ledger = SQLiteLedger(agent.ledger_path)
+        holder = run_as(user_a, HOLD, str(agent.socket), "3")
+        mine = record(ledger, gpus[0], pid=holder.pid, uid=user_a.pw_uid)
+        agent.client.refresh()
+        idle = run_as(user_b, IDLE, str(agent.socket), "3")
+        assert read_json(idle)["connected"] == 3
+        assert holder.stdin is not None
+        holder.stdin.write(mine.id + "\n")
+        holder.stdin.flush()
+        held = read_json(holder)
+        left = finish(idle)
+    finally:
+        agent.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+    assert left["still_open"] == 0, left  # sent nothing for 1 s: closed
+    assert held == {"hello": True, "pinged": True, "kept_served": True, "other_closed": True}
+
+
+def test_descriptors_are_kept_for_share_holders(built, gpus):
+    """With 400 descriptors and 150 of them reserved, a user without a share cannot take the
+    last 150 (though under its per-uid cap); a user holding a share and root still connect."""
+    raise_own_fd_limit()
+    user_a, user_b = unix_user("gsagent-a"), unix_user("gsagent-b")
+    directory = shared_dir()
+    agent = start_agent(directory, "--fd-reserve", "150", "--max-connections-per-uid", "1000",
+                        nofile=400)
+    try:
+        ledger = SQLiteLedger(agent.ledger_path)
+        honest = run_as(user_a, HONEST, str(agent.socket), "1")
+        mine = record(ledger, gpus[0], pid=honest.pid, uid=user_a.pw_uid)
+        agent.client.refresh()
+        idle = run_as(user_b, IDLE, str(agent.socket), "600")
+        read_json(idle)
+        assert honest.stdin is not None
+        honest.stdin.write(mine.id + "\n")
+        honest.stdin.flush()
+        served = read_json(honest)
+        root_ok = agent.client.alive()
+        fds = psutil.Process(agent.proc.pid).num_fds()
+        left = finish(idle)
+    finally:
+        agent.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+    assert 0 < left["still_open"] <= 400 - 150, left
+    assert fds <= 400 - 150 + 8, fds
+    assert served["hello"] and served["n_errors"] == 0 and served["status_ms"], served
+    assert root_ok
+
+
+def test_a_broken_ledger_is_logged_once_a_minute_not_every_poll(built, tmp_path):
+    agent = start_agent(tmp_path)  # polls the ledger every 100 ms
+    try:
+        broken = tmp_path / "ledger.sqlite.away"
+        agent.ledger_path.rename(broken)
+        agent.ledger_path.write_bytes(b"not a database " * 512)
+        time.sleep(3)  # ~30 failed reads
+        during = agent.log.read_text()
+        agent.ledger_path.unlink()
+        broken.rename(agent.ledger_path)
+        deadline = time.monotonic() + 10
+        while "working again" not in agent.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        after = agent.log.read_text()
+    finally:
+        agent.stop()
+    failures = [line for line in during.splitlines() if "reading the ledger failed" in line]
+    assert len(failures) == 1, during[-3000:]
+    assert "database" in failures[0]  # the reason is in the line
+    assert "Traceback" not in during
+    assert "reading the ledger failed: working again" in after, after[-2000:]
+
+
+def test_rate_limited_log_counts_what_it_did_not_write(caplog):
+    now = [0.0]
+    log = RateLimitedLog(logging.getLogger("test.ratelog"), "reading the ledger failed",
+                         every=60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="test.ratelog"):
+        for _ in range(4 * 60 * 4):  # four minutes of failures every 250 ms
+            log.failed("database is locked", ValueError("x"))
+            now[0] += 0.25
+        log.ok()
+        log.ok()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 + 3 + 1, lines
+    assert lines[0] == "reading the ledger failed: database is locked"
+    assert "240 times in the last 60 s" in lines[1], lines
+    assert lines[-1] == "reading the ledger failed: working again"
+    assert not any(r.exc_info for r in caplog.records)

@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 from typing import Any
 
+from .ledger import LedgerUnavailable
+
 
 class PeriodicTask:
     """Runs :meth:`run_once` on the event loop every :meth:`interval` seconds until stopped.
@@ -34,6 +36,8 @@ class PeriodicTask:
             if self.enabled():
                 try:
                     await self.run_once()
+                except LedgerUnavailable:
+                    pass  # the ledger logs that itself, one line a minute; the next pass retries
                 except Exception:  # keep going; report
                     self.log.exception("gpushare: %s failed", self.what)
             await asyncio.sleep(max(0.1, self.interval()))

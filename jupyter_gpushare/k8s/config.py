@@ -68,10 +68,39 @@ class KubernetesBackendConfig(SingletonConfigurable):
         "", config=True, help="serviceAccountName of kernel pods (empty: the namespace default)."
     )
     runtime_class = Unicode(
-        "",
+        "nvidia",
         config=True,
-        help="runtimeClassName of kernel pods, e.g. 'nvidia' so that NVIDIA_VISIBLE_DEVICES "
-        "is honoured by the NVIDIA container runtime.",
+        help="runtimeClassName of kernel pods on nodes with real GPUs ('nvidia': GPU Operator "
+        "v25.10+ injects devices with CDI through that runtime class, which is no longer the "
+        "default runtime). Not set on nodes whose GPUs are simulated. Empty: none.",
+    )
+    device_plugin = Bool(
+        True,
+        config=True,
+        help="Kernel pods get their GPU, interposer and agent socket from gpushare's device "
+        "plugin (the node DaemonSet runs it with --device-plugin): they request share_resource "
+        "and pass Pod Security 'restricted' (no hostPath, non-root, no capabilities). False: "
+        "hostPath mounts of the daemon socket and interposer instead (the namespace must then "
+        "allow privileged pods).",
+    )
+    share_resource = Unicode(
+        "gpushare.jupyter.org/gpu-share",
+        config=True,
+        help="Extended resource a kernel pod requests: its compute request in hundredths of a "
+        "GPU times its GPU count (limits = requests), advertised by the device plugin as 100 "
+        "per healthy GPU, so the kube-scheduler accounts for shares.",
+    )
+    run_as_user = Int(
+        1000, config=True, help="runAsUser of kernel pods (docker-stacks images: 1000, jovyan)."
+    )
+    run_as_group = Int(
+        100, config=True, help="runAsGroup of kernel pods (docker-stacks images: 100, users)."
+    )
+    fs_group = Int(
+        100,
+        config=True,
+        help="fsGroup of kernel pods: the connection Secret is mounted with this group, mode "
+        "0440, so the image's user can read its connection file.",
     )
     pod_template = Dict(
         default_value={},
@@ -149,6 +178,29 @@ class KubernetesBackendConfig(SingletonConfigurable):
         2.0, config=True, help="Seconds a read of the Node inventory is reused by placement."
     )
 
+    # -- controller mode (the server holds no Kubernetes rights) --------------------------------
+    controller_url = Unicode(
+        "",
+        config=True,
+        help="URL of the gpushare controller (e.g. http://gpushare-controller.jhub:8081). When "
+        "set, this server is a thin client: the controller places shares and runs kernel pods, "
+        "and the server needs no service account. Several URLs, comma-separated, are tried in "
+        "order. Empty: the server talks to the API server itself (direct mode). Default: "
+        "$GPUSHARE_CONTROLLER_URL.",
+    )
+    controller_token = Unicode(
+        "",
+        config=True,
+        help="Token sent to the controller (empty: $JUPYTERHUB_API_TOKEN, the token JupyterHub "
+        "gives every user server; the controller resolves it to the Hub user).",
+    )
+    controller_retry_for = Float(
+        60.0,
+        config=True,
+        help="Seconds a call to the controller is retried while it fails over (standby "
+        "answering 503 not_leader, or no replica reachable).",
+    )
+
     @default("namespace")
     def _default_namespace(self) -> str:
         path = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -160,6 +212,10 @@ class KubernetesBackendConfig(SingletonConfigurable):
     @default("kubeconfig")
     def _default_kubeconfig(self) -> str:
         return os.environ.get("GPUSHARE_KUBECONFIG", "")
+
+    @default("controller_url")
+    def _default_controller_url(self) -> str:
+        return os.environ.get("GPUSHARE_CONTROLLER_URL", "")
 
     @default("server_id")
     def _default_server_id(self) -> str:

@@ -337,6 +337,18 @@ class KubernetesUsage:
         """Nothing to do: node daemons watch their GpuLedger and apply changes themselves."""
 
 
+class ControllerModeUsage:
+    """Controller mode: the server cannot read the usage ConfigMaps (no rights), and usage
+    through the controller is not built yet; every reading says so."""
+
+    async def read(self, fresh: bool = False) -> UsageView:
+        return UsageView("kubernetes", message="live usage is not available in controller mode "
+                         "yet (the server holds no Kubernetes rights to read usage reports)")
+
+    async def changed(self) -> None:
+        """Nothing to do: node daemons watch their GpuLedger."""
+
+
 _sources: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, KubernetesUsage] = (
     weakref.WeakKeyDictionary())
 
@@ -346,8 +358,10 @@ async def server_usage(settings: Any) -> KubernetesUsage:
     from .backend import get_context
     from .config import KubernetesBackendConfig
 
-    ctx = await get_context(KubernetesBackendConfig.instance(config=settings.config),
-                            settings.aliases())
+    config = KubernetesBackendConfig.instance(config=settings.config)
+    if config.controller_url:
+        return ControllerModeUsage()  # type: ignore[return-value]
+    ctx = await get_context(config, settings.aliases())
     loop = asyncio.get_running_loop()
     source = _sources.get(loop)
     if source is None or source.reader.kube is not ctx.kube:

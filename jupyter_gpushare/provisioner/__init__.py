@@ -109,9 +109,9 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         if self._kernel_backend is None:
             name = self.backend or self.settings.backend
             if name == "kubernetes":
-                from ..k8s.backend import KubernetesKernelBackend
+                from ..k8s.backend import kernel_backend
 
-                self._kernel_backend = KubernetesKernelBackend(self)
+                self._kernel_backend = kernel_backend(self)  # direct, or the controller's client
             else:
                 from .local import LocalKernelBackend
 

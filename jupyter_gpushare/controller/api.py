@@ -1,0 +1,218 @@
+"""The controller's HTTP API (tornado, JSON) for users' Jupyter servers.
+
+Every handler authenticates first (:mod:`.auth`: the caller's JupyterHub API token), then asks
+the :class:`~.kernels.KernelService`, which authorizes by the record. Refusals are
+:class:`~.errors.ControllerError` bodies ``{"error", "message", ...}``; nothing else leaves as a
+traceback. A standby replica (not the leader) answers every request with 503 ``not_leader``
+naming the active replica, and ``GET /api/health`` the same, so a readiness probe on it keeps
+the Service routed to the leader only.
+
+=======  ==================================  ==============================================
+GET      /api/health                         leader or 503 not_leader (no auth)
+GET      /api/gpus                           inventory with free capacity
+GET      /api/allocations                    the caller's allocations (admins: all)
+POST     /api/allocations                    place a share {kernel_id, server_id, share}
+GET      /api/allocations/{id}               one allocation
+PATCH    /api/allocations/{id}               live resize {gpu_request, gpu_limit, gpu_memory}
+DELETE   /api/allocations/{id}               release (its pod is deleted too)
+GET      /api/kernels                        the caller's kernels with their pod's state
+POST     /api/kernels                        start a kernel pod {allocation_id | share, ...}
+GET      /api/kernels/{allocation_id}        the pod's state (the server's poll)
+DELETE   /api/kernels/{allocation_id}        stop the pod, keep the share (?grace=seconds)
+PUT      /api/servers/{server_id}            heartbeat: renew the server's Lease
+=======  ==================================  ==============================================
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from tornado.web import Application, HTTPError, RequestHandler
+
+from ..ledger import Allocation
+from ..placement import to_units
+from .auth import HubAuth, HubUser, token_from_header
+from .errors import ControllerError, bad_request, from_exception, unavailable
+
+log = logging.getLogger("jupyter_gpushare.controller")
+
+MAX_BODY = 1 << 20
+
+
+class State:
+    """What the handlers need; ``service`` is None while this replica is not the leader."""
+
+    def __init__(self, auth: HubAuth, identity: str) -> None:
+        self.auth = auth
+        self.identity = identity
+        self.service: Any = None
+        self.leader: Any = None  # LeaderElection, for the standby's reason
+
+    def not_leader(self) -> ControllerError:
+        holder = getattr(self.leader, "holder", None)
+        error = getattr(self.leader, "last_error", None)
+        where = f"the active controller is {holder}" if holder else "no controller is active"
+        why = f"; last error: {error}" if error else ""
+        return unavailable("not_leader", f"this controller replica ({self.identity}) is "
+                           f"standing by: {where}{why}; retry shortly", leader=holder)
+
+
+class Handler(RequestHandler):
+    state: State
+    user: HubUser
+
+    def initialize(self, state: State) -> None:
+        self.state = state
+
+    def set_default_headers(self) -> None:
+        self.set_header("Content-Type", "application/json")
+        self.set_header("Cache-Control", "no-store")
+
+    async def prepare(self) -> None:
+        if self.state.service is None:
+            raise self.state.not_leader()
+        token = token_from_header(self.request.headers.get("Authorization"))
+        self.user = await self.state.auth.user(token)
+
+    @property
+    def service(self) -> Any:
+        if self.state.service is None:  # lost the lease during the request
+            raise self.state.not_leader()
+        return self.state.service
+
+    def body(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.request.body or b"{}")
+        except (ValueError, RecursionError):
+            raise bad_request("body", self.request.body[:80].decode(errors="replace"),
+                              "a JSON object") from None
+        if not isinstance(data, dict):
+            raise bad_request("body", data, "a JSON object")
+        return data
+
+    def reply(self, data: Any, status: int = 200) -> None:
+        self.set_status(status)
+        self.finish(json.dumps(data))
+
+    def _handle_request_exception(self, e: BaseException) -> None:
+        mapped = from_exception(e)
+        if mapped is None and isinstance(e, HTTPError):
+            mapped = ControllerError(e.status_code, "http_error", e.log_message or e.reason or "")
+        if mapped is None:
+            log.error("gpushare controller: %s %s failed", self.request.method,
+                      self.request.path, exc_info=e)
+            mapped = ControllerError(500, "internal", "the controller failed; see its log")
+        if self._finished:
+            return
+        self.clear()
+        self.set_default_headers()
+        self.set_status(mapped.status)
+        self.finish(json.dumps(mapped.to_json()))
+
+
+def allocation_json(allocation: Allocation) -> dict[str, Any]:
+    return allocation.to_json()
+
+
+class HealthHandler(Handler):
+    async def prepare(self) -> None:
+        if self.state.service is None:
+            raise self.state.not_leader()
+
+    async def get(self) -> None:
+        self.reply({"leader": True, "identity": self.state.identity})
+
+
+class GpusHandler(Handler):
+    async def get(self) -> None:
+        gpus = await self.service.gpus()
+        allocations = await self.service.ledger.list()
+        used: dict[str, int] = {}
+        for a in allocations:
+            for uuid in a.gpus:
+                used[uuid] = used.get(uuid, 0) + to_units(a.request)
+        out = []
+        for gpu in gpus:
+            item = gpu.to_json()
+            item["allocated"] = used.get(gpu.uuid, 0) / 100
+            out.append(item)
+        self.reply({"gpus": out})
+
+
+class AllocationsHandler(Handler):
+    async def get(self) -> None:
+        found = await self.service.allocations(self.user)
+        self.reply({"allocations": [allocation_json(a) for a in found]})
+
+    async def post(self) -> None:
+        allocation = await self.service.reserve(self.user, self.body())
+        self.reply(allocation_json(allocation), 201)
+
+
+class AllocationHandler(Handler):
+    async def get(self, allocation_id: str) -> None:
+        self.reply(allocation_json(await self.service.allocation(self.user, allocation_id)))
+
+    async def patch(self, allocation_id: str) -> None:
+        after = await self.service.resize(self.user, allocation_id, self.body())
+        self.reply(allocation_json(after))
+
+    async def delete(self, allocation_id: str) -> None:
+        released = await self.service.release(self.user, allocation_id)
+        self.reply(allocation_json(released))
+
+
+class KernelsHandler(Handler):
+    async def get(self) -> None:
+        found = await self.service.allocations(self.user)
+        self.reply({"kernels": [{**self.service.kernel_status(a), "kernel_id": a.kernel_id,
+                                 "user": a.user, "node": a.node}
+                                for a in found if a.extra.get("k8s_pod")]})
+
+    async def post(self) -> None:
+        self.reply(await self.service.launch(self.user, self.body()), 201)
+
+
+class KernelHandler(Handler):
+    async def get(self, allocation_id: str) -> None:
+        allocation = await self.service.allocation(self.user, allocation_id)
+        self.reply(self.service.kernel_status(allocation))
+
+    async def delete(self, allocation_id: str) -> None:
+        text = self.get_query_argument("grace", "1")
+        if not text.isascii() or not text.isdigit() or int(text) > 300:
+            raise bad_request("grace", text, "whole seconds 0-300")
+        self.reply(await self.service.stop_kernel(self.user, allocation_id, int(text)))
+
+
+class ServerHandler(Handler):
+    async def put(self, server_id: str) -> None:
+        await self.service.servers.touch(self.user, server_id, force=True)
+        self.reply({"server_id": server_id, "user": self.user.name})
+
+
+class NotFoundHandler(Handler):
+    async def prepare(self) -> None:
+        raise ControllerError(404, "not_found", f"no such endpoint: {self.request.path}")
+
+
+def make_app(state: State, **settings: Any) -> Application:
+    ident = r"([A-Za-z0-9][-A-Za-z0-9_]{0,79})"
+    routes: list[tuple[str, type[Handler], dict[str, Any]]] = [
+        (r"/api/health", HealthHandler, {"state": state}),
+        (r"/api/gpus", GpusHandler, {"state": state}),
+        (r"/api/allocations", AllocationsHandler, {"state": state}),
+        (rf"/api/allocations/{ident}", AllocationHandler, {"state": state}),
+        (r"/api/kernels", KernelsHandler, {"state": state}),
+        (rf"/api/kernels/{ident}", KernelHandler, {"state": state}),
+        (rf"/api/servers/{ident}", ServerHandler, {"state": state}),
+    ]
+    default: Callable[..., Any] = NotFoundHandler
+    return Application(routes, default_handler_class=default,  # type: ignore[arg-type]
+                       default_handler_args={"state": state}, **settings)
+
+
+__all__ = ["State", "make_app"]

@@ -235,6 +235,9 @@ def test_rest_answers_503_with_the_reason(jupyter_server: Any, gpushare_env: dic
         check_503(refused, "file is not a database")
         assert server.get("/api/kernels").json() == kernels_before  # no kernel left behind
         server.stop()
+        log = server.log_path.read_text(errors="replace")
+        assert "Uncaught exception" not in log and "Traceback" not in log, log[-3000:]
+        assert log.count("is unavailable: file is not a database") == 1  # once a minute
 
 
 def test_cli_says_one_line(gpushare_env: dict[str, str], tmp_path: Path) -> None:

@@ -111,7 +111,6 @@ class GpushareHandler(APIHandler):
         of 500 "Unhandled error"."""
         exc = (kwargs.get("exc_info") or (None, None, None))[1]
         if isinstance(exc, LedgerUnavailable):  # a full disk, a read-only or corrupt ledger
-            self.log.warning("gpushare: %s", exc)
             self.set_status(503)
             self.set_header("Content-Type", "application/json")
             self.finish(json.dumps(exc.to_json()))
@@ -126,6 +125,13 @@ class GpushareHandler(APIHandler):
                                     "message": f"the Kubernetes API server: {detail}"}))
             return
         super().write_error(status_code, **kwargs)
+
+    def log_exception(self, typ: Any, value: BaseException | None, tb: Any) -> None:
+        """An unavailable ledger is no bug here: the ledger logs it (one line a minute) and the
+        caller gets 503 with the reason, so no traceback per request."""
+        if isinstance(value, LedgerUnavailable):
+            return
+        super().log_exception(typ, value, tb)
 
     def fail(self, status: int, body: dict[str, Any]) -> None:
         self.set_status(status)

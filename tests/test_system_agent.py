@@ -9,6 +9,7 @@ knows it only by its peer credentials, exactly as it knows a user's Jupyter serv
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures.thread  # noqa: F401 - loaded before the fork (see as_user)
 import json
 import multiprocessing
 import os
@@ -115,10 +116,12 @@ def agent() -> Iterator[Callable[..., Agent]]:
 
 
 def as_user(user: pwd.struct_passwd, work: Callable[..., Any], *args: Any,
-            start: Any = None) -> Any:
+            start: Any = None, **kwargs: Any) -> Any:
     """Run ``work(*args)`` (a coroutine function) in a forked process as ``user``; returns
     ``("ok", result)`` or ``("error", type name, message, agent error code)``. ``start``: a
-    multiprocessing Event the child waits for before it begins (to start several at once)."""
+    multiprocessing Event the child waits for before it begins (to start several at once).
+    The child runs the code this process already loaded (this Python's own files may not be
+    readable by the user: a pyenv under /root), so modules it needs are imported up here."""
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
 
@@ -131,7 +134,7 @@ def as_user(user: pwd.struct_passwd, work: Callable[..., Any], *args: Any,
         if start is not None:
             start.wait(30)
         try:
-            send.send(("ok", asyncio.run(work(*args))))
+            send.send(("ok", asyncio.run(work(*args, **kwargs))))
         except BaseException as exc:
             send.send(("error", type(exc).__name__, str(exc), getattr(exc, "error", None)))
 
@@ -149,18 +152,22 @@ def result_of(proc: Any, timeout: float = 60) -> Any:
     return out
 
 
-def run_as(user: pwd.struct_passwd, work: Callable[..., Any], *args: Any) -> Any:
-    return result_of(as_user(user, work, *args))
+def run_as(user: pwd.struct_passwd, work: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return result_of(as_user(user, work, *args, **kwargs))
 
 
 # -- what the users' processes do (module level: they run in forked children) ----------------
 
 
 async def place(socket: str, request: float, bound: dict[str, Any] | None = None) -> dict:
-    ledger = AgentLedger(socket, bounds.from_json(bound) if bound else None)
+    hub = bounds.from_json(bound) if bound else None
+    ledger = AgentLedger(socket, hub)
     inventory = await ledger.gpus()
+    spec = ShareSpec(request, request)
+    if hub is not None:  # as the provisioner does (hub.apply_user_bound): memory from the bound
+        spec = bounds.narrowed(spec, hub) if request <= hub.gpu_request else spec
     try:
-        a = await allocate(ledger, ShareSpec(request, request), inventory, None, owner="run")
+        a = await allocate(ledger, spec, inventory, None, owner="run")
     except PlacementRefused as exc:
         return {"refused": exc.message}
     return {"allocation": a.to_json()}
@@ -258,14 +265,17 @@ def test_two_users_one_gpu_one_is_placed_other_refused_and_cannot_touch_it(agent
     for work, args in ((release, (winner["id"],)),
                        (resize_share, (winner["id"], {"gpu_request": 0.1, "gpu_limit": 0.1})),
                        (cas_replacing, (winner["id"],))):
-        outcome = run_as(other, work, socket, *args)
+        kwargs = {"memory": 1} if work is cas_replacing else {}
+        outcome = run_as(other, work, socket, *args, **kwargs)
         assert outcome[:2] == ("error", "AgentRefused") and outcome[3] == "not_permitted", (
             work.__name__, outcome)
     # nor publish GPUs
     outcome = run_as(other, put_gpus, socket)
     assert outcome[3] == "not_permitted", outcome
     # the agent's status shows the other user none of its details
-    shown = run_as(other, status, socket)[1]
+    shown = run_as(other, status, socket)
+    assert shown[0] == "ok", shown
+    shown = shown[1]
     assert winner["id"] not in json.dumps(shown.get("allocations", []))
     # no file of the agent can be opened by the other user, let alone written
     files = [str(a.ledger), f"{a.ledger}-wal", f"{a.ledger}-shm", f"{a.socket}.lock",
@@ -310,41 +320,53 @@ def test_per_user_bound_is_recorded_and_holds_on_every_path(agent) -> None:
     assert by_kernel[1]["field"] == "gpu_request" and "0.25" in by_kernel[1]["allowed"]
     # within the bound is fine; the agent's own --max-share bounds a user without a Hub bound
     smaller = run_as(alice, resize_share, socket, made["id"], {"gpu_memory": "5GiB"})
-    assert smaller[0] == "ok" and smaller[1]["gpu_memory"] == 5 * GiB
+    assert smaller[0] == "ok" and smaller[1]["gpu_memory"] == 5 * GiB, smaller
     assert run_as(alice, place, socket, 0.75)[:2] == ("error", "ShareError")
 
 
 def test_reserve_uses_the_deployments_policy_and_aliases(agent, tmp_path: Path) -> None:
-    config = tmp_path / "jupyter_server_config.json"
+    """A kernel's ``reserve`` after a release is placed with the deployment's policy (here a
+    cordoned GPU that binpack would otherwise pick: it is the fuller one) and type aliases."""
     from jupyter_gpushare.inventory import simulated_gpus
 
-    first, second = simulated_gpus("2xA100", NODE)
+    first, second = (replace(g, type="BIG") for g in simulated_gpus("2xA100", NODE))
+    config = tmp_path / "jupyter_server_config.json"
     config.write_text(json.dumps({
         "GpuShare": {"type_aliases": {"BIG": ["A100"]}},
         "GpusharePlacement": {"cordoned_gpus": [first.uuid]},
     }))
-    a = agent("--config", str(config), system=False, simulate="2xA100")
-    ledger = AgentLedger(a.socket)
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"GpuShare": {"type_aliases": {"BIG": ["A100"]}}}))
 
-    async def hold() -> Allocation:
-        gpus = await ledger.gpus()
-        # recorded on the cordoned GPU by hand (it was placed before the cordon)
-        mine = Allocation(id=Allocation.new_id(), node=NODE, gpus=(first.uuid,),
-                          spec=ShareSpec(0.5, 0.5, gpu_memory=GiB, gpu_type="A100"),
-                          memory=GiB, state="active", pid=os.getpid(),
-                          pid_start=process_start_time(os.getpid()))
-        snap = await ledger.snapshot()
-        assert await ledger.compare_and_swap(NODE, snap.versions.get(NODE, 0), [mine])
-        assert {g.uuid for g in gpus} == {first.uuid, second.uuid}
-        return mine
+    def held(pid: int | None, request: float) -> Allocation:
+        return Allocation(id=Allocation.new_id(), node=NODE, gpus=(first.uuid,),
+                          spec=ShareSpec(request, request, gpu_memory=GiB, gpu_type="BIG"),
+                          memory=GiB, state="active", pid=pid,
+                          pid_start=process_start_time(pid) if pid else None)
 
-    mine = asyncio.run(hold())
-    client = DaemonClient(a.socket)
-    assert client.release(mine.id)["ok"]
-    reply = client.reserve({"gpu_type": "BIG", "gpu_request": 0.5, "gpu_limit": 0.5})
-    assert reply["ok"], reply
-    assert reply["allocation"]["gpus"] == [second.uuid]  # not the cordoned one
-    assert reply["allocation"]["gpu_type"] == "A100"
+    def reserve_after_release(config_file: Path) -> dict[str, Any]:
+        a = agent("--config", str(config_file), system=False, simulate="2xA100")
+        ledger = AgentLedger(a.socket)
+        mine, neighbour = held(os.getpid(), 0.5), held(None, 0.25)
+
+        async def hold() -> None:
+            await ledger.put_gpus(NODE, [first, second])  # a per-user agent's server publishes
+            snap = await ledger.snapshot()  # both on the first GPU (placed before a cordon)
+            assert await ledger.compare_and_swap(NODE, snap.versions.get(NODE, 0),
+                                                 [mine, neighbour])
+
+        asyncio.run(hold())
+        client = DaemonClient(a.socket)
+        assert client.release(mine.id)["ok"]
+        reply = client.reserve({"gpu_type": "big", "gpu_request": 0.5, "gpu_limit": 0.5})
+        assert reply["ok"], reply
+        return reply["allocation"]
+
+    cordoned = reserve_after_release(config)
+    assert cordoned["gpus"] == [second.uuid]  # not the cordoned (fuller) one
+    assert cordoned["gpu_type"] == "BIG"  # the configured alias's spelling
+    # without the cordon binpack puts it next to the neighbour: the policy decided above
+    assert reserve_after_release(plain)["gpus"] == [first.uuid]
 
 
 def test_eight_agents_started_at_once_leave_one(tmp_path: Path) -> None:

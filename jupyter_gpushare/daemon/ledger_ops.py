@@ -9,14 +9,15 @@ Users' servers, ``jupyter gpushare run``, provisioners and kernels reach it thro
     who is not an admin sees its own allocations whole and everyone else's only as capacity
     (:func:`redact`: id, node, GPUs, share, memory, state; no user, kernel id, pid or extra).
 ``ledger.cas`` ``{"node", "version", "allocations": [...], "bound": {...}|null}`` →
-    ``{"ok": true, "swapped": bool}`` or a refusal. Authorized by diffing the node's current
-    allocations against the proposed ones (:func:`authorize`): a non-admin may add, change or
-    remove only allocations whose owner uid (``extra["uid"]``) is its own; added records are
-    stamped with the caller's uid and user name and with the bound that applies (the smallest of
-    the caller's ``bound``, the agent's ``--max-share`` and its groups' bounds); the uid, user and
-    bound of a record can then not be changed by its holder, and every change is checked against
-    the recorded bound. The result is checked for capacity (no GPU's requests over 1, no GPU's
-    memory caps over its memory).
+    ``{"ok": true, "swapped": bool, "added": [the new records as stamped]}`` or a refusal.
+    Authorized by diffing the node's current allocations against the proposed ones
+    (:func:`authorize`): a non-admin may add, change or remove only allocations whose owner
+    uid (``extra["uid"]``) is its own; added records are stamped with the caller's uid and
+    user name and with the bound that applies (the smallest of the caller's ``bound``, the
+    agent's ``--max-share`` and its groups' bounds); the uid, user and bound of a record can
+    then not be changed by its holder, and every change is checked against the recorded
+    bound. The result is checked for capacity (no GPU's requests over 1, no GPU's memory caps
+    over its memory).
 ``ledger.gpus`` → ``{"ok", "gpus": [Gpu…]}``; ``ledger.put_gpus`` (admins only: the agent
     publishes its node's inventory itself).
 
@@ -262,9 +263,13 @@ async def _cas(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dict[str
     except OverCapacity as exc:
         return {"ok": False, "error": "over_capacity", "message": str(exc)}
     swapped = await daemon.ledger.compare_and_swap(node, version, result)
-    if swapped and node == daemon.settings.node:
+    if not swapped:
+        return {"ok": True, "swapped": False}
+    if node == daemon.settings.node:
         await daemon.refresh()  # in force before the caller hears "swapped"
-    return {"ok": True, "swapped": swapped}
+    before = {a.id for a in current}
+    return {"ok": True, "swapped": True,
+            "added": [a.to_json() for a in result if a.id not in before]}
 
 
 class NotPermitted(Exception):
@@ -309,7 +314,7 @@ def authorize(current: Sequence[Allocation], proposed: Sequence[Allocation], who
             result.append(a)
             continue
         if not who.admin:
-            _check_fields(sent, who, inventory)
+            _check_fields(sent, who, inventory, a)
             for key in PROTECTED:
                 if sent.extra.get(key) != a.extra.get(key):
                     raise NotPermitted(f"allocation {a.id}: extra.{key} is set by the agent and "
@@ -340,8 +345,9 @@ def authorize(current: Sequence[Allocation], proposed: Sequence[Allocation], who
     return result
 
 
-def _check_fields(a: Allocation, who: Caller, inventory: Sequence[Gpu]) -> None:
-    """What a non-admin may put in a record of its own."""
+def _check_fields(a: Allocation, who: Caller, inventory: Sequence[Gpu],
+                  before: Allocation | None = None) -> None:
+    """What a non-admin may put in a record of its own (``before``: the record it changes)."""
     known = {g.uuid for g in inventory}
     unknown = [u for u in a.gpus if u not in known]
     if unknown or not a.gpus or len(set(a.gpus)) != len(a.gpus):
@@ -353,7 +359,8 @@ def _check_fields(a: Allocation, who: Caller, inventory: Sequence[Gpu]) -> None:
         raise NotPermitted(f"allocation {a.id}: backend {a.backend!r} (this agent records "
                            "local shares)")
     for what, pid in (("pid", a.pid), ("server_pid", a.server_pid)):
-        if pid is not None and not _owned_by(pid, who.uid):
+        unchanged = before is not None and getattr(before, what) == pid
+        if pid is not None and not unchanged and not _owned_by(pid, who.uid):
             raise NotPermitted(f"allocation {a.id}: {what} {pid} is not a process of user "
                                f"{who.name}")
 

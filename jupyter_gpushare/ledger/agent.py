@@ -57,6 +57,7 @@ class AgentLedger(Ledger):
     def __init__(self, socket_path: str | Path, bound: ShareSpec | None = None) -> None:
         self.socket_path = Path(socket_path)
         self.bound = bound
+        self._recorded: dict[str, Allocation] = {}
 
     @property
     def path(self) -> Path:  # where it lives, for messages (``SQLiteLedger.path``'s role)
@@ -94,8 +95,8 @@ class AgentLedger(Ledger):
 
     async def allocate(self, spec: ShareSpec, inventory: Sequence[Gpu], place: Placer,
                        **fields: Any) -> Allocation:
-        """As :meth:`Ledger.allocate`, with the owner the agent will stamp (this process's uid
-        and user name) already on the record, so the returned allocation is the recorded one."""
+        """As :meth:`Ledger.allocate`; returns the allocation as the agent recorded it (owner
+        uid and user name, the bound that applies)."""
         import os
         import pwd
 
@@ -105,7 +106,8 @@ class AgentLedger(Ledger):
         except KeyError:
             fields["user"] = str(uid)
         fields["extra"] = {**dict(fields.get("extra") or {}), "uid": uid}
-        return await super().allocate(spec, inventory, place, **fields)
+        made = await super().allocate(spec, inventory, place, **fields)
+        return self._recorded.pop(made.id, made)  # as stamped by the agent (its bound)
 
     # -- the four primitives -----------------------------------------------------------------
 
@@ -126,6 +128,11 @@ class AgentLedger(Ledger):
             "allocations": [a.to_json() for a in allocations],
             "bound": to_json(self.bound) if self.bound is not None else None,
         })
+        for data in reply.get("added") or []:  # the agent's stamped copies of new records
+            added = Allocation.from_json(data)
+            self._recorded[added.id] = added
+        while len(self._recorded) > 256:  # only allocate() collects them
+            self._recorded.pop(next(iter(self._recorded)))
         return bool(reply.get("swapped"))
 
     async def put_gpus(self, node: str, gpus: Sequence[Gpu]) -> None:

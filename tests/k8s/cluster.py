@@ -11,7 +11,9 @@ Identities (one kubeconfig each, under ``<workdir>/kubeconfig-<name>``):
 - ``scheduler`` / ``controller-manager``: the components' own users (bootstrap RBAC);
 - ``server``: ``system:serviceaccount:gpushare:jupyter-gpushare`` — the Jupyter server, with
   nothing but what ``deploy/rbac.yaml`` grants that service account;
-- ``daemon``: ``system:serviceaccount:gpushare:gpushare-daemon`` — the node daemon's reconciler.
+- ``daemon``: ``system:serviceaccount:gpushare:gpushare-daemon`` — the node daemon's reconciler;
+- ``controller``: ``system:serviceaccount:gpushare:gpushare-controller`` — the cluster
+  controller (controller mode), the only holder of the rights in controller mode.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ USERS = {
                f"system:serviceaccounts,system:serviceaccounts:{NAMESPACE}"),
     "daemon": (f"system:serviceaccount:{NAMESPACE}:gpushare-daemon",
                f"system:serviceaccounts,system:serviceaccounts:{NAMESPACE}"),
+    "controller": (f"system:serviceaccount:{NAMESPACE}:gpushare-controller",
+                   f"system:serviceaccounts,system:serviceaccounts:{NAMESPACE}"),
 }
 
 

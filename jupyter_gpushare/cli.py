@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from .config import GpuShare
+from .daemon.supervisor import ensure_agent
 from .inventory import Gpu, NoGpuError, check_spec, parse_simulate
 from .ledger import Allocation, LedgerUnavailable
 from .ledger.reconcile import process_start_time, reconcile
 from .placement import PlacementRefused, allocate
 from .provisioner.environment import kernel_environment
-from .serverext import start_node_daemon
 from .serverext.handlers import gpu_usage
 from .share import ShareError, ShareSpec, format_bytes
 
@@ -167,44 +167,63 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 async def _run(settings: GpuShare, spec: ShareSpec, command: Sequence[str]) -> int:
+    """Hold ``spec`` for ``command``: place and record it, run the command with the share's
+    environment, pass its exit status through (a signal N as 128+N) and release the share.
+
+    The allocation is bound to this ``run`` process (``pid``/``pid_start``) *before* the
+    command starts: the command is its child, which the node agent's peer check accepts
+    (``daemon/server.py``, ``_check_peer``), so a program that calls ``cuInit`` first thing is
+    never refused for "no process yet"."""
     ledger = settings.local_ledger()
     inventory = await settings.local_gpus()
     spec = check_spec(spec, inventory, settings.aliases())
     try:
-        await start_node_daemon(settings, inventory, _log)
+        await ensure_agent(settings, inventory, _log)
     except RuntimeError as exc:  # enforcement falls back to the interposer's fail-static mode
         print(f"gpushare: {exc}", file=sys.stderr)
-    extra = {"server_start": process_start_time(os.getpid()), "command": list(command)[:8]}
+    me = os.getpid()
+    extra = {"server_start": process_start_time(me), "command": list(command)[:8]}
     allocation = await allocate(
         ledger, spec, inventory, settings.policy(), owner="run", backend="local",
-        server_pid=os.getpid(), user=getpass.getuser(), extra=extra,
+        state="active", pid=me, pid_start=process_start_time(me),
+        server_pid=me, user=getpass.getuser(), extra=extra,
     )
     try:
         env = {**os.environ, **kernel_environment(allocation, inventory, settings)}
-        proc = subprocess.Popen(list(command), env=env)  # noqa: ASYNC220 - returns at once
-        start = process_start_time(proc.pid)
-        await ledger.update(allocation.id, lambda a, _o: _running(a, proc.pid, start))
+        try:
+            proc = subprocess.Popen(list(command), env=env)  # noqa: ASYNC220 - returns at once
+        except OSError as exc:  # not executable, a directory, …
+            print(f"gpushare run: cannot run {command[0]}: {exc.strerror or exc}",
+                  file=sys.stderr)
+            return 126
         return await _wait_forwarding_signals(proc)
     finally:
         await ledger.release(allocation.id)
 
 
-def _running(a: Allocation, pid: int, start: float | None) -> Allocation:
-    from dataclasses import replace
-
-    return replace(a, state="active", pid=pid, pid_start=start)
-
-
 async def _wait_forwarding_signals(proc: subprocess.Popen[bytes]) -> int:
+    """Wait for ``proc``, passing SIGINT/SIGTERM/SIGHUP on to it; its exit status, or 128+N
+    when it was ended by signal N (as a shell reports it)."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, proc.send_signal, sig)
-    code = await asyncio.to_thread(proc.wait)
+    try:
+        code = await asyncio.to_thread(proc.wait)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
     return code if code >= 0 else 128 - code
 
 
+def run_command(given: Sequence[str]) -> list[str]:
+    """The command of ``run [options] -- CMD ARGS…``: everything after the first ``--``,
+    verbatim (later ``--`` belong to the command)."""
+    given = list(given)
+    return given[1:] if given[:1] == ["--"] else given
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    command = [c for c in args.command if c != "--"] if args.command[:1] == ["--"] else args.command
+    command = run_command(args.command)
     if not command:
         print("gpushare run: give a command after --", file=sys.stderr)
         return 2

@@ -71,6 +71,17 @@ def default_state_path(devices: str) -> Path:
     return base / f"gpushare-sim-{os.getuid()}-{_fnv1a64(devices):016x}"
 
 
+def ensure_state_dir(state_path: str | os.PathLike[str]) -> Path:
+    """Create the directory of the simulator's state file (``GPUSHARE_SIM_STATE``) when it is
+    missing, private to this user (0700), so that the first ``cuInit`` of a process that starts
+    before any node agent finds it (otherwise ``CUDA_ERROR_OPERATING_SYSTEM``, 304). An existing
+    directory is left as it is (``/dev/shm``, or one the agent made). Returns the directory."""
+    directory = Path(state_path).parent
+    if not directory.is_dir():
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return directory
+
+
 def simulator_env(
     gpus: Iterable[Gpu],
     state_path: str | os.PathLike[str] | None = None,

@@ -1,25 +1,50 @@
-"""Start a node daemon as a child process when none answers (workstation mode).
+"""Keep a node agent answering on this machine's socket (workstation mode), and confirm that
+it applied a change.
 
-:func:`ensure_daemon` is synchronous (a few ms when a daemon answers; up to ``timeout`` s to
-start one); async callers run it with ``asyncio.to_thread``. The daemon is started detached (its
-own session), so it outlives the Jupyter server that started it and keeps enforcing for kernels
-that are still running; :func:`stop` ends one we started.
+- :func:`ensure_daemon` starts an agent as a child process when none answers. It is synchronous
+  (a few ms when one answers; up to ``timeout`` s to start one); async callers use
+  :func:`ensure_agent` (the settings' socket, ledger and GPUs; the call in a thread). Every way a
+  share is used calls it first: the server extension at start, the provisioner before each local
+  kernel launch (nbclient, papermill, ``jupyter console`` have no server), ``jupyter gpushare
+  run``. The agent is started detached (its own session), so it outlives the process that
+  started it and keeps enforcing for kernels that still run; a thread of the starting process
+  waits for it (it is reaped when it exits, and its ``Popen`` is never collected while it runs:
+  no ``ResourceWarning``). :func:`stop` ends one we started. Several starters at once are safe:
+  the agent takes a lock on its socket and a second one exits 0 (``daemon/lock.py``).
+- :class:`AgentWatch` is the server's supervision: every few seconds it pings the agent and
+  starts a new one when it died (``kill -9``, a crash), so the server needs no restart.
+- :func:`await_applied` is how a change is acknowledged only once it is in force: it asks the
+  agent to re-read the ledger and checks the agent's ``status`` for the allocation shows the
+  new request, limit and memory cap (or no longer shows a released one).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..inventory import Gpu
-from .client import DaemonClient
+from ..periodic import PeriodicTask
+from .client import DaemonClient, DaemonUnavailable
+from .env import interposer_path
+
+if TYPE_CHECKING:
+    from ..config import GpuShare
+    from ..ledger import Allocation
 
 _log = logging.getLogger("jupyter_gpushare.daemon")
+
+#: how long :func:`await_applied` waits for the agent to show a change (s)
+APPLY_TIMEOUT_S = 1.0
 
 
 def _simulate_arg(gpus: Sequence[Gpu]) -> str:
@@ -61,16 +86,186 @@ def ensure_daemon(
     with open(log_file, "ab") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
                                 start_new_session=True, close_fds=True)
+    _reap_when_done(proc)
     log.info("started gpushare daemon (pid %d) on %s, log %s", proc.pid, socket_path, log_file)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if client.alive():
-            return proc
-        if proc.poll() is not None:
-            break
+            return proc if proc.poll() is None else None
+        if proc.poll() not in (None, 0):
+            break  # it failed; 0: another agent took the socket's lock first and is starting
         time.sleep(0.05)
     stop(proc)
     raise RuntimeError(f"the gpushare daemon did not start; see {log_file}")
+
+
+def _reap_when_done(proc: subprocess.Popen[bytes]) -> None:
+    """Wait for ``proc`` in a daemon thread: it is reaped as soon as it exits (no zombie the
+    supervisor's next ping would not notice), and the thread keeps the ``Popen`` referenced
+    while the detached agent runs, so it is never collected with a process still running."""
+    threading.Thread(target=proc.wait, name=f"gpushare-agent-{proc.pid}", daemon=True).start()
+
+
+def enforcing(settings: GpuShare) -> bool:
+    """Whether shares are enforced here: enforcement on and the interposer built (without it
+    there is nothing for an agent to enforce)."""
+    return bool(settings.enforce) and interposer_path().exists()
+
+
+def _system_socket(socket_path: Path) -> bool:
+    """The machine's system agent's socket: systemd starts and restarts that one, not us."""
+    from .. import paths
+
+    system = getattr(paths, "SYSTEM_SOCKET", None)
+    return system is not None and Path(socket_path) == Path(system)
+
+
+async def ensure_agent(settings: GpuShare, gpus: Sequence[Gpu],
+                       log: logging.Logger | logging.LoggerAdapter | Any = None) -> bool:
+    """Make sure this machine's node agent answers (start one unless one does; the blocking
+    part in a thread, never on the event loop). False when enforcement is off (logged); raises
+    ``RuntimeError`` when no agent comes up (shares then fall back to the interposer's fail-static
+    mode)."""
+    log = log or _log
+    if not enforcing(settings):
+        log.warning("gpushare: enforcement is off (enforce=%s, interposer %s); shares are "
+                    "bookkeeping only", settings.enforce, interposer_path())
+        return False
+    socket_path = Path(settings.socket_path)
+    if _system_socket(socket_path):
+        if not await asyncio.to_thread(DaemonClient(socket_path, timeout=2.0).alive):
+            raise RuntimeError(f"the machine's gpushare agent does not answer on {socket_path} "
+                               "(it is a system service: systemctl status gpushare)")
+        return True
+    await asyncio.to_thread(
+        ensure_daemon,
+        socket_path,
+        Path(settings.ledger_path),
+        [g for g in gpus if g.simulated] or None,
+        settings.node_name,
+        log,
+    )
+    return True
+
+
+class AgentWatch(PeriodicTask):
+    """The server's supervision of its node agent: every :attr:`interval_s` seconds a ping, and
+    a new agent when none answers (it rebuilds its state from the ledger and the shared lease
+    files; kernels keep running meanwhile, at their request, in fail-static mode)."""
+
+    what = "node agent supervision"
+    interval_s = 2.0
+
+    def __init__(self, settings: GpuShare, log: Any) -> None:
+        super().__init__(log)
+        self.settings = settings
+        self.restarts = 0
+        self._lock = asyncio.Lock()
+        self._kick: asyncio.Task[None] | None = None
+
+    def interval(self) -> float:
+        return self.interval_s
+
+    def enabled(self) -> bool:
+        return enforcing(self.settings)
+
+    async def run_once(self) -> bool:
+        """One check; True when an agent had to be started."""
+        async with self._lock:  # the periodic pass and a kick never start two at once
+            client = DaemonClient(self.settings.socket_path, timeout=2.0)
+            if await asyncio.to_thread(client.alive):
+                return False
+            self.log.warning("gpushare: the node agent on %s does not answer; starting a new "
+                             "one", self.settings.socket_path)
+            await ensure_agent(self.settings, await self.settings.local_gpus(), self.log)
+            self.restarts += 1
+            return True
+
+    def kick(self) -> None:
+        """Check at once, in the background (a change could not be confirmed)."""
+        if self._task is not None and (self._kick is None or self._kick.done()):
+            self._kick = asyncio.ensure_future(self._check_now())
+
+    async def _check_now(self) -> None:
+        try:
+            await self.run_once()
+        except Exception as exc:  # the periodic pass keeps trying
+            self.log.error("gpushare: could not start the node agent again: %s", exc)
+
+    async def stop(self) -> None:
+        if self._kick is not None and not self._kick.done():
+            self._kick.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._kick
+        self._kick = None
+        await super().stop()
+
+
+class NotApplied(RuntimeError):
+    """The agent did not confirm a change in time (dead, or it does not see the ledger)."""
+
+
+def await_applied(socket_path: str | Path, allocation_id: str, expected: Allocation | None,
+                  timeout: float = APPLY_TIMEOUT_S) -> None:
+    """Block until the agent on ``socket_path`` enforces ``expected`` for ``allocation_id``
+    (its ``status`` shows the same request, limit and memory cap; ``None``: the allocation was
+    released and the agent no longer holds it), asking it to re-read the ledger first. Raises
+    :class:`NotApplied` with the reason after ``timeout`` s. Blocking: async callers use
+    ``asyncio.to_thread``."""
+    client = DaemonClient(socket_path, timeout=max(0.2, timeout))
+    deadline = time.monotonic() + timeout
+    reason = "it did not answer"
+    while True:
+        try:
+            client.refresh()
+            status = client.status(allocation_id)
+            reason = _mismatch(status, expected)
+            if reason is None:
+                return
+        except (DaemonUnavailable, OSError, ValueError) as exc:
+            reason = f"it does not answer ({exc})"
+        if time.monotonic() >= deadline:
+            raise NotApplied(f"the node agent on {socket_path} has not applied the change: "
+                             f"{reason}")
+        time.sleep(0.05)
+
+
+async def confirm_applied(settings: GpuShare, allocation_id: str, expected: Allocation | None,
+                          watch: AgentWatch | None = None) -> str | None:
+    """After a change of ``allocation_id`` in the ledger (``expected``: the record now, None
+    when released): None once the local agent enforces it, or right away where nothing is to
+    be confirmed here (enforcement off; Kubernetes, where the node's agent follows its
+    GpuLedger). Otherwise the reason, for a 503: the change stays recorded in the ledger and
+    is enforced as soon as an agent is back, which ``watch`` (the server's supervision) is
+    asked to see to at once."""
+    if settings.backend != "local" or not enforcing(settings):
+        return None
+    try:
+        await asyncio.to_thread(await_applied, settings.socket_path, allocation_id, expected)
+        return None
+    except NotApplied as exc:
+        reason = str(exc)
+    if watch is not None:
+        watch.kick()
+    return (f"{reason}. The change is recorded and will be enforced as soon as the node agent "
+            "is back (the server is starting it again); until then the kernel runs under its "
+            "interposer's fail-static limits")
+
+
+def _mismatch(status: dict[str, Any], expected: Allocation | None) -> str | None:
+    """Why ``status`` (the agent's answer about one allocation) does not show ``expected``."""
+    shown = [a for a in status.get("allocations") or [] if isinstance(a, dict)]
+    if expected is None:
+        return None if not status.get("ok") or not shown else "it still holds the share"
+    if not status.get("ok") or not shown:
+        return str(status.get("message") or "it does not know the share")
+    held = shown[0]
+    if (held.get("request"), held.get("limit"), held.get("memory_cap")) != (
+            expected.request, expected.limit, expected.memory):
+        return (f"it enforces request {held.get('request')}, limit {held.get('limit')}, memory "
+                f"{held.get('memory_cap')} (the ledger: {expected.request}, {expected.limit}, "
+                f"{expected.memory})")
+    return None
 
 
 def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 5.0) -> None:

@@ -1,8 +1,10 @@
 """The environment of a process that holds a share on this machine (kernel or ``gpushare run``).
 
 The variables are the node daemon's contract (:func:`jupyter_gpushare.daemon.env.kernel_env`,
-DEVELOPING.md "Inside a gpushare kernel"); here we only decide whether the interposer is
-preloaded: when enforcement is on and ``libgpushare.so`` is built.
+DEVELOPING.md "Inside a gpushare kernel"); here we decide whether the interposer is preloaded
+(when enforcement is on and ``libgpushare.so`` is built) and, on simulated GPUs, make sure the
+simulator's state directory exists (private to the user) wherever a kernel may start, with or
+without a node agent running.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from ..daemon.env import interposer_path, kernel_env
 from ..inventory import Gpu
+from ..simulator import ensure_state_dir
 
 if TYPE_CHECKING:
     from ..config import GpuShare
@@ -27,4 +30,6 @@ def kernel_environment(
     env["GPUSHARE_LEDGER"] = settings.ledger_path
     if not (settings.enforce and interposer_path().exists()):
         env.pop("LD_PRELOAD", None)
+    if env.get("GPUSHARE_SIM_STATE"):
+        ensure_state_dir(env["GPUSHARE_SIM_STATE"])
     return env

@@ -2,7 +2,9 @@
 
 Launching, signalling and waiting are jupyter_client's :class:`LocalProvisioner`'s; this backend
 adds the share: the GPU made visible (``CUDA_VISIBLE_DEVICES=<UUID>``), the allocation named in
-the environment, and — with enforcement on — the interposer preloaded and the node daemon's socket.
+the environment, and — with enforcement on — the interposer preloaded and the node daemon's socket,
+the daemon started first when none answers (a kernel started without a Jupyter server: nbclient,
+papermill, ``jupyter console``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 
+from ..daemon.supervisor import enforcing, ensure_agent
 from ..inventory import Gpu
 from ..ledger import Allocation, Ledger
 from ..ledger.reconcile import process_start_time
@@ -40,14 +43,29 @@ class LocalKernelBackend(KernelBackend):
 
     async def pre_launch(self, allocation: Allocation, **kwargs: Any) -> dict[str, Any]:
         settings = self.provisioner.settings
+        inventory = await self.inventory()
+        await self._ensure_agent(inventory)
         env = dict(kwargs.get("env") or os.environ)
-        env.update(kernel_environment(allocation, await self.inventory(), settings))
+        env.update(kernel_environment(allocation, inventory, settings))
         kwargs["env"] = env
         given = list(kwargs.get("extra_arguments", []))
         kwargs["extra_arguments"] = given + [
             a for a in settings.extra_kernel_args if a not in given
         ]
         return await self.process.pre_launch(**kwargs)
+
+    async def _ensure_agent(self, inventory: Sequence[Gpu]) -> None:
+        """The node agent answers before the kernel starts, whoever starts it: a Jupyter server
+        has started one already (a ping, ~1 ms), nbclient, papermill or ``jupyter console``
+        start it here. One that does not come up is logged; the kernel then runs under its
+        interposer's fail-static limits."""
+        settings = self.provisioner.settings
+        if not enforcing(settings):
+            return
+        try:
+            await ensure_agent(settings, inventory, self.provisioner.log)
+        except RuntimeError as exc:
+            self.provisioner.log.error("gpushare: %s", exc)
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         return await self.process.launch_kernel(cmd, **kwargs)

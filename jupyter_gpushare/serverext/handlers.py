@@ -22,6 +22,7 @@ from jupyter_server.utils import url_path_join
 from tornado import web
 
 from ..config import GpuShare
+from ..daemon.supervisor import confirm_applied
 from ..inventory import Gpu, NoGpuError, check_spec
 from ..ledger import Allocation, AllocationNotFound, Ledger, LedgerConflict, LedgerUnavailable
 from ..placement import PlacementRefused
@@ -234,6 +235,10 @@ class AllocationHandler(GpushareHandler):
         actor = getattr(self.current_user, "username", None) or "REST"
         self.log.info("gpushare: allocation %s (kernel %s) released over REST by %s",
                       allocation_id, released.kernel_id, actor)
+        problem = await confirm_applied(self.gpushare, allocation_id, None,
+                                        self.settings.get("gpushare_agent_watch"))
+        if problem is not None:  # released in the ledger; the agent is not there to see it
+            return self.fail(503, {"error": "not_applied", "message": problem})
         self.set_status(204)
         self.finish()
 
@@ -268,6 +273,10 @@ class AllocationHandler(GpushareHandler):
             return self.fail(503, exc.to_json())
         except LedgerConflict as exc:
             return self.fail(503, {"error": "busy", "message": str(exc)})
+        problem = await confirm_applied(self.gpushare, allocation_id, after,
+                                        self.settings.get("gpushare_agent_watch"))
+        if problem is not None:  # 200 only for a share the node agent enforces
+            return self.fail(503, {"error": "not_applied", "message": problem})
         self.finish(json.dumps(after.to_json()))
 
 

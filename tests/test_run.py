@@ -1,0 +1,109 @@
+"""``jupyter gpushare run`` with native programs: a driver-API C program that calls ``cuInit``
+first thing is enforced (never refused for "no process yet"), arguments after the first ``--``
+reach the command verbatim, and exit statuses pass through."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jupyter_gpushare.daemon.client import DaemonClient
+from jupyter_gpushare.paths import lib_dir
+
+CSRC = Path(__file__).resolve().parent.parent / "jupyter_gpushare" / "csrc"
+
+#: A native CUDA program, linked against libcuda.so.1 like any other: cuInit is its first call.
+PROGRAM = r"""
+#include <stdint.h>
+#include <stdio.h>
+#include "gpushare_cuda.h"
+#define CK(call) do { CUresult r_ = (call); if (r_ != CUDA_SUCCESS) { \
+    fprintf(stderr, "%s = %d\n", #call, (int)r_); return 10; } } while (0)
+int main(void)
+{
+    CUdevice dev;
+    CUcontext ctx;
+    CUmodule mod;
+    CUfunction fn;
+    CUdeviceptr ptr;
+    uint64_t us = 200;
+    void *params[] = {&us};
+    CK(cuInit(0));
+    CK(cuDeviceGet(&dev, 0));
+    CK(cuCtxCreate_v2(&ctx, 0, dev));
+    CK(cuModuleLoadData(&mod, "any module"));
+    CK(cuModuleGetFunction(&fn, mod, "busy_us"));
+    CK(cuMemAlloc_v2(&ptr, 1 << 20));
+    for (int i = 0; i < 5; i++)
+        CK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL));
+    CK(cuCtxSynchronize());
+    CK(cuMemFree_v2(ptr));
+    CK(cuCtxDestroy_v2(ctx));
+    printf("ok\n");
+    return 0;
+}
+"""
+
+
+def gpushare(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jupyter_gpushare", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def cuda_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cc = os.environ.get("CC", "cc")
+    sim = lib_dir() / "sim"
+    if shutil.which(cc) is None or not (sim / "libcuda.so").exists():
+        pytest.skip("needs a C compiler and the built simulator")
+    folder = tmp_path_factory.mktemp("cudaprog")
+    (folder / "prog.c").write_text(PROGRAM)
+    subprocess.run([cc, "-std=c11", "-Wall", "-Wextra", "-Werror", f"-I{CSRC / 'include'}",
+                    str(folder / "prog.c"), "-o", str(folder / "prog"), f"-L{sim}", "-lcuda"],
+                   check=True)
+    return folder / "prog"
+
+
+def test_a_native_program_calling_cuinit_at_once_runs_every_time(gpushare_env, cuda_program):
+    env = {**gpushare_env, "GPUSHARE_SIMULATE": "1xA100"}
+    for attempt in range(10):
+        done = gpushare(env, "run", "--gpu-request", "0.5", "--", str(cuda_program))
+        assert done.returncode == 0 and done.stdout == "ok\n", (attempt, done.stderr)
+        assert "CUDA_ERROR" not in done.stderr and "refused" not in done.stderr
+    # the agent enforced every run: it accepted each hello and refused nobody
+    status = DaemonClient(env["GPUSHARE_SOCKET"]).status()
+    assert status["ok"] and status["daemon"]["refused"] == 0
+    left = json.loads(gpushare(env, "status", "--json").stdout)["allocations"]
+    assert left == []  # each run released its share
+
+
+def test_the_simulator_state_directory_is_made_private_on_a_fresh_machine(
+        gpushare_env, cuda_program, tmp_path):
+    state = tmp_path / "fresh" / "sim" / "sim.state"  # nothing of it exists yet
+    env = {**gpushare_env, "GPUSHARE_SIMULATE": "1xA100", "GPUSHARE_SIM_STATE": str(state)}
+    done = gpushare(env, "run", "--", str(cuda_program))
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr  # was cuInit = 304
+    assert stat.S_IMODE(state.parent.stat().st_mode) == 0o700
+
+
+def test_run_keeps_every_argument_after_the_first_double_dash(gpushare_env):
+    env = {**gpushare_env, "GPUSHARE_SIMULATE": "1xA100"}
+    done = gpushare(env, "run", "--", sys.executable, "-c", "import sys; print(sys.argv)",
+                    "--", "x", "--gpu-request", "1")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(["-c", "--", "x", "--gpu-request", "1"])
+
+
+def test_run_passes_exit_statuses_and_signals_through(gpushare_env):
+    env = {**gpushare_env, "GPUSHARE_SIMULATE": "1xA100"}
+    assert gpushare(env, "run", "--", "sh", "-c", "exit 7").returncode == 7
+    assert gpushare(env, "run", "--", "sh", "-c", "kill -TERM $$").returncode == 128 + 15
+    refused = gpushare(env, "run", "--", str(Path(env["JUPYTER_DATA_DIR"])))  # a directory
+    assert refused.returncode == 126 and "cannot run" in refused.stderr

@@ -1,4 +1,4 @@
-"""One GPU's lease loop: grants, revokes and charges leases of its shared-memory file.
+"""One GPU's lease loop: grants, revokes and charges leases on its lease board.
 
 Runs on the daemon's event loop (no threads); the decision itself is :func:`.scheduler.pick`.
 """
@@ -81,7 +81,7 @@ class GpuLoop:
         tenant = self.tenants.get(allocation)
         if tenant is None:
             index = self.shm.slot_of(allocation)
-            if index is not None and self.shm.slots[index].state == wire.STATE_ACTIVE:
+            if index is not None and self.shm.policy[index].state == wire.STATE_ACTIVE:
                 self.shm.configure(index, request, limit, memory)  # reused after a restart
             else:
                 index = self.shm.claim(allocation, request, limit, memory, busy_slots)
@@ -90,7 +90,7 @@ class GpuLoop:
                 return None
             tenant = Tenant(allocation, index, request, limit, memory)
             tenant.credit = LimitCredit(monotonic_ns(), 2 * self.quantum_ns)
-            tenant.window.total_ns = self.shm.slots[index].used_ns
+            tenant.window.total_ns = self.shm.policy[index].used_ns
             self.tenants[allocation] = tenant
         elif (tenant.request, tenant.limit, tenant.memory) != (request, limit, memory):
             tenant.request, tenant.limit, tenant.memory = request, limit, memory
@@ -117,11 +117,11 @@ class GpuLoop:
         for t in self.tenants.values():
             running = self.lease_start if self.holder is t else None
             over = bound and t.window.used(now, w, running) > t.request * w
-            self.shm.slots[t.slot].runahead_ns = bound if over else 0
+            self.shm.policy[t.slot].runahead_ns = bound if over else 0
 
     def disconnected(self, tenant: Tenant) -> None:
         if tenant.connections == 0:  # nobody can be waiting or draining any more
-            slot = self.shm.slots[tenant.slot]
+            slot = self.shm.board[tenant.slot]
             slot.waiters = 0
             slot.joined = 0
             if self.holder is tenant:
@@ -167,7 +167,7 @@ class GpuLoop:
                                              and self._maybe_preempt(waiter)))
             return
         self._update_next()
-        self.shm.slots[holder.slot].lease_until_ns = 0  # its agent drains and hands over
+        self.shm.board[holder.slot].lease_until_ns = 0  # its agent drains and hands over
         self.draining = True
         self.preemptions += 1
         self._maybe_finish()  # nobody joined: over at once
@@ -194,7 +194,7 @@ class GpuLoop:
     def _views(self, now: int) -> list[TenantView]:
         views = []
         for t in self.tenants.values():
-            slot = self.shm.slots[t.slot]
+            slot = self.shm.board[t.slot]
             views.append(
                 TenantView(
                     key=t.allocation,
@@ -233,7 +233,7 @@ class GpuLoop:
 
     def _grant(self, grant: Grant, now: int) -> None:
         tenant = self.tenants[grant.key]
-        slot = self.shm.slots[tenant.slot]
+        slot = self.shm.board[tenant.slot]
         until = now + grant.lease_ns
         slot.lease_start_ns = now
         slot.drain_end_ns = now
@@ -300,12 +300,12 @@ class GpuLoop:
         if moved == 0:
             return False
         if moved == self.holder.slot + 1:
-            until = int(self.shm.slots[self.holder.slot].lease_until_ns)
+            until = int(self.shm.board[self.holder.slot].lease_until_ns)
             if until == 0 or until == self.lease_until:
                 return False
         new = next((t for t in self.tenants.values() if t.slot == moved - 1), None)
         if new is not None and new is not self.holder:
-            slot = self.shm.slots[new.slot]
+            slot = self.shm.board[new.slot]
             start, until = int(slot.lease_start_ns), int(slot.lease_until_ns)
             if until <= start and monotonic_ns() - start < HANDOFF_SETTLE_NS:
                 # caught between the client's move of ``holder`` and its store of the lease:
@@ -314,15 +314,15 @@ class GpuLoop:
                                                       self._sync_holder)
                 return True
         old = self.holder
-        self._charge(old, int(self.shm.slots[old.slot].drain_end_ns))
+        self._charge(old, int(self.shm.board[old.slot].drain_end_ns))
         if new is None:  # handed to a slot that was released meanwhile: take it back
-            self.shm.slots[moved - 1].lease_until_ns = 0
+            self.shm.board[moved - 1].lease_until_ns = 0
             self.holder = None
             self.shm.header.holder = 0
             self._cancel_timers()
             self.schedule()
             return True
-        slot = self.shm.slots[new.slot]
+        slot = self.shm.board[new.slot]
         self._begin(new, int(slot.lease_start_ns), int(slot.lease_until_ns))
         return True
 
@@ -331,7 +331,7 @@ class GpuLoop:
         tenant = self.holder
         if tenant is None or self.draining:
             return
-        slot = self.shm.slots[tenant.slot]
+        slot = self.shm.board[tenant.slot]
         if slot.joined == 0 and slot.waiters == 0:
             slot.lease_until_ns = 0
             self._maybe_finish()
@@ -348,7 +348,7 @@ class GpuLoop:
             self._timers.append(loop.call_at((monotonic_ns() + EXTEND_GRACE_NS) / 1e9,
                                              self._expire))
             return
-        slot = self.shm.slots[self.holder.slot]
+        slot = self.shm.board[self.holder.slot]
         if slot.lease_until_ns != self.lease_until and self._sync_holder():
             return  # extended by its agent just now
         slot.lease_until_ns = 0  # revoke (it has also run out by the clock)
@@ -363,14 +363,14 @@ class GpuLoop:
     def _force_finish(self) -> None:
         if self.holder is not None:
             log.warning("GPU %s: %s did not drain in time", self.uuid, self.holder.allocation)
-            self.shm.slots[self.holder.slot].joined = 0
+            self.shm.board[self.holder.slot].joined = 0
             self._end_lease(monotonic_ns())
 
     def _maybe_finish(self) -> None:
         tenant = self.holder
         if tenant is None:
             return
-        slot = self.shm.slots[tenant.slot]
+        slot = self.shm.board[tenant.slot]
         now = monotonic_ns()
         if slot.lease_until_ns > now or slot.joined > 0:
             return
@@ -380,7 +380,7 @@ class GpuLoop:
         self._end_lease(end)
 
     def _charge(self, tenant: Tenant, end: int) -> None:
-        slot = self.shm.slots[tenant.slot]
+        slot = self.shm.board[tenant.slot]
         first = int(slot.first_launch_ns)
         # charged from the first launch: the wake-up before it is nobody's device time (a lease
         # never launched under is charged whole: it kept the others out)
@@ -400,13 +400,13 @@ class GpuLoop:
         self._prev_holder = tenant
         tenant.window.charge(start, end)
         self._credit(tenant).charge(end - start)
-        slot.used_ns = tenant.window.total_ns
+        self.shm.policy[tenant.slot].used_ns = tenant.window.total_ns
 
     def _end_lease(self, end: int) -> None:
         tenant = self.holder
         if tenant is None:
             return
-        slot = self.shm.slots[tenant.slot]
+        slot = self.shm.board[tenant.slot]
         slot.lease_until_ns = 0
         self._charge(tenant, end)
         self.holder = None
@@ -425,7 +425,7 @@ class GpuLoop:
     def _publish_waiting(self) -> None:
         count = 0
         for t in self.tenants.values():
-            if t is not self.holder and self.shm.slots[t.slot].waiters > 0:
+            if t is not self.holder and self.shm.board[t.slot].waiters > 0:
                 count += 1
         self.shm.header.waiting_slots = count
 
@@ -436,14 +436,16 @@ class GpuLoop:
         self._publish_waiting()
         self._update_next()
         self._publish_runahead(monotonic_ns())
-        if self.holder is not None and self.shm.slots[self.holder.slot].lease_until_ns == 0:
+        if self.holder is not None and self.shm.board[self.holder.slot].lease_until_ns == 0:
             self._maybe_finish()  # over without a (usable) message
         self.schedule()
 
     # -- status -------------------------------------------------------------------------------
 
     def tenant_status(self, tenant: Tenant, now: int) -> dict[str, Any]:
-        slot = self.shm.slots[tenant.slot]
+        slot = self.shm.board[tenant.slot]
+        policy = self.shm.policy[tenant.slot]
+        account = self.shm.account(tenant.slot)
         running = self.lease_start if self.holder is tenant else None
         used = tenant.window.used(now, self.window_ns, running)
         return {
@@ -453,12 +455,12 @@ class GpuLoop:
             "limit": tenant.limit,
             "achieved_share": round(used / self.window_ns, 4),
             "device_seconds": (tenant.window.total_ns + (now - running if running else 0)) / 1e9,
-            "memory_used": int(slot.mem_used),
-            "memory_cap": int(slot.mem_cap),
-            "memory_peak": int(slot.mem_peak),
-            "oom_refusals": int(slot.oom_count),
-            "lease_waits": int(slot.lease_waits),
-            "lease_wait_seconds": slot.wait_ns / 1e9,
+            "memory_used": int(account.mem_used),
+            "memory_cap": int(policy.mem_cap),
+            "memory_peak": int(account.mem_peak),
+            "oom_refusals": int(account.oom_count),
+            "lease_waits": int(account.lease_waits),
+            "lease_wait_seconds": account.wait_ns / 1e9,
             "grants": tenant.grants,
             "holding": self.holder is tenant,
             "waiting": slot.waiters > 0,
@@ -477,7 +479,7 @@ class GpuLoop:
         )
         return {
             "uuid": self.uuid,
-            "shm": str(self.shm.path),
+            "state_dir": str(self.shm.path),
             "quantum_ms": self.quantum_ns / 1e6,
             "window_ms": self.window_ns / 1e6,
             "holder": self.holder.allocation if self.holder else None,

@@ -100,7 +100,7 @@ def _memory_used(daemon: Daemon, allocation: Allocation) -> int:
         gpu = daemon.gpus.get(uuid)
         tenant = gpu.tenants.get(allocation.id) if gpu else None
         if gpu is not None and tenant is not None:
-            used = max(used, int(gpu.shm.slots[tenant.slot].mem_used))
+            used = max(used, int(gpu.shm.account(tenant.slot).mem_used))
     return used
 
 

@@ -335,13 +335,15 @@ class Daemon:
             tenant = gpu.tenants[allocation.id]
             tenant.connections += 1
             client.tenants.append((gpu, tenant))
-            gpus.append({
+            gpus.append({  # indexes into the descriptors sent with this reply
                 "uuid": uuid,
-                "fd": len(fds),  # index into the descriptors sent with this reply
+                "board": len(fds),
+                "policy": len(fds) + 1,
+                "account": len(fds) + 2,
                 "slot": tenant.slot,
-                "generation": int(gpu.shm.slots[tenant.slot].generation),
+                "generation": int(gpu.shm.policy[tenant.slot].generation),
             })
-            fds.append(gpu.shm.fd)
+            fds.extend(gpu.shm.fds(tenant.slot))
         client.allocation = allocation.id
         client.send_fds = fds  # with the reply line, in one sendmsg (``shm.send_line``)
         return {

@@ -210,98 +210,166 @@ def reopen_readonly(fd: int) -> int:
 
 
 class GpuShm:
-    """One GPU's shared-memory file, created or (after a daemon restart) reused. ``fd`` stays
-    open: it is what a client's ``hello`` reply carries."""
+    """One GPU's lease memory (layouts in :mod:`.wire`), created or, after an agent restart,
+    reused (memory already reserved is kept). Three kinds of file in the private state directory,
+    each kept open: what a client's ``hello`` reply carries.
+
+    - ``<uuid>.board``: the lease board, read-write for every tenant of the GPU (the direct
+      handoff needs it): the header and each slot's lease fields.
+    - ``<uuid>.policy``: per slot the allocation, state, generation, cap, request, limit and
+      runahead bound; written by the agent only, given to clients read-only
+      (:func:`reopen_readonly`).
+    - ``<uuid>.<slot>.account``: one slot's memory account and wait counters, given only to the
+      processes of the allocation that holds the slot; a new file for every new allocation, so a
+      former holder's mapping cannot touch its successor's account.
+    """
 
     def __init__(self, state: StateDir, uuid: str, quantum_ns: int, window_ns: int) -> None:
-        self.path = state.path / f"{uuid}.shm"
-        self.fd, reused = state.open_file(f"{uuid}.shm", wire.FILE_SIZE)
-        self._map = mmap.mmap(self.fd, wire.FILE_SIZE, mmap.MAP_SHARED)
-        self.header = wire.Header.from_buffer(self._map, 0)
-        self.slots = [
-            wire.Slot.from_buffer(self._map, wire.HEADER_SIZE + i * wire.SLOT_SIZE)
-            for i in range(wire.SLOTS)
-        ]
-        h = self.header
-        self.reused = reused and h.magic == wire.MAGIC and h.version == wire.VERSION
+        self.state = state
+        self.uuid = uuid
+        self.path = state.path
+        self.board_fd, board_reused = state.open_file(f"{uuid}.board", wire.FILE_SIZE)
+        self.policy_fd, policy_reused = state.open_file(f"{uuid}.policy", wire.FILE_SIZE)
+        self.policy_ro_fd = reopen_readonly(self.policy_fd)
+        self._board_map = mmap.mmap(self.board_fd, wire.FILE_SIZE, mmap.MAP_SHARED)
+        self._policy_map = mmap.mmap(self.policy_fd, wire.FILE_SIZE, mmap.MAP_SHARED)
+        self.header = wire.Header.from_buffer(self._board_map, 0)
+        self.policy_header = wire.Header.from_buffer(self._policy_map, 0)
+        self.board = _slots(self._board_map)
+        self.policy = _slots(self._policy_map)
+        self._accounts: dict[int, tuple[int, mmap.mmap, wire.Slot]] = {}
+        h, ph = self.header, self.policy_header
+        self.reused = policy_reused and ph.magic == wire.MAGIC and ph.version == wire.VERSION
         if not self.reused:
+            ctypes.memset(ctypes.addressof(ph), 0, wire.FILE_SIZE)
+        if not (board_reused and h.magic == wire.MAGIC and h.version == wire.VERSION):
             ctypes.memset(ctypes.addressof(h), 0, wire.FILE_SIZE)
-        h.slot_count = wire.SLOTS
-        h.slot_size = wire.SLOT_SIZE
-        h.daemon_pid = os.getpid()
-        h.epoch = h.epoch + 1
-        h.quantum_ns = quantum_ns
-        h.window_ns = window_ns
-        h.uuid = uuid.encode()[:63]
+        epoch = max(h.epoch, ph.epoch) + 1
+        for header in (h, ph):
+            header.slot_count = wire.SLOTS
+            header.slot_size = wire.SLOT_SIZE
+            header.daemon_pid = os.getpid()
+            header.epoch = epoch
+            header.quantum_ns = quantum_ns
+            header.window_ns = window_ns
+            header.uuid = uuid.encode()[:63]
         h.holder = 0
         h.waiting_slots = 0
         h.next_slot = h.next_other = 0  # a dead daemon's pick is no handoff target
-        for slot in self.slots:  # leases do not survive a daemon; memory reservations do
+        for i, slot in enumerate(self.board):  # leases do not survive an agent; memory does
             slot.lease_until_ns = 0
             slot.joined = 0
             slot.waiters = 0
-            slot.runahead_ns = 0
+            self.policy[i].runahead_ns = 0
+            if self.policy[i].state == wire.STATE_ACTIVE:
+                self.account(i)  # its account as it was (the memory its processes hold)
         self.heartbeat()
-        h.version = wire.VERSION
-        h.magic = wire.MAGIC  # last: a client checks it before anything else
+        for header in (ph, h):
+            header.version = wire.VERSION
+            header.magic = wire.MAGIC  # last: a client checks it before anything else
 
     def heartbeat(self) -> None:
         self.header.heartbeat_ns = monotonic_ns()
 
     def wake(self, index: int) -> None:
-        slot = self.slots[index]
+        slot = self.board[index]
         slot.grant_seq = (slot.grant_seq + 1) & 0xFFFFFFFF
         futex_wake(ctypes.addressof(slot) + wire.Slot.grant_seq.offset)
 
+    # -- accounts ----------------------------------------------------------------------------
+
+    def account(self, index: int) -> wire.Slot:
+        """Slot ``index``'s memory account (opened on first use: reused after a restart)."""
+        if index not in self._accounts:
+            self._open_account(index, fresh=False)
+        return self._accounts[index][2]
+
+    def account_fd(self, index: int) -> int:
+        self.account(index)
+        return self._accounts[index][0]
+
+    def _open_account(self, index: int, fresh: bool) -> None:
+        self._close_account(index)
+        fd, _reused = self.state.open_file(f"{self.uuid}.{index}.account", wire.ACCOUNT_SIZE,
+                                           fresh=fresh)
+        mapping = mmap.mmap(fd, wire.ACCOUNT_SIZE, mmap.MAP_SHARED)
+        self._accounts[index] = (fd, mapping, wire.Slot.from_buffer(mapping, 0))
+
+    def _close_account(self, index: int) -> None:
+        held = self._accounts.pop(index, None)
+        if held is None:
+            return
+        fd, mapping, view = held
+        del view, held
+        with contextlib.suppress(BufferError):  # a view still alive: it goes with the process
+            mapping.close()
+        os.close(fd)
+
+    # -- slots -------------------------------------------------------------------------------
+
     def slot_of(self, allocation_id: str) -> int | None:
         key = allocation_id.encode()
-        for i, slot in enumerate(self.slots):
+        for i, slot in enumerate(self.policy):
             if slot.state != wire.STATE_FREE and slot.allocation == key:
                 return i
         return None
 
     def claim(self, allocation_id: str, request: float, limit: float, memory: int,
               busy: set[int]) -> int | None:
-        """A slot for a new allocation: a free one, else a released one nobody maps."""
+        """A slot for a new allocation: a free one, else a released one nobody maps. It gets a
+        new account file (a former holder's processes keep only the old one)."""
         order = sorted(
             range(wire.SLOTS),
-            key=lambda i: (self.slots[i].state != wire.STATE_FREE, self.slots[i].generation),
+            key=lambda i: (self.policy[i].state != wire.STATE_FREE, self.policy[i].generation),
         )
         for i in order:
-            slot = self.slots[i]
-            if slot.state == wire.STATE_ACTIVE or i in busy:
+            policy = self.policy[i]
+            if policy.state == wire.STATE_ACTIVE or i in busy:
                 continue
-            slot.generation += 1
-            slot.allocation = allocation_id.encode()[:31]
-            slot.mem_used = 0
-            slot.mem_peak = 0
-            slot.used_ns = 0
-            slot.lease_waits = slot.wait_ns = slot.oom_count = slot.launches = 0
-            slot.lease_until_ns = 0
-            slot.joined = slot.waiters = 0
+            policy.generation += 1
+            policy.allocation = allocation_id.encode()[:31]
+            policy.used_ns = 0
+            policy.runahead_ns = 0
+            self._open_account(i, fresh=True)
+            board = self.board[i]
+            board.launches = 0
+            board.lease_until_ns = 0
+            board.joined = board.waiters = 0
             self.configure(i, request, limit, memory)
-            slot.state = wire.STATE_ACTIVE
+            policy.state = wire.STATE_ACTIVE
             return i
         return None
 
     def configure(self, index: int, request: float, limit: float, memory: int) -> None:
-        slot = self.slots[index]
-        slot.request_ppm = wire.ppm(request)
-        slot.limit_ppm = wire.ppm(limit)
-        slot.mem_cap = memory
+        policy = self.policy[index]
+        policy.request_ppm = wire.ppm(request)
+        policy.limit_ppm = wire.ppm(limit)
+        policy.mem_cap = memory
 
     def release(self, index: int) -> None:
-        slot = self.slots[index]
-        slot.state = wire.STATE_RELEASED
-        slot.lease_until_ns = 0
+        self.policy[index].state = wire.STATE_RELEASED
+        self.board[index].lease_until_ns = 0
         self.wake(index)
 
+    def fds(self, index: int) -> tuple[int, int, int]:
+        """What a process of slot ``index``'s allocation gets: the board (read-write), the
+        policy (read-only) and its own account (read-write)."""
+        return self.board_fd, self.policy_ro_fd, self.account_fd(index)
+
     def close(self) -> None:
-        self.header = None  # type: ignore[assignment]
-        self.slots = []
-        try:
-            self._map.close()
-        except BufferError:  # a ctypes view is still alive; the mapping goes with the process
-            pass
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        self.header = self.policy_header = None  # type: ignore[assignment]
+        self.board = []
+        self.policy = []
+        for index in list(self._accounts):
+            self._close_account(index)
+        for mapping in (self._board_map, self._policy_map):
+            with contextlib.suppress(BufferError):  # a view still alive: goes with the process
+                mapping.close()
+        for fd in (self.board_fd, self.policy_fd, self.policy_ro_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _slots(mapping: mmap.mmap) -> list[wire.Slot]:
+    return [wire.Slot.from_buffer(mapping, wire.HEADER_SIZE + i * wire.SLOT_SIZE)
+            for i in range(wire.SLOTS)]

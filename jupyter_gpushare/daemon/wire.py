@@ -19,14 +19,16 @@ Two channels
    allocation's ``pid`` (with a matching ``pid_start``) or one of its descendants. Reply::
 
        {"ok": true, "v": 3, "epoch": 7, "quantum_ns": …, "window_ns": …,
-        "gpus": [{"uuid": "GPU-…", "fd": 0, "slot": 3, "generation": 12}, …]}
+        "gpus": [{"uuid": "GPU-…", "board": 0, "policy": 1, "account": 2, "slot": 3,
+                  "generation": 12}, …]}
 
    or ``{"ok": false, "error": "not_permitted" | "unknown_allocation" | "bad_version", …}``.
    **No path crosses the socket**: the lease memory comes as file descriptors (``SCM_RIGHTS``)
-   sent in the same ``sendmsg`` as the first byte of this reply line; ``"fd"`` is an index into
-   that array. The client receives them with ``recvmsg`` while it reads the line, maps them and
-   closes them. The files behind them live in the agent's private state directory (mode 0700,
-   files 0600, opened ``O_NOFOLLOW``/``O_EXCL``; :mod:`.shm`), which no client can open.
+   sent in the same ``sendmsg`` as the first byte of this reply line; ``"board"``, ``"policy"``
+   and ``"account"`` are indexes into that array (see 2. below). The client receives them with
+   ``recvmsg`` while it reads the line, maps them and closes them. The files behind them live in
+   the agent's private state directory (mode 0700, files 0600, opened ``O_NOFOLLOW``/``O_EXCL``
+   relative to the directory's descriptor; :mod:`.shm`), which no client can open.
 
    ``want`` (no reply): ``{"op": "want", "gpu": "GPU-…"}`` — a thread of this process is blocked
    waiting for a lease on that GPU (it already incremented the slot's ``waiters``).
@@ -43,10 +45,29 @@ Two channels
    (``"allocation"``), ``resize`` (``"allocation"``, ``"share"``), ``reserve`` (``"share"``, after
    a release) and ``gpus`` (every GPU with its free capacity).
 
-2. **Hot state: one shared-memory file per GPU** (created by the daemon, ``mmap``-ed
-   ``MAP_SHARED`` by every interposed process of that GPU). A 256-byte header followed by
-   :data:`SLOTS` slots of 256 bytes, one per (allocation, GPU). All integers are little-endian,
-   naturally aligned; fields marked *atomic* are only accessed with atomic operations.
+2. **Hot state: shared memory, split by who may write it** (created by the agent, passed as
+   descriptors, ``mmap``-ed ``MAP_SHARED``). One layout, :class:`Slot`, is used by three
+   mappings; each uses only its own fields of it:
+
+   - the **lease board**, one per GPU: a 256-byte :class:`Header` followed by :data:`SLOTS`
+     slots of 256 bytes, one per (allocation, GPU). Read-write for every tenant of the GPU (the
+     direct handoff below needs it): the header and the lease fields ``lease_until_ns``,
+     ``lease_start_ns``, ``grant_seq``, ``joined``, ``waiters``, ``drain_end_ns``,
+     ``first_launch_ns``, ``drain_eta_ns``, ``launches``.
+   - the **policy**, one per GPU, same size: per slot ``state``, ``generation``, ``mem_cap``,
+     ``request_ppm``, ``limit_ppm``, ``runahead_ns``, ``allocation`` and ``used_ns``. Written only
+     by the agent; clients get a read-only descriptor (a new open of the file ``O_RDONLY``), so
+     they cannot map it writable (``EACCES``), and the file is 0600 of the agent's user.
+   - the **account**, one per (allocation, GPU), one slot long (:data:`ACCOUNT_SIZE`):
+     ``mem_used``, ``mem_peak``, ``oom_count``, ``lease_waits``, ``wait_ns``. Given read-write
+     only to the allocation's own authenticated processes; a slot reused by a new allocation gets
+     a new file, so a former holder's mapping cannot touch it.
+
+   What a hostile co-tenant on the same GPU can do: write the lease board, i.e. disturb
+   time-sharing of that GPU (as it could by leaving the interposer). What it cannot do: change
+   another share's state (release it), cap, request or limit, or its memory account — those
+   descriptors never reach it. All integers are little-endian, naturally aligned; fields marked
+   *atomic* are only accessed with atomic operations.
 
    The fast path of a launch is ``now < slot.lease_until_ns`` (one atomic load and a vDSO
    ``clock_gettime(CLOCK_MONOTONIC)``; no system call, no lock). Leases are exclusive per GPU: the
@@ -57,10 +78,10 @@ Two channels
    ``drain_end_ns = max(drain_end_ns, now)``, decrements ``joined`` and sends ``done``. The daemon
    charges the slot ``drain_end_ns - lease_start_ns`` of device time and picks the next holder.
 
-   Memory: ``mem_used`` is reserved before every allocation with a compare-and-swap loop that
-   never lets it exceed ``mem_cap`` and is given back with ``fetch_sub`` when the driver call fails
-   or the memory is freed. One slot per (allocation, GPU) is shared by all processes of the
-   allocation, forked children included, so they share one budget.
+   Memory: the account's ``mem_used`` is reserved before every allocation with a compare-and-swap
+   loop that never lets it exceed the policy's ``mem_cap`` and is given back with ``fetch_sub``
+   when the driver call fails or the memory is freed. One account per (allocation, GPU) is shared
+   by all processes of the allocation, forked children included, so they share one budget.
 
    ``state``: 0 free, 1 active, 2 released (the allocation left the ledger: launches and
    allocations fail with ``CUDA_ERROR_NOT_PERMITTED``). ``generation`` changes when a slot is
@@ -69,8 +90,9 @@ Two channels
 Fail static: when the socket breaks or ``heartbeat_ns`` is older than :data:`HEARTBEAT_STALE_NS`,
 each process grants itself leases locally at its request share (duty cycle: ``quantum`` on,
 ``quantum * (1 - request) / request`` off) and keeps reconnecting; a restarted daemon reuses the
-shared-memory files (same path, same slots: memory already reserved is kept), bumps ``epoch``
-and clears leases.
+files in its state directory (same slots, same accounts: memory already reserved is kept; a
+reconnecting client sees the same files by ``st_dev``/``st_ino`` and keeps its mappings), bumps
+``epoch`` and clears leases.
 
 Direct handoff (the daemon sets policy, the processes do the handoffs): while a lease runs the
 daemon publishes in the header who should run next as if the lease ended now, ``next_slot`` (the
@@ -120,8 +142,9 @@ aborts the process. Allocations over the cap return ``CUDA_ERROR_OUT_OF_MEMORY``
 
 Versioning: a change to the header/slot layout or to the meaning of a field bumps
 :data:`VERSION` (``GPUSHARE_WIRE_VERSION`` in C); the daemon refuses a ``hello`` with another
-version (``bad_version``) and a client refuses a shared-memory file whose ``magic``/``version``
-differ.
+version (``bad_version``) and a client refuses a board or policy whose ``magic``/``version``
+differ (or whose policy slot names another allocation or generation). Version 3: descriptors
+instead of paths, and the board/policy/account split.
 """
 
 from __future__ import annotations
@@ -136,6 +159,8 @@ SLOTS = 64
 HEADER_SIZE = 256
 SLOT_SIZE = 256
 FILE_SIZE = HEADER_SIZE + SLOTS * SLOT_SIZE
+#: An account file is one slot (only its account fields are used).
+ACCOUNT_SIZE = SLOT_SIZE
 MAX_LINE = 65536
 #: A client goes fail-static when the daemon's heartbeat is older than this.
 HEARTBEAT_STALE_NS = 2_000_000_000

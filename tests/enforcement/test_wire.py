@@ -22,9 +22,9 @@ PROGRAM = r"""
 #define S(f) P(gpushare_wire_slot, f)
 int main(void) {
     int first = 1;
-    printf("{\"version\":%u,\"magic\":%u,\"slots\":%d,\"file\":%d,\"header\":{",
-           GPUSHARE_WIRE_VERSION, GPUSHARE_WIRE_MAGIC, GPUSHARE_WIRE_SLOTS,
-           GPUSHARE_WIRE_FILE_SIZE);
+    printf("{\"version\":%u,\"magic\":%u,\"slots\":%d,\"file\":%d,\"account\":%d,"
+           "\"header\":{", GPUSHARE_WIRE_VERSION, GPUSHARE_WIRE_MAGIC, GPUSHARE_WIRE_SLOTS,
+           GPUSHARE_WIRE_FILE_SIZE, GPUSHARE_WIRE_ACCOUNT_SIZE);
     GPUSHARE_WIRE_HEADER_FIELDS(H)
     printf("},\"slot\":{");
     first = 1;
@@ -53,6 +53,7 @@ def test_constants_match(c_layout):
     assert c_layout["magic"] == wire.MAGIC
     assert c_layout["slots"] == wire.SLOTS
     assert c_layout["file"] == wire.FILE_SIZE
+    assert c_layout["account"] == wire.ACCOUNT_SIZE
 
 
 def test_offsets_match(c_layout):

@@ -4,8 +4,13 @@
  * reproduces its shared-memory layout field by field (tests/enforcement/test_wire.py compares the
  * offsets). Control messages on the unix socket are newline-delimited JSON (see wire.py).
  *
- * One file per GPU: a 256-byte header, then GPUSHARE_WIRE_SLOTS slots of 256 bytes, one per
- * (allocation, GPU). Fields declared _Atomic are only accessed atomically.
+ * Three mappings share the layout of struct gpushare_wire_slot (wire.py, "Hot state"): per GPU
+ * the lease board (a 256-byte header, then GPUSHARE_WIRE_SLOTS slots of 256 bytes, one per
+ * (allocation, GPU); read-write for the GPU's tenants: lease fields only) and the policy (same
+ * size; read-only for clients: state, generation, mem_cap, request/limit, runahead_ns,
+ * allocation), and per (allocation, GPU) the account (one slot: mem_used, mem_peak, oom_count,
+ * lease_waits, wait_ns). All three arrive as descriptors with the hello reply (SCM_RIGHTS).
+ * Fields declared _Atomic are only accessed atomically.
  */
 #ifndef GPUSHARE_WIRE_H
 #define GPUSHARE_WIRE_H
@@ -19,6 +24,7 @@
 #define GPUSHARE_WIRE_HEADER_SIZE 256
 #define GPUSHARE_WIRE_SLOT_SIZE 256
 #define GPUSHARE_WIRE_FILE_SIZE (GPUSHARE_WIRE_HEADER_SIZE + GPUSHARE_WIRE_SLOTS * GPUSHARE_WIRE_SLOT_SIZE)
+#define GPUSHARE_WIRE_ACCOUNT_SIZE GPUSHARE_WIRE_SLOT_SIZE /* an account file: one slot */
 #define GPUSHARE_WIRE_HEARTBEAT_STALE_NS 2000000000ull
 
 #define GPUSHARE_SLOT_FREE 0u

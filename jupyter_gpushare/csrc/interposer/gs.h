@@ -99,13 +99,24 @@ struct gs_stream {            /* a stream this process launched on */
 
 struct gs_gpu {
     char uuid[64];
-    struct gpushare_wire_header *header; /* NULL while not connected */
-    struct gpushare_wire_slot *_Atomic slot; /* the shared slot, or `local` before connecting */
+    struct gpushare_wire_header *header; /* the lease board's header; NULL while not connected */
+    /* Our slot's three mappings (wire.py), each `local` before the first connection:
+     * - slot: the lease board, shared read-write with the GPU's other tenants: lease fields
+     *   only (lease_until/start, grant_seq, joined, waiters, drain_end/eta, first_launch,
+     *   launches);
+     * - policy: mapped read-only (the agent writes it): state, generation, mem_cap,
+     *   request_ppm, limit_ppm, runahead_ns, allocation;
+     * - account: this allocation's own: mem_used, mem_peak, oom_count, lease_waits, wait_ns. */
+    struct gpushare_wire_slot *_Atomic slot;
+    struct gpushare_wire_slot *_Atomic policy;
+    struct gpushare_wire_slot *_Atomic account;
+    struct gpushare_wire_slot *policy_slots; /* the policy mapping's slots (others' state) */
     struct gpushare_wire_slot local;     /* stand-in slot before the first connection */
     uint64_t generation;
     int slot_index;                      /* our slot in the shared file (-1: local) */
     void *map;
-    uint64_t map_dev, map_ino;           /* the mapped file (a reconnect may hand us the same) */
+    uint64_t map_id[3][2];               /* dev/ino of board, policy, account (a reconnect may
+                                            hand us the same files) */
     _Atomic uint64_t joined_lease;       /* lease this process joined (0: none) */
     _Atomic uint64_t last_launch_ns;
     _Atomic uint64_t proc_mem;           /* bytes this process holds (moved on remap) */

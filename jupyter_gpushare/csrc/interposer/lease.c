@@ -172,6 +172,9 @@ static void setup_gpus_from_env(void) {
         atomic_store(&g->local.limit_ppm, 1000000u);
         atomic_store(&g->local.state, GPUSHARE_SLOT_ACTIVE);
         g->slot = &g->local;
+        g->policy = &g->local;
+        g->account = &g->local;
+        g->policy_slots = NULL;
         g->slot_index = -1;
         g->header = NULL;
         pthread_mutex_init(&g->streams_lock, NULL);
@@ -281,39 +284,57 @@ static struct gs_gpu *gpu_by_uuid(const char *uuid, int add) {
     return g;
 }
 
-/* Maps slot `index` of a GPU's shared file, received as descriptor `fd` with the hello reply
- * (the caller closes it); moves this process's reservations over. */
-static int attach(struct gs_gpu *g, int fd, int index, uint64_t generation) {
+/* Maps the three files of a GPU (wire.py), received as descriptors with the hello reply (the
+ * caller closes them): the lease board read-write, the policy read-only (the agent gave us a
+ * read-only descriptor: a writable mapping would fail with EACCES), our account read-write.
+ * Uses slot `index`; moves this process's reservations over. */
+static void *map_checked(int fd, size_t size, int prot, uint64_t id[2]) {
     struct stat st;
-    if (fd < 0 || fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
-        st.st_size < (off_t)GPUSHARE_WIRE_FILE_SIZE)
-        return -1;
-    if (g->header && g->map_dev == (uint64_t)st.st_dev && g->map_ino == (uint64_t)st.st_ino &&
-        g->slot == (struct gpushare_wire_slot *)((char *)g->map + GPUSHARE_WIRE_HEADER_SIZE +
-                                                 (size_t)index * GPUSHARE_WIRE_SLOT_SIZE) &&
-        g->generation == generation)
-        return 0; /* same file, same slot (reconnect, or a forked child) */
-    void *map = mmap(NULL, GPUSHARE_WIRE_FILE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (map == MAP_FAILED) return -1;
-    struct gpushare_wire_header *h = map;
-    if (h->magic != GPUSHARE_WIRE_MAGIC || h->version != GPUSHARE_WIRE_VERSION || index < 0 ||
-        index >= GPUSHARE_WIRE_SLOTS) {
-        munmap(map, GPUSHARE_WIRE_FILE_SIZE);
-        return -1;
+    if (fd < 0 || fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < (off_t)size)
+        return MAP_FAILED;
+    id[0] = (uint64_t)st.st_dev;
+    id[1] = (uint64_t)st.st_ino;
+    return mmap(NULL, size, prot, MAP_SHARED, fd, 0);
+}
+
+static int attach(struct gs_gpu *g, const int fd[3], int index, uint64_t generation) {
+    if (index < 0 || index >= GPUSHARE_WIRE_SLOTS) return -1;
+    uint64_t id[3][2];
+    void *board = map_checked(fd[0], GPUSHARE_WIRE_FILE_SIZE, PROT_READ | PROT_WRITE, id[0]);
+    void *policy = map_checked(fd[1], GPUSHARE_WIRE_FILE_SIZE, PROT_READ, id[1]);
+    void *account = map_checked(fd[2], GPUSHARE_WIRE_ACCOUNT_SIZE, PROT_READ | PROT_WRITE, id[2]);
+    int same = g->header && g->slot_index == index && g->generation == generation &&
+               memcmp(id, g->map_id, sizeof id) == 0;
+    struct gpushare_wire_header *h = board, *ph = policy;
+    struct gpushare_wire_slot *pslots =
+        (struct gpushare_wire_slot *)((char *)policy + GPUSHARE_WIRE_HEADER_SIZE);
+    int bad = board == MAP_FAILED || policy == MAP_FAILED || account == MAP_FAILED || same ||
+              h->magic != GPUSHARE_WIRE_MAGIC || h->version != GPUSHARE_WIRE_VERSION ||
+              ph->magic != GPUSHARE_WIRE_MAGIC || ph->version != GPUSHARE_WIRE_VERSION ||
+              atomic_load(&pslots[index].generation) != generation ||
+              strncmp(pslots[index].allocation, gs.allocation, sizeof pslots[index].allocation - 1) != 0;
+    if (bad) {
+        if (board != MAP_FAILED) munmap(board, GPUSHARE_WIRE_FILE_SIZE);
+        if (policy != MAP_FAILED) munmap(policy, GPUSHARE_WIRE_FILE_SIZE);
+        if (account != MAP_FAILED) munmap(account, GPUSHARE_WIRE_ACCOUNT_SIZE);
+        return same ? 0 : -1; /* same files, same slot (reconnect, or a forked child): as is */
     }
     struct gpushare_wire_slot *slot =
-        (struct gpushare_wire_slot *)((char *)map + GPUSHARE_WIRE_HEADER_SIZE +
+        (struct gpushare_wire_slot *)((char *)board + GPUSHARE_WIRE_HEADER_SIZE +
                                       (size_t)index * GPUSHARE_WIRE_SLOT_SIZE);
+    struct gpushare_wire_slot *acct = account;
     uint64_t mine = atomic_load(&g->proc_mem);
     int first = g->slot == &g->local;
-    if (mine && (first || atomic_load(&slot->generation) != g->generation))
-        atomic_fetch_add(&slot->mem_used, mine); /* reserved before we knew the slot */
-    g->map = map; /* an old mapping is left in place: threads may still read it */
-    g->map_dev = (uint64_t)st.st_dev;
-    g->map_ino = (uint64_t)st.st_ino;
+    if (mine && (first || memcmp(id[2], g->map_id[2], sizeof id[2]) != 0))
+        atomic_fetch_add(&acct->mem_used, mine); /* reserved before we had this account */
+    /* old mappings are left in place: threads may still read them */
+    memcpy(g->map_id, id, sizeof id);
     g->generation = generation;
     g->slot_index = index;
     g->header = h;
+    g->policy_slots = pslots;
+    atomic_store_explicit(&g->policy, &pslots[index], memory_order_release);
+    atomic_store_explicit(&g->account, acct, memory_order_release);
     atomic_store_explicit(&g->slot, slot, memory_order_release);
     return 0;
 }
@@ -404,12 +425,18 @@ static int connect_and_hello(void) {
     while (p && (p = strstr(p, "\"uuid\":")) != NULL) {
         char uuid[64] = "";
         json_string(p + 7, uuid, sizeof uuid);
-        const char *f = json_find(p, "fd"), *i = json_find(p, "slot"), *gen = json_find(p, "generation");
-        if (!f || !i || !gen) break;
-        int k = atoi(f);
+        const char *b = json_find(p, "board"), *pol = json_find(p, "policy"),
+                   *acc = json_find(p, "account"), *i = json_find(p, "slot"),
+                   *gen = json_find(p, "generation");
+        if (!b || !pol || !acc || !i || !gen) break;
+        int k[3] = {atoi(b), atoi(pol), atoi(acc)}, mine[3];
+        int ok = 1;
+        for (int j = 0; j < 3; j++) {
+            ok = ok && k[j] >= 0 && k[j] < nfds;
+            mine[j] = ok ? fds[k[j]] : -1;
+        }
         struct gs_gpu *g = gpu_by_uuid(uuid, 1);
-        if (g && k >= 0 && k < nfds && attach(g, fds[k], atoi(i), strtoull(gen, NULL, 10)) == 0)
-            attached++;
+        if (g && ok && attach(g, mine, atoi(i), strtoull(gen, NULL, 10)) == 0) attached++;
         p = gen;
     }
     for (int k = 0; k < nfds; k++) close(fds[k]); /* mapped (or not wanted) */
@@ -624,7 +651,8 @@ static int try_handoff(struct gs_gpu *g) {
     struct gpushare_wire_slot *n =
         (struct gpushare_wire_slot *)((char *)h + GPUSHARE_WIRE_HEADER_SIZE +
                                       (size_t)(next - 1) * GPUSHARE_WIRE_SLOT_SIZE);
-    if (atomic_load(&n->state) != GPUSHARE_SLOT_ACTIVE) return -1;
+    if (!g->policy_slots || atomic_load(&g->policy_slots[next - 1].state) != GPUSHARE_SLOT_ACTIVE)
+        return -1;
     if (atomic_load(&n->waiters) == 0) return -1;
     uint64_t now = gs_now(), lease_ns = atomic_load(&h->next_lease_ns);
     if (lease_ns == 0 || lease_ns > 1000000000ull) return -1;
@@ -688,7 +716,8 @@ static int try_extend(struct gs_gpu *g, uint64_t lease) {
     uint32_t mine = (uint32_t)g->slot_index + 1;
     if (atomic_load(&s->lease_until_ns) != lease || atomic_load(&s->joined) != 1 ||
         atomic_load(&h->next_slot) != mine ||
-        atomic_load(&h->holder) != mine || atomic_load(&s->state) != GPUSHARE_SLOT_ACTIVE)
+        atomic_load(&h->holder) != mine ||
+        atomic_load(&g->policy->state) != GPUSHARE_SLOT_ACTIVE)
         return -1;
     uint64_t now = gs_now(), lease_ns = atomic_load(&h->next_lease_ns);
     if (atomic_load(&g->last_launch_ns) < atomic_load(&s->lease_start_ns) &&
@@ -886,7 +915,7 @@ static int join(struct gs_gpu *g, uint64_t lease) {
 
 static void failstatic_grant(struct gs_gpu *g, uint64_t now) {
     struct gpushare_wire_slot *s = g->slot;
-    double r = atomic_load(&s->request_ppm) / 1e6;
+    double r = atomic_load(&g->policy->request_ppm) / 1e6;
     if (!(r > 0.0)) r = gs.request;
     uint64_t next = atomic_load(&g->fs_next_on);
     if (now < next) {
@@ -924,7 +953,8 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
             return CUDA_ERROR_NOT_PERMITTED;
         }
         struct gpushare_wire_slot *s = atomic_load_explicit(&g->slot, memory_order_acquire);
-        if (atomic_load(&s->state) == GPUSHARE_SLOT_RELEASED) {
+        struct gpushare_wire_slot *policy = atomic_load_explicit(&g->policy, memory_order_acquire);
+        if (atomic_load(&policy->state) == GPUSHARE_SLOT_RELEASED) {
             deny(GS_RELEASED_REASON);
             continue;
         }
@@ -935,7 +965,7 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
             if (counted) dec_floor(&counted->waiters);
             counted = NULL;
             struct gs_stream *e = note_stream(g, stream, until);
-            uint64_t bound = g->header ? atomic_load(&s->runahead_ns) : 0;
+            uint64_t bound = g->header ? atomic_load(&policy->runahead_ns) : 0;
             int budget = runahead_launches;
             if (real_cuEventElapsedTime_v2) {
                 budget = runahead_bound(g, e, prior, bound, until);
@@ -954,8 +984,9 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
             gs_tl.given = budget;
             atomic_store_explicit(&g->last_launch_ns, gs_now(), memory_order_relaxed);
             if (waited_from) {
-                atomic_fetch_add(&s->lease_waits, 1);
-                atomic_fetch_add(&s->wait_ns, now - waited_from);
+                struct gpushare_wire_slot *account = atomic_load(&g->account);
+                atomic_fetch_add(&account->lease_waits, 1);
+                atomic_fetch_add(&account->wait_ns, now - waited_from);
                 uint64_t late = now - atomic_load(&s->lease_start_ns);
                 if (late > 5000000ull)
                     gs_log("joined %.1f ms after the grant (waited %.1f ms, %d drain spins, "
@@ -1047,7 +1078,7 @@ static void *agent_main(void *arg) {
             }
             /* watch waiters and revocations; closely while preemptible (a bounded queue is
              * drained in a few ms, so a late look would leave the GPU idle) */
-            uint64_t watch = atomic_load(&s->runahead_ns) && g->header &&
+            uint64_t watch = atomic_load(&g->policy->runahead_ns) && g->header &&
                                      atomic_load(&g->header->waiting_slots) > 0
                                  ? 250000ull
                                  : 1000000ull;

@@ -18,8 +18,8 @@ enum { KIND_PTR = 0, KIND_HANDLE = 1, KIND_ARRAY = 2 };
 /* -- the reservation ------------------------------------------------------------------------ */
 
 int gs_mem_reserve(struct gs_gpu *g, uint64_t bytes) {
-    struct gpushare_wire_slot *s = atomic_load_explicit(&g->slot, memory_order_acquire);
-    uint64_t cap = atomic_load(&s->mem_cap);
+    struct gpushare_wire_slot *s = atomic_load_explicit(&g->account, memory_order_acquire);
+    uint64_t cap = atomic_load(&atomic_load_explicit(&g->policy, memory_order_acquire)->mem_cap);
     uint64_t cur = atomic_load(&s->mem_used);
     do {
         if (bytes > cap || cur > cap - bytes) {
@@ -41,7 +41,7 @@ static void sub_floor(_Atomic uint64_t *p, uint64_t v) {
 }
 
 void gs_mem_unreserve(struct gs_gpu *g, uint64_t bytes) {
-    struct gpushare_wire_slot *s = atomic_load_explicit(&g->slot, memory_order_acquire);
+    struct gpushare_wire_slot *s = atomic_load_explicit(&g->account, memory_order_acquire);
     sub_floor(&s->mem_used, bytes);
     sub_floor(&g->proc_mem, bytes);
 }
@@ -119,7 +119,7 @@ static struct gs_gpu *alloc_gpu(CUresult *err) {
         *err = CUDA_ERROR_NOT_PERMITTED;
         return NULL;
     }
-    if (g && atomic_load(&g->slot->state) == GPUSHARE_SLOT_RELEASED) {
+    if (g && atomic_load(&g->policy->state) == GPUSHARE_SLOT_RELEASED) {
         snprintf(gs.deny_reason, sizeof gs.deny_reason, "%s", GS_RELEASED_REASON);
         atomic_store(&gs.denied, 1);
         gs_deny_message();
@@ -297,10 +297,9 @@ CUresult cuArrayDestroy(CUarray hArray)
 /* -- what the process is told ---------------------------------------------------------------- */
 
 static void report(struct gs_gpu *g, uint64_t *free_b, uint64_t *total_b) {
-    struct gpushare_wire_slot *s = atomic_load_explicit(&g->slot, memory_order_acquire);
-    uint64_t cap = atomic_load(&s->mem_cap);
+    uint64_t cap = atomic_load(&atomic_load_explicit(&g->policy, memory_order_acquire)->mem_cap);
     if (cap == 0 || cap == UINT64_MAX) return;
-    uint64_t used = atomic_load(&s->mem_used);
+    uint64_t used = atomic_load(&atomic_load_explicit(&g->account, memory_order_acquire)->mem_used);
     uint64_t total = cap < *total_b ? cap : *total_b;
     uint64_t left = used < total ? total - used : 0;
     *total_b = total;
@@ -360,7 +359,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) 
         uint64_t f = memory->free, t = memory->total;
         report(g, &f, &t);
         if (t != memory->total) {
-            uint64_t used = atomic_load(&g->slot->mem_used);
+            uint64_t used = atomic_load(&g->account->mem_used);
             memory->total = t;
             memory->used = used < t ? used : t;
             memory->free = f;
@@ -378,7 +377,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
         uint64_t f = memory->free, t = memory->total;
         report(g, &f, &t);
         if (t != memory->total) {
-            uint64_t used = atomic_load(&g->slot->mem_used);
+            uint64_t used = atomic_load(&g->account->mem_used);
             memory->total = t;
             memory->reserved = 0;
             memory->used = used < t ? used : t;

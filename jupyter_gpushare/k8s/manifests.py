@@ -37,6 +37,13 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_KERNEL = f"{GROUP}/kernel-id"
 LABEL_ALLOCATION = f"{GROUP}/allocation"
 LABEL_SERVER = f"{GROUP}/server"
+#: The extended resource of a share, in hundredths of a GPU (the device plugin advertises 100 per
+#: healthy GPU; a kernel pod requests its compute request x its GPU count, limits = requests).
+SHARE_RESOURCE = f"{GROUP}/gpu-share"
+SHARE_UNITS_PER_GPU = 100
+#: Set by the node's device plugin on the kernel pod it has allocated for (so that a second
+#: container start of the same size is matched with the next pod, as HAMi does).
+ALLOCATED_ANNOTATION = f"{GROUP}/device-allocated"
 KERNEL_COMPONENT = "gpushare-kernel"
 CONNECTION_KEY = "connection.json"
 
@@ -69,6 +76,13 @@ class PodSettings:
     interposer_mount_path: str = "/opt/gpushare/lib"
     preload_interposer: bool = True
     termination_grace: int = 5
+    #: True: restricted pods; the node's device plugin hands the container its socket,
+    #: interposer and environment. False: hostPath mounts (clusters without the plugin).
+    device_plugin: bool = True
+    share_resource: str = SHARE_RESOURCE
+    run_as_user: int = 1000
+    run_as_group: int = 100
+    fs_group: int = 100
 
     @classmethod
     def from_config(cls, cfg: Any) -> PodSettings:
@@ -84,6 +98,8 @@ class PodSettings:
             interposer_host_path=cfg.interposer_host_path,
             interposer_mount_path=cfg.interposer_mount_path,
             preload_interposer=cfg.preload_interposer, termination_grace=cfg.termination_grace,
+            device_plugin=cfg.device_plugin, share_resource=cfg.share_resource,
+            run_as_user=cfg.run_as_user, run_as_group=cfg.run_as_group, fs_group=cfg.fs_group,
         )
 
     @property
@@ -119,9 +135,24 @@ def visible_devices(gpus: Sequence[str]) -> str:
     return ",".join(g.rsplit("/", 1)[-1] if "/" in g else g for g in gpus)
 
 
+def share_units(request: KernelPodRequest) -> int:
+    """The share's extended resource quantity: hundredths of a GPU on each of its GPUs (at
+    least 1, so that a limit-only share still goes through the device plugin)."""
+    per_gpu = round(float(request.gpu_request) * SHARE_UNITS_PER_GPU)
+    return max(1, per_gpu * max(1, len(request.gpus)))
+
+
 def kernel_environment(request: KernelPodRequest, settings: PodSettings) -> dict[str, str]:
+    """The kernel container's environment in the pod spec. With the device plugin it holds
+    only what the kernel is given (and the fail-static share); the node's plugin adds the
+    socket, the GPU and the interposer in ``Allocate`` (``k8s/device_plugin``)."""
     env = dict(request.env)
     env.update(settings.env)
+    if settings.device_plugin:
+        if request.gpu_memory:
+            env["GPUSHARE_GPU_REQUEST"] = repr(float(request.gpu_request))
+            env["GPUSHARE_GPU_MEMORY"] = str(int(request.gpu_memory))
+        return env
     env.update({
         "GPUSHARE_ALLOCATION_ID": request.allocation_id,
         "GPUSHARE_SOCKET": settings.socket_path,
@@ -143,17 +174,18 @@ def kernel_environment(request: KernelPodRequest, settings: PodSettings) -> dict
 
 
 def kernel_pod(request: KernelPodRequest, settings: PodSettings) -> dict[str, Any]:
-    """The kernel's Pod: on ``request.node`` (through the scheduler, so that CPU, memory and
-    taints are checked and refusals come in the scheduler's words), its GPU made visible, the
-    daemon socket and the interposer mounted from the host, the connection Secret mounted."""
+    """The kernel's Pod: on ``request.node`` (through the scheduler, so that CPU, memory,
+    taints and the share's extended resource are checked and refusals come in the scheduler's
+    words), the connection Secret mounted (group ``fs_group``, mode 0440).
+
+    With the device plugin (default) the pod passes Pod Security "restricted": non-root,
+    no privilege escalation, every capability dropped, seccomp RuntimeDefault, no hostPath;
+    it asks ``share_resource: <hundredths>`` and the node's plugin hands it its GPU, the
+    interposer (read-only) and a directory holding only its own agent socket. Without it, the
+    daemon socket and the interposer are hostPath mounts and the GPU is named in the env."""
     env = kernel_environment(request, settings)
-    labels = {
-        **settings.labels,
-        LABEL_COMPONENT: KERNEL_COMPONENT,
-        LABEL_KERNEL: request.kernel_id,
-        LABEL_ALLOCATION: request.allocation_id,
-        LABEL_SERVER: request.server_id,
-    }
+    if settings.device_plugin:
+        return deep_merge(_restricted_pod(request, settings, env), settings.pod_template)
     container: dict[str, Any] = {
         "name": "kernel",
         "image": settings.image,
@@ -174,11 +206,7 @@ def kernel_pod(request: KernelPodRequest, settings: PodSettings) -> dict[str, An
         "terminationGracePeriodSeconds": settings.termination_grace,
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
-        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-            "nodeSelectorTerms": [{"matchFields": [
-                {"key": "metadata.name", "operator": "In", "values": [request.node]},
-            ]}],
-        }}},
+        "affinity": _on_node(request.node),
         "containers": [container],
         "volumes": [
             {"name": "connection", "secret": {"secretName": request.name, "defaultMode": 0o400}},
@@ -189,27 +217,100 @@ def kernel_pod(request: KernelPodRequest, settings: PodSettings) -> dict[str, An
             *copy.deepcopy(list(settings.volumes)),
         ],
     }
+    _common_spec(spec, request, settings)
+    return deep_merge(_pod_object(request, settings, spec), settings.pod_template)
+
+
+def _restricted_pod(request: KernelPodRequest, settings: PodSettings,
+                    env: Mapping[str, str]) -> dict[str, Any]:
+    units = str(share_units(request))
+    resources = copy.deepcopy(dict(settings.resources))
+    for kind in ("requests", "limits"):
+        resources[kind] = {**dict(resources.get(kind) or {}), settings.share_resource: units}
+    container: dict[str, Any] = {
+        "name": "kernel",
+        "image": settings.image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": list(request.command),
+        "env": [{"name": k, "value": str(v)} for k, v in sorted(env.items())],
+        "resources": resources,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "runAsUser": settings.run_as_user,
+            "runAsGroup": settings.run_as_group,
+        },
+        "volumeMounts": [
+            {"name": "connection", "mountPath": settings.connection_dir, "readOnly": True},
+            *copy.deepcopy(list(settings.volume_mounts)),
+        ],
+    }
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": settings.termination_grace,
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": settings.run_as_user,
+            "runAsGroup": settings.run_as_group,
+            "fsGroup": settings.fs_group,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "affinity": _on_node(request.node),
+        "containers": [container],
+        "volumes": [
+            {"name": "connection", "secret": {"secretName": request.name, "defaultMode": 0o440}},
+            *copy.deepcopy(list(settings.volumes)),
+        ],
+    }
+    _common_spec(spec, request, settings)
+    return _pod_object(request, settings, spec)
+
+
+def _on_node(node: str) -> dict[str, Any]:
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchFields": [
+            {"key": "metadata.name", "operator": "In", "values": [node]},
+        ]}],
+    }}}
+
+
+def _common_spec(spec: dict[str, Any], request: KernelPodRequest,
+                 settings: PodSettings) -> None:
     if settings.tolerations:
         spec["tolerations"] = copy.deepcopy(list(settings.tolerations))
     if settings.node_selector:
         spec["nodeSelector"] = dict(settings.node_selector)
     if settings.service_account:
         spec["serviceAccountName"] = settings.service_account
-    if settings.runtime_class:
+    # a runtime class injects real GPUs (CDI); a node whose GPUs are simulated has none to inject
+    if settings.runtime_class and not request.simulated_devices:
         spec["runtimeClassName"] = settings.runtime_class
-    pod = {
+
+
+def _pod_object(request: KernelPodRequest, settings: PodSettings,
+                spec: dict[str, Any]) -> dict[str, Any]:
+    return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
             "name": request.name,
             "namespace": request.namespace,
-            "labels": labels,
+            "labels": {
+                **settings.labels,
+                LABEL_COMPONENT: KERNEL_COMPONENT,
+                LABEL_KERNEL: request.kernel_id,
+                LABEL_ALLOCATION: request.allocation_id,
+                LABEL_SERVER: request.server_id,
+            },
             "annotations": dict(settings.annotations),
             "ownerReferences": [dict(request.owner)],
         },
         "spec": spec,
     }
-    return deep_merge(pod, settings.pod_template)
 
 
 def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

@@ -26,8 +26,9 @@ def request(**over: object) -> manifests.KernelPodRequest:
 
 
 def test_kernel_pod_places_on_node_and_mounts_everything() -> None:
+    """The hostPath mode (``device_plugin=False``); the restricted default: test_pod_security."""
     settings = manifests.PodSettings(
-        image="img:1", resources={"requests": {"cpu": "1"}},
+        image="img:1", resources={"requests": {"cpu": "1"}}, device_plugin=False,
         tolerations=[{"key": "gpu", "operator": "Exists"}],
         volumes=[{"name": "home", "emptyDir": {}}],
         volume_mounts=[{"name": "home", "mountPath": "/home/jovyan"}],
@@ -146,7 +147,8 @@ def test_every_setting_is_documented_and_feeds_the_pod() -> None:
     from jupyter_gpushare.k8s.config import KubernetesBackendConfig
 
     cfg = KubernetesBackendConfig(image="my/image:2", tolerations=[{"key": "k"}],
-                                  interposer_host_path="/host/lib", preload_interposer=False)
+                                  interposer_host_path="/host/lib", preload_interposer=False,
+                                  device_plugin=False, run_as_user=1234)
     for name, trait in cfg.traits(config=True).items():
         assert trait.help, f"{name} has no help"
     settings = manifests.PodSettings.from_config(cfg)
@@ -156,3 +158,4 @@ def test_every_setting_is_documented_and_feeds_the_pod() -> None:
     assert pod["spec"]["tolerations"] == [{"key": "k"}] and "LD_PRELOAD" not in env
     assert {"path": "/host/lib", "type": "DirectoryOrCreate"} in [
         v.get("hostPath") for v in pod["spec"]["volumes"]]
+    assert settings.run_as_user == 1234 and not settings.device_plugin

@@ -96,9 +96,12 @@ IDLE = _ROUND_TRIP + r"""
 path, n = sys.argv[1], int(sys.argv[2])
 held, failed = [], 0
 for _ in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        held.append(connect(path))
+        s.connect(path)  # blocking: waits while the agent's backlog is full
+        held.append(s)
     except OSError:
+        s.close()
         failed += 1
 print(json.dumps({"connected": len(held), "failed": failed}), flush=True)
 sys.stdin.read()

@@ -38,8 +38,17 @@ Two channels
    decremented ``joined``), or hands the lease back early because it went idle.
 
    ``status`` → ``{"ok": true, "allocations": […], "gpus": […], "daemon": {…}}`` (optionally
-   ``"allocation": id`` to get one); ``refresh`` → re-reads the ledger, ``{"ok": true}``;
+   ``"allocation": id`` to get one): only the caller's own shares (by its uid, user name,
+   process or pod; admins see all); each GPU entry counts every share on it (``shares``,
+   ``reserved_request``, ``free_request``, ``reserved_memory``) but names only the caller's
+   (``allocations``, ``holder``). ``refresh`` → re-reads the ledger, ``{"ok": true}``;
    ``ping`` → ``{"ok": true, "v": 3, "epoch": …}``.
+
+   Limits per connection (DEVELOPING.md, "The agent's socket"): a line of at most
+   :data:`MAX_LINE` bytes; the agent stops reading a client with 32 requests unanswered or 64 KiB
+   of replies unread; 16 refused or unreadable requests in a row, or (before a ``hello``) no
+   request for the idle timeout, close the connection; connections per uid and per pod are
+   capped. A refused connection gets one refusal line and is closed.
 
    A kernel's own share (peer-checked like ``hello``; :mod:`.kernel_ops`): ``release``
    (``"allocation"``), ``resize`` (``"allocation"``, ``"share"``), ``reserve`` (``"share"``, after

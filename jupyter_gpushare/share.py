@@ -100,6 +100,15 @@ def shown_value(value: object) -> object:
     return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 1] + "…"
 
 
+def key_name(key: object) -> str:
+    """A key someone sent, as an error names it: cut to :data:`SHOWN_CHARS`; ``""`` for an
+    empty one."""
+    text = str(key)
+    if len(text) > SHOWN_CHARS:
+        return text[: SHOWN_CHARS - 1] + "…"
+    return text or '""'
+
+
 def _short_repr(value: object) -> str:
     """``repr`` of a JSON value without walking deep or huge structures."""
     if isinstance(value, Mapping):
@@ -235,10 +244,11 @@ class GpuLabels:
             raise ShareError(
                 "gpu_labels", value, "an object with keys " + ", ".join(LABEL_KINDS)
             )
-        unknown = sorted(set(value) - set(LABEL_KINDS))
+        unknown = sorted(set(value) - set(LABEL_KINDS), key=str)
         if unknown:
             raise ShareError(
-                f"gpu_labels.{unknown[0]}", value[unknown[0]], "keys are " + ", ".join(LABEL_KINDS)
+                f"gpu_labels.{key_name(unknown[0])}", value[unknown[0]],
+                "keys are " + ", ".join(LABEL_KINDS)
             )
         parsed: dict[str, str | None] = {}
         for kind in LABEL_KINDS:
@@ -315,10 +325,10 @@ class ShareSpec:
         if not isinstance(data, Mapping):
             raise ShareError("share", data, "an object with keys " + ", ".join(SHARE_FIELDS))
         if strict:
-            unknown = sorted(set(data) - set(SHARE_FIELDS))
+            unknown = sorted(set(data) - set(SHARE_FIELDS), key=str)
             if unknown:
                 allowed = "known keys are " + ", ".join(SHARE_FIELDS)
-                raise ShareError(unknown[0], data[unknown[0]], allowed)
+                raise ShareError(key_name(unknown[0]), data[unknown[0]], allowed)
         base = defaults or cls()
         count = _parse_count(data["gpu_count"]) if data.get("gpu_count") is not None else None
         whole = count is not None and count > 1

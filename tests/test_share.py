@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from jupyter_gpushare.inventory import TypeAliases, check_spec, simulated_gpus
 from jupyter_gpushare.share import (
     MEMORY_UNIT,
+    SHARE_FIELDS,
     SHOWN_CHARS,
     GpuLabels,
     ShareError,
@@ -198,3 +199,28 @@ def test_hub_form_pattern_agrees_with_the_parser(text, parses):
         parsed = False
     assert parsed == parses
     assert bool(re.match(SHARE_RE, text)) == parses
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.integers(min_value=10**300)
+    | st.floats() | st.text(max_size=20) | st.text(st.characters(categories=["Nd"]), max_size=5)
+    | st.builds(str, st.floats()) | st.sampled_from(["10GiB", "0.25", "1e-320", "A100"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                 max_size=3),
+    max_leaves=6)
+
+
+@given(st.dictionaries(st.sampled_from([*SHARE_FIELDS, "gpu_limt"]), _JSON, max_size=4) | _JSON)
+def test_any_input_is_a_valid_share_or_one_clear_refusal(data):
+    """Whatever a caller sends (REST JSON, kernelspec config): a share inside the units, or a
+    ShareError with a short message and a JSON body; never another exception."""
+    try:
+        spec = ShareSpec.from_mapping(data)
+    except ShareError as err:
+        body = err.to_json()
+        json.dumps(body)
+        assert body["field"] and body["allowed"] and len(body["message"]) < 600
+    else:
+        assert 0 < spec.gpu_request <= spec.gpu_limit <= 1
+        assert round(spec.gpu_request * 100) == pytest.approx(spec.gpu_request * 100)
+        assert spec.gpu_memory is None or MEMORY_UNIT <= spec.gpu_memory <= 2**50

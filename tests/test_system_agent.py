@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from jupyter_gpushare import bound as bounds
+from jupyter_gpushare import cli as gpushare_cli
 from jupyter_gpushare import paths
 from jupyter_gpushare.daemon import ledger_ops
 from jupyter_gpushare.daemon.client import DaemonClient
@@ -117,7 +118,8 @@ def agent() -> Iterator[Callable[..., Agent]]:
 
 def as_user(user: pwd.struct_passwd, work: Callable[..., Any], *args: Any,
             start: Any = None, **kwargs: Any) -> Any:
-    """Run ``work(*args)`` (a coroutine function) in a forked process as ``user``; returns
+    """Run ``work(*args)`` (a function or coroutine function) in a forked process as ``user``;
+    returns
     ``("ok", result)`` or ``("error", type name, message, agent error code)``. ``start``: a
     multiprocessing Event the child waits for before it begins (to start several at once).
     The child runs the code this process already loaded (this Python's own files may not be
@@ -134,7 +136,8 @@ def as_user(user: pwd.struct_passwd, work: Callable[..., Any], *args: Any,
         if start is not None:
             start.wait(30)
         try:
-            send.send(("ok", asyncio.run(work(*args, **kwargs))))
+            done = work(*args, **kwargs)
+            send.send(("ok", asyncio.run(done) if asyncio.iscoroutine(done) else done))
         except BaseException as exc:
             send.send(("error", type(exc).__name__, str(exc), getattr(exc, "error", None)))
 
@@ -428,6 +431,62 @@ def test_discovery_finds_the_system_agent_first(agent, monkeypatch) -> None:
     monkeypatch.setenv("GPUSHARE_SOCKET", str(b.socket))
     assert not paths.find_agent(fresh=True).system
     assert not isinstance(GpuShare(socket_path=str(b.socket)).local_ledger(), AgentLedger)
+
+
+def gpushare_run(socket: str, *argv: str) -> dict[str, Any]:
+    """``jupyter gpushare run`` as this user, against the agent named by GPUSHARE_SOCKET."""
+    os.environ.update(GPUSHARE_SOCKET=socket, GPUSHARE_NODE_NAME=NODE)
+    code = gpushare_cli.main(["run", *argv])
+    return {"code": code, "left": asyncio.run(snapshot(socket))}
+
+
+def test_gpushare_run_as_a_user_goes_through_the_system_agent(agent) -> None:
+    """Discovery, placement, the child's pid recorded by the agent, release and the exit code:
+    no per-user agent is started and nothing is left in the ledger."""
+    alice = unix_user(ALICE)
+    a = agent()
+    theirs = Path(tempfile.mkdtemp(prefix="gs-h3-run-", dir="/tmp"))
+    os.chown(theirs, alice.pw_uid, alice.pw_gid)  # the user's command writes what it saw here
+    seen = theirs / "seen"
+    script = (f"echo $GPUSHARE_ALLOCATION_ID $GPUSHARE_SOCKET > {seen}; "
+              f"test -S $GPUSHARE_SOCKET && exit 7")
+    outcome = run_as(alice, gpushare_run, str(a.socket), "--gpu-request", "0.5", "--",
+                     "/bin/sh", "-c", script)
+    assert outcome[0] == "ok", outcome
+    assert outcome[1] == {"code": 7, "left": []}
+    allocation_id, socket = seen.read_text().split()
+    assert allocation_id.startswith("a-") and socket == str(a.socket)
+    shutil.rmtree(theirs)
+    import psutil
+
+    agents = [p for p in psutil.process_iter(["uids", "cmdline"])
+              if p.info["uids"] and p.info["uids"].real == alice.pw_uid
+              and "jupyter_gpushare.daemon" in " ".join(p.info["cmdline"] or [])]
+    assert agents == []  # no per-user agent was started
+
+
+def test_the_systemd_unit_starts_the_system_agent_as_documented() -> None:
+    from jupyter_gpushare.daemon import cli as daemon_cli
+
+    unit = (Path(__file__).resolve().parents[1] / "deploy" / "systemd"
+            / "jupyter-gpushare-agent.service").read_text()
+    settings = dict(line.split("=", 1) for line in unit.splitlines()
+                    if "=" in line and not line.startswith("#"))
+    command = settings["ExecStart"].split()
+    assert command[0].endswith("jupyter-gpushare") and command[1] == "daemon"
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    daemon_cli.add_arguments(parser)
+    args = parser.parse_args(command[2:])
+    assert args.system and daemon_cli.serve_path(args) == paths.SYSTEM_SOCKET
+    assert daemon_cli.ledger_file(args) == paths.SYSTEM_LEDGER
+    assert settings["RuntimeDirectory"] == paths.SYSTEM_SOCKET.parent.name
+    assert settings["RuntimeDirectoryMode"] == "0755"  # what the agent demands of it
+    assert settings["StateDirectory"] == paths.SYSTEM_LEDGER.parent.name
+    assert settings["StateDirectoryMode"] == "0700"
+    for flag in ("--group", "--admin-group", "--max-share"):  # named in the unit's comments
+        assert flag in unit and parser.parse_args(["--system", flag, "x"]) is not None
 
 
 # -- the authorization rules, pure --------------------------------------------------------

@@ -28,7 +28,7 @@ from ..ledger import Allocation, AllocationNotFound, Ledger, LedgerConflict, Led
 from ..placement import PlacementRefused
 from ..provisioner import ShareRefused
 from ..resize import BelowUse, UsageUnknown, resize
-from ..share import ShareError, ShareSpec, shown_value
+from ..share import ShareError, ShareSpec, key_name, shown_value
 from ..usage import is_kubernetes, served_here, usage_source
 
 
@@ -305,7 +305,7 @@ class KernelsHandler(GpushareHandler):
             return None
         unknown = sorted(set(body) - {"name", "path", "share"})
         if unknown:
-            return self.fail(400, _field_error(unknown[0], body[unknown[0]],
+            return self.fail(400, _field_error(key_name(unknown[0]), body[unknown[0]],
                                                "known keys are name, path, share"))
         if not await self.check_kernel_name(body.get("name")):
             return None

@@ -5,7 +5,9 @@
 ``%gpushare request [--gpu-request R] [--gpu-limit L] [--gpu-memory M] [--gpu-type T]``
 
 Each calls the function of the same name in :mod:`.actions`. Bad arguments print the usage and
-change nothing; a refusal prints its reason.
+change nothing; a refusal prints its reason. ``request`` changes only what it names: a request
+above the current limit needs ``--gpu-limit`` too, and an "auto" memory cap (request × the GPU's
+memory) follows a new request (:func:`.actions.request`).
 """
 
 from __future__ import annotations
@@ -69,9 +71,11 @@ def _gpus_text(rows: list[dict[str, Any]]) -> str:
 class GpushareMagics(Magics):
     @magic_arguments()
     @argument("action", help="status | gpus | release | request")
-    @argument("--gpu-request", default=None, help="guaranteed fraction of the GPU, (0, 1]")
+    @argument("--gpu-request", default=None,
+              help="guaranteed fraction of the GPU, (0, 1] in steps of 0.01; above the "
+                   "current limit only with --gpu-limit")
     @argument("--gpu-limit", default=None, help="the most the kernel may use, (0, 1]")
-    @argument("--gpu-memory", default=None, help="memory cap, e.g. 10GiB")
+    @argument("--gpu-memory", default=None, help="memory cap, e.g. 10GiB (at least 1MiB)")
     @argument("--gpu-type", default=None, help="GPU type (new shares only), e.g. A100")
     @line_magic
     def gpushare(self, line: str) -> None:

@@ -534,6 +534,18 @@ def test_authorize_rules() -> None:
                              alice, NODE, [GPU], None, True)
 
 
+def test_a_kept_record_is_the_stored_one() -> None:
+    his = record(1002)
+    (kept,) = ledger_ops._parse_allocations([{"id": his.id, "keep": True}], [his])
+    assert kept is his
+    with pytest.raises(ShareError, match=r"allocations\[0\]\.id"):
+        ledger_ops._parse_allocations([{"id": "a-nothere", "keep": True}], [his])
+    with pytest.raises(ShareError, match="each allocation id once"):
+        ledger_ops._parse_allocations([his.to_json(), his.to_json()], [his])
+    with pytest.raises(ShareError, match=r"allocations\[0\]"):
+        ledger_ops._parse_allocations([{"id": "a-1", "gpu_request": "lots"}], [])
+
+
 def test_tightest_bound() -> None:
     hub = ShareSpec(0.5, 1.0, gpu_memory=40 * GiB)
     admin = ShareSpec(0.75, 0.75)

@@ -8,7 +8,8 @@ Users' servers, ``jupyter gpushare run``, provisioners and kernels reach it thro
 ``ledger.snapshot`` → ``{"ok", "allocations": [Allocation…], "versions": {node: v}}``. A caller
     who is not an admin sees its own allocations whole and everyone else's only as capacity
     (:func:`redact`: id, node, GPUs, share, memory, state; no user, kernel id, pid or extra).
-``ledger.cas`` ``{"node", "version", "allocations": [...], "bound": {...}|null}`` →
+``ledger.cas`` ``{"node", "version", "allocations": [...], "bound": {...}|null}`` (a record
+    kept as it is may be sent as ``{"id", "keep": true}``) →
     ``{"ok": true, "swapped": bool, "added": [the new records as stamped]}`` or a refusal.
     Authorized by diffing the node's current allocations against the proposed ones
     (:func:`authorize`): a non-admin may add, change or remove only allocations whose owner
@@ -219,13 +220,23 @@ async def _put_gpus(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dic
     return {"ok": True}
 
 
-def _parse_allocations(raw: object) -> list[Allocation]:
+def _parse_allocations(raw: object, current: Sequence[Allocation]) -> list[Allocation]:
+    """The proposed records; ``{"id": …, "keep": true}`` stands for the stored record (a caller
+    sends other users' records, which it saw redacted, in this short form)."""
     if not isinstance(raw, list):
         raise ShareError("allocations", raw, "a list of allocations")
+    stored = {a.id: a for a in current}
     out = []
     for i, item in enumerate(raw):
         if not isinstance(item, dict):
             raise ShareError(f"allocations[{i}]", item, "an allocation object")
+        if item.get("keep") is True:
+            kept = stored.get(item.get("id"))  # type: ignore[arg-type]
+            if kept is None:
+                raise ShareError(f"allocations[{i}].id", item.get("id"),
+                                 "the id of an allocation on this node (to keep it)")
+            out.append(kept)
+            continue
         try:
             out.append(Allocation.from_json(item))
         except ShareError as exc:
@@ -247,12 +258,12 @@ async def _cas(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dict[str
     if not isinstance(node, str) or not isinstance(version, int) or isinstance(version, bool):
         return wire.refusal(wire.E_BAD_REQUEST, "ledger.cas needs node (a string) and version "
                             "(an integer)")
-    proposed = _parse_allocations(message.get("allocations"))
     asked = bounds.from_json(message.get("bound"), "bound")
     snap = await daemon.ledger.snapshot()
     if snap.versions.get(node, 0) != version:
         return {"ok": True, "swapped": False}
     current = snap.on_node(node)
+    proposed = _parse_allocations(message.get("allocations"), current)
     inventory = [g for g in await daemon.ledger.gpus() if g.node == node]
     try:
         result = authorize(current, proposed, who, node, inventory,

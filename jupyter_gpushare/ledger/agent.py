@@ -58,6 +58,9 @@ class AgentLedger(Ledger):
         self.socket_path = Path(socket_path)
         self.bound = bound
         self._recorded: dict[str, Allocation] = {}
+        #: other users' records as the agent showed them (redacted); one sent back unchanged
+        #: goes as ``{"id", "keep": true}``, which keeps a compare-and-swap small
+        self._seen: dict[str, Allocation] = {}
 
     @property
     def path(self) -> Path:  # where it lives, for messages (``SQLiteLedger.path``'s role)
@@ -113,10 +116,16 @@ class AgentLedger(Ledger):
 
     async def snapshot(self) -> Snapshot:
         reply = await self.request({"op": "ledger.snapshot"})
-        return Snapshot(
+        snap = Snapshot(
             allocations=tuple(Allocation.from_json(a) for a in reply.get("allocations", [])),
             versions={str(k): int(v) for k, v in (reply.get("versions") or {}).items()},
         )
+        for a in snap.allocations:  # other users' records, as shown: sent back by id alone
+            if a.extra.get("redacted"):
+                self._seen[a.id] = a
+        while len(self._seen) > 4096:
+            self._seen.pop(next(iter(self._seen)))
+        return snap
 
     async def compare_and_swap(
         self, node: str, expected_version: int, allocations: Sequence[Allocation]
@@ -125,7 +134,8 @@ class AgentLedger(Ledger):
 
         reply = await self.request({
             "op": "ledger.cas", "node": node, "version": expected_version,
-            "allocations": [a.to_json() for a in allocations],
+            "allocations": [{"id": a.id, "keep": True} if self._seen.get(a.id) == a
+                            else a.to_json() for a in allocations],
             "bound": to_json(self.bound) if self.bound is not None else None,
         })
         for data in reply.get("added") or []:  # the agent's stamped copies of new records

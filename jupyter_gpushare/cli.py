@@ -182,7 +182,8 @@ async def _run(settings: GpuShare, spec: ShareSpec, command: Sequence[str]) -> i
     except RuntimeError as exc:  # enforcement falls back to the interposer's fail-static mode
         print(f"gpushare: {exc}", file=sys.stderr)
     me = os.getpid()
-    extra = {"server_start": process_start_time(me), "command": list(command)[:8]}
+    extra = {"server_start": process_start_time(me), "command": list(command)[:8],
+             "uid": os.getuid()}  # the agent's status shows a user their own shares
     allocation = await allocate(
         ledger, spec, inventory, settings.policy(), owner="run", backend="local",
         state="active", pid=me, pid_start=process_start_time(me),

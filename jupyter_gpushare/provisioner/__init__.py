@@ -160,6 +160,7 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             server_pid=os.getpid(),
             user=getpass.getuser(),
             extra={"server_start": process_start_time(os.getpid()),
+                   **({"uid": os.getuid()} if backend.name == "local" else {}),  # status: own
                    **({"pool": self._pool} if self._pool else {})},
         )
         self.log.info("gpushare: kernel %s holds %s on %s %s", self.kernel_id, spec.describe(),

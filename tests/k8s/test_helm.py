@@ -179,7 +179,13 @@ def test_kernel_pods_and_daemon_agree_on_paths(helm: str, tmp_path: Path) -> Non
     mount = Path(settings.socket_mount_path)
     assert str(args.socket) == settings.socket_path
     assert volumes[mounts[str(mount)]] == settings.socket_host_path
-    assert args.state_dir.is_relative_to(mount)  # the interposer maps these files in the pod
+    # the lease memory is the daemon's alone: outside every directory a kernel pod mounts (the
+    # pod gets its own share's memory as descriptors over the socket)
+    assert not args.state_dir.is_relative_to(mount)
+    state_mount = next(m for m in mounts if args.state_dir.is_relative_to(m))
+    state_host = Path(volumes[mounts[state_mount]])
+    assert not state_host.is_relative_to(settings.socket_host_path)
+    assert not Path(settings.socket_host_path).is_relative_to(state_host)
     installer = container(pod, "install-interposer")
     lib_volume = next(m["name"] for m in installer["volumeMounts"]
                       if m["mountPath"] == installer["command"][-1])

@@ -241,7 +241,11 @@ class Listener:
                     return
                 continue
             conn.setblocking(False)
-            self.accepted(conn)
+            try:
+                self.accepted(conn)
+            except Exception:  # a bug: this connection is lost, the listener goes on
+                log.exception("admitting a connection failed")
+                conn.close()
 
     def _resume(self) -> None:
         if not self.closed:

@@ -425,15 +425,18 @@ class Daemon:
                 conn.send(wire.encode(wire.refusal(wire.E_NOT_PERMITTED, why)))
             conn.close()
             return
-        task = asyncio.get_running_loop().create_task(
-            asyncio.get_running_loop().connect_accepted_socket(lambda: _Protocol(self, peer), conn))
-        task.add_done_callback(lambda t: self._connect_failed(t, peer, conn))
+        protocol = _Protocol(self, peer)
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(loop.connect_accepted_socket(lambda: protocol, conn))
+        task.add_done_callback(lambda t: self._connect_failed(t, protocol, conn))
 
-    def _connect_failed(self, task: asyncio.Task[Any], peer: Peer, conn: socket.socket) -> None:
+    def _connect_failed(self, task: asyncio.Task[Any], protocol: _Protocol,
+                        conn: socket.socket) -> None:
         if task.cancelled() or task.exception() is not None:
-            log.debug("could not serve pid %d: %r", peer.pid,
+            log.debug("could not serve pid %d: %r", protocol.peer.pid,
                       None if task.cancelled() else task.exception())
-            self.admission.left(peer)
+            if protocol.client is None:  # else its connection_lost counts it out
+                self.admission.left(protocol.peer)
             conn.close()
 
     def disconnected(self, client: Client) -> None:
@@ -793,6 +796,6 @@ class _Protocol(asyncio.Protocol):
         self.writable.set()  # a waiting worker ends
         self.queue.clear()
         self.buffer.clear()
-        self.daemon.admission.left(self.peer)
         if self.client is not None:
+            self.daemon.admission.left(self.peer)
             self.daemon.disconnected(self.client)

@@ -6,9 +6,12 @@ shares, and the ledger-failure log that does not flood. Clients are real Unix us
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import socket
 import threading
 import time
+from dataclasses import replace
 
 import psutil
 from agent_abuse_support import (
@@ -30,6 +33,7 @@ from agent_abuse_support import (
 )
 from enforcement_support import add_allocation, shares, spawn_tenant
 
+from jupyter_gpushare.daemon.admission import Admins, Admission, Peer, read_peer
 from jupyter_gpushare.daemon.ratelog import RateLimitedLog
 from jupyter_gpushare.ledger.sqlite import SQLiteLedger
 
@@ -272,3 +276,53 @@ def test_rate_limited_log_counts_what_it_did_not_write(caplog):
     assert "240 times in the last 60 s" in lines[1], lines
     assert lines[-1] == "reading the ledger failed: working again"
     assert not any(r.exc_info for r in caplog.records)
+
+
+def test_admission_caps_per_uid_and_pod_and_keeps_the_reserve():
+    opened = [20]
+    admission = Admission(per_uid=2, per_pod=1, reserve=10, fd_limit=lambda: 1000,
+                          open_fds=lambda: opened[0])
+    user = Peer(pid=10, uid=1234, gid=1234, pod=None, admin=False)
+    root = Peer(pid=11, uid=0, gid=0, pod=None, admin=True)
+    in_pod = Peer(pid=12, uid=1234, gid=1234, pod="0f0e0d0c-0b0a-0908-0706-050403020100",
+                  admin=False)
+    other_pod = replace(in_pod, pod="10101010-2020-3030-4040-505050505050")
+    never = lambda: False  # noqa: E731
+    assert admission.admit(user, never) is None and admission.admit(user, never) is None
+    refusal = admission.admit(user, never)
+    assert refusal is not None and "uid 1234 already has 2 connections" in refusal
+    assert all(admission.admit(root, never) is None for _ in range(5))  # uid 0: not capped
+    assert admission.admit(in_pod, never) is None  # a pod is counted as itself, not its uid
+    assert admission.admit(in_pod, never) is not None
+    assert admission.admit(other_pod, never) is None
+    admission.left(user)
+    assert admission.admit(user, never) is None
+    assert admission.refused == 2
+
+    near_full = [995]
+    tight = Admission(per_uid=100, per_pod=100, reserve=10, fd_limit=lambda: 1000,
+                      open_fds=lambda: near_full[0])
+    refusal = tight.admit(user, never)
+    assert refusal is not None and "short of file descriptors" in refusal
+    assert tight.admit(user, lambda: True) is None  # holds a share here
+    assert tight.admit(root, never) is None
+    near_full[0] = 500
+    assert tight.admit(user, never) is None
+
+
+def test_read_peer_takes_the_identity_from_the_kernel():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        peer = read_peer(a, Admins())
+    assert (peer.pid, peer.uid, peer.gid) == (os.getpid(), os.getuid(), os.getgid())
+    assert peer.admin is (os.getuid() == 0 or os.getuid() == os.geteuid())
+    assert peer.counted_as == f"uid {os.getuid()}"
+
+
+def test_admin_group_members_are_admins():
+    member = unix_user("gsagent-d", groups=("gsagentadm",))
+    stranger = unix_user("gsagent-b")
+    admins = Admins("gsagentadm")
+    assert admins.admits(member.pw_uid, member.pw_gid)
+    assert not admins.admits(stranger.pw_uid, stranger.pw_gid)
+    assert admins.admits(0, 0)

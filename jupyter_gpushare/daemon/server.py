@@ -125,6 +125,8 @@ class Daemon:
         self.nvml: dict[str, dict[str, Any]] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._refresh_lock = asyncio.Lock()
+        self._reads_begun = 0  # ledger reads begun by ``refresh``, and the last one finished
+        self._read_done = 0
         self._stopping = asyncio.Event()
         self.admins = Admins(settings.admin_group)
         self.admission = Admission(settings.max_connections_per_uid,
@@ -132,6 +134,8 @@ class Daemon:
         self.ledger_log = RateLimitedLog(log, "reading the ledger failed")
         self.refused_log = RateLimitedLog(log, "refused a connection", level=logging.WARNING)
         self.request_log = RateLimitedLog(log, "a request failed", first_traceback=True)
+        self.refused_peer_log = RateLimitedLog(log, "refused a process", level=logging.WARNING,
+                                               every=10.0)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -206,10 +210,19 @@ class Daemon:
                 await asyncio.sleep(1.0)
 
     async def refresh(self) -> None:
-        """Re-read the ledger now (start, a ``refresh`` request, a peer check's second look)."""
+        """Re-read the ledger now (start, a ``refresh`` request, a peer check's second look).
+        Callers that wait while a read runs share the next one: a read begun after the call is
+        as fresh as the caller needs, so a flood of ``refresh`` or refused ``hello`` requests
+        costs one read at a time, not one each."""
+        called_after = self._reads_begun
         async with self._refresh_lock:
+            if self._read_done > called_after:
+                return  # a read that began after this call has finished meanwhile
+            self._reads_begun += 1
+            number = self._reads_begun
             snap = await self.ledger.snapshot()
             self._sync({a.id: a for a in snap.on_node(self.settings.node)})
+            self._read_done = number
 
     def _sync(self, current: dict[str, Allocation]) -> None:
         """Follow the ledger: new allocations get slots, changed ones new shares, gone ones are
@@ -376,8 +389,8 @@ class Daemon:
             refusal = self._check_peer(client, allocation)
         if refusal is not None:
             self.refused += 1
-            log.warning("refused pid %d for %r: %s", client.pid, allocation_id,
-                        refusal["message"])
+            self.refused_peer_log.failed(f"pid {client.pid} for {allocation_id!r}: "
+                                         f"{refusal['message']}")
         return allocation, refusal
 
     def _check_peer(self, client: Client, allocation: Allocation | None) -> dict[str, Any] | None:

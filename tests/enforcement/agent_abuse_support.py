@@ -64,8 +64,10 @@ HONEST = _ROUND_TRIP + r"""
 path, seconds = sys.argv[1], float(sys.argv[2])
 allocation = sys.stdin.readline().strip()
 kept = connect(path)
+t = time.perf_counter()
 hello = round_trip(kept, {"op": "hello", "v": WIRE_VERSION, "allocation": allocation,
                          "pid": os.getpid()})
+hello_ms = (time.perf_counter() - t) * 1e3
 status_ms, ping_ms, errors = [], [], []
 end = time.monotonic() + seconds
 while time.monotonic() < end:
@@ -86,7 +88,8 @@ while time.monotonic() < end:
         errors.append(repr(exc))
     ping_ms.append((time.perf_counter() - t) * 1e3)
     time.sleep(0.002)
-print(json.dumps({"hello": hello.get("ok"), "status_ms": status_ms, "ping_ms": ping_ms,
+print(json.dumps({"hello": hello.get("ok"), "hello_ms": hello_ms,
+                  "status_ms": status_ms, "ping_ms": ping_ms,
                   "errors": errors[:5], "n_errors": len(errors)}), flush=True)
 """
 
@@ -188,6 +191,37 @@ while not stop.is_set():
         connections += 1
 print(json.dumps({"connections": connections, "max_answers": max(answers, default=0),
                   "unclosed": unclosed}), flush=True)
+"""
+
+#: ``hello`` for allocations that are not its own, on ``argv[2]`` connections at once (16 each,
+#: then the agent closes it and it connects again), until stdin closes
+HELLO_FLOOD = _ROUND_TRIP + r"""
+import selectors, threading
+path, n = sys.argv[1], int(sys.argv[2])
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+hellos = b"".join((json.dumps({"op": "hello", "v": WIRE_VERSION, "allocation": f"a-{i:016x}",
+                               "pid": os.getpid()}) + "\n").encode() for i in range(16))
+answered = 0
+def worker():
+    global answered
+    while not stop.is_set():
+        try:
+            with connect(path) as s:
+                s.settimeout(10)
+                s.sendall(hellos)
+                while True:
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        break
+                    answered += chunk.count(b"\n")
+        except OSError:
+            time.sleep(0.01)
+threads = [threading.Thread(target=worker, daemon=True) for _ in range(n)]
+for t in threads:
+    t.start()
+stop.wait()
+print(json.dumps({"answered": answered}), flush=True)
 """
 
 #: one status request when a line comes on stdin (an allocation id, or empty for all), as JSON

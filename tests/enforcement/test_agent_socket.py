@@ -17,6 +17,7 @@ import psutil
 from agent_abuse_support import (
     FLOOD,
     GARBAGE,
+    HELLO_FLOOD,
     HOLD,
     HONEST,
     IDLE,
@@ -326,3 +327,33 @@ def test_admin_group_members_are_admins():
     assert admins.admits(member.pw_uid, member.pw_gid)
     assert not admins.admits(stranger.pw_uid, stranger.pw_gid)
     assert admins.admits(0, 0)
+
+
+def test_a_hello_flood_neither_floods_the_log_nor_delays_an_honest_hello(built, gpus):
+    """64 connections of another user keep saying hello for allocations that are not theirs
+    (each refusal re-reads the ledger first); an honest kernel whose allocation the agent has
+    not read yet (it polls once a minute here) still gets its hello answered at once, and the
+    refusals are summarized in the log, not written one by one."""
+    honest_user, rough_user = unix_user("gsagent-a"), unix_user("gsagent-c")
+    directory = shared_dir()
+    agent = start_agent(directory, "--poll-ms", "60000")
+    try:
+        ledger = SQLiteLedger(agent.ledger_path)
+        flood = run_as(rough_user, HELLO_FLOOD, str(agent.socket), "64")
+        time.sleep(2)
+        honest = run_as(honest_user, HONEST, str(agent.socket), "1")
+        mine = record(ledger, gpus[0], pid=honest.pid, uid=honest_user.pw_uid)
+        assert honest.stdin is not None
+        honest.stdin.write(mine.id + "\n")  # not refreshed: its hello makes the agent read
+        honest.stdin.flush()
+        served = read_json(honest)
+        time.sleep(1)
+        flooded = finish(flood)
+    finally:
+        agent.stop()
+    log = agent.log.read_text()
+    shutil.rmtree(directory, ignore_errors=True)
+    assert flooded["answered"] >= 100, flooded
+    assert served["hello"] is True and served["n_errors"] == 0, served
+    assert served["hello_ms"] < 1000, served["hello_ms"]
+    assert log.count("refused a process") <= 2, log[-3000:]

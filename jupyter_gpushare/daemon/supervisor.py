@@ -32,6 +32,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from traitlets import Float, TraitError, validate
+from traitlets.config import Configurable
+
 from ..inventory import Gpu
 from ..periodic import PeriodicTask
 from .client import DaemonClient, DaemonUnavailable
@@ -148,17 +151,38 @@ async def ensure_agent(settings: GpuShare, gpus: Sequence[Gpu],
     return True
 
 
+class AgentSupervision(Configurable):
+    """How a Jupyter server supervises its node agent (``--AgentSupervision.interval=…``)."""
+
+    interval = Float(
+        2.0,
+        config=True,
+        help="Seconds between the server's checks that its node agent answers; an agent that "
+        "died is started again (kernels keep running meanwhile under their interposer's "
+        "fail-static limits). 0: no checks (the agent is supervised elsewhere, e.g. systemd).",
+    )
+
+    @validate("interval")
+    def _valid_interval(self, proposal: Any) -> float:
+        value = float(proposal["value"])
+        if not (value == 0 or 0.1 <= value <= 3600):
+            raise TraitError(f"AgentSupervision.interval: {value!r} is not allowed; give 0 "
+                             "(no checks) or 0.1 to 3600 seconds")
+        return value
+
+
 class AgentWatch(PeriodicTask):
-    """The server's supervision of its node agent: every :attr:`interval_s` seconds a ping, and
-    a new agent when none answers (it rebuilds its state from the ledger and the shared lease
-    files; kernels keep running meanwhile, at their request, in fail-static mode)."""
+    """The server's supervision of its node agent: every ``interval`` seconds
+    (:class:`AgentSupervision`) a ping, and a new agent when none answers (it rebuilds its
+    state from the ledger and the shared lease files; kernels keep running meanwhile, at their
+    request, in fail-static mode)."""
 
     what = "node agent supervision"
-    interval_s = 2.0
 
-    def __init__(self, settings: GpuShare, log: Any) -> None:
+    def __init__(self, settings: GpuShare, log: Any, interval: float = 2.0) -> None:
         super().__init__(log)
         self.settings = settings
+        self.interval_s = interval
         self.restarts = 0
         self._lock = asyncio.Lock()
         self._kick: asyncio.Task[None] | None = None
@@ -167,7 +191,7 @@ class AgentWatch(PeriodicTask):
         return self.interval_s
 
     def enabled(self) -> bool:
-        return enforcing(self.settings)
+        return self.interval_s > 0 and enforcing(self.settings)
 
     async def run_once(self) -> bool:
         """One check; True when an agent had to be started."""
@@ -183,7 +207,7 @@ class AgentWatch(PeriodicTask):
 
     def kick(self) -> None:
         """Check at once, in the background (a change could not be confirmed)."""
-        if self._task is not None and (self._kick is None or self._kick.done()):
+        if self._task is not None and self.enabled() and (self._kick is None or self._kick.done()):
             self._kick = asyncio.ensure_future(self._check_now())
 
     async def _check_now(self) -> None:

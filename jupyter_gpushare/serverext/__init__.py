@@ -3,6 +3,9 @@
 On load it creates the :class:`~jupyter_gpushare.config.GpuShare` settings from the server's
 config, discovers this machine's GPUs (or simulated ones) and publishes them to the ledger,
 releases allocations left behind by dead kernels or servers, and keeps doing so periodically.
+It starts this machine's node agent unless one answers, and supervises it
+(:class:`~jupyter_gpushare.daemon.supervisor.AgentWatch`: a dead agent is started again within
+``AgentSupervision.interval`` seconds, no server restart needed).
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from traitlets import TraitError
+
 from ..config import GpuShare
-from ..daemon.supervisor import AgentWatch, ensure_agent
+from ..daemon.supervisor import AgentSupervision, AgentWatch, ensure_agent
 from ..inventory import Gpu, NoGpuError
 from ..ledger.reconcile import reconcile
 from ..periodic import PeriodicTask
@@ -80,6 +85,16 @@ async def start_node_daemon(settings: GpuShare, gpus: Sequence[Gpu], log: Any) -
     await ensure_agent(settings, gpus, log)
 
 
+def agent_check_interval(serverapp: Any) -> float:
+    """``AgentSupervision.interval`` from the server's config (a bad value: logged, default)."""
+    try:
+        return float(AgentSupervision(parent=serverapp).interval)
+    except TraitError as exc:
+        serverapp.log.error("gpushare: %s; checking the node agent every %g s", exc,
+                            AgentSupervision.interval.default_value)
+        return float(AgentSupervision.interval.default_value)
+
+
 async def _start(serverapp: Any, settings: GpuShare) -> None:
     has_gpus = False
     try:
@@ -96,8 +111,9 @@ async def _start(serverapp: Any, settings: GpuShare) -> None:
     reconciler = Reconciler(settings, serverapp.kernel_manager, serverapp.log)
     serverapp.web_app.settings["gpushare_reconciler"] = reconciler
     reconciler.start()
-    if has_gpus and settings.backend == "local":  # a node agent that died is started again
-        watch = AgentWatch(settings, serverapp.log)  # (on Kubernetes: the agents' DaemonSet)
+    interval = agent_check_interval(serverapp)
+    if has_gpus and settings.backend == "local" and interval > 0:  # a dead agent is started
+        watch = AgentWatch(settings, serverapp.log, interval)  # again (Kubernetes: DaemonSet)
         serverapp.web_app.settings["gpushare_agent_watch"] = watch
         watch.start()
     start_admin_tasks(serverapp, settings)  # warm pools, idle reclaim

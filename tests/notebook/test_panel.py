@@ -113,7 +113,7 @@ def test_panel_says_when_the_daemon_is_gone_and_recovers(jupyter_server):
     from jupyter_gpushare.daemon.supervisor import ensure_daemon, stop
     from jupyter_gpushare.inventory import local_node_name, simulated_gpus
 
-    server = jupyter_server("1xA100")
+    server = jupyter_server("1xA100", "--AgentSupervision.interval=0")  # it stays gone
     kernel, alloc = start_kernel(server)
     client = server.client(kernel["id"])
     ids, _ = _show_panel(client)

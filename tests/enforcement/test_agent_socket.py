@@ -357,3 +357,61 @@ def test_a_hello_flood_neither_floods_the_log_nor_delays_an_honest_hello(built, 
     assert served["hello"] is True and served["n_errors"] == 0, served
     assert served["hello_ms"] < 1000, served["hello_ms"]
     assert log.count("refused a process") <= 2, log[-3000:]
+
+
+def test_whose_shares_a_caller_sees(tmp_path):
+    """``Daemon.caller_shares`` on plain records: a kernel pod's record only to a process in that
+    pod; a record's uid wins over its user name; a process sees its own record and its parent's
+    (not one whose PID was reused: another start time)."""
+    from jupyter_gpushare.daemon.server import Daemon, DaemonSettings
+    from jupyter_gpushare.ledger import Allocation
+    from jupyter_gpushare.share import ShareSpec
+
+    daemon = Daemon(None, DaemonSettings(socket_path=tmp_path / "s.sock", node="n"))  # type: ignore[arg-type]
+    spec = ShareSpec(gpu_request=0.1, gpu_limit=0.1, gpu_memory=2**30, gpu_type="A100")
+    me = psutil.Process()
+    parent = me.parent()
+    assert parent is not None
+
+    def rec(**fields):
+        return Allocation(id=Allocation.new_id(), node="n", gpus=("GPU-x",), spec=spec,
+                          memory=2**30, **fields)
+
+    pod_uid = "0f0e0d0c-0b0a-0908-0706-050403020100"
+    pod_record = rec(extra={"k8s_pod": "k", "k8s_pod_uid": pod_uid, "uid": 1234})
+    by_uid = rec(extra={"uid": 1234}, user="root")
+    by_name = rec(user="gsagent-named")
+    mine = rec(pid=me.pid, pid_start=me.create_time())
+    parents = rec(pid=parent.pid, pid_start=parent.create_time())
+    reused = rec(pid=parent.pid, pid_start=parent.create_time() - 100)
+    local = Peer(pid=me.pid, uid=1234, gid=1234, pod=None, admin=False)
+    in_pod = Peer(pid=me.pid, uid=1234, gid=1234, pod=pod_uid, admin=False)
+    admin = Peer(pid=me.pid, uid=0, gid=0, pod=None, admin=True)
+
+    seen = daemon.caller_shares(local)
+    assert [seen(a) for a in (pod_record, by_uid, by_name, mine, parents, reused)] == [
+        False, True, False, True, True, False]
+    seen = daemon.caller_shares(in_pod)
+    assert [seen(a) for a in (pod_record, by_uid, mine)] == [True, False, False]
+    named = unix_user("gsagent-named")
+    seen = daemon.caller_shares(replace(local, uid=named.pw_uid, pid=1))
+    assert seen(by_name) and not seen(by_uid)
+    seen = daemon.caller_shares(admin)
+    assert all(seen(a) for a in (pod_record, by_uid, by_name, reused))
+
+
+def test_a_line_without_end_is_cut_off_at_max_line(daemon):
+    from jupyter_gpushare.daemon import wire
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(daemon.socket))
+        s.sendall(b"x\n")
+        assert b"bad_request" in s.recv(65536)
+        try:
+            s.sendall(b"{" * (wire.MAX_LINE + 4096))
+            closed = s.recv(65536) == b""
+        except (BrokenPipeError, ConnectionResetError):
+            closed = True
+        assert closed
+    assert daemon.client.alive()

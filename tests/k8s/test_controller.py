@@ -1,0 +1,394 @@
+"""The cluster controller (issue 16) on the real control plane, with a real JupyterHub.
+
+Two controller replicas (``python -m jupyter_gpushare.controller``) run with the controller's
+service account; users' servers are represented by their Hub API tokens (the scopes a real
+``JUPYTERHUB_API_TOKEN`` has) and, in one test, by a real Jupyter server in controller mode that
+holds no kubeconfig at all. Users: alice (no bound), bob (group ``students``: at most 0.25 / 0.5
+of a GPU), carol (Hub admin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+from cluster import NAMESPACE, ControlPlane, free_port
+from hub import Hub, start_hub
+from servers import spawn, start_jupyter_server, stop_process
+
+from jupyter_gpushare.controller.client import ControllerClient
+from jupyter_gpushare.k8s import manifests
+from jupyter_gpushare.k8s.client import connect
+from jupyter_gpushare.ledger import Allocation
+
+pytestmark = pytest.mark.timeout(240)
+
+ROOT = Path(__file__).resolve().parents[2]
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
+STUDENT_BOUND = {"gpu_request": 0.25, "gpu_limit": 0.5}
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    hub = start_hub(tmp_path_factory.mktemp("hub"), users={"alice", "bob"}, admins={"carol"},
+                    groups={"students": ["bob"]})
+    yield hub
+    stop_process(hub.proc)
+
+
+class Controller:
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path) -> None:
+        self.proc = proc
+        self.url = url
+        self.log = log
+
+    def health(self) -> int:
+        try:
+            return requests.get(self.url + "/api/health", timeout=5).status_code
+        except requests.ConnectionError:
+            return 0
+
+
+@pytest.fixture(scope="module")
+def controllers(control_plane: ControlPlane, node_agent: Path, hub: Hub,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Controller]]:
+    """Two replicas on one leader Lease (3 s, renewed every 1 s)."""
+    root = tmp_path_factory.mktemp("controller")
+    config = root / "controller_config.py"
+    config.write_text(f"""
+c.GpushareController.hub_url = {hub.url!r}
+c.GpushareController.group_bounds = {{"students": {STUDENT_BOUND!r}}}
+c.GpushareController.lease_duration = 3
+c.GpushareController.renew_interval = 1
+c.GpushareController.retry_interval = 0.5
+c.GpushareController.server_lease_duration = 30
+c.GpushareController.reconcile_interval = 2
+c.GpushareController.reconcile_grace = 5
+c.KubernetesBackendConfig.kubeconfig = {str(control_plane.kubeconfig("controller"))!r}
+c.KubernetesBackendConfig.namespace = {NAMESPACE!r}
+c.KubernetesBackendConfig.image = "gpushare-test:local"
+c.KubernetesBackendConfig.start_timeout = 60
+c.KubernetesBackendConfig.resources = {{"requests": {{"cpu": "100m", "memory": "64Mi"}}}}
+c.KubernetesBackendConfig.device_plugin = False  # as tests/k8s/servers.py: hostPath mode
+""")
+    started: list[Controller] = []
+
+    def start(index: int) -> Controller:
+        port = free_port()
+        log = root / f"controller-{index}-{len(started)}.log"
+        proc = spawn([sys.executable, "-m", "jupyter_gpushare.controller", f"--config={config}",
+                      f"--port={port}", "--ip=127.0.0.1"],
+                     log, {**os.environ, "POD_NAME": f"controller-{index}-{len(started)}"})
+        controller = Controller(proc, f"http://127.0.0.1:{port}", log)
+        started.append(controller)
+        return controller
+
+    replicas = [start(0), start(1)]
+    deadline = time.monotonic() + 60
+    while sorted(c.health() for c in replicas) != [200, 503]:
+        if time.monotonic() > deadline or any(c.proc.poll() is not None for c in replicas):
+            pytest.fail("no controller became leader:\n" + "\n".join(
+                c.log.read_text()[-3000:] for c in replicas))
+        time.sleep(0.3)
+    replicas.append(start(2))  # spare for the failover test (after the standby takes over)
+    yield replicas
+    for c in started:
+        stop_process(c.proc)
+
+
+def leader(replicas: list[Controller]) -> Controller:
+    return next(c for c in replicas if c.proc.poll() is None and c.health() == 200)
+
+
+def call(replicas: list[Controller], token: str, method: str, path: str,
+         body: Any = None) -> requests.Response:
+    return requests.request(method, leader(replicas).url + path, json=body, timeout=120,
+                            headers={"Authorization": f"token {token}"})
+
+
+def start_body(kernel: str, server: str, share: dict[str, Any]) -> dict[str, Any]:
+    return {"kernel_id": kernel, "server_id": server, "share": share,
+            "launch_id": uuid.uuid4().hex[:10], "command": SLEEPER, "env": {"A": "1"},
+            "connection": {"shell_port": 1, "iopub_port": 2, "stdin_port": 3,
+                           "control_port": 4, "hb_port": 5, "key": uuid.uuid4().hex}}
+
+
+def kernel_name() -> str:
+    return "k" + uuid.uuid4().hex[:11]
+
+
+# -- RBAC: users' servers hold no rights ---------------------------------------------------------
+
+
+def review(api: Any, user: str, groups: list[str], group: str, resource: str,
+           verb: str) -> bool:
+    from kubernetes import client
+
+    answer = client.AuthorizationV1Api(api).create_subject_access_review({
+        "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+        "spec": {"user": user, "groups": groups,
+                 "resourceAttributes": {"namespace": NAMESPACE, "group": group,
+                                        "resource": resource, "verb": verb}}})
+    return bool(answer.status.allowed)
+
+
+def test_user_servers_hold_no_rights_the_controller_does(control_plane: ControlPlane) -> None:
+    """SubjectAccessReviews on the API server: the identity a user's server runs as in
+    controller mode (the namespace's default service account; z2jh mounts no token at all)
+    may not create pods, read or write Secrets, or write GpuLedgers; the controller's may."""
+    from kubernetes import config
+
+    api = config.new_client_from_config(str(control_plane.kubeconfig("admin")))
+    sa_groups = ["system:serviceaccounts", f"system:serviceaccounts:{NAMESPACE}",
+                 "system:authenticated"]
+    user_server = f"system:serviceaccount:{NAMESPACE}:default"
+    controller = f"system:serviceaccount:{NAMESPACE}:gpushare-controller"
+    denied = [("", "pods", "create"), ("", "pods", "delete"), ("", "secrets", "get"),
+              ("", "secrets", "list"), ("", "secrets", "create"), ("", "secrets", "patch"),
+              ("gpushare.jupyter.org", "gpuledgers", "update"),
+              ("gpushare.jupyter.org", "gpuledgers", "create"),
+              ("gpushare.jupyter.org", "gpuledgers", "patch"),
+              ("coordination.k8s.io", "leases", "update")]
+    for group, resource, verb in denied:
+        assert not review(api, user_server, sa_groups, group, resource, verb), (resource, verb)
+    for group, resource, verb in [("", "pods", "create"), ("", "secrets", "create"),
+                                  ("", "secrets", "patch"),
+                                  ("gpushare.jupyter.org", "gpuledgers", "update"),
+                                  ("gpushare.jupyter.org", "gpuledgers", "create"),
+                                  ("coordination.k8s.io", "leases", "update")]:
+        assert review(api, controller, sa_groups, group, resource, verb), (resource, verb)
+    # nor does the controller read Secrets back (it writes connection files only)
+    assert not review(api, controller, sa_groups, "", "secrets", "get")
+
+    values = yaml.safe_load((ROOT / "deploy" / "z2jh" / "values.yaml").read_text())
+    single = values["singleuser"]
+    assert not single.get("serviceAccountName")
+    assert single["extraPodConfig"]["automountServiceAccountToken"] is False
+    assert single["extraEnv"]["GPUSHARE_CONTROLLER_URL"].startswith("http")
+
+
+# -- two Hub users through the controller --------------------------------------------------------
+
+
+def test_two_users_see_and_change_only_their_own_kernels(
+        controllers: list[Controller], hub: Hub, control_plane: ControlPlane) -> None:
+    alice, bob, carol = (hub.tokens[u] for u in ("alice", "bob", "carol"))
+    a_kernel, b_kernel = kernel_name(), kernel_name()
+    a_server, b_server = "srv-" + uuid.uuid4().hex[:8], "srv-" + uuid.uuid4().hex[:8]
+
+    reply = call(controllers, alice, "POST", "/api/kernels",
+                 start_body(a_kernel, a_server, {"gpu_request": 0.5, "gpu_limit": 1.0,
+                                                 "gpu_type": "A100"}))
+    assert reply.status_code == 201, reply.text
+    a_alloc = reply.json()["allocation"]
+    assert reply.json()["connection"]["ip"] == "127.0.0.1"  # the pod's IP (the node agent's)
+    assert a_alloc["user"] == "alice" and a_alloc["state"] == "active"
+
+    # bob's bound (group students) holds on start: refused by name, nothing placed
+    reply = call(controllers, bob, "POST", "/api/kernels",
+                 start_body(b_kernel, b_server, {"gpu_request": 0.5, "gpu_limit": 0.5}))
+    assert reply.status_code == 400 and reply.json()["field"] == "gpu_request", reply.text
+    reply = call(controllers, bob, "POST", "/api/kernels",
+                 start_body(b_kernel, b_server, {"gpu_request": 0.25, "gpu_limit": 0.5}))
+    assert reply.status_code == 201, reply.text
+    b_alloc = reply.json()["allocation"]
+    assert b_alloc["user"] == "bob"
+
+    def ids(token: str, what: str = "allocations") -> set[str]:
+        reply = call(controllers, token, "GET", f"/api/{what}")
+        assert reply.status_code == 200, reply.text
+        return {a.get("id") or a.get("allocation") for a in reply.json()[what]}
+
+    assert a_alloc["id"] in ids(alice) and b_alloc["id"] not in ids(alice)
+    assert b_alloc["id"] in ids(bob) and a_alloc["id"] not in ids(bob)
+    assert {a_alloc["id"], b_alloc["id"]} <= ids(carol)  # a Hub admin sees all
+    assert ids(bob, "kernels") == {b_alloc["id"]}
+    assert ids(alice, "kernels") == {a_alloc["id"]}
+
+    # the other's kernel: 403 for every verb, and it is untouched
+    for method, path, body in [("GET", f"/api/allocations/{a_alloc['id']}", None),
+                               ("PATCH", f"/api/allocations/{a_alloc['id']}",
+                                {"gpu_request": 0.1}),
+                               ("DELETE", f"/api/allocations/{a_alloc['id']}", None),
+                               ("GET", f"/api/kernels/{a_alloc['id']}", None),
+                               ("DELETE", f"/api/kernels/{a_alloc['id']}", None),
+                               ("PUT", f"/api/servers/{a_server}", None)]:
+        reply = call(controllers, bob, method, path, body)
+        assert reply.status_code == 403, (method, path, reply.text)
+        assert reply.json()["error"] == "forbidden"
+    # nor can bob start a kernel under alice's server (its Lease would own the pod)
+    reply = call(controllers, bob, "POST", "/api/kernels",
+                 start_body(kernel_name(), a_server, {"gpu_request": 0.1, "gpu_limit": 0.1}))
+    assert reply.status_code == 403, reply.text
+    status = call(controllers, alice, "GET", f"/api/kernels/{a_alloc['id']}").json()
+    assert status["phase"] == "Running" and status["exit_code"] is None
+
+    # resize: the bound holds (recorded on the allocation), within it works
+    reply = call(controllers, bob, "PATCH", f"/api/allocations/{b_alloc['id']}",
+                 {"gpu_limit": 0.75})
+    assert reply.status_code == 400 and reply.json()["field"] == "gpu_limit", reply.text
+    reply = call(controllers, bob, "PATCH", f"/api/allocations/{b_alloc['id']}",
+                 {"gpu_request": 0.2})
+    assert reply.status_code == 200 and reply.json()["gpu_request"] == 0.2, reply.text
+    reply = call(controllers, alice, "PATCH", f"/api/allocations/{a_alloc['id']}",
+                 {"gpu_request": 0.75})
+    assert reply.status_code == 200, reply.text
+
+    # bad and missing tokens: 401 with the reason; a standby: 503 naming the leader
+    assert call(controllers, "not-a-token", "GET", "/api/allocations").status_code == 401
+    assert requests.get(leader(controllers).url + "/api/allocations",
+                        timeout=10).status_code == 401
+    standby = next(c for c in controllers[:2] if c.health() == 503)
+    reply = requests.get(standby.url + "/api/gpus", timeout=10,
+                         headers={"Authorization": f"token {alice}"})
+    assert reply.status_code == 503 and reply.json()["error"] == "not_leader"
+    assert reply.json()["leader"], reply.text
+
+    # release: each their own; the pod and the record go
+    for token, alloc in ((bob, b_alloc), (alice, a_alloc)):
+        reply = call(controllers, token, "DELETE", f"/api/allocations/{alloc['id']}")
+        assert reply.status_code == 200, reply.text
+        assert call(controllers, token, "GET",
+                    f"/api/allocations/{alloc['id']}").status_code == 404
+
+    async def pods_gone() -> None:
+        kube = await connect(str(control_plane.kubeconfig("admin")))
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                pods = (await kube.list_pods(NAMESPACE, manifests.LABEL_KERNEL))["items"]
+                left = {p["metadata"]["labels"][manifests.LABEL_KERNEL] for p in pods}
+                if not left & {a_kernel, b_kernel}:
+                    return
+                assert time.monotonic() < deadline, left
+                await asyncio.sleep(0.3)
+        finally:
+            await kube.close()
+
+    asyncio.run(pods_gone())
+
+
+# -- a real Jupyter server in controller mode: no Kubernetes credentials at all ------------------
+
+
+async def test_jupyter_server_without_credentials_runs_kernels_through_the_controller(
+        controllers: list[Controller], hub: Hub, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_kernels import execute
+
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", hub.tokens["alice"])
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.delenv("GPUSHARE_KUBECONFIG", raising=False)
+    urls = ",".join(c.url for c in controllers)
+    server = await asyncio.to_thread(
+        start_jupyter_server, tmp_path / "server", None, "kubernetes",
+        extra=f"""
+c.KubernetesBackendConfig.controller_url = {urls!r}
+c.KubernetesBackendConfig.kubeconfig = "/nonexistent/kubeconfig"
+c.KubernetesBackendConfig.lease_renew_interval = 2
+""")
+    try:
+        reply = await asyncio.to_thread(server.request, "POST", "/api/kernels",
+                                        json={"name": "gpushare-k8s"})
+        assert reply.status_code == 201, reply.text + server.log_text()[-3000:]
+        kernel_id = reply.json()["id"]
+        assert (await execute(server, kernel_id, "print(6 * 7)")).strip() == "42"
+        mine = await asyncio.to_thread(server.request, "GET", "/gpushare/api/allocations")
+        assert mine.status_code == 200, mine.text
+        records = [a for a in mine.json()["allocations"] if a["kernel_id"] == kernel_id]
+        assert len(records) == 1 and records[0]["user"] == "alice"
+        seen = (await asyncio.to_thread(call, controllers, hub.tokens["alice"], "GET",
+                                         "/api/allocations")).json()
+        assert [a["id"] for a in seen["allocations"] if a["kernel_id"] == kernel_id] == [
+            records[0]["id"]]
+        # over the server's own bound? bob's group bound is the controller's; alice has none.
+        reply = await asyncio.to_thread(server.request, "DELETE", f"/api/kernels/{kernel_id}")
+        assert reply.status_code == 204, reply.text
+        seen = (await asyncio.to_thread(call, controllers, hub.tokens["alice"], "GET",
+                                         "/api/allocations")).json()
+        assert not [a for a in seen["allocations"] if a["kernel_id"] == kernel_id]
+        assert "Traceback" not in server.log_text()
+    finally:
+        stop_process(server.proc)
+
+
+# -- failover: kill -9 of the active controller while kernels start --------------------------------
+
+
+async def test_kill_9_of_the_leader_during_starts_loses_and_doubles_nothing(
+        controllers: list[Controller], hub: Hub, control_plane: ControlPlane) -> None:
+    kube = await connect(str(control_plane.kubeconfig("admin")))
+    versions: list[dict[str, Any]] = []
+    listing = await kube.list_ledgers(NAMESPACE)
+    versions.extend(listing.get("items") or [])
+
+    async def follow() -> None:  # every version of every GpuLedger from now on
+        async for event in kube.watch("gpuledgers", NAMESPACE,
+                                      listing["metadata"]["resourceVersion"]):
+            if event["type"] in ("ADDED", "MODIFIED"):
+                versions.append(event["object"])
+
+    watcher = asyncio.create_task(follow())
+    alive = [c for c in controllers if c.proc.poll() is None]
+    first = leader(alive)
+    client = ControllerClient([c.url for c in alive], hub.tokens["alice"], retry_for=90)
+    kernels = [kernel_name() for _ in range(6)]
+    server = "srv-" + uuid.uuid4().hex[:8]
+
+    async def start(kernel: str, delay: float) -> dict[str, Any]:
+        await asyncio.sleep(delay)
+        return await client.request("POST", "/api/kernels", start_body(
+            kernel, server, {"gpu_request": 0.1, "gpu_limit": 0.2}))
+
+    try:
+        starts = [asyncio.create_task(start(k, 0.15 * i)) for i, k in enumerate(kernels)]
+        await asyncio.sleep(0.5)  # some placed, some launching, some not yet asked
+        first.proc.send_signal(signal.SIGKILL)
+        answers = await asyncio.wait_for(asyncio.gather(*starts), 150)
+        assert leader(alive) is not first
+        assert {a["allocation"]["kernel_id"] for a in answers} == set(kernels)
+        await asyncio.sleep(1.0)  # the watch catches up
+        final = [Allocation.from_json(a) for obj in (await kube.list_ledgers(NAMESPACE))["items"]
+                 for a in (obj.get("spec") or {}).get("allocations") or []]
+        ours = [a for a in final if a.kernel_id in kernels]
+        # nothing lost, nothing doubled: one share per kernel, the one each start was answered
+        assert sorted(a.kernel_id or "" for a in ours) == sorted(kernels)
+        assert {a.id for a in ours} == {a["allocation"]["id"] for a in answers}
+        # every version of every ledger the API server published: no kernel ever held two
+        # shares on a node, no GPU was ever over-committed
+        for obj in versions:
+            records = [Allocation.from_json(a)
+                       for a in (obj.get("spec") or {}).get("allocations") or []]
+            held = [a.kernel_id for a in records if a.kernel_id in kernels]
+            assert len(held) == len(set(held)), (obj["metadata"]["resourceVersion"], held)
+            per_gpu: dict[str, float] = {}
+            for a in records:
+                for gpu in a.gpus:
+                    per_gpu[gpu] = per_gpu.get(gpu, 0.0) + a.request
+            assert all(v <= 1.0 + 1e-9 for v in per_gpu.values()), per_gpu
+        # and across nodes, in the final state
+        assert len({a.id for a in final}) == len(final)
+        pods = (await kube.list_pods(NAMESPACE, manifests.LABEL_KERNEL))["items"]
+        running = [p for p in pods if manifests.pod_running(p)
+                   and p["metadata"]["labels"][manifests.LABEL_KERNEL] in kernels]
+        assert sorted(p["metadata"]["labels"][manifests.LABEL_KERNEL] for p in running) == \
+            sorted(kernels)
+        for answer in answers:
+            await client.request("DELETE", f"/api/allocations/{answer['allocation']['id']}")
+    finally:
+        watcher.cancel()
+        await kube.close()

@@ -236,10 +236,10 @@ def await_applied(socket_path: str | Path, allocation_id: str, expected: Allocat
     released and the agent no longer holds it), asking it to re-read the ledger first. Raises
     :class:`NotApplied` with the reason after ``timeout`` s. Blocking: async callers use
     ``asyncio.to_thread``."""
-    client = DaemonClient(socket_path, timeout=max(0.2, timeout))
     deadline = time.monotonic() + timeout
-    reason = "it did not answer"
+    reason: str | None = "it did not answer"
     while True:
+        client = DaemonClient(socket_path, timeout=max(0.05, deadline - time.monotonic()))
         try:
             client.refresh()
             status = client.status(allocation_id)

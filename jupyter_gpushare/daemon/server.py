@@ -292,7 +292,10 @@ class Daemon:
     async def handle(self, client: Client, message: dict[str, Any]) -> dict[str, Any] | None:
         op = message.get("op")
         if op == "want" or op == "done":
-            self._lease_event(client, op, message)
+            try:
+                self._lease_event(client, op, message)
+            except (TypeError, ValueError) as exc:  # e.g. a lease that is not a number
+                return wire.refusal(wire.E_BAD_REQUEST, f"{op}: {exc}")
             return None
         if op == "hello":
             return await self._hello(client, message)

@@ -1,6 +1,7 @@
 """A notebook executed by nbclient on a gpushare kernelspec with no Jupyter server anywhere: the
 provisioner starts the node agent itself, the simulator's state directory is there on a fresh
-machine, the magics reach the agent, ``release()`` frees the share and the kernel lives on."""
+machine, the magics and the panel reach the agent, ``release()`` frees the share and the kernel
+lives on."""
 
 from __future__ import annotations
 
@@ -23,6 +24,14 @@ from jupyter_gpushare.ledger.sqlite import SQLiteLedger
 CELLS = [
     "import os; print('ALLOC', os.environ['GPUSHARE_ALLOCATION_ID'])",
     "%gpushare status",
+    """
+import time, jupyter_gpushare
+p = jupyter_gpushare.panel()
+deadline = time.monotonic() + 20
+while not p.last_status and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("PANEL", p.last_status.get("state"), p.last_status.get("allocation_id"))
+""",
     """
 import ctypes
 cu = ctypes.CDLL("libcuda.so.1")
@@ -67,16 +76,17 @@ def test_nbclient_without_a_server_reaches_the_agent_and_releases(gpushare_env, 
     assert done.returncode == 0, (done.stderr[-3000:],
                                   log.read_text()[-3000:] if log.exists() else "no agent log")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    allocation_line, status, cuda, released, last = result["outputs"]
+    allocation_line, status, panel, cuda, released, last = result["outputs"]
     allocation = allocation_line.split()[1]
 
     assert "GPU share: active [simulated GPU]" in status and allocation in status, status
     assert "unreachable" not in status
+    assert panel.split() == ["PANEL", "active", allocation]  # the panel reaches the agent too
     assert cuda.split() == ["CUDA", "0", "0", "0", "0"], cuda  # no 304: the state dir exists
     assert released.split() == ["RELEASED", allocation]
     assert last.strip() == "2"  # the kernel lives on after its release
 
     ledger = result["ledger"]
-    assert allocation in ledger[0] and allocation in ledger[2]  # held while the cells ran
-    assert allocation not in ledger[3] and allocation not in ledger[4]  # freed by release()
+    assert allocation in ledger[0] and allocation in ledger[3]  # held while the cells ran
+    assert allocation not in ledger[4] and allocation not in ledger[5]  # freed by release()
     assert DaemonClient(socket).alive()  # the agent the provisioner started outlives nbclient

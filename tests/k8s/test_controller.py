@@ -355,11 +355,23 @@ async def test_kill_9_of_the_leader_during_starts_loses_and_doubles_nothing(
             kernel, server, {"gpu_request": 0.1, "gpu_limit": 0.2}))
 
     try:
-        starts = [asyncio.create_task(start(k, 0.15 * i)) for i, k in enumerate(kernels)]
-        await asyncio.sleep(0.5)  # some placed, some launching, some not yet asked
+        starts = [asyncio.create_task(start(k, 0.1 * i)) for i, k in enumerate(kernels)]
+
+        def placed() -> set[str]:
+            return {a["kernel_id"] for obj in versions
+                    for a in (obj.get("spec") or {}).get("allocations") or []} & set(kernels)
+
+        deadline = time.monotonic() + 60
+        while not placed():  # kill as soon as the first share is recorded: the others are
+            assert time.monotonic() < deadline, "no share was placed"  # placing or waiting
+            await asyncio.sleep(0.01)
         first.proc.send_signal(signal.SIGKILL)
+        in_flight = sum(not t.done() for t in starts)
+        placed_before = placed()
+        assert in_flight >= len(kernels) - 1, "the kill came after starts were answered"
         answers = await asyncio.wait_for(asyncio.gather(*starts), 150)
         assert leader(alive) is not first
+        assert placed_before and len(placed_before) < len(kernels)
         assert {a["allocation"]["kernel_id"] for a in answers} == set(kernels)
         await asyncio.sleep(1.0)  # the watch catches up
         final = [Allocation.from_json(a) for obj in (await kube.list_ledgers(NAMESPACE))["items"]
@@ -392,3 +404,30 @@ async def test_kill_9_of_the_leader_during_starts_loses_and_doubles_nothing(
     finally:
         watcher.cancel()
         await kube.close()
+
+
+# -- authentication against the real Hub -----------------------------------------------------------
+
+
+async def test_hub_tokens_resolve_to_users_cached_and_bounded(hub: Hub) -> None:
+    from jupyter_gpushare.controller.auth import HubAuth
+    from jupyter_gpushare.controller.errors import ControllerError
+
+    auth = HubAuth(hub.url, ttl=60, max_entries=2)
+    bob = await auth.user(hub.tokens["bob"])
+    assert (bob.name, bob.admin, bob.groups) == ("bob", False, ("students",))
+    carol = await auth.user(hub.tokens["carol"])
+    assert carol.admin and carol.name == "carol"
+    asked = auth.hub_requests
+    assert await auth.user(hub.tokens["bob"]) == bob and auth.hub_requests == asked  # cached
+    with pytest.raises(ControllerError) as refused:
+        await auth.user("not-a-token")
+    assert refused.value.status == 401
+    assert len(auth._cache) <= 2  # bounded: the least recently used went
+    await auth.user(hub.tokens["carol"])
+    assert auth.hub_requests == asked + 2  # carol was evicted by the bad token, asked again
+    # a Hub that cannot be reached is a 503 with the reason, not a refusal of the user
+    away = HubAuth(f"http://127.0.0.1:{free_port()}", timeout=2)
+    with pytest.raises(ControllerError) as down:
+        await away.user(hub.tokens["bob"])
+    assert down.value.status == 503 and "cannot be reached" in down.value.message

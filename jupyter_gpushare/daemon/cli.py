@@ -100,6 +100,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "service account, else $KUBECONFIG)")
     parser.add_argument("--node", default=None,
                         help="node name whose allocations to enforce (default: this host)")
+    parser.add_argument("--device-plugin", action="store_true",
+                        help="with --kubernetes-namespace: also serve the kubelet's device-plugin "
+                        "API (k8s/device_plugin): advertise 100 share units per GPU and hand "
+                        "kernel pods their GPU, the interposer and a socket of their own")
+    parser.add_argument("--kubelet-socket", type=Path, metavar="PATH",
+                        default=Path("/var/lib/kubelet/device-plugins/kubelet.sock"),
+                        help="the kubelet's device-plugin registration socket; the plugin "
+                        "serves gpushare.sock beside it")
+    parser.add_argument("--share-resource", default="gpushare.jupyter.org/gpu-share",
+                        metavar="NAME", help="extended resource the device plugin advertises")
+    parser.add_argument("--interposer-dir", type=Path, default=Path("/opt/gpushare/lib"),
+                        metavar="DIR", help="host directory with libgpushare.so that the "
+                        "device plugin mounts read-only into kernel pods")
+    parser.add_argument("--pod-socket-dir", type=Path, default=None, metavar="DIR",
+                        help="host directory of the per-pod socket directories (default: pods/ "
+                        "beside --socket)")
     parser.add_argument("--simulate-devices", "--simulate", dest="simulate", default=None,
                         metavar="N[xTYPE]",
                         help="enforce on simulated GPUs (e.g. 2xA100); also GPUSHARE_SIMULATE")
@@ -149,6 +165,10 @@ async def _ledger(args: argparse.Namespace) -> Ledger:
         return KubernetesLedger(await connect(args.kubeconfig), args.kubernetes_namespace)
     from ..ledger.sqlite import SQLiteLedger
 
+    if args.system:  # the agent is the file's only writer: reads come from memory
+        from ..ledger.cached import CachedSQLiteLedger
+
+        return CachedSQLiteLedger(ledger_file(args))
     return SQLiteLedger(ledger_file(args))
 
 
@@ -393,6 +413,16 @@ async def _main(args: argparse.Namespace, access: Access) -> None:
         from ..k8s.usage import start_publisher
 
         usage = start_publisher(daemon, ledger, args.usage_interval)
+    plugin = None
+    if args.device_plugin and args.kubernetes_namespace:
+        from ..k8s.device_plugin.plugin import PluginSettings, start_plugin
+
+        plugin = await start_plugin(daemon, ledger.kube, PluginSettings(  # type: ignore[attr-defined]
+            node=node, namespace=args.kubernetes_namespace, kubelet_socket=args.kubelet_socket,
+            resource=args.share_resource, interposer_dir=args.interposer_dir,
+            pod_socket_dir=args.pod_socket_dir or socket_path.parent / "pods",
+            simulated_devices=os.environ.get("GPUSHARE_SIM_DEVICES", "") if simulate else "",
+            sim_state=os.environ.get("GPUSHARE_SIM_STATE", "") if simulate else ""))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.stop)
@@ -416,6 +446,8 @@ async def _main(args: argparse.Namespace, access: Access) -> None:
                 await reconciler
         if usage is not None:
             await usage.stop()
+        if plugin is not None:
+            await plugin.close()
         with contextlib.suppress(Exception):
             await daemon.close()
         await ledger.close()

@@ -152,6 +152,8 @@ def kernel_environment(request: KernelPodRequest, settings: PodSettings) -> dict
         if request.gpu_memory:
             env["GPUSHARE_GPU_REQUEST"] = repr(float(request.gpu_request))
             env["GPUSHARE_GPU_MEMORY"] = str(int(request.gpu_memory))
+        if not settings.preload_interposer:  # the spec's env overrides the plugin's
+            env["LD_PRELOAD"] = ""
         return env
     env.update({
         "GPUSHARE_ALLOCATION_ID": request.allocation_id,

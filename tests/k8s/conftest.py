@@ -8,8 +8,10 @@ binaries (``.ci/setup.d/k8s.sh`` builds them), the tests skip and say why.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,9 +61,11 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
 
 @pytest.fixture(scope="session")
 def node_agent(control_plane: ControlPlane) -> Iterator[Path]:
-    """Fake GPU nodes (2xA100, 1xT4) whose pods run as local processes; yields its workdir."""
-    workdir = control_plane.workdir / "nodes"
-    workdir.mkdir(exist_ok=True)
+    """Fake GPU nodes (2xA100, 1xT4) whose pods run as local processes; yields its workdir
+    (a short path that kernel pods' users can traverse: they run as uid 1000, and their unix
+    sockets' paths must stay under 108 bytes)."""
+    workdir = Path(tempfile.mkdtemp(prefix="gsn-"))
+    workdir.chmod(0o755)
     log = control_plane.workdir / "node-agent.log"
     proc = spawn(node_agent_argv(control_plane, workdir, NODES), log)
     deadline = time.monotonic() + 60
@@ -76,6 +80,7 @@ def node_agent(control_plane: ControlPlane) -> Iterator[Path]:
         time.sleep(0.3)
     yield workdir
     stop_process(proc)
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

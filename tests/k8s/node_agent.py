@@ -28,13 +28,27 @@ this machine:
 - labels its nodes ``gpushare.jupyter.org/simulate=<N>x<TYPE>`` as an admin labels demo
   nodes; the node daemon (the DaemonSet of ``deploy/daemonset.yaml``) then simulates those GPUs
   and publishes them on the Node;
+- plays the kubelet's side of the device-plugin API (v1beta1) over real gRPC, as its device
+  manager does: a ``Registration`` server on each node's
+  ``/var/lib/kubelet/device-plugins/kubelet.sock``; on ``Register`` it connects back to the
+  plugin, follows ``ListAndWatch`` and sets the Node's capacity/allocatable of the resource to
+  its healthy devices; a container asking that resource gets free device IDs
+  (``GetPreferredAllocation`` when the plugin offers it), ``Allocate`` is called and its reply
+  applied when the container runs (envs under the spec's env, mounts as volumes, CDI devices
+  and device specs recorded in ``devices.json`` of the pod); a failed ``Allocate`` fails the pod
+  with ``UnexpectedAdmissionError`` as the kubelet does;
+- writes Secret volumes as the kubelet does (root-owned files, group ``fsGroup``, mode
+  ``defaultMode`` plus group read with an fsGroup) and runs containers as their
+  ``runAsUser``/``runAsGroup`` with ``fsGroup`` and ``supplementalGroups`` (setuid in the child;
+  ``allowPrivilegeEscalation: false`` sets no_new_privs; ``runAsNonRoot`` with uid 0 is a
+  ``CreateContainerConfigError``), HOME a private directory of that user;
 - test hooks, as annotations on a pod: ``test.gpushare/evict: <message>`` evicts it the way the
   kubelet does under node pressure (phase Failed, reason Evicted); ``test.gpushare/oom: "1"``
   kills it as the OOM killer would (terminated, reason OOMKilled, exit code 137).
 """
 
 # A test double: its few small local file operations may block the agent's own loop.
-# ruff: noqa: ASYNC230, ASYNC240
+# ruff: noqa: ASYNC230
 
 from __future__ import annotations
 
@@ -42,6 +56,8 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import ctypes
+import json
 import logging
 import os
 import re
@@ -52,14 +68,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import grpc
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from jupyter_gpushare.k8s.client import Kube, connect
+from jupyter_gpushare.k8s.device_plugin import api_pb2, api_pb2_grpc
 
 log = logging.getLogger("node-agent")
 EVICT = "test.gpushare/evict"
 OOM = "test.gpushare/oom"
-PER_NODE_HOST_PATHS = ("/run/gpushare",)
+PER_NODE_HOST_PATHS = ("/run/gpushare", "/var/lib/kubelet/device-plugins", "/opt/gpushare/lib")
+DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+PR_SET_NO_NEW_PRIVS = 38
 
 
 def now() -> str:
@@ -88,13 +108,13 @@ class Cgroups:
             self.root = base
             break
 
-    def wrap(self, uid: str, container: str, argv: list[str]) -> list[str]:
-        """``argv`` run from a shell that first moves itself into the container's cgroup."""
+    def path(self, uid: str, container: str) -> Path | None:
+        """The container's cgroup (made now); the child joins it before it drops root."""
         if self.root is None:
-            return argv
+            return None
         path = self.root / f"pod{uid}" / container
         path.mkdir(parents=True, exist_ok=True)
-        return ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(path), *argv]
+        return path
 
     def remove(self, uid: str) -> None:
         if self.root is None:
@@ -105,6 +125,151 @@ class Cgroups:
                 path.rmdir()
         with contextlib.suppress(OSError):
             pod.rmdir()
+
+
+class AdmissionError(Exception):
+    """The device manager cannot admit a container (the kubelet's UnexpectedAdmissionError)."""
+
+
+class _Registration(api_pb2_grpc.RegistrationServicer):
+    def __init__(self, manager: DeviceManager) -> None:
+        self.manager = manager
+
+    async def Register(self, request: Any, context: Any) -> Any:
+        if request.version != "v1beta1":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"unsupported API version {request.version!r}")
+        await self.manager.connect(request.resource_name, request.endpoint,
+                                   request.options)
+        return api_pb2.Empty()
+
+
+class DevicePluginEndpoint:
+    """One registered plugin: its channel, options and the devices it last listed."""
+
+    def __init__(self, resource: str, channel: Any, options: Any) -> None:
+        self.resource = resource
+        self.channel = channel
+        self.stub = api_pb2_grpc.DevicePluginStub(channel)
+        self.options = options
+        self.devices: dict[str, str] = {}  # id -> health
+        self.task: asyncio.Task[None] | None = None
+
+
+class DeviceManager:
+    """The kubelet's device manager for one node (its side of the device-plugin API)."""
+
+    def __init__(self, agent: NodeAgent, node: str, directory: Path) -> None:
+        self.agent = agent
+        self.node = node
+        self.directory = directory
+        self.plugins: dict[str, DevicePluginEndpoint] = {}
+        self.allocated: dict[str, dict[str, list[str]]] = {}  # pod uid -> resource -> ids
+        self.server: Any = None
+
+    async def start(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        socket_path = self.directory / "kubelet.sock"
+        with contextlib.suppress(FileNotFoundError):
+            socket_path.unlink()
+        self.server = grpc.aio.server()
+        api_pb2_grpc.add_RegistrationServicer_to_server(_Registration(self), self.server)
+        self.server.add_insecure_port(f"unix://{socket_path}")
+        await self.server.start()
+
+    async def stop(self) -> None:
+        for plugin in self.plugins.values():
+            if plugin.task is not None:
+                plugin.task.cancel()
+            await plugin.channel.close()
+        if self.server is not None:
+            await self.server.stop(0)
+
+    async def connect(self, resource: str, endpoint: str, options: Any) -> None:
+        if "/" in endpoint:
+            raise AdmissionError(f"endpoint {endpoint!r} is not a socket name")
+        old = self.plugins.pop(resource, None)
+        if old is not None:  # re-registration (a restarted plugin): the new one replaces it
+            if old.task is not None:
+                old.task.cancel()
+            await old.channel.close()
+        channel = grpc.aio.insecure_channel(f"unix://{self.directory / endpoint}")
+        plugin = DevicePluginEndpoint(resource, channel, options)
+        self.plugins[resource] = plugin
+        plugin.task = asyncio.create_task(self._list_and_watch(plugin))
+        log.info("%s: device plugin for %s registered at %s", self.node, resource, endpoint)
+
+    async def _list_and_watch(self, plugin: DevicePluginEndpoint) -> None:
+        try:
+            async for reply in plugin.stub.ListAndWatch(api_pb2.Empty()):
+                plugin.devices = {d.ID: d.health for d in reply.devices}
+                healthy = sum(1 for h in plugin.devices.values() if h == "Healthy")
+                self.agent.extended[self.node][plugin.resource] = str(healthy)
+                await self.agent.node_status(self.node)
+                log.info("%s: %s: %d healthy of %d devices", self.node, plugin.resource,
+                         healthy, len(plugin.devices))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("%s: ListAndWatch of %s ended: %s", self.node, plugin.resource, exc)
+
+    def requests(self, container: dict[str, Any]) -> dict[str, int]:
+        """The registered resources the container asks, with their counts."""
+        limits = (container.get("resources") or {}).get("limits") or {}
+        requests = (container.get("resources") or {}).get("requests") or {}
+        asked = {}
+        for resource in self.plugins:
+            value = limits.get(resource, requests.get(resource))
+            if value is not None and int(str(value)) > 0:
+                asked[resource] = int(str(value))
+        return asked
+
+    async def allocate(self, pod_uid: str, container: dict[str, Any]) -> dict[str, Any]:
+        """Devices for one container, and what the plugins answered (merged)."""
+        result: dict[str, Any] = {"envs": {}, "mounts": [], "devices": [], "cdi_devices": [],
+                                  "device_ids": {}}
+        for resource, count in self.requests(container).items():
+            plugin = self.plugins[resource]
+            taken = {i for per_pod in self.allocated.values()
+                     for i in per_pod.get(resource, [])}
+            free = [i for i, h in plugin.devices.items() if h == "Healthy" and i not in taken]
+            if len(free) < count:
+                raise AdmissionError(f"Allocate failed due to requested number of devices "
+                                     f"unavailable for {resource}. Requested: {count}, "
+                                     f"Available: {len(free)}, which is unexpected")
+            ids = free[:count]
+            if plugin.options.get_preferred_allocation_available:
+                preferred = await plugin.stub.GetPreferredAllocation(
+                    api_pb2.PreferredAllocationRequest(container_requests=[
+                        api_pb2.ContainerPreferredAllocationRequest(
+                            available_deviceIDs=free, allocation_size=count)]), timeout=10)
+                chosen = list(preferred.container_responses[0].deviceIDs)
+                if len(chosen) == count and set(chosen) <= set(free):
+                    ids = chosen
+            try:
+                reply = await plugin.stub.Allocate(api_pb2.AllocateRequest(container_requests=[
+                    api_pb2.ContainerAllocateRequest(devices_ids=ids)]), timeout=30)
+            except grpc.aio.AioRpcError as exc:
+                raise AdmissionError(f"Allocate failed due to {exc.details()}, which is "
+                                     "unexpected") from None
+            if plugin.options.pre_start_required:
+                await plugin.stub.PreStartContainer(
+                    api_pb2.PreStartContainerRequest(devices_ids=ids), timeout=30)
+            self.allocated.setdefault(pod_uid, {})[resource] = ids
+            answer = reply.container_responses[0]
+            result["envs"].update(dict(answer.envs))
+            result["mounts"] += [{"container_path": m.container_path,
+                                  "host_path": m.host_path, "read_only": m.read_only}
+                                 for m in answer.mounts]
+            result["devices"] += [{"container_path": d.container_path,
+                                   "host_path": d.host_path, "permissions": d.permissions}
+                                  for d in answer.devices]
+            result["cdi_devices"] += [d.name for d in answer.cdi_devices]
+            result["device_ids"][resource] = ids
+        return result
+
+    def release(self, pod_uid: str) -> None:
+        self.allocated.pop(pod_uid, None)
 
 
 class RunningPod:
@@ -118,6 +283,8 @@ class RunningPod:
         self.reason: str | None = None  # Evicted / OOMKilled when we killed it on purpose
         self.message = ""
         self.finished = False
+        #: per container: what the device plugins' Allocate answered (envs, mounts, devices)
+        self.devices: dict[str, dict[str, Any]] = {}
 
 
 class NodeAgent:
@@ -133,6 +300,19 @@ class NodeAgent:
         self.memory = memory
         self.pods: dict[str, RunningPod] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        #: extended resources on each node's capacity, from its device plugins
+        self.extended: dict[str, dict[str, str]] = {n: {} for n in nodes}
+        self.device_managers = {
+            n: DeviceManager(self, n, self.host_path(n, DEVICE_PLUGIN_DIR)) for n in nodes}
+
+    def host_path(self, node: str, host: str) -> Path:
+        """Where a host path of ``node`` is on this machine: per node for the node's own
+        directories and for paths this machine lacks, else the path itself."""
+        if Path(host).is_relative_to(self.workdir):  # a path the node's pods were given
+            return Path(host)
+        if host.rstrip("/") in PER_NODE_HOST_PATHS or not Path(host).exists():
+            return self.workdir / node / "host" / host.lstrip("/")
+        return Path(host)
 
     # -- nodes ---------------------------------------------------------------------------------
 
@@ -150,12 +330,14 @@ class NodeAgent:
             with contextlib.suppress(ApiException):
                 await self.kube.core.create_node(body)
             await self.kube.core.patch_node(name, {"metadata": {"labels": labels}})
-            await self._node_status(name)
+            await self.device_managers[name].start()
+            await self.node_status(name)
             await self._untaint(name)
 
-    async def _node_status(self, name: str) -> None:
+    async def node_status(self, name: str) -> None:
         stamp = now()
-        capacity = {"cpu": self.cpu, "memory": self.memory, "pods": "110"}
+        capacity = {"cpu": self.cpu, "memory": self.memory, "pods": "110",
+                    **self.extended[name]}
         conditions = [{"type": t, "status": "False", "reason": "AgentOK", "message": "ok",
                        "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}
                       for t in ("MemoryPressure", "DiskPressure", "PIDPressure")]
@@ -187,7 +369,7 @@ class NodeAgent:
             await asyncio.sleep(interval)
             for name in self.nodes:
                 try:
-                    await self._node_status(name)
+                    await self.node_status(name)
                     await self._untaint(name)
                 except Exception as exc:
                     log.warning("heartbeat of %s failed: %s", name, exc)
@@ -268,6 +450,7 @@ class NodeAgent:
             if exc.status != 404:
                 log.warning("pod %s: final delete failed: %s %s", meta["name"], exc.status,
                             exc.reason)
+        self.device_managers[pod["spec"]["nodeName"]].release(meta["uid"])
         root = self.workdir / "pods" / meta["uid"]
         for log_file in root.glob("*.log"):
             (self.workdir / "logs").mkdir(exist_ok=True)
@@ -302,7 +485,21 @@ class NodeAgent:
             running.finished = True
             return
         try:
+            manager = self.device_managers[node]
+            for container in [*inits, *containers]:
+                if manager.requests(container):
+                    running.devices[container["name"]] = await manager.allocate(
+                        running.uid, container)
+        except AdmissionError as exc:  # the kubelet rejects the pod at admission
+            log.warning("pod %s: %s", running.name, exc)
+            await self._status(pod, "Failed", [], reason="UnexpectedAdmissionError",
+                               message=str(exc))
+            running.finished = True
+            return
+        try:
             root, mounts = await self._volumes(pod, node)
+            if running.devices:
+                (root / "devices.json").write_text(json.dumps(running.devices, indent=1))
             for init in inits:
                 code = await (await self._start(running, pod, init, node, root, mounts)).wait()
                 if code != 0:
@@ -314,8 +511,10 @@ class NodeAgent:
                 await self._start(running, pod, container, node, root, mounts)
         except Exception as exc:
             log.exception("pod %s could not run", running.name)
+            reason = ("CreateContainerConfigError" if isinstance(exc, ContainerConfigError)
+                      else "CreateContainerError")
             await self._status(pod, "Pending", [self._cstatus(containers[0], {"waiting": {
-                "reason": "CreateContainerError", "message": str(exc)}})])
+                "reason": reason, "message": str(exc)}})])
             running.finished = True
             return
         started = now()
@@ -370,11 +569,22 @@ class NodeAgent:
 
     async def _start(self, running: RunningPod, pod: dict[str, Any], container: dict[str, Any],
                      node: str, root: Path, mounts: dict[str, str]) -> asyncio.subprocess.Process:
-        argv, env = self._command(pod, container, mounts)
         name = container["name"]
+        device = running.devices.get(name) or {}
+        for m in device.get("mounts") or []:  # the device plugin's mounts are host paths
+            mounts = {**mounts, f"device:{m['container_path']}": str(
+                self.host_path(node, m["host_path"]))}
+        argv, env = self._command(pod, container, mounts, device)
+        user = run_as(pod, container)
+        if user.uid is not None and user.uid != 0:
+            home = root / f"home-{name}"
+            home.mkdir(mode=0o700, exist_ok=True)
+            os.chown(home, user.uid, user.gid if user.gid is not None else user.uid)
+            env["HOME"] = str(home)
+        cgroup = self.cgroups.path(running.uid, name)
         with open(root / f"{name}.log", "ab") as log_file:
             proc = await asyncio.create_subprocess_exec(
-                *self.cgroups.wrap(running.uid, name, argv), env=env, cwd=str(root),
+                *argv, env=env, cwd=str(root), preexec_fn=user.enter(cgroup),
                 stdout=log_file, stderr=subprocess_stdout(), stdin=asyncio.subprocess.DEVNULL,
                 start_new_session=True)
         running.processes[name] = proc
@@ -392,15 +602,22 @@ class NodeAgent:
         return root, volumes
 
     def _command(self, pod: dict[str, Any], container: dict[str, Any],
-                 volumes: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+                 volumes: dict[str, str], device: dict[str, Any] | None = None,
+                 ) -> tuple[list[str], dict[str, str]]:
         mounts = {m["mountPath"].rstrip("/"): volumes[m["name"]]
                   for m in container.get("volumeMounts") or [] if m["name"] in volumes}
+        for m in (device or {}).get("mounts") or []:
+            mounts[m["container_path"].rstrip("/")] = volumes[f"device:{m['container_path']}"]
+
+        # one pass, longest mount path first, each followed by "/" or the end of a path
+        pattern = re.compile("|".join(
+            re.escape(m) + r"(?=/|$|[:;,\s])" for m in sorted(mounts, key=len, reverse=True)
+            if m)) if any(mounts) else None
 
         def translate(text: str) -> str:
-            for mount_path in sorted(mounts, key=len, reverse=True):
-                if mount_path and mount_path in text:
-                    text = text.replace(mount_path, mounts[mount_path])
-            return text
+            if pattern is None:
+                return text
+            return pattern.sub(lambda m: mounts[m.group(0)], text)
 
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("KUBECONFIG", "GPUSHARE_", "JPY_", "JUPYTER_"))}
@@ -408,7 +625,9 @@ class NodeAgent:
         if pod["spec"].get("automountServiceAccountToken") is not False and (
                 account in self.accounts):
             env["KUBECONFIG"] = self.accounts[account]
-        declared: dict[str, str] = {}
+        # the device plugins' envs first: the spec's env has the last word (as in the kubelet)
+        declared: dict[str, str] = {k: translate(v)
+                                    for k, v in ((device or {}).get("envs") or {}).items()}
         for item in container.get("env") or []:
             value = item.get("value")
             if value is None and "valueFrom" in item:
@@ -434,18 +653,22 @@ class NodeAgent:
             path.mkdir(parents=True, exist_ok=True)
             secret = await self.kube.core.read_namespaced_secret(
                 vol["secret"]["secretName"], pod["metadata"]["namespace"])
+            # as the kubelet writes them: root's files, mode defaultMode; with an fsGroup, the
+            # group is fsGroup and read-only volumes get group read (volume ownership)
+            fs_group = ((pod["spec"].get("securityContext") or {}).get("fsGroup"))
+            mode = int(vol["secret"].get("defaultMode", 0o644))
+            if fs_group is not None:
+                mode |= 0o440
             for key, data in (secret.data or {}).items():
                 target = path / key
                 target.write_bytes(base64.b64decode(data))
-                target.chmod(vol["secret"].get("defaultMode", 0o644))
+                os.chown(target, 0, int(fs_group) if fs_group is not None else 0)
+                target.chmod(mode)
             return path
         if "hostPath" in vol:
-            host = vol["hostPath"]["path"]
-            if host in PER_NODE_HOST_PATHS or not Path(host).exists():
-                path = self.workdir / node / "host" / host.lstrip("/")
-                path.mkdir(parents=True, exist_ok=True)
-                return path
-            return Path(host)
+            path = self.host_path(node, vol["hostPath"]["path"])
+            path.mkdir(parents=True, exist_ok=True)
+            return path
         path = root / "volumes" / vol["name"]
         path.mkdir(parents=True, exist_ok=True)
         return path
@@ -489,6 +712,54 @@ class NodeAgent:
             status["message"] = message
         await self.kube.core.patch_namespaced_pod_status(
             pod["metadata"]["name"], pod["metadata"]["namespace"], {"status": status})
+
+
+class RunAs:
+    """The identity a container runs as (None: the image's, which is root here)."""
+
+    def __init__(self, uid: int | None, gid: int | None, groups: list[int],
+                 no_new_privs: bool) -> None:
+        self.uid, self.gid, self.groups, self.no_new_privs = uid, gid, groups, no_new_privs
+
+    def enter(self, cgroup: Path | None) -> Any:
+        """The child's preexec: join the container's cgroup (as root), then drop to the user."""
+        uid, gid, groups, no_new_privs = self.uid, self.gid, self.groups, self.no_new_privs
+
+        def child() -> None:
+            if cgroup is not None:
+                with open(cgroup / "cgroup.procs", "w") as f:
+                    f.write(str(os.getpid()))
+            if no_new_privs:
+                ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+            if uid is not None:
+                os.setgroups(groups)
+                os.setgid(gid if gid is not None else 0)
+                os.setuid(uid)
+
+        return child
+
+
+def run_as(pod: dict[str, Any], container: dict[str, Any]) -> RunAs:
+    """runAsUser/runAsGroup (the container's over the pod's), fsGroup and supplementalGroups
+    as supplementary groups; ``runAsNonRoot`` with uid 0 refused as the kubelet does."""
+    psc = pod["spec"].get("securityContext") or {}
+    csc = container.get("securityContext") or {}
+    uid = csc.get("runAsUser", psc.get("runAsUser"))
+    gid = csc.get("runAsGroup", psc.get("runAsGroup"))
+    if csc.get("runAsNonRoot", psc.get("runAsNonRoot")) and not uid:
+        raise ContainerConfigError(
+            "container has runAsNonRoot and image will run as root "
+            f"(pod: {pod['metadata']['name']!r}, container: {container['name']})")
+    groups = [g for g in (psc.get("fsGroup"), *(psc.get("supplementalGroups") or []))
+              if g is not None]
+    if gid is not None:
+        groups.append(gid)
+    return RunAs(uid, gid, sorted(set(groups)),
+                 csc.get("allowPrivilegeEscalation") is False)
+
+
+class ContainerConfigError(Exception):
+    """The kubelet's CreateContainerConfigError."""
 
 
 def subprocess_stdout() -> int:

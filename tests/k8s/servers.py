@@ -85,7 +85,6 @@ c.KubernetesBackendConfig.image = "gpushare-test:local"
 c.KubernetesBackendConfig.lease_duration = {lease_duration}
 c.KubernetesBackendConfig.lease_renew_interval = {max(1.0, lease_duration / 4)}
 c.KubernetesBackendConfig.start_timeout = 60
-c.KubernetesBackendConfig.device_plugin = False
 c.KubernetesBackendConfig.resources = {{"requests": {{"cpu": "100m", "memory": "64Mi"}}}}
 """
     config = root / "jupyter_server_config.py"

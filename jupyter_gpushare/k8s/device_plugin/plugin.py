@@ -1,0 +1,416 @@
+"""The device plugin the node agent runs (``jupyter gpushare daemon --device-plugin``).
+
+Lifecycle, as the kubelet's device manager expects it:
+
+1. serve ``DevicePlugin`` on ``<kubelet dir>/gpushare.sock`` and ``Register`` with the kubelet
+   on ``kubelet.sock`` (``--kubelet-socket``); register again when the kubelet restarts (it
+   removes the plugins' sockets then);
+2. ``ListAndWatch``: ``SHARE_UNITS_PER_GPU`` devices per GPU of this node (``<uuid>/<n>``),
+   Unhealthy for an unhealthy GPU; the kubelet sets the Node's capacity from it and the
+   kube-scheduler counts kernel pods' requests against it;
+3. ``Allocate``: the kubelet is admitting a container that asks ``n`` units. As HAMi does, the
+   pod is found through the API server: the oldest kernel pod bound to this node, not yet
+   marked, that asks ``n`` units and carries its allocation label; it is marked
+   (``gpushare.jupyter.org/device-allocated``) and gets its GPU (``NVIDIA_VISIBLE_DEVICES``,
+   CDI devices on real GPUs), the interposer directory read-only, and a directory of its own in
+   which the agent listens on a socket for that pod alone (so a pod cannot reach another pod's
+   socket; the agent still checks every caller's pod by its cgroups);
+4. the per-pod sockets are served again after an agent restart and removed once their pod is
+   gone.
+
+Trust: the kubelet's socket directory is root's; the pod list and the allocation come from the
+API server and the agent's ledger, never from the pod itself (a forged label names a record
+whose pod UID is another pod's: the agent's peer check refuses its process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ...inventory import Gpu
+from ...ledger import Allocation
+from .. import manifests
+from . import api_pb2, api_pb2_grpc
+
+log = logging.getLogger("gpushare.device_plugin")
+
+API_VERSION = "v1beta1"
+KUBELET_SOCKET = Path("/var/lib/kubelet/device-plugins/kubelet.sock")
+PLUGIN_SOCKET_NAME = "gpushare.sock"
+HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
+ALLOCATION_ID = re.compile(r"^a-[0-9a-f]{16}$")
+#: where the kernel container sees its own socket directory, the interposer and the simulator's
+#: state file (the paths are the plugin's: the pod spec names none of them)
+CONTAINER_SOCKET_DIR = "/run/gpushare"
+CONTAINER_LIB_DIR = "/opt/gpushare/lib"
+CONTAINER_SIM_STATE = "/run/gpushare-sim/sim.state"
+SOCKET_NAME = "daemon.sock"
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    node: str
+    namespace: str
+    kubelet_socket: Path = KUBELET_SOCKET
+    resource: str = manifests.SHARE_RESOURCE
+    #: host directory of the per-pod socket directories (the agent's, 0755, root's)
+    pod_socket_dir: Path = Path("/run/gpushare/pods")
+    #: host directory holding libgpushare.so (and sim/), installed by the DaemonSet
+    interposer_dir: Path = Path("/opt/gpushare/lib")
+    #: GPUSHARE_SIM_DEVICES / GPUSHARE_SIM_STATE of the node when its GPUs are simulated
+    simulated_devices: str = ""
+    sim_state: str = ""
+    health_interval: float = 10.0
+    cleanup_interval: float = 5.0
+
+    @property
+    def plugin_socket(self) -> Path:
+        return self.kubelet_socket.parent / PLUGIN_SOCKET_NAME
+
+
+# -- the pure decisions --------------------------------------------------------------------------
+
+
+def devices(gpus: Sequence[Gpu]) -> list[tuple[str, str]]:
+    """(device ID, health) of each share unit of ``gpus``: 100 per GPU."""
+    return [(f"{g.uuid}/{n}", HEALTHY if g.healthy else UNHEALTHY)
+            for g in sorted(gpus, key=lambda g: g.index)
+            for n in range(manifests.SHARE_UNITS_PER_GPU)]
+
+
+def requested_units(pod: Mapping[str, Any], resource: str) -> int:
+    """Units of ``resource`` the pod's containers ask (limits; requests equal them)."""
+    total = 0
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        res = c.get("resources") or {}
+        value = (res.get("limits") or {}).get(resource) or (res.get("requests") or {}).get(
+            resource)
+        with contextlib.suppress(TypeError, ValueError):
+            total += int(str(value)) if value is not None else 0
+    return total
+
+
+def pending_pod(pods: Sequence[Mapping[str, Any]], node: str, resource: str,
+                units: int) -> Mapping[str, Any] | None:
+    """The kernel pod a container start of ``units`` is for: bound to ``node``, not yet
+    marked, not finished or being deleted, asking ``units``, with an allocation label; the
+    oldest first (the kubelet admits pods in creation order)."""
+    candidates = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        if (pod.get("spec") or {}).get("nodeName") != node or meta.get("deletionTimestamp"):
+            continue
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        if manifests.ALLOCATED_ANNOTATION in (meta.get("annotations") or {}):
+            continue
+        if not ALLOCATION_ID.match((meta.get("labels") or {}).get(manifests.LABEL_ALLOCATION, "")):
+            continue
+        if requested_units(pod, resource) != units:
+            continue
+        candidates.append(pod)
+    candidates.sort(key=lambda p: (p["metadata"].get("creationTimestamp") or "",
+                                   p["metadata"].get("name", "")))
+    return candidates[0] if candidates else None
+
+
+def container_response(allocation: Allocation, settings: PluginSettings,
+                       socket_dir: Path) -> dict[str, Any]:
+    """What the container of ``allocation``'s pod gets: env, mounts, CDI devices (as a dict of
+    ``ContainerAllocateResponse`` fields)."""
+    envs = {
+        "GPUSHARE_ALLOCATION_ID": allocation.id,
+        "GPUSHARE_NODE": allocation.node,
+        "GPUSHARE_SOCKET": f"{CONTAINER_SOCKET_DIR}/{SOCKET_NAME}",
+        "NVIDIA_VISIBLE_DEVICES": manifests.visible_devices(allocation.gpus),
+        "LD_PRELOAD": f"{CONTAINER_LIB_DIR}/libgpushare.so",
+    }
+    mounts = [
+        {"container_path": CONTAINER_LIB_DIR, "host_path": str(settings.interposer_dir),
+         "read_only": True},
+        {"container_path": CONTAINER_SOCKET_DIR, "host_path": str(socket_dir),
+         "read_only": False},
+    ]
+    cdi: list[str] = []
+    if settings.simulated_devices:
+        envs.update({
+            "GPUSHARE_SIMULATED": "1",
+            "GPUSHARE_SIM_DEVICES": settings.simulated_devices,
+            "GPUSHARE_SIM_STATE": CONTAINER_SIM_STATE,
+            "LD_LIBRARY_PATH": f"{CONTAINER_LIB_DIR}/sim",
+        })
+        if settings.sim_state:
+            mounts.append({"container_path": CONTAINER_SIM_STATE,
+                           "host_path": settings.sim_state, "read_only": False})
+    else:  # real GPUs: the NVIDIA container toolkit's CDI names (GPU Operator >= v25.10)
+        cdi = [f"nvidia.com/gpu={manifests.visible_devices([g])}" for g in allocation.gpus]
+    return {"envs": envs, "mounts": mounts, "cdi_devices": cdi}
+
+
+def preferred(available: Sequence[str], must: Sequence[str], size: int,
+              gpus: Sequence[str]) -> list[str]:
+    """``size`` device IDs: those required, then units of ``gpus`` (the allocation's GPUs when
+    the pod is known), then any."""
+    chosen = list(must)[:size]
+    for wanted in (lambda d: d.rsplit("/", 1)[0] in gpus, lambda d: True):
+        for dev in available:
+            if len(chosen) >= size:
+                return chosen
+            if dev not in chosen and wanted(dev):
+                chosen.append(dev)
+    return chosen
+
+
+# -- the gRPC service ----------------------------------------------------------------------------
+
+
+class AllocateError(Exception):
+    """Allocate cannot serve this container: the kubelet fails the pod with this message."""
+
+
+class SharePlugin(api_pb2_grpc.DevicePluginServicer):
+    """The device plugin of one node, inside the node agent (``daemon`` is its ``Daemon``)."""
+
+    def __init__(self, daemon: Any, kube: Any, settings: PluginSettings) -> None:
+        self.daemon = daemon
+        self.kube = kube
+        self.settings = settings
+        self.gpus: list[Gpu] = []
+        self.changed = asyncio.Event()
+        self.listeners: dict[str, tuple[Any, str]] = {}  # allocation id -> (listener, pod uid)
+        self.server: grpc.aio.Server | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._lock = asyncio.Lock()
+        self.registered = False
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.settings.pod_socket_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        os.chmod(self.settings.pod_socket_dir, 0o755)
+        self.gpus = await self._node_gpus()
+        await self._serve_again()
+        await self._serve()
+        try:
+            await self._register()
+        except grpc.aio.AioRpcError as exc:  # no kubelet yet: _watch_kubelet tries again
+            log.warning("device plugin: registering with %s failed: %s",
+                        self.settings.kubelet_socket, exc.details())
+        self._tasks = [asyncio.create_task(self._watch_health()),
+                       asyncio.create_task(self._watch_kubelet()),
+                       asyncio.create_task(self._cleanup())]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.server is not None:
+            await self.server.stop(0.5)
+        for listener, _uid in self.listeners.values():
+            listener.close()
+        self.listeners.clear()
+
+    async def _serve(self) -> None:
+        if self.server is not None:
+            await self.server.stop(0)
+        path = self.settings.plugin_socket
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        self.server = grpc.aio.server()
+        api_pb2_grpc.add_DevicePluginServicer_to_server(self, self.server)
+        self.server.add_insecure_port(f"unix://{path}")
+        await self.server.start()
+
+    async def _register(self) -> None:
+        async with grpc.aio.insecure_channel(f"unix://{self.settings.kubelet_socket}") as ch:
+            await api_pb2_grpc.RegistrationStub(ch).Register(api_pb2.RegisterRequest(
+                version=API_VERSION, endpoint=PLUGIN_SOCKET_NAME,
+                resource_name=self.settings.resource,
+                options=api_pb2.DevicePluginOptions(get_preferred_allocation_available=True)),
+                timeout=10)
+        self.registered = True
+        log.info("device plugin: registered %s with the kubelet (%d GPUs, %d units)",
+                 self.settings.resource, len(self.gpus),
+                 len(self.gpus) * manifests.SHARE_UNITS_PER_GPU)
+
+    async def _watch_kubelet(self) -> None:
+        """A restarted kubelet removes the plugins' sockets: serve and register again."""
+        while True:
+            await asyncio.sleep(2.0)
+            if self.registered and self.settings.plugin_socket.exists():
+                continue
+            log.info("device plugin: the kubelet restarted; registering again")
+            self.registered = False
+            try:
+                await self._serve()
+                await self._register()
+            except Exception as exc:  # the kubelet is not back yet
+                log.warning("device plugin: registering again failed: %s", exc)
+
+    async def _watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval)
+            with contextlib.suppress(Exception):
+                gpus = await self._node_gpus()
+                if devices(gpus) != devices(self.gpus):
+                    self.gpus = gpus
+                    self.changed.set()
+
+    async def _node_gpus(self) -> list[Gpu]:
+        return [g for g in await self.daemon.ledger.gpus() if g.node == self.settings.node]
+
+    # -- DevicePlugin ------------------------------------------------------------------------
+
+    async def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
+        return api_pb2.DevicePluginOptions(get_preferred_allocation_available=True)
+
+    async def ListAndWatch(self, request: Any, context: Any) -> Any:
+        while True:
+            self.changed.clear()
+            yield api_pb2.ListAndWatchResponse(devices=[
+                api_pb2.Device(ID=dev, health=health) for dev, health in devices(self.gpus)])
+            await self.changed.wait()
+
+    async def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
+        replies = []
+        for req in request.container_requests:
+            gpus: Sequence[str] = ()
+            with contextlib.suppress(Exception):
+                pod = pending_pod(await self._kernel_pods(), self.settings.node,
+                                  self.settings.resource, req.allocation_size)
+                if pod is not None:
+                    found = await self._allocation(pod)
+                    gpus = found.gpus if found is not None else ()
+            replies.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=preferred(
+                list(req.available_deviceIDs), list(req.must_include_deviceIDs),
+                req.allocation_size, gpus)))
+        return api_pb2.PreferredAllocationResponse(container_responses=replies)
+
+    async def PreStartContainer(self, request: Any, context: Any) -> Any:
+        return api_pb2.PreStartContainerResponse()
+
+    async def Allocate(self, request: Any, context: Any) -> Any:
+        replies = []
+        async with self._lock:  # one admission at a time: each finds and marks its own pod
+            for req in request.container_requests:
+                try:
+                    replies.append(await self._allocate(len(req.devices_ids)))
+                except AllocateError as exc:
+                    log.warning("device plugin: Allocate refused: %s", exc)
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return api_pb2.AllocateResponse(container_responses=replies)
+
+    async def _allocate(self, units: int) -> Any:
+        pod = pending_pod(await self._kernel_pods(), self.settings.node, self.settings.resource,
+                          units)
+        if pod is None:
+            raise AllocateError(f"no kernel pod on {self.settings.node} waits for {units} "
+                                f"units of {self.settings.resource}")
+        meta = pod["metadata"]
+        allocation = await self._allocation(pod)
+        if allocation is None:
+            raise AllocateError(f"pod {meta['name']}: allocation "
+                                f"{meta['labels'][manifests.LABEL_ALLOCATION]} is not in "
+                                f"{self.settings.node}'s ledger")
+        await self.kube.core.patch_namespaced_pod(meta["name"], meta["namespace"], {
+            "metadata": {"annotations": {manifests.ALLOCATED_ANNOTATION: self.settings.node}}})
+        socket_dir = self._listen(allocation.id, meta["uid"])
+        reply = container_response(allocation, self.settings, socket_dir)
+        log.info("device plugin: pod %s gets allocation %s (%s)", meta["name"], allocation.id,
+                 ",".join(allocation.gpus))
+        return api_pb2.ContainerAllocateResponse(
+            envs=reply["envs"],
+            mounts=[api_pb2.Mount(**m) for m in reply["mounts"]],
+            cdi_devices=[api_pb2.CDIDevice(name=n) for n in reply["cdi_devices"]])
+
+    async def _kernel_pods(self) -> list[dict[str, Any]]:
+        listing = await self.kube.list_pods(
+            self.settings.namespace,
+            label_selector=f"{manifests.LABEL_COMPONENT}={manifests.KERNEL_COMPONENT}")
+        return [p for p in listing.get("items") or []
+                if (p.get("spec") or {}).get("nodeName") == self.settings.node]
+
+    async def _allocation(self, pod: Mapping[str, Any]) -> Allocation | None:
+        allocation_id = pod["metadata"]["labels"][manifests.LABEL_ALLOCATION]
+        found = self.daemon.allocations.get(allocation_id)
+        if found is None:
+            await self.daemon.refresh()  # the server recorded it just before creating the pod
+            found = self.daemon.allocations.get(allocation_id)
+        if found is None or found.node != self.settings.node:
+            return None
+        return found
+
+    # -- per-pod sockets ---------------------------------------------------------------------
+
+    def _listen(self, allocation_id: str, pod_uid: str) -> Path:
+        """The pod's own directory with the agent's socket for it (made afresh)."""
+        from ...daemon.admission import Listener
+        from ...daemon.server import LISTEN_BACKLOG
+
+        if not ALLOCATION_ID.match(allocation_id):
+            raise AllocateError(f"allocation id {allocation_id!r} is not a gpushare id")
+        directory = self.settings.pod_socket_dir / allocation_id
+        old = self.listeners.pop(allocation_id, None)
+        if old is not None:
+            old[0].close()
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(mode=0o755)
+        path = directory / SOCKET_NAME
+        listener = Listener(str(path), LISTEN_BACKLOG, self.daemon._accepted)
+        os.chmod(path, 0o666)  # callers are known by their credentials (and their pod)
+        self.listeners[allocation_id] = (listener, pod_uid)
+        return directory
+
+    async def _serve_again(self) -> None:
+        """After an agent restart: the running pods this node allocated keep their sockets."""
+        try:
+            pods = await self._kernel_pods()
+        except Exception as exc:
+            log.warning("device plugin: cannot list kernel pods: %s", exc)
+            return
+        for pod in pods:
+            meta = pod["metadata"]
+            if (manifests.ALLOCATED_ANNOTATION in (meta.get("annotations") or {})
+                    and not meta.get("deletionTimestamp")
+                    and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")):
+                with contextlib.suppress(AllocateError, OSError):
+                    self._listen(meta["labels"].get(manifests.LABEL_ALLOCATION, ""), meta["uid"])
+
+    async def _cleanup(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.cleanup_interval)
+            try:
+                live = {p["metadata"]["uid"] for p in await self._kernel_pods()
+                        if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")}
+            except Exception as exc:
+                log.debug("device plugin: cleanup skipped: %s", exc)
+                continue
+            for allocation_id, (listener, uid) in list(self.listeners.items()):
+                if uid not in live:
+                    listener.close()
+                    self.listeners.pop(allocation_id, None)
+                    shutil.rmtree(self.settings.pod_socket_dir / allocation_id,
+                                  ignore_errors=True)
+
+
+async def start_plugin(daemon: Any, kube: Any, settings: PluginSettings) -> SharePlugin:
+    plugin = SharePlugin(daemon, kube, settings)
+    await plugin.start()
+    return plugin
+
+
+__all__ = ["PluginSettings", "SharePlugin", "container_response", "devices", "pending_pod",
+           "preferred", "start_plugin"]

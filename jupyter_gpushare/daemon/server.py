@@ -308,7 +308,7 @@ class Daemon:
             from . import kernel_ops
 
             if op == "gpus":
-                return await kernel_ops.gpus(self)
+                return self._name_only_own(await kernel_ops.gpus(self), client.peer)
             return await getattr(kernel_ops, op)(self, client, message)
         if isinstance(op, str) and op.startswith("ledger."):  # the agent owns the ledger
             from . import ledger_ops
@@ -544,6 +544,19 @@ class Daemon:
             "allocations": allocations,
             "gpus": gpus,
         }
+
+    def _name_only_own(self, reply: dict[str, Any], viewer: Peer | None) -> dict[str, Any]:
+        """A ``gpus`` reply as ``viewer`` may see it: every GPU's free capacity and number of
+        ``shares``, but only the viewer's own allocation ids."""
+        own: set[str] | None = None  # None: all (an admin, the agent itself)
+        if viewer is not None and not viewer.admin:
+            mine = self.caller_shares(viewer)
+            own = {a.id for a in self.allocations.values() if mine(a)}
+        for row in reply.get("gpus") or []:
+            row["shares"] = len(row.get("allocations") or [])
+            if own is not None:
+                row["allocations"] = [i for i in row.get("allocations") or [] if i in own]
+        return reply
 
     def caller_shares(self, peer: Peer) -> Callable[[Allocation], bool]:
         """Which allocations are ``peer``'s (what ``status`` shows it): all for an admin; else

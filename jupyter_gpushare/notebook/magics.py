@@ -63,7 +63,7 @@ def _gpus_text(rows: list[dict[str, Any]]) -> str:
         sim = " (simulated)" if r.get("simulated") else ""
         lines.append(f"{r['node']:<16} {r['type']:<6} {r['uuid']:<42} {r['free_request']:>5g} "
                      f"{format_bytes(int(r['free_memory'])):>12}  "
-                     f"{len(r.get('allocations') or [])}{sim}")
+                     f"{r.get('shares', len(r.get('allocations') or []))}{sim}")
     return "\n".join(lines)
 
 

@@ -224,14 +224,18 @@ stop.wait()
 print(json.dumps({"answered": answered}), flush=True)
 """
 
-#: one status request when a line comes on stdin (an allocation id, or empty for all), as JSON
+#: one request when a line comes on stdin, its reply as JSON: the line is the request (JSON), or
+#: ``status`` of an allocation id, or of all when it is empty
 STATUS = _ROUND_TRIP + r"""
 path = sys.argv[1]
-allocation = sys.stdin.readline().strip()
+line = sys.stdin.readline().strip()
 with connect(path) as s:
-    message = {"op": "status"}
-    if allocation:
-        message["allocation"] = allocation
+    if line.startswith("{"):
+        message = json.loads(line)
+    else:
+        message = {"op": "status"}
+        if line:
+            message["allocation"] = line
     print(json.dumps(round_trip(s, message)), flush=True)
 """
 

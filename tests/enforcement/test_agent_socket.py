@@ -142,9 +142,11 @@ def test_status_shows_each_user_only_their_own_shares(built, gpus):
     agent = start_agent(directory, "--admin-group", "gsagentadm")
     try:
         ledger = SQLiteLedger(agent.ledger_path)
+        ledger.put_gpus_sync(gpus[0].node, gpus)  # for the kernel's ``gpus`` op
         ask_a = run_as(user_a, STATUS, str(agent.socket))
         ask_b = run_as(user_b, STATUS, str(agent.socket))
         ask_b_for_a = run_as(user_b, STATUS, str(agent.socket))
+        ask_b_gpus = run_as(user_b, STATUS, str(agent.socket))
         ask_admin = run_as(admin, STATUS, str(agent.socket))
         a = record(ledger, gpus[0], pid=ask_a.pid, uid=user_a.pw_uid, user=user_a.pw_name,
                    kernel_id="k-of-user-a")
@@ -165,6 +167,7 @@ def test_status_shows_each_user_only_their_own_shares(built, gpus):
         seen_b = ask(ask_b)
         seen_a = ask(ask_a)
         b_for_a = ask(ask_b_for_a, a.id)
+        b_gpus = ask(ask_b_gpus, '{"op": "gpus"}')
         seen_admin = ask(ask_admin)
         seen_root = agent.client.status()
     finally:
@@ -182,6 +185,10 @@ def test_status_shows_each_user_only_their_own_shares(built, gpus):
     assert b_for_a["ok"] is False and b_for_a["error"] == "unknown_allocation", b_for_a
     assert a.id not in str({k: v for k, v in b_for_a.items() if k != "message"})
     assert ids(seen_root) == everything and ids(seen_admin) == everything, seen_admin
+    [row] = b_gpus["gpus"]  # the kernel's `gpus` op: free capacity, only its own ids
+    assert row["shares"] == 4 and abs(row["free_request"] - 0.2) < 1e-6, row
+    # (another process of B's: b_process is the first one's, by its PID)
+    assert set(row["allocations"]) == {b_uid.id, b_name.id} and a.id not in str(b_gpus), b_gpus
 
 
 def test_idle_connections_time_out_but_share_holders_stay(built, gpus):

@@ -52,7 +52,8 @@ Two channels
 
    A kernel's own share (peer-checked like ``hello``; :mod:`.kernel_ops`): ``release``
    (``"allocation"``), ``resize`` (``"allocation"``, ``"share"``), ``reserve`` (``"share"``, after
-   a release) and ``gpus`` (every GPU with its free capacity).
+   a release) and ``gpus`` (every GPU with its free capacity and number of ``shares``, naming
+   only the caller's own ``allocations``).
 
 2. **Hot state: shared memory, split by who may write it** (created by the agent, passed as
    descriptors, ``mmap``-ed ``MAP_SHARED``). One layout, :class:`Slot`, is used by three

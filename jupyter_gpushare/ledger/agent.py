@@ -58,7 +58,7 @@ class AgentLedger(Ledger):
         self.socket_path = Path(socket_path)
         self.bound = bound
         self._recorded: dict[str, Allocation] = {}
-        #: other users' records as the agent showed them (redacted); one sent back unchanged
+        #: records as the agent showed them (other users' redacted); one sent back unchanged
         #: goes as ``{"id", "keep": true}``, which keeps a compare-and-swap small
         self._seen: dict[str, Allocation] = {}
 
@@ -120,9 +120,8 @@ class AgentLedger(Ledger):
             allocations=tuple(Allocation.from_json(a) for a in reply.get("allocations", [])),
             versions={str(k): int(v) for k, v in (reply.get("versions") or {}).items()},
         )
-        for a in snap.allocations:  # other users' records, as shown: sent back by id alone
-            if a.extra.get("redacted"):
-                self._seen[a.id] = a
+        for a in snap.allocations:  # sent back unchanged, a record goes by its id alone
+            self._seen[a.id] = a
         while len(self._seen) > 4096:
             self._seen.pop(next(iter(self._seen)))
         return snap

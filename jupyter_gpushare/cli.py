@@ -288,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     install.set_defaults(func=cmd_kernelspec)
 
     _daemon_parser(sub)
+    sub.add_parser("controller", add_help=False, help="run the cluster controller (Kubernetes; "
+                   "its options: jupyter gpushare controller --help-all)")
     return parser
 
 
@@ -297,6 +299,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["lab"]:
         args, rest = parser.parse_known_args(argv)
         return cmd_lab(args, rest)
+    if argv[:1] == ["controller"]:  # a traitlets application: its own options and config
+        from .controller.app import main as controller_main
+
+        controller_main(argv[1:])
+        return 0
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

@@ -12,7 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
+from support import wait_for
 
 from jupyter_gpushare.daemon.client import DaemonClient
 from jupyter_gpushare.paths import lib_dir
@@ -82,6 +84,28 @@ def test_a_native_program_calling_cuinit_at_once_runs_every_time(gpushare_env, c
     assert status["ok"] and status["daemon"]["refused"] == 0
     left = json.loads(gpushare(env, "status", "--json").stdout)["allocations"]
     assert left == []  # each run released its share
+
+
+def test_runs_started_together_on_a_fresh_machine_share_one_agent(gpushare_env, cuda_program):
+    """Eight runs at once each start an agent; one serves the socket, the others step aside
+    (they exit 0) and every run uses the one that serves, enforced from its first call."""
+    env = {**gpushare_env, "GPUSHARE_SIMULATE": "1xA100"}
+    runs = [subprocess.Popen([sys.executable, "-m", "jupyter_gpushare", "run", "--gpu-request",
+                              "0.1", "--", str(cuda_program)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(8)]
+    results = [(run.wait(120), *run.communicate()) for run in runs]
+    for code, out, err in results:
+        assert (code, out) == (0, "ok\n"), err
+        assert "gpushare:" not in err  # no "the gpushare daemon did not start", no refusal
+    status = DaemonClient(env["GPUSHARE_SOCKET"]).status()
+    assert status["ok"] and status["daemon"]["refused"] == 0
+
+    def agents() -> list[int]:
+        return [p.pid for p in psutil.process_iter(["cmdline"])
+                if env["GPUSHARE_SOCKET"] in (p.info["cmdline"] or [])
+                and "jupyter_gpushare.daemon" in (p.info["cmdline"] or [])]
+
+    wait_for(lambda: agents() == [status["daemon"]["pid"]], timeout=20)  # the others are gone
 
 
 def test_the_simulator_state_directory_is_made_private_on_a_fresh_machine(

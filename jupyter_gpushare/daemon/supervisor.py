@@ -78,7 +78,7 @@ def ensure_daemon(
     client = DaemonClient(socket_path, timeout=2.0)
     if client.alive():
         return None
-    socket_path.parent.mkdir(parents=True, exist_ok=True)
+    socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the user's alone
     cmd = [sys.executable, "-m", "jupyter_gpushare.daemon", "--socket", str(socket_path),
            "--ledger", str(ledger_path), "--node", node, *extra_args]
     if simulate_devices:

@@ -6,6 +6,7 @@ lives on."""
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -90,3 +91,5 @@ def test_nbclient_without_a_server_reaches_the_agent_and_releases(gpushare_env, 
     assert allocation in ledger[0] and allocation in ledger[3]  # held while the cells ran
     assert allocation not in ledger[4] and allocation not in ledger[5]  # freed by release()
     assert DaemonClient(socket).alive()  # the agent the provisioner started outlives nbclient
+    assert stat.S_IMODE(socket.parent.stat().st_mode) == 0o700  # with the simulator's state
+    assert (socket.parent / "sim.state").exists()

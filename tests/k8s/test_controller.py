@@ -431,3 +431,49 @@ async def test_hub_tokens_resolve_to_users_cached_and_bounded(hub: Hub) -> None:
     with pytest.raises(ControllerError) as down:
         await away.user(hub.tokens["bob"])
     assert down.value.status == 503 and "cannot be reached" in down.value.message
+
+
+# -- the chart's controller ------------------------------------------------------------------------
+
+
+def test_chart_controller_config_is_what_the_controller_reads(tmp_path: Path) -> None:
+    """``controller.enabled``: the chart's ConfigMap is a config file the real ControllerApp
+    loads, the command parses, the Deployment runs as the controller's service account and its
+    readiness is the leader's health (a standby is not routed to)."""
+    from test_helm import helm_binary
+
+    from jupyter_gpushare.controller.app import ControllerApp
+    from jupyter_gpushare.controller.config import GpushareController
+    from jupyter_gpushare.k8s.config import KubernetesBackendConfig
+
+    binary = helm_binary()
+    if binary is None:
+        pytest.skip("no helm binary (.ci/setup.d/helm.sh)")
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"controller": {
+        "enabled": True, "hubUrl": "http://hub.jhub.svc:8081",
+        "groupBounds": {"students": STUDENT_BOUND},
+        "kernelPods": {"image": "img:2", "preload_interposer": False}}}))
+    out = subprocess.run([binary, "template", "x", str(ROOT / "deploy/helm/jupyter-gpushare"),
+                          "--namespace", "gpushare", "-f", str(values)],
+                         capture_output=True, text=True, check=True).stdout
+    objs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
+    config = tmp_path / "controller_config.json"
+    config.write_text(objs[("ConfigMap", "gpushare-controller")]["data"][config.name])
+    deployment = objs[("Deployment", "gpushare-controller")]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "gpushare-controller"
+    container = pod["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/api/health"
+    assert container["command"][:3] == ["jupyter", "gpushare", "controller"]
+    args = [a.replace("/etc/gpushare/", f"{tmp_path}/") for a in container["command"][3:]]
+    app = ControllerApp()
+    app.initialize(args)
+    settings = GpushareController(config=app.config)
+    assert settings.group_bounds == {"students": STUDENT_BOUND}
+    assert settings.hub_url == "http://hub.jhub.svc:8081" and settings.port == 8081
+    pods = KubernetesBackendConfig(config=app.config)
+    assert (pods.image, pods.preload_interposer, pods.namespace) == ("img:2", False, "gpushare")
+    service = objs[("Service", "gpushare-controller")]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()

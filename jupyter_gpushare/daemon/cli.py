@@ -129,7 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=DaemonConfig.window_ms.help)
     parser.add_argument("--poll-ms", type=float, default=d.poll_ms, help=DaemonConfig.poll_ms.help)
     parser.add_argument("--state-dir", type=Path, default=None,
-                        help="directory of the per-GPU shared-memory files (default /dev/shm/…)")
+                        help="the agent's private directory of lease memory (made 0700; one "
+                        "that is a symlink, another user's or open to others is refused; default "
+                        "$XDG_RUNTIME_DIR/gpushare/… or /dev/shm/gpushare-<uid>-…)")
     parser.add_argument("--metrics-host", default=d.metrics_host,
                         help=DaemonConfig.metrics_host.help)
     parser.add_argument("--metrics-port", type=int, default=d.metrics_port,

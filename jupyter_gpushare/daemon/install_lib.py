@@ -2,16 +2,19 @@
 mount and preload: ``python -m jupyter_gpushare.daemon.install_lib /host-lib`` (the DaemonSet's
 init container).
 
-Each file is written under a temporary name and renamed over the old one, so a kernel that has
-the previous ``libgpushare.so`` mapped keeps its (unlinked) copy intact instead of reading a file
-rewritten under it.
+Each file is written under a fresh temporary name (``mkstemp``: ``O_EXCL``, so nothing prepared
+under that name is followed) and renamed over the old one, so a kernel that has the previous
+``libgpushare.so`` mapped keeps its (unlinked) copy intact instead of reading a file rewritten
+under it. The files are 0644: kernels (any user) read them, nobody but the installer writes them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from ..paths import lib_dir
@@ -29,9 +32,16 @@ def install(target: Path, source: Path | None = None) -> list[Path]:
             continue
         dest = target / path.relative_to(source)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-        shutil.copy2(path, tmp)
-        os.replace(tmp, dest)
+        fd, name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+        try:
+            with os.fdopen(fd, "wb") as out, open(path, "rb") as src:
+                shutil.copyfileobj(src, out)
+                os.fchmod(out.fileno(), 0o644)
+            os.replace(name, dest)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+            raise
         written.append(dest)
     return written
 

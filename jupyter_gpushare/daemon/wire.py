@@ -67,7 +67,9 @@ Two channels
    - the **policy**, one per GPU, same size: per slot ``state``, ``generation``, ``mem_cap``,
      ``request_ppm``, ``limit_ppm``, ``runahead_ns``, ``allocation`` and ``used_ns``. Written only
      by the agent; clients get a read-only descriptor (a new open of the file ``O_RDONLY``), so
-     they cannot map it writable (``EACCES``), and the file is 0600 of the agent's user.
+     they cannot map it writable (``EACCES``), and the file is 0600 of the agent's user. The
+     GPU's tenants can read it (each other's allocation id, state, cap, request and limit on
+     that GPU; not their memory use, which is in the accounts).
    - the **account**, one per (allocation, GPU), one slot long (:data:`ACCOUNT_SIZE`):
      ``mem_used``, ``mem_peak``, ``oom_count``, ``lease_waits``, ``wait_ns``. Given read-write
      only to the allocation's own authenticated processes; a slot reused by a new allocation gets

@@ -380,3 +380,21 @@ def test_a_cotenant_cannot_write_another_share(built, gpus, work):
             cotenant.kill()
             cotenant.wait(10)
         daemon.stop()
+
+
+def test_installing_the_interposer_writes_through_no_prepared_name(built, work):
+    """The DaemonSet's init container copies the libraries into a host directory: a symlink
+    planted at the temporary name the copy used to take (``.<name>.tmp-<pid>``) is not followed."""
+    from jupyter_gpushare.daemon.install_lib import install
+
+    victim = victim_file(work)
+    target = work / "lib"
+    target.mkdir()
+    (target / f".libgpushare.so.tmp-{os.getpid()}").symlink_to(victim)
+    written = install(target)
+    assert target / "libgpushare.so" in written
+    assert_intact(victim)
+    for path in written:
+        st = os.lstat(path)
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644, path
+    assert not [p for p in target.rglob("*.tmp") if p.is_file()]

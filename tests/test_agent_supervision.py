@@ -104,6 +104,11 @@ def test_a_change_is_refused_with_503_while_no_agent_can_run(jupyter_server, gpu
             "gpu_limit"] == 1.0  # recorded: a new agent enforces it
         gone = server.delete(f"/gpushare/api/allocations/{allocation['id']}")
         assert gone.status_code == 503 and gone.json()["error"] == "not_applied"
+        # the supervisor keeps trying every 2 s and says why once (no log line per try)
+        failed = "could not start the node agent again"
+        wait_for(lambda: failed in server.log(), timeout=10)
+        time.sleep(4.5)
+        assert server.log().count(failed) == 1 and "Traceback" not in server.log()
     finally:
         if moved.exists():
             socket.parent.unlink()

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from traitlets import Float, TraitError, validate
 from traitlets.config import Configurable
 
+from .. import paths
 from ..inventory import Gpu
 from ..periodic import PeriodicTask
 from .client import DaemonClient, DaemonUnavailable
@@ -103,9 +104,9 @@ def ensure_daemon(
 
 
 def _reap_when_done(proc: subprocess.Popen[bytes]) -> None:
-    """Wait for ``proc`` in a daemon thread: it is reaped as soon as it exits (no zombie the
-    supervisor's next ping would not notice), and the thread keeps the ``Popen`` referenced
-    while the detached agent runs, so it is never collected with a process still running."""
+    """Wait for ``proc`` in a daemon thread: it is reaped as soon as it exits (no zombie is
+    left), and the thread keeps the ``Popen`` referenced while the detached agent runs, so it is
+    never collected with its process still running (``ResourceWarning``)."""
     threading.Thread(target=proc.wait, name=f"gpushare-agent-{proc.pid}", daemon=True).start()
 
 
@@ -117,10 +118,7 @@ def enforcing(settings: GpuShare) -> bool:
 
 def _system_socket(socket_path: Path) -> bool:
     """The machine's system agent's socket: systemd starts and restarts that one, not us."""
-    from .. import paths
-
-    system = getattr(paths, "SYSTEM_SOCKET", None)
-    return system is not None and Path(socket_path) == Path(system)
+    return Path(socket_path) == paths.SYSTEM_SOCKET
 
 
 async def ensure_agent(settings: GpuShare, gpus: Sequence[Gpu],
@@ -184,6 +182,7 @@ class AgentWatch(PeriodicTask):
         self.settings = settings
         self.interval_s = interval
         self.restarts = 0
+        self._failed: str | None = None  # the last reason a start failed (logged once)
         self._lock = asyncio.Lock()
         self._kick: asyncio.Task[None] | None = None
 
@@ -194,14 +193,23 @@ class AgentWatch(PeriodicTask):
         return self.interval_s > 0 and enforcing(self.settings)
 
     async def run_once(self) -> bool:
-        """One check; True when an agent had to be started."""
+        """One check; True when an agent had to be started. An agent that cannot be started
+        is logged once per reason (no traceback every interval), and tried again next time."""
         async with self._lock:  # the periodic pass and a kick never start two at once
             client = DaemonClient(self.settings.socket_path, timeout=2.0)
             if await asyncio.to_thread(client.alive):
+                self._failed = None
                 return False
             self.log.warning("gpushare: the node agent on %s does not answer; starting a new "
                              "one", self.settings.socket_path)
-            await ensure_agent(self.settings, await self.settings.local_gpus(), self.log)
+            try:
+                await ensure_agent(self.settings, await self.settings.local_gpus(), self.log)
+            except (RuntimeError, OSError) as exc:
+                if str(exc) != self._failed:
+                    self.log.error("gpushare: could not start the node agent again: %s", exc)
+                self._failed = str(exc)
+                return False
+            self._failed = None
             self.restarts += 1
             return True
 
@@ -213,8 +221,8 @@ class AgentWatch(PeriodicTask):
     async def _check_now(self) -> None:
         try:
             await self.run_once()
-        except Exception as exc:  # the periodic pass keeps trying
-            self.log.error("gpushare: could not start the node agent again: %s", exc)
+        except Exception:  # the periodic pass keeps trying
+            self.log.exception("gpushare: checking the node agent failed")
 
     async def stop(self) -> None:
         if self._kick is not None and not self._kick.done():

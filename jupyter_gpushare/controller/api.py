@@ -211,7 +211,7 @@ def make_app(state: State, **settings: Any) -> Application:
         (rf"/api/servers/{ident}", ServerHandler, {"state": state}),
     ]
     default: Callable[..., Any] = NotFoundHandler
-    return Application(routes, default_handler_class=default,  # type: ignore[arg-type]
+    return Application(routes, default_handler_class=default,
                        default_handler_args={"state": state}, **settings)
 
 

@@ -36,7 +36,7 @@ from .servers import ServerLeases
 log = logging.getLogger("jupyter_gpushare.controller")
 
 
-class ControllerApp(Application):  # type: ignore[misc]
+class ControllerApp(Application):
     name = "jupyter-gpushare-controller"
     description = "The gpushare cluster controller: the only holder of Kubernetes rights."
     classes = [GpushareController, KubernetesBackendConfig, GpuShare]
@@ -52,7 +52,7 @@ class ControllerApp(Application):  # type: ignore[misc]
         if self.config_file:
             self.load_config_file(self.config_file)
             self.parse_command_line(argv)  # the command line wins over the file
-        logging.basicConfig(level=self.log_level,
+        logging.basicConfig(level=int(str(self.log_level)),
                             format="%(asctime)s %(levelname)s %(name)s %(message)s")
 
     def start(self) -> None:

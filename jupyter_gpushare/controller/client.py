@@ -31,7 +31,8 @@ from tornado.web import HTTPError
 
 from ..inventory import Gpu
 from ..ledger import Allocation, AllocationNotFound, Ledger, Snapshot
-from ..placement import PlacementRefused, Placer
+from ..ledger import Placer as LedgerPlacer
+from ..placement import PlacementRefused
 from ..resize import RESIZABLE
 from ..share import ShareError, ShareSpec
 
@@ -156,7 +157,7 @@ class ControllerLedger(Ledger):
         return Allocation.from_json(await self.client.request(
             "GET", f"/api/allocations/{quote(allocation_id, safe='')}"))
 
-    async def allocate(self, spec: ShareSpec, inventory: Sequence[Gpu], place: Placer,
+    async def allocate(self, spec: ShareSpec, inventory: Sequence[Gpu], place: LedgerPlacer,
                        **fields: Any) -> Allocation:
         body = {"share": spec.to_json(), "kernel_id": fields.get("kernel_id"),
                 "server_id": self.server_id, "owner": fields.get("owner", "kernel")}

@@ -67,13 +67,23 @@ def find_agent(*, fresh: bool = False) -> AgentAddress:
             return cached[1]
     if env:
         found = AgentAddress(Path(env), is_system_agent(Path(env)))
-    elif is_system_agent(SYSTEM_SOCKET):
+    elif _root_owned(SYSTEM_SOCKET) and is_system_agent(SYSTEM_SOCKET):
         found = AgentAddress(SYSTEM_SOCKET, True)
     else:
         found = AgentAddress(user_socket_path(), False)
     with _found_lock:
         _found[env] = (time.monotonic(), found)
     return found
+
+
+def _root_owned(socket: Path) -> bool:
+    """The socket and its directory belong to root and nobody else may write the directory
+    (so what answers there is the system service, not something a user put in its place)."""
+    try:
+        directory, entry = os.lstat(socket.parent), os.lstat(socket)
+    except OSError:
+        return False
+    return directory.st_uid == 0 and entry.st_uid == 0 and not directory.st_mode & 0o022
 
 
 def is_system_agent(path: Path, timeout: float = 1.0) -> bool:

@@ -427,6 +427,11 @@ def test_discovery_finds_the_system_agent_first(agent, monkeypatch) -> None:
     assert isinstance(settings.local_ledger(), AgentLedger)
     gpus = asyncio.run(settings.local_gpus())  # the agent's inventory, not this process's
     assert [g.type for g in gpus] == ["A100"] and gpus[0].node == NODE
+    # the Hub's form on this machine reads the agent's inventory (jupyter_gpushare.hub_local)
+    from jupyter_gpushare.hub_local import LocalGpuForm
+
+    page = asyncio.run(LocalGpuForm().options_form(None))
+    assert "A100 (80GiB) — 1 GPU, up to 1 of a GPU free now" in page
     b = agent(system=False)
     monkeypatch.setenv("GPUSHARE_SOCKET", str(b.socket))
     assert not paths.find_agent(fresh=True).system

@@ -253,6 +253,8 @@ def _daemon_parser(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .k8s import cli as k8s_cli
+
     parser = argparse.ArgumentParser(prog="jupyter gpushare", description=__doc__)
     sub = parser.add_subparsers(dest="command_name", required=True)
 
@@ -288,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     install.set_defaults(func=cmd_kernelspec)
 
     _daemon_parser(sub)
+    k8s_cli.add_parser(sub)  # jupyter gpushare k8s kernel-pod (jupyter_gpushare/k8s/cli.py)
     sub.add_parser("controller", add_help=False, help="run the cluster controller (Kubernetes; "
                    "its options: jupyter gpushare controller --help-all)")
     return parser

@@ -174,7 +174,14 @@ def test_kernel_pods_and_daemon_agree_on_paths(helm: str, tmp_path: Path) -> Non
     args = daemon_args(ds)
     volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in container(pod, "daemon")["volumeMounts"]}
-    settings = PodSettings.from_config(KubernetesBackendConfig(namespace="gpushare"))
+    # the hostPath mode (device_plugin=False) mounts these directories itself
+    settings = PodSettings.from_config(KubernetesBackendConfig(namespace="gpushare",
+                                                               device_plugin=False))
+    # the device plugin (default): the kubelet's directory mounted, the interposer directory
+    # it hands kernel pods is the one the init container fills
+    assert args.device_plugin and args.share_resource == "gpushare.jupyter.org/gpu-share"
+    assert volumes[mounts[str(args.kubelet_socket.parent)]] == "/var/lib/kubelet/device-plugins"
+    assert str(args.interposer_dir) == settings.interposer_host_path
 
     mount = Path(settings.socket_mount_path)
     assert str(args.socket) == settings.socket_path

@@ -150,9 +150,12 @@ async def test_kernel_pod_runs_code_and_shutdown_removes_everything(
         [pod] = await kernel_pods(kube, kernel_id)
         # On the node and GPU the ledger chose, through the scheduler.
         assert pod["spec"]["nodeName"] == record.node
-        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
-        assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(record.gpus)
-        assert env["GPUSHARE_ALLOCATION_ID"] == record.id
+        # its share through the kubelet: the extended resource, allocated by the node's plugin
+        # (which gives the GPU and allocation id below, in the kernel's environment)
+        resources = pod["spec"]["containers"][0]["resources"]
+        assert resources["limits"][manifests.SHARE_RESOURCE] == "25"
+        assert pod["metadata"]["labels"][manifests.LABEL_ALLOCATION] == record.id
+        assert pod["metadata"]["annotations"][manifests.ALLOCATED_ANNOTATION] == record.node
         assert record.state == "active" and record.extra["k8s_pod"] == pod["metadata"]["name"]
         assert record.spec.gpu_request == 0.25 and record.spec.gpu_limit == 0.5
         # Owners: pod <- server Lease, Secret <- pod, GpuLedger <- Node.

@@ -1,0 +1,199 @@
+"""gpushare's device plugin (issue 15): the pure decisions of ``k8s/device_plugin/plugin.py``,
+then, on the real control plane with the kubelet double speaking the device-plugin API over
+gRPC, what a kernel pod gets from ``Allocate`` and how the real kube-scheduler accounts for
+shares: a pod asking ``nvidia.com/gpu`` cannot land on a gpushare node, a pod asking more share
+units than are free stays Pending, and a pod that asks units without being a gpushare kernel
+is refused at admission (it gets no GPU, socket or interposer)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster import NAMESPACE, ControlPlane
+from test_kernels import admin, eventually, execute, kernel_pods, kernel_records, shut_down
+
+from jupyter_gpushare.inventory import Gpu
+from jupyter_gpushare.k8s import manifests
+from jupyter_gpushare.k8s.device_plugin import plugin
+from jupyter_gpushare.ledger import Allocation
+from jupyter_gpushare.share import ShareSpec
+
+pytestmark = pytest.mark.timeout(300)
+RES = manifests.SHARE_RESOURCE
+NVIDIA_PLUGIN_OFF = "nvidia.com/gpu.deploy.device-plugin"
+
+
+# -- pure ----------------------------------------------------------------------------------------
+
+
+def gpu(uuid_: str, index: int, healthy: bool = True) -> Gpu:
+    return Gpu(node="n1", uuid=uuid_, index=index, name="A100", type="A100", memory=1 << 30,
+               healthy=healthy)
+
+
+def pod(name: str, units: int, created: str, node: str = "n1", allocation: str = "a-" + "0" * 16,
+        **meta: Any) -> dict[str, Any]:
+    return {"metadata": {"name": name, "uid": name, "creationTimestamp": created,
+                         "labels": {manifests.LABEL_ALLOCATION: allocation}, **meta},
+            "spec": {"nodeName": node, "containers": [{"name": "kernel", "resources": {
+                "limits": {RES: str(units)}, "requests": {RES: str(units)}}}]},
+            "status": {"phase": "Pending"}}
+
+
+def test_devices_are_100_units_per_gpu_and_follow_health() -> None:
+    devs = plugin.devices([gpu("GPU-b", 1, healthy=False), gpu("GPU-a", 0)])
+    assert len(devs) == 200 and devs[0] == ("GPU-a/0", "Healthy")
+    assert {h for d, h in devs if d.startswith("GPU-b/")} == {"Unhealthy"}
+
+
+def test_allocate_finds_the_oldest_unmarked_kernel_pod_of_that_size() -> None:
+    t0, t1, t2 = "2026-01-01T00:00:00Z", "2026-01-01T00:00:01Z", "2026-01-01T00:00:02Z"
+    pods = [
+        pod("newer", 25, t2), pod("older", 25, t1),
+        pod("marked", 25, t0, annotations={manifests.ALLOCATED_ANNOTATION: "n1"}),
+        pod("elsewhere", 25, t0, node="n2"), pod("other-size", 30, t0),
+        pod("deleting", 25, t0, deletionTimestamp=t1),
+        pod("forged-label", 25, t0, allocation="../../etc"),
+    ]
+    assert plugin.pending_pod(pods, "n1", RES, 25)["metadata"]["name"] == "older"
+    assert plugin.pending_pod(pods, "n1", RES, 30)["metadata"]["name"] == "other-size"
+    assert plugin.pending_pod(pods, "n1", RES, 7) is None
+    done = pod("done", 25, t0)
+    done["status"]["phase"] = "Succeeded"
+    assert plugin.pending_pod([done], "n1", RES, 25) is None
+
+
+def test_allocate_response_gives_gpu_socket_and_interposer() -> None:
+    allocation = Allocation(id="a-" + "1" * 16, node="n1", gpus=("GPU-a",),
+                            spec=ShareSpec(gpu_request=0.25, gpu_limit=0.5), memory=1 << 30)
+    real = plugin.container_response(allocation, plugin.PluginSettings(node="n1", namespace="x"),
+                                     Path("/run/gpushare/pods/a-1111111111111111"))
+    assert real["envs"]["GPUSHARE_ALLOCATION_ID"] == allocation.id
+    assert real["envs"]["GPUSHARE_SOCKET"] == "/run/gpushare/daemon.sock"
+    assert real["envs"]["NVIDIA_VISIBLE_DEVICES"] == "GPU-a"
+    assert real["cdi_devices"] == ["nvidia.com/gpu=GPU-a"]
+    mounts = {m["container_path"]: m for m in real["mounts"]}
+    assert mounts["/opt/gpushare/lib"] == {"container_path": "/opt/gpushare/lib",
+                                           "host_path": "/opt/gpushare/lib", "read_only": True}
+    assert mounts["/run/gpushare"]["host_path"] == "/run/gpushare/pods/a-1111111111111111"
+    sim = plugin.container_response(allocation, plugin.PluginSettings(
+        node="n1", namespace="x", simulated_devices="A100|GPU-a|1|108", sim_state="/s/sim.state"),
+        Path("/p"))
+    assert sim["cdi_devices"] == [] and sim["envs"]["GPUSHARE_SIMULATED"] == "1"
+    assert {m["host_path"] for m in sim["mounts"]} == {"/opt/gpushare/lib", "/p", "/s/sim.state"}
+
+
+def test_preferred_allocation_keeps_units_on_the_allocations_gpu() -> None:
+    available = [f"GPU-a/{i}" for i in range(3)] + [f"GPU-b/{i}" for i in range(3)]
+    assert plugin.preferred(available, [], 2, ("GPU-b",)) == ["GPU-b/0", "GPU-b/1"]
+    assert plugin.preferred(available, ["GPU-a/2"], 2, ("GPU-b",)) == ["GPU-a/2", "GPU-b/0"]
+    assert plugin.preferred(available, [], 4, ()) == available[:4]
+
+
+# -- on the cluster --------------------------------------------------------------------------------
+
+
+def raw_pod(name: str, resources: dict[str, str], node: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {"restartPolicy": "Never", "nodeSelector": {"kubernetes.io/hostname": node},
+                     "containers": [{"name": "c", "image": "busybox",
+                                     "command": ["python", "-c", "import time; time.sleep(60)"],
+                                     "resources": {"limits": resources}}]}}
+
+
+async def pod_state(kube: Any, name: str) -> dict[str, Any]:
+    return await kube.get_pod(NAMESPACE, name) or {}
+
+
+def unschedulable(p: dict[str, Any]) -> str | None:
+    for cond in (p.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("reason") == "Unschedulable":
+            return str(cond.get("message"))
+    return None
+
+
+SEEN = """
+import json, os
+conn = os.path.join(os.environ["HOME"], "..", "volumes", "connection", "connection.json")
+st = os.stat(conn)
+sock = os.environ["GPUSHARE_SOCKET"]
+try:
+    open(conn, "a")
+    writable = True
+except OSError:
+    writable = False
+print(json.dumps({"uid": os.getuid(), "gid": os.getgid(), "groups": sorted(os.getgroups()),
+                  "conn": [st.st_uid, st.st_gid, oct(st.st_mode & 0o777)], "writable": writable,
+                  "socket_dir": sorted(os.listdir(os.path.dirname(sock))),
+                  "preload": os.environ.get("LD_PRELOAD", "").endswith("libgpushare.so")}))
+"""
+
+
+async def test_kernel_pod_gets_its_share_through_the_kubelet_and_the_scheduler_counts_it(
+    control_plane: ControlPlane, node_agent: Any, jupyter_server_factory: Any
+) -> None:
+    kube = await admin(control_plane)
+    # the admin keeps GPU Operator's NVIDIA device plugin off gpushare nodes
+    await kube.patch_node("gpu-node-2", {"metadata": {"labels": {NVIDIA_PLUGIN_OFF: "false"}}})
+    node = await kube.read_node("gpu-node-2")
+    assert node["status"]["allocatable"][RES] == "100"  # ListAndWatch: 1 T4 x 100 units
+    assert "nvidia.com/gpu" not in node["status"]["allocatable"]
+
+    server = jupyter_server_factory()
+    reply = server.request("POST", "/gpushare/api/kernels", json={
+        "name": "gpushare-k8s-t4", "share": {"gpu_request": 0.6, "gpu_limit": 0.6}})
+    assert reply.status_code == 201, reply.text
+    kernel = reply.json()["id"]
+    suffix = uuid.uuid4().hex[:6]
+    names = {k: f"h7-{k}-{suffix}" for k in ("nvidia", "too-many", "fits")}
+    try:
+        [record] = await kernel_records(kube, kernel)
+        [kpod] = await kernel_pods(kube, kernel)
+        assert record.node == "gpu-node-2"
+        limits = kpod["spec"]["containers"][0]["resources"]["limits"]
+        assert limits[RES] == "60"
+        assert kpod["metadata"]["annotations"][manifests.ALLOCATED_ANNOTATION] == "gpu-node-2"
+
+        # what the kernel sees: its user, its Secret (root's, group fsGroup, 0440), a socket
+        # directory holding its own socket only, the interposer preloaded
+        seen = json.loads(await execute(server, kernel, SEEN))
+        assert (seen["uid"], seen["gid"]) == (1000, 100) and 100 in seen["groups"]
+        assert seen["conn"] == [0, 100, "0o440"] and seen["writable"] is False
+        assert seen["socket_dir"] == ["daemon.sock"] and seen["preload"] is True
+
+        # the scheduler: nvidia.com/gpu has no room on a gpushare node, 50 units are more
+        # than the 40 left, 40 fit (and are then refused at admission: not a kernel pod)
+        await kube.create_pod(NAMESPACE, raw_pod(names["nvidia"], {"nvidia.com/gpu": "1"},
+                                                 "gpu-node-2"))
+        await kube.create_pod(NAMESPACE, raw_pod(names["too-many"], {RES: "50"}, "gpu-node-2"))
+        await kube.create_pod(NAMESPACE, raw_pod(names["fits"], {RES: "40"}, "gpu-node-2"))
+
+        async def refused(name: str, words: str) -> str | None:
+            message = unschedulable(await pod_state(kube, name))
+            return message if message and words in message else None
+
+        message = await eventually(lambda: refused(names["nvidia"], "nvidia.com/gpu"), 30,
+                                   "the nvidia.com/gpu pod to be Unschedulable")
+        assert "Insufficient nvidia.com/gpu" in message, message
+        message = await eventually(lambda: refused(names["too-many"], RES), 30,
+                                   "the 50-unit pod to be Unschedulable")
+        assert f"Insufficient {RES}" in message, message
+
+        async def admission_refused() -> dict[str, Any] | None:
+            p = await pod_state(kube, names["fits"])
+            return p if (p.get("status") or {}).get("phase") == "Failed" else None
+
+        fits = await eventually(admission_refused, 30, "the 40-unit pod to be admitted or not")
+        assert fits["spec"]["nodeName"] == "gpu-node-2"  # the scheduler placed it
+        assert fits["status"]["reason"] == "UnexpectedAdmissionError", fits["status"]
+        assert "no kernel pod" in fits["status"]["message"], fits["status"]
+    finally:
+        for name in names.values():
+            await kube.delete_pod(NAMESPACE, name, grace=0)
+        await kube.patch_node("gpu-node-2", {"metadata": {"labels": {NVIDIA_PLUGIN_OFF: None}}})
+        await shut_down(server, kube, kernel)
+

@@ -36,7 +36,7 @@ from jupyter_gpushare.inventory import Gpu
 from jupyter_gpushare.ledger import Allocation
 from jupyter_gpushare.ledger.agent import AgentLedger
 from jupyter_gpushare.ledger.reconcile import process_start_time
-from jupyter_gpushare.placement import PlacementRefused, allocate
+from jupyter_gpushare.placement import PlacementRefused, Policy, allocate
 from jupyter_gpushare.resize import resized
 from jupyter_gpushare.share import ShareError, ShareSpec
 
@@ -532,6 +532,15 @@ def test_authorize_rules() -> None:
     with pytest.raises(ShareError, match="gpu_request"):
         go(alice, [hers, redacted, record(1001, 0.5)], ShareSpec(0.25, 0.25))
     assert go(root, [hers]) == [hers]  # an admin may release anyone's
+    kept = ledger_ops.authorize(current, [replace(hers, state="active"), redacted], alice, NODE,
+                                [GPU], None, True, Policy(cordoned_gpus=frozenset({GPU.uuid})))
+    assert len(kept) == 2  # shares placed before a cordon stay and may change; new ones may not
+    with pytest.raises(ledger_ops.NotPermitted, match="cordoned"):
+        ledger_ops.authorize([], [record(1001)], alice, NODE, [GPU], None, True,
+                             Policy(cordoned_gpus=frozenset({GPU.uuid})))
+    with pytest.raises(ledger_ops.NotPermitted, match="excluded"):
+        ledger_ops.authorize([], [record(1001)], alice, NODE, [GPU], None, True,
+                             Policy(exclude_types=("a100",)))
     bounded = record(1001)
     bounded = replace(bounded, extra=bounds.record(bounded.extra, ShareSpec(0.25, 0.25)))
     with pytest.raises(ShareError):

@@ -286,8 +286,9 @@ async def _cas(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dict[str
     proposed = _parse_allocations(message.get("allocations"), current)
     inventory = [g for g in await daemon.ledger.gpus() if g.node == node]
     try:
+        access = access_of(daemon)
         result = authorize(current, proposed, who, node, inventory,
-                           bound_for(daemon, who, asked), access_of(daemon).system)
+                           bound_for(daemon, who, asked), access.system, access.policy)
     except NotPermitted as exc:
         log.warning("refused ledger.cas from uid %d (%s): %s", who.uid, who.name, exc)
         return wire.refusal(wire.E_NOT_PERMITTED, str(exc))
@@ -317,9 +318,10 @@ PROTECTED = (UID_KEY, bounds.EXTRA_KEY)
 
 def authorize(current: Sequence[Allocation], proposed: Sequence[Allocation], who: Caller,
               node: str, inventory: Sequence[Gpu], bound: ShareSpec | None,
-              system: bool) -> list[Allocation]:
+              system: bool, policy: Policy | None = None) -> list[Allocation]:
     """The allocations to write for ``who``'s proposal on ``node``, or NotPermitted /
-    OverCapacity / ShareError. Pure."""
+    OverCapacity / ShareError. A non-admin's new or moved share must be on GPUs the
+    deployment's ``policy`` admits (healthy, not cordoned, not an excluded type). Pure."""
     old = {a.id: a for a in current}
     new = {a.id: a for a in proposed}
     for a in proposed:
@@ -355,12 +357,15 @@ def authorize(current: Sequence[Allocation], proposed: Sequence[Allocation], who
         if sent.spec != a.spec or sent.memory != a.memory or sent.gpus != a.gpus:
             bounds.check_within(sent.spec, sent.memory, bounds.recorded(a.extra))
             touched.update(sent.gpus)
+            if not who.admin and sent.gpus != a.gpus:
+                _check_admitted(sent, inventory, policy or Policy())
         result.append(sent)
     for a in proposed:  # added
         if a.id in old:
             continue
         if not who.admin:
             _check_fields(a, who, inventory)
+            _check_admitted(a, inventory, policy or Policy())
         if REDACTED_KEY in a.extra:
             raise NotPermitted(f"allocation {a.id}: a redacted record cannot be added")
         stamped = a
@@ -394,6 +399,26 @@ def _check_fields(a: Allocation, who: Caller, inventory: Sequence[Gpu],
         if pid is not None and not unchanged and not _owned_by(pid, who.uid):
             raise NotPermitted(f"allocation {a.id}: {what} {pid} is not a process of user "
                                f"{who.name}")
+
+
+def _check_admitted(a: Allocation, inventory: Sequence[Gpu], policy: Policy) -> None:
+    """The deployment's rules for where a new share may go (placement applies them; a caller
+    that wrote its own record is held to them here). Types compare by alias or product name."""
+    by_uuid = {g.uuid: g for g in inventory}
+    excluded = {t.lower() for t in policy.exclude_types}
+    wanted = {t.lower() for t in policy.gpu_types}
+    for uuid in a.gpus:
+        g = by_uuid[uuid]
+        names = {g.type.lower(), g.name.lower()}
+        why = ("unhealthy" if not g.healthy
+               else "cordoned" if g.cordoned or uuid in policy.cordoned_gpus
+               or g.node in policy.cordoned_nodes
+               else "of an excluded type" if names & excluded
+               else "not of a type kernels may use" if wanted and not names & wanted
+               else None)
+        if why is not None:
+            raise NotPermitted(f"allocation {a.id}: GPU {uuid} is {why}; new shares do not go "
+                               "there")
 
 
 def _owned_by(pid: int, uid: int) -> bool:

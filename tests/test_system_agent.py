@@ -399,6 +399,30 @@ def test_eight_agents_started_at_once_leave_one(tmp_path: Path) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def test_only_the_gpu_group_may_use_the_agent(agent) -> None:
+    """``--group G``: the socket is 0660 root:G; a user outside G cannot even connect, and the
+    agent itself refuses one that got a descriptor some other way; a group bound applies."""
+    import grp
+
+    if subprocess.run(["groupadd", "-f", "gsh3gpu"], stderr=subprocess.DEVNULL).returncode:
+        pytest.skip("groupadd failed")
+    alice, bob = unix_user(ALICE), unix_user(BOB)
+    subprocess.run(["usermod", "-aG", "gsh3gpu", ALICE], check=True)
+    subprocess.run(["gpasswd", "-d", BOB, "gsh3gpu"], stderr=subprocess.DEVNULL,
+                   stdout=subprocess.DEVNULL)
+    a = agent("--group", "gsh3gpu", "--group-max-share",
+              'gsh3gpu={"gpu_request": 0.5, "gpu_limit": 0.5}')
+    st = os.stat(a.socket)
+    assert st.st_mode & 0o777 == 0o660 and st.st_gid == grp.getgrnam("gsh3gpu").gr_gid
+    outcome = run_as(bob, snapshot, str(a.socket))
+    assert outcome[:2] == ("error", "LedgerUnavailable") and "Permission denied" in outcome[2]
+    assert run_as(alice, snapshot, str(a.socket)) == ("ok", [])
+    over = run_as(alice, place, str(a.socket), 0.75)  # the group's bound, recorded at creation
+    assert over[:2] == ("error", "ShareError") and "at most 0.5" in over[2], over
+    made = run_as(alice, place, str(a.socket), 0.5)[1]["allocation"]
+    assert made["extra"]["bound"]["gpu_limit"] == 0.5
+
+
 def test_lock_refuses_a_directory_others_may_write(tmp_path: Path) -> None:
     from jupyter_gpushare.daemon.lock import UnsafeDirectory, take
 
@@ -546,6 +570,34 @@ def test_authorize_rules() -> None:
     with pytest.raises(ShareError):
         ledger_ops.authorize([bounded], [replace(bounded, spec=ShareSpec(0.5, 0.5, GiB))],
                              alice, NODE, [GPU], None, True)
+
+
+def test_who_may_use_the_agent_and_which_bound_applies() -> None:
+    class FakeDaemon:  # ledger_ops keeps its Access per daemon object
+        pass
+
+    daemon: Any = FakeDaemon()
+    group_bound, agent_bound = ShareSpec(0.5, 0.5), ShareSpec(0.75, 1.0, gpu_memory=40 * GiB)
+    ledger_ops.configure(daemon, ledger_ops.Access(system=True, user_gid=4242,
+                                                   max_share=agent_bound,
+                                                   group_bounds={4242: group_bound}))
+    member = ledger_ops.Caller(1001, "alice", False, frozenset({4242}))
+    outsider = ledger_ops.Caller(1002, "bob", False, frozenset({100}))
+    root = ledger_ops.Caller(0, "root", True, frozenset())
+    assert ledger_ops.may_use(daemon, member) is None
+    assert ledger_ops.may_use(daemon, root) is None
+    refusal = ledger_ops.may_use(daemon, outsider)
+    assert refusal is not None and refusal["error"] == "not_permitted"
+    assert "bob is not in group" in refusal["message"]
+    hub = ShareSpec(0.25, 1.0)
+    applied = ledger_ops.bound_for(daemon, member, hub)
+    assert applied is not None
+    assert (applied.gpu_request, applied.gpu_limit, applied.gpu_memory) == (0.25, 0.5, 40 * GiB)
+    alone = ledger_ops.bound_for(daemon, root, None)
+    assert alone is not None and (alone.gpu_request, alone.gpu_limit) == (0.75, 1.0)
+    # a per-user agent serves its own user only
+    ledger_ops.configure(daemon, ledger_ops.Access(system=False))
+    assert ledger_ops.may_use(daemon, member) is not None
 
 
 def test_a_kept_record_is_the_stored_one() -> None:

@@ -235,6 +235,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.idle_timeout <= 86400:
         logging.error("--idle-timeout %s: need 0 (never) to 86400 seconds", args.idle_timeout)
         return 2
+    if args.device_plugin and not args.kubernetes_namespace:
+        logging.error("--device-plugin: needs --kubernetes-namespace (the plugin finds kernel "
+                      "pods and their allocations on the cluster)")
+        return 2
     if args.admin_group:
         import grp
 

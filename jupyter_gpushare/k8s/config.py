@@ -11,7 +11,7 @@ import os
 import uuid
 from typing import Any
 
-from traitlets import Bool, Dict, Float, Int, List, Unicode, default
+from traitlets import Bool, Dict, Float, Int, List, TraitError, Unicode, default, validate
 from traitlets.config import SingletonConfigurable
 
 
@@ -200,6 +200,16 @@ class KubernetesBackendConfig(SingletonConfigurable):
         help="Seconds a call to the controller is retried while it fails over (standby "
         "answering 503 not_leader, or no replica reachable).",
     )
+
+    @validate("run_as_user", "run_as_group", "fs_group")
+    def _valid_id(self, proposal: Any) -> int:
+        name, value = proposal["trait"].name, proposal["value"]
+        lowest = 1 if name == "run_as_user" else 0  # kernel pods run as non-root
+        if not lowest <= value <= 2**31 - 1:
+            raise TraitError(f"KubernetesBackendConfig.{name}={value!r} is not allowed: an id "
+                             f"from {lowest} to 2147483647" + (" (kernel pods run as non-root)"
+                                                               if lowest else ""))
+        return int(value)
 
     @default("namespace")
     def _default_namespace(self) -> str:

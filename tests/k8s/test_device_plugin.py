@@ -94,6 +94,21 @@ def test_preferred_allocation_keeps_units_on_the_allocations_gpu() -> None:
     assert plugin.preferred(available, [], 4, ()) == available[:4]
 
 
+def test_generated_modules_match_the_proto(tmp_path: Path) -> None:
+    """api_pb2*.py(i) are what grpcio-tools makes of api.proto (regenerate: DEVELOPING.md)."""
+    from grpc_tools import protoc
+
+    here = Path(plugin.__file__).parent
+    rel = Path("jupyter_gpushare/k8s/device_plugin")
+    (tmp_path / rel).mkdir(parents=True)
+    (tmp_path / rel / "api.proto").write_text((here / "api.proto").read_text())
+    assert protoc.main(["protoc", f"-I{tmp_path}", f"--python_out={tmp_path}",
+                        f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}",
+                        str(tmp_path / rel / "api.proto")]) == 0
+    for name in ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py"):
+        assert (tmp_path / rel / name).read_text() == (here / name).read_text(), name
+
+
 # -- on the cluster --------------------------------------------------------------------------------
 
 

@@ -136,3 +136,14 @@ def test_the_host_path_mode_is_what_the_checker_refuses() -> None:
     pod = manifests.kernel_pod(request(), manifests.PodSettings(image="i", device_plugin=False))
     found = restricted_violations(pod)
     assert any("hostPath" in v for v in found) and baseline_violations(pod), found
+
+
+def test_pod_user_settings_are_checked() -> None:
+    from traitlets import TraitError
+
+    from jupyter_gpushare.k8s.config import KubernetesBackendConfig
+
+    for name, value in (("run_as_user", 0), ("run_as_group", -1), ("fs_group", 2**31)):
+        with pytest.raises(TraitError, match=f"{name}={value!r} is not allowed"):
+            KubernetesBackendConfig(**{name: value})
+    assert KubernetesBackendConfig(run_as_group=0).run_as_group == 0

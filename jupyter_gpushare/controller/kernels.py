@@ -220,22 +220,22 @@ class KernelService:
     async def launch(self, user: HubUser, body: Mapping[str, Any]) -> dict[str, Any]:
         """Start the kernel pod of an allocation (placing it first when ``share`` is given) and
         wait for it to run; returns the connection info with the pod's IP."""
-        if "allocation_id" in body:
-            allocation_id = body["allocation_id"]
-            if not isinstance(allocation_id, str):
-                raise bad_request("allocation_id", allocation_id, "a string")
-            allocation = await self.allocation(user, allocation_id)
-            if "share" in body:
-                raise bad_request("share", body["share"], "either share or allocation_id")
-        else:
-            allocation = await self.reserve(user, body)
-        launch_id = body.get("launch_id")
+        launch_id = body.get("launch_id")  # everything is checked before anything is placed
         if not isinstance(launch_id, str) or not LAUNCH_ID.match(launch_id):
             raise bad_request("launch_id", launch_id, "4-32 lowercase letters and digits, new "
                               "for each launch and the same for its retries")
         command = check_command(body.get("command"))
         env = check_env(body.get("env"))
         connection = check_connection(body.get("connection"))
+        if "allocation_id" in body:
+            allocation_id = body["allocation_id"]
+            if not isinstance(allocation_id, str):
+                raise bad_request("allocation_id", allocation_id, "a string")
+            if "share" in body:
+                raise bad_request("share", body["share"], "either share or allocation_id")
+            allocation = await self.allocation(user, allocation_id)
+        else:
+            allocation = await self.reserve(user, body)
         kernel_id = allocation.kernel_id or check_kernel_id(body.get("kernel_id"))
         server_id = check_server_id(allocation.extra.get("k8s_server") or body.get("server_id"))
         name = f"gpushare-kernel-{kernel_id[:8].lower()}-{launch_id[:10]}"

@@ -282,6 +282,50 @@ def test_two_users_see_and_change_only_their_own_kernels(
     asyncio.run(pods_gone())
 
 
+# -- hostile input from a user's server ------------------------------------------------------------
+
+
+def test_hostile_requests_are_refused_by_name(controllers: list[Controller], hub: Hub) -> None:
+    """Every field a user's server sends is checked before the cluster is touched: 400 naming
+    the field (never a 500 or a traceback), nothing placed, no pod."""
+    bob = hub.tokens["bob"]
+    kernel, server = kernel_name(), "srv-" + uuid.uuid4().hex[:8]
+    good = start_body(kernel, server, {"gpu_request": 0.1, "gpu_limit": 0.1})
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({**good, "kernel_id": "../../etc"}, "kernel_id"),
+        ({**good, "server_id": "UPPER/slash"}, "server_id"),
+        ({**good, "launch_id": "x"}, "launch_id"),
+        ({**good, "command": "rm -rf /"}, "command"),
+        ({**good, "command": ["x"] * 1000}, "command"),
+        ({**good, "env": {"BAD NAME": "1"}}, "env"),
+        ({**good, "env": {"A": 1}}, "env"),
+        ({**good, "connection": {**good["connection"], "shell_port": 70000}},
+         "connection.shell_port"),
+        ({**good, "connection": {**good["connection"], "transport": "ipc"}},
+         "connection.transport"),
+        ({**good, "share": {"gpu_request": "lots"}}, "gpu_request"),
+        ({**good, "share": {"gpu_request": 0.1, "gpu_owner": "alice"}}, "gpu_owner"),
+        ({**good, "owner": "root"}, "owner"),
+        ({**good, "allocation_id": 5}, "allocation_id"),
+    ]
+    for body, field in cases:
+        reply = call(controllers, bob, "POST", "/api/kernels", body)
+        assert reply.status_code == 400, (field, reply.status_code, reply.text)
+        assert reply.json()["field"] == field, (field, reply.text)
+    for raw in (b"not json", b"[1, 2]", b"{" * 5000, "\u00ff".encode("latin-1")):
+        reply = requests.post(leader(controllers).url + "/api/kernels", data=raw, timeout=30,
+                              headers={"Authorization": f"token {bob}"})
+        assert reply.status_code == 400 and reply.json()["field"] == "body", reply.text
+    reply = call(controllers, bob, "PATCH", "/api/allocations/nonexistent", {"gpu_request": 0.1})
+    assert reply.status_code == 404, reply.text
+    reply = call(controllers, bob, "GET", "/api/../../etc/passwd")
+    assert reply.status_code == 404 and reply.json()["error"] == "not_found"
+    reply = call(controllers, bob, "DELETE", "/api/kernels/x?grace=99999999999")
+    assert reply.status_code == 400 and reply.json()["field"] == "grace"
+    mine = call(controllers, bob, "GET", "/api/allocations").json()["allocations"]
+    assert not [a for a in mine if a["kernel_id"] == kernel]
+
+
 # -- a real Jupyter server in controller mode: no Kubernetes credentials at all ------------------
 
 

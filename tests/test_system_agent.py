@@ -33,7 +33,7 @@ from jupyter_gpushare import paths
 from jupyter_gpushare.daemon import ledger_ops
 from jupyter_gpushare.daemon.client import DaemonClient
 from jupyter_gpushare.inventory import Gpu
-from jupyter_gpushare.ledger import Allocation
+from jupyter_gpushare.ledger import Allocation, LedgerUnavailable
 from jupyter_gpushare.ledger.agent import AgentLedger
 from jupyter_gpushare.ledger.reconcile import process_start_time
 from jupyter_gpushare.placement import PlacementRefused, Policy, allocate
@@ -421,6 +421,19 @@ def test_only_the_gpu_group_may_use_the_agent(agent) -> None:
     assert over[:2] == ("error", "ShareError") and "at most 0.5" in over[2], over
     made = run_as(alice, place, str(a.socket), 0.5)[1]["allocation"]
     assert made["extra"]["bound"]["gpu_limit"] == 0.5
+
+
+def test_an_unusable_ledger_file_is_reported_as_unavailable(agent) -> None:
+    """The agent's own file broken (here: overwritten): callers get LedgerUnavailable with
+    SQLite's reason (REST: 503 ledger_unavailable), not an internal error."""
+    a = agent()
+    ledger = AgentLedger(a.socket)
+    gpus = asyncio.run(ledger.gpus())
+    for extra in ("-wal", "-shm"):
+        Path(f"{a.ledger}{extra}").unlink(missing_ok=True)
+    a.ledger.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(LedgerUnavailable, match="not a database"):
+        asyncio.run(allocate(ledger, ShareSpec(0.25, 0.25), gpus, None))
 
 
 def test_lock_refuses_a_directory_others_may_write(tmp_path: Path) -> None:

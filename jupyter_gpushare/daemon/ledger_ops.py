@@ -42,7 +42,7 @@ import psutil
 
 from .. import bound as bounds
 from ..inventory import Gpu, TypeAliases
-from ..ledger import Allocation, Snapshot
+from ..ledger import Allocation, LedgerUnavailable, Snapshot
 from ..placement import Policy
 from ..placement.engine import SETTLED
 from ..share import ShareError, ShareSpec
@@ -198,6 +198,8 @@ async def handle(daemon: Daemon, client: Client, message: dict[str, Any]) -> dic
         if op == "ledger.cas":
             return await _cas(daemon, who, message)
     except ShareError as exc:
+        return {"ok": False, **exc.to_json()}
+    except LedgerUnavailable as exc:  # the agent's own file: a full disk, a broken database
         return {"ok": False, **exc.to_json()}
     return wire.refusal(wire.E_BAD_REQUEST, f"unknown op {op!r}")
 

@@ -75,6 +75,9 @@ class AgentLedger(Ledger):
             raise LedgerUnavailable(f"served by the agent on {self.socket_path}",
                                     reason) from None
         if not reply.get("ok"):
+            if reply.get("error") == "ledger_unavailable":  # the agent's file, in its words
+                raise LedgerUnavailable(str(reply.get("ledger", self.socket_path)),
+                                        str(reply.get("reason", reply.get("message", ""))))
             if reply.get("field"):
                 raise ShareError(str(reply["field"]), reply.get("value"),
                                  str(reply.get("allowed", reply.get("message", ""))))

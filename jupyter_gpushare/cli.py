@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import GpuShare
-from .daemon.supervisor import ensure_agent
+from .daemon.supervisor import AgentWatch, ensure_agent
 from .inventory import Gpu, NoGpuError, check_spec, parse_simulate
 from .ledger import Allocation, LedgerUnavailable
 from .ledger.reconcile import process_start_time, reconcile
@@ -197,7 +197,13 @@ async def _run(settings: GpuShare, spec: ShareSpec, command: Sequence[str]) -> i
             print(f"gpushare run: cannot run {command[0]}: {exc.strerror or exc}",
                   file=sys.stderr)
             return 126
-        return await _wait_forwarding_signals(proc)
+        watch = AgentWatch(settings, _log)  # an agent that dies meanwhile is started again
+        if watch.enabled():
+            watch.start()
+        try:
+            return await _wait_forwarding_signals(proc)
+        finally:
+            await watch.stop()
     finally:
         await ledger.release(allocation.id)
 

@@ -10,6 +10,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import psutil
@@ -115,6 +116,35 @@ def test_the_simulator_state_directory_is_made_private_on_a_fresh_machine(
     done = gpushare(env, "run", "--", str(cuda_program))
     assert done.returncode == 0 and done.stdout == "ok\n", done.stderr  # was cuInit = 304
     assert stat.S_IMODE(state.parent.stat().st_mode) == 0o700
+
+
+def test_an_agent_killed_while_a_command_runs_is_started_again(gpushare_env):
+    """No Jupyter server here: ``run`` itself keeps the agent up while its command runs."""
+    env = {**gpushare_env, "GPUSHARE_SIMULATE": "1xA100"}
+    script = textwrap.dedent("""
+        import os, signal, sys, time
+        from jupyter_gpushare.daemon.client import DaemonClient
+        client = DaemonClient(os.environ["GPUSHARE_SOCKET"], timeout=1.0)
+        first = client.ping()["pid"]
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                second = client.ping()["pid"]
+                if second != first:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        else:
+            sys.exit("no new agent")
+        share = client.status(os.environ["GPUSHARE_ALLOCATION_ID"])["allocations"][0]
+        print(first != second, share["request"])
+    """)
+    done = gpushare(env, "run", "--gpu-request", "0.3", "--", sys.executable, "-c", script)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "0.3"]  # the new agent enforces this run's share
+    assert "does not answer; starting a new one" in done.stderr
 
 
 def test_run_keeps_every_argument_after_the_first_double_dash(gpushare_env):

@@ -18,6 +18,11 @@
  * device (wait_drained): the grant follows the device's end by microseconds, and the next
  * holder's first launch by one futex wake-up.
  *
+ * The daemon connection (connect_and_hello): the lease memory arrives as descriptors with the
+ * hello reply (SCM_RIGHTS, read with recvmsg; no path crosses the socket): the GPU's lease board
+ * (read-write, shared with its other tenants), the policy (read-only: our state, cap, request,
+ * limit, runahead bound) and our own memory account; attach() maps each.
+ *
  * Fail static: when the daemon is unreachable each process grants itself leases at its request
  * share (quantum on, quantum*(1-r)/r off) and the agent keeps reconnecting. Nothing here ever
  * exits or aborts the process.
@@ -312,7 +317,8 @@ static int attach(struct gs_gpu *g, const int fd[3], int index, uint64_t generat
               h->magic != GPUSHARE_WIRE_MAGIC || h->version != GPUSHARE_WIRE_VERSION ||
               ph->magic != GPUSHARE_WIRE_MAGIC || ph->version != GPUSHARE_WIRE_VERSION ||
               atomic_load(&pslots[index].generation) != generation ||
-              strncmp(pslots[index].allocation, gs.allocation, sizeof pslots[index].allocation - 1) != 0;
+              strncmp(pslots[index].allocation, gs.allocation,
+                      sizeof pslots[index].allocation - 1) != 0;
     if (bad) {
         if (board != MAP_FAILED) munmap(board, GPUSHARE_WIRE_FILE_SIZE);
         if (policy != MAP_FAILED) munmap(policy, GPUSHARE_WIRE_FILE_SIZE);

@@ -25,7 +25,8 @@ static _Atomic uint64_t released_bytes;
 
 static int any_slot_released(void) {
     for (int i = 0; i < gs.ngpus; i++) {
-        struct gpushare_wire_slot *s = atomic_load_explicit(&gs.gpu[i].policy, memory_order_acquire);
+        struct gpushare_wire_slot *s =
+            atomic_load_explicit(&gs.gpu[i].policy, memory_order_acquire);
         if (atomic_load(&s->state) == GPUSHARE_SLOT_RELEASED) return 1;
     }
     return 0;

@@ -80,7 +80,8 @@ class LocalGpuForm(GpuProfiles):
         parts.extend(self._radio(p, checked=False) for p in self.cpu_profiles)
         return "\n".join(parts)
 
-    def options_from_form(self, formdata: Mapping[str, list[str]]) -> dict[str, Any]:
+    def options_from_form(self, formdata: Mapping[str, list[str]],
+                          spawner: Any = None) -> dict[str, Any]:
         """``Spawner.options_from_form``: the fields of this form; a bad GPU value is refused
         with its reason (JupyterHub shows it on the form)."""
         options = {k: str(v[0]) for k, v in formdata.items() if k in FIELDS and v}

@@ -521,3 +521,47 @@ def test_chart_controller_config_is_what_the_controller_reads(tmp_path: Path) ->
     service = objs[("Service", "gpushare-controller")]
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
+
+
+# -- the controller away (last: it stops every replica) -------------------------------------------
+
+
+async def test_controller_away_kernels_keep_running_starts_fail_with_the_reason(
+        controllers: list[Controller], hub: Hub, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_kernels import execute
+
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", hub.tokens["alice"])
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    urls = ",".join(c.url for c in controllers)
+    server = await asyncio.to_thread(
+        start_jupyter_server, tmp_path / "server", None, "kubernetes",
+        extra=f"""
+c.KubernetesBackendConfig.controller_url = {urls!r}
+c.KubernetesBackendConfig.controller_retry_for = 3
+c.KubernetesBackendConfig.lease_renew_interval = 2
+""")
+    try:
+        reply = await asyncio.to_thread(server.request, "POST", "/api/kernels",
+                                        json={"name": "gpushare-k8s"})
+        assert reply.status_code == 201, reply.text + server.log_text()[-3000:]
+        kernel_id = reply.json()["id"]
+        for c in controllers:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGKILL)
+                c.proc.wait()
+        # the running kernel keeps running (the server talks to its pod directly) ...
+        await asyncio.sleep(4)  # several polls of the restarter with no controller
+        assert (await execute(server, kernel_id, "print(2 + 3)")).strip() == "5"
+        # ... and a new start fails within controller_retry_for, with the reason
+        started = time.monotonic()
+        reply = await asyncio.to_thread(server.request, "POST", "/api/kernels",
+                                        json={"name": "gpushare-k8s"})
+        assert reply.status_code == 503, reply.text
+        assert "controller" in reply.json()["message"] and "cannot be reached" in \
+            reply.json()["message"], reply.text
+        assert time.monotonic() - started < 30
+        status = await asyncio.to_thread(server.request, "GET", f"/api/kernels/{kernel_id}")
+        assert status.status_code == 200 and status.json()["execution_state"] != "dead"
+    finally:
+        stop_process(server.proc)

@@ -131,10 +131,12 @@ class StateDir:
     def __init__(self, path: Path) -> None:
         self.path = make_private_dir(path)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        st, checked = os.fstat(fd), os.lstat(path)
-        if (st.st_dev, st.st_ino) != (checked.st_dev, checked.st_ino):  # swapped meanwhile
+        st = os.fstat(fd)  # what we hold, whatever the path names now
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
             os.close(fd)
-            raise StateDirError(f"state directory {path} changed while it was opened")
+            raise StateDirError(f"refusing state directory {path}: it changed while it was "
+                                f"opened (owner {_owner_name(st.st_uid)}, mode "
+                                f"{stat.S_IMODE(st.st_mode):04o})")
         self.fd = fd
 
     def open_file(self, name: str, size: int, *, fresh: bool = False) -> tuple[int, bool]:

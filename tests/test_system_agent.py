@@ -566,6 +566,10 @@ def test_authorize_rules() -> None:
     assert out[-1].extra["uid"] == 1001 and out[-1].user == "alice"
     with pytest.raises(ledger_ops.OverCapacity):
         go(alice, [hers, redacted, record(1001, 0.75)])
+    for bad in (-1.0, float("nan"), 0.001):  # would fool the capacity sums, or is no share
+        sneaky = Allocation.from_json({**record(1001).to_json(), "gpu_request": bad})
+        with pytest.raises(ShareError, match="gpu_request"):
+            go(alice, [hers, redacted, sneaky, record(1001, 1.0)])
     with pytest.raises(ShareError, match="gpu_request"):
         go(alice, [hers, redacted, record(1001, 0.5)], ShareSpec(0.25, 0.25))
     assert go(root, [hers]) == [hers]  # an admin may release anyone's

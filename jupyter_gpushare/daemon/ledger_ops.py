@@ -386,6 +386,9 @@ def authorize(current: Sequence[Allocation], proposed: Sequence[Allocation], who
 def _check_fields(a: Allocation, who: Caller, inventory: Sequence[Gpu],
                   before: Allocation | None = None) -> None:
     """What a non-admin may put in a record of its own (``before``: the record it changes)."""
+    # the share itself passes the one validator (a record read from JSON skipped it): no
+    # negative, NaN or oversized request or memory that would fool the capacity sums
+    ShareSpec.from_mapping({k: v for k, v in a.spec.to_json().items() if v is not None})
     known = {g.uuid for g in inventory}
     unknown = [u for u in a.gpus if u not in known]
     if unknown or not a.gpus or len(set(a.gpus)) != len(a.gpus):

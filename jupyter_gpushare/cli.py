@@ -179,8 +179,8 @@ async def _run(settings: GpuShare, spec: ShareSpec, command: Sequence[str]) -> i
     spec = check_spec(spec, inventory, settings.aliases())
     try:
         await ensure_agent(settings, inventory, _log)
-    except RuntimeError as exc:  # enforcement falls back to the interposer's fail-static mode
-        print(f"gpushare: {exc}", file=sys.stderr)
+    except (RuntimeError, OSError) as exc:  # the interposer's fail-static mode enforces alone
+        print(f"gpushare: no node agent: {exc}", file=sys.stderr)
     me = os.getpid()
     extra = {"server_start": process_start_time(me), "command": list(command)[:8],
              "uid": os.getuid()}  # the agent's status shows a user their own shares

@@ -109,6 +109,7 @@ def test_a_change_is_refused_with_503_while_no_agent_can_run(jupyter_server, gpu
         wait_for(lambda: failed in server.log(), timeout=10)
         time.sleep(4.5)
         assert server.log().count(failed) == 1 and "Traceback" not in server.log()
+        assert server.log().count("does not answer; starting a new one") == 1
     finally:
         if moved.exists():
             socket.parent.unlink()

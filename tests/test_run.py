@@ -147,6 +147,20 @@ def test_an_agent_killed_while_a_command_runs_is_started_again(gpushare_env):
     assert "does not answer; starting a new one" in done.stderr
 
 
+def test_without_an_agent_the_command_still_runs_fail_static(gpushare_env, cuda_program,
+                                                            tmp_path):
+    """The agent cannot start (a file stands where its directory would be): ``run`` says so in
+    one line and the command runs under the interposer's own limits; the share is released."""
+    (tmp_path / "taken").write_text("")
+    env = {**gpushare_env, "GPUSHARE_SIMULATE": "1xA100",
+           "GPUSHARE_SOCKET": str(tmp_path / "taken" / "daemon.sock"),
+           "GPUSHARE_SIM_STATE": str(tmp_path / "sim" / "sim.state")}
+    done = gpushare(env, "run", "--", str(cuda_program))
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr
+    assert "gpushare: no node agent:" in done.stderr and "Traceback" not in done.stderr
+    assert json.loads(gpushare(env, "status", "--json").stdout)["allocations"] == []
+
+
 def test_run_keeps_every_argument_after_the_first_double_dash(gpushare_env):
     env = {**gpushare_env, "GPUSHARE_SIMULATE": "1xA100"}
     done = gpushare(env, "run", "--", sys.executable, "-c", "import sys; print(sys.argv)",

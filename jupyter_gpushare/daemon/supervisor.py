@@ -200,8 +200,9 @@ class AgentWatch(PeriodicTask):
             if await asyncio.to_thread(client.alive):
                 self._failed = None
                 return False
-            self.log.warning("gpushare: the node agent on %s does not answer; starting a new "
-                             "one", self.settings.socket_path)
+            if self._failed is None:  # once, not at every try while starting it fails
+                self.log.warning("gpushare: the node agent on %s does not answer; starting a "
+                                 "new one", self.settings.socket_path)
             try:
                 await ensure_agent(self.settings, await self.settings.local_gpus(), self.log)
             except (RuntimeError, OSError) as exc:

@@ -64,8 +64,8 @@ class LocalKernelBackend(KernelBackend):
             return
         try:
             await ensure_agent(settings, inventory, self.provisioner.log)
-        except RuntimeError as exc:
-            self.provisioner.log.error("gpushare: %s", exc)
+        except (RuntimeError, OSError) as exc:  # it did not start, or its directory is unusable
+            self.provisioner.log.error("gpushare: no node agent: %s", exc)
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         return await self.process.launch_kernel(cmd, **kwargs)

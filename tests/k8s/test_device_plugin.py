@@ -212,3 +212,28 @@ async def test_kernel_pod_gets_its_share_through_the_kubelet_and_the_scheduler_c
         await kube.patch_node("gpu-node-2", {"metadata": {"labels": {NVIDIA_PLUGIN_OFF: None}}})
         await shut_down(server, kube, kernel)
 
+
+
+async def test_plugin_registers_again_when_the_kubelet_restarts(
+    control_plane: ControlPlane, node_agent: Any
+) -> None:
+    """A restarting kubelet removes the plugins' sockets: the plugin serves and registers
+    again, and the Node keeps its share capacity."""
+    directory = node_agent / "gpu-node-1" / "host" / "var" / "lib" / "kubelet" / "device-plugins"
+    log = control_plane.workdir / "node-agent.log"
+    registered = "gpu-node-1: device plugin for gpushare.jupyter.org/gpu-share registered"
+    before = log.read_text().count(registered)
+    assert before >= 1 and (directory / "gpushare.sock").exists()
+    (directory / "gpushare.sock").unlink()
+
+    async def again() -> bool:
+        return log.read_text().count(registered) > before and (
+            directory / "gpushare.sock").exists()
+
+    await eventually(again, 30, "the plugin to register again")
+    kube = await admin(control_plane)
+    try:
+        node = await kube.read_node("gpu-node-1")
+        assert node["status"]["allocatable"][RES] == "200"
+    finally:
+        await kube.close()

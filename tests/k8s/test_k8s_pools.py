@@ -23,6 +23,10 @@ c.ServerApp.kernel_manager_class = "jupyter_gpushare.pools.PoolKernelManager"
 c.GpuShare.pools = [{"name": "pods", "kernelspec": "gpushare-k8s",
                      "share": {"gpu_request": 0.25, "gpu_limit": 0.5}, "size": 2}]
 c.GpuShare.reclaim_idle_after = 0
+# A claimed warm kernel moves into the session's directory, a path of this machine under
+# pytest's private (0700) tmp: restricted pods run as uid 1000 and could not enter it, so this
+# test runs kernel pods in the hostPath mode, as root (the restricted path: test_device_plugin).
+c.KubernetesBackendConfig.device_plugin = False
 """
 
 

@@ -10,4 +10,9 @@
   ``resourceVersion``;
 - :mod:`.backend` — ``KubernetesKernelBackend``: one pod per kernel;
 - :mod:`.reconcile` — releases records of kernels that are gone (run by the node daemon).
+
+In controller mode (``KubernetesBackendConfig.controller_url``) the server uses none of the API
+calls here: :func:`.backend.kernel_backend` returns the thin client of
+:mod:`jupyter_gpushare.controller`, which runs this package's ledger, manifests, watch and
+reconciler for the whole cluster.
 """

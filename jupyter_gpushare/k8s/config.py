@@ -195,10 +195,11 @@ class KubernetesBackendConfig(SingletonConfigurable):
         "gives every user server; the controller resolves it to the Hub user).",
     )
     controller_retry_for = Float(
-        60.0,
+        30.0,
         config=True,
         help="Seconds a call to the controller is retried while it fails over (standby "
-        "answering 503 not_leader, or no replica reachable).",
+        "answering 503 not_leader, or no replica reachable); then it fails with 503 and the "
+        "reason. Keep it above the controller's lease_duration (15 s) plus a few seconds.",
     )
 
     @validate("run_as_user", "run_as_group", "fs_group")

@@ -563,5 +563,5 @@ c.KubernetesBackendConfig.lease_renew_interval = 2
         assert time.monotonic() - started < 30
         status = await asyncio.to_thread(server.request, "GET", f"/api/kernels/{kernel_id}")
         assert status.status_code == 200 and status.json()["execution_state"] != "dead"
-    finally:
-        stop_process(server.proc)
+    finally:  # a server that dies: the reconcilers reclaim its kernel once its Lease expires
+        stop_process(server.proc, signal.SIGKILL)

@@ -1,0 +1,102 @@
+"""The controller's pure pieces (box 12): bounds per Hub user and group, the Hub's user model,
+the checks of what a user's server sends, and the one error model. The controller itself runs
+on the real control plane in tests/k8s/test_controller.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jupyter_gpushare.controller.auth import HubUser, parse_user_model, token_from_header
+from jupyter_gpushare.controller.bounds import Bounds, parse_bounds
+from jupyter_gpushare.controller.errors import ControllerError, from_exception
+from jupyter_gpushare.controller.kernels import (
+    check_command,
+    check_connection,
+    check_env,
+    check_kernel_id,
+)
+from jupyter_gpushare.controller.servers import check_server_id
+from jupyter_gpushare.ledger import AllocationNotFound, LedgerUnavailable
+from jupyter_gpushare.placement import PlacementRefused
+from jupyter_gpushare.share import ShareError, ShareSpec
+
+
+def test_bounds_tightest_of_user_and_groups_else_default() -> None:
+    bounds = Bounds(
+        parse_bounds({"alice": {"gpu_request": 0.5, "gpu_limit": 1.0}}, "user_bounds"),
+        parse_bounds({"students": {"gpu_request": 0.25, "gpu_limit": 0.5},
+                      "big": {"gpu_request": 1.0, "gpu_limit": 1.0, "gpu_memory": "8GiB"}},
+                     "group_bounds"),
+        ShareSpec(gpu_request=0.1, gpu_limit=0.2))
+    both = bounds.of(HubUser("alice", groups=("students", "big")))
+    assert both is not None and (both.gpu_request, both.gpu_limit) == (0.25, 0.5)
+    assert both.gpu_memory == 8 * 2**30
+    only_default = bounds.of(HubUser("dave"))
+    assert only_default is not None and only_default.gpu_limit == 0.2
+    assert bounds.of(HubUser("root", admin=True)) is None  # admins: no default bound
+    assert bounds.of(HubUser("root", admin=True, groups=("students",))) is not None
+
+
+@pytest.mark.parametrize("mapping, field", [
+    ({"bob": 0.5}, "user_bounds['bob']"),
+    ({"bob": {"gpu_reqest": 0.5}}, "user_bounds['bob'].gpu_reqest"),
+    ({"bob": {"gpu_request": 2}}, "gpu_request"),
+])
+def test_bad_bound_config_names_the_setting(mapping: dict, field: str) -> None:
+    with pytest.raises(ShareError) as caught:
+        parse_bounds(mapping, "user_bounds")
+    assert caught.value.field == field
+
+
+def test_hub_user_model() -> None:
+    model = {"kind": "user", "name": "bob", "admin": False, "groups": ["students", 3]}
+    assert parse_user_model(json.dumps(model).encode()) == HubUser("bob", False, ("students",))
+    assert parse_user_model(json.dumps({**model, "admin": "yes"}).encode()).admin is False
+    assert parse_user_model(json.dumps({"kind": "service", "name": "x"}).encode()) is None
+    assert parse_user_model(b"[]") is None and parse_user_model(b"not json") is None
+    assert token_from_header("token abc") == "abc" == token_from_header("Bearer abc")
+    for header in (None, "", "Basic abc", "token "):
+        with pytest.raises(ControllerError) as caught:
+            token_from_header(header)
+        assert caught.value.status == 401
+
+
+def test_what_a_server_sends_is_checked_by_name() -> None:
+    connection = {"shell_port": 1, "iopub_port": 2, "stdin_port": 3, "control_port": 4,
+                  "hb_port": 5, "key": "k"}
+    assert check_connection(connection)["ip"] == "0.0.0.0"  # the pod's interfaces, always
+    assert check_env({"A": "1", "LD_PRELOAD": "/evil.so", "GPUSHARE_SOCKET": "/x",
+                      "PATH": "/tmp"}) == {"A": "1"}
+    assert check_command(["python", "-c", "1"]) == ["python", "-c", "1"]
+    cases = [
+        (check_connection, {**connection, "hb_port": True}, "connection.hb_port"),
+        (check_connection, {**connection, "key": 5}, "connection.key"),
+        (check_env, {"A=B": "1"}, "env"),
+        (check_env, ["A"], "env"),
+        (check_command, [], "command"),
+        (check_command, ["a", 1], "command"),
+        (check_kernel_id, "a/b", "kernel_id"),
+        (check_kernel_id, "x" * 65, "kernel_id"),
+        (check_server_id, "-x", "server_id"),
+    ]
+    for check, value, field in cases:
+        with pytest.raises(ControllerError) as caught:
+            check(value)
+        assert caught.value.status == 400 and caught.value.fields["field"] == field
+        assert field in caught.value.message
+
+
+def test_one_error_model() -> None:
+    cases = [
+        (ShareError("gpu_request", 2, "at most 1"), 400, "invalid_share"),
+        (PlacementRefused("no A100 has 0.5 free"), 409, "no_fit"),
+        (AllocationNotFound("abc"), 404, "not_found"),
+        (LedgerUnavailable("GpuLedger", "etcd is away"), 503, "ledger_unavailable"),
+    ]
+    for exc, status, code in cases:
+        mapped = from_exception(exc)
+        assert mapped is not None and (mapped.status, mapped.code) == (status, code)
+        assert mapped.to_json()["message"]
+    assert from_exception(RuntimeError("bug")) is None  # answered 500 without details

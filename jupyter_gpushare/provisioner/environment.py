@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..daemon.env import interposer_path, kernel_env
+from ..daemon.env import kernel_env
+from ..daemon.supervisor import enforcing
 from ..inventory import Gpu
 from ..simulator import ensure_state_dir
 
@@ -28,7 +29,7 @@ def kernel_environment(
     node_gpus = [g for g in inventory if g.node == allocation.node]
     env = kernel_env(allocation, Path(settings.socket_path), node_gpus)
     env["GPUSHARE_LEDGER"] = settings.ledger_path
-    if not (settings.enforce and interposer_path().exists()):
+    if not enforcing(settings):
         env.pop("LD_PRELOAD", None)
     if env.get("GPUSHARE_SIM_STATE"):
         ensure_state_dir(env["GPUSHARE_SIM_STATE"])

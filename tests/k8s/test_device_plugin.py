@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,26 @@ def test_allocate_finds_the_oldest_unmarked_kernel_pod_of_that_size() -> None:
     done = pod("done", 25, t0)
     done["status"]["phase"] = "Succeeded"
     assert plugin.pending_pod([done], "n1", RES, 25) is None
+
+
+def test_a_pod_copying_another_kernels_allocation_label_is_not_its_pod() -> None:
+    """Anyone who may create pods in the namespace can copy a label: the ledger's record names
+    the kernel's pod (name, namespace, then UID), and only that pod gets the allocation."""
+    theirs = pod("gpushare-kernel-victim", 25, "2026-01-01T00:00:01Z")
+    theirs["metadata"]["namespace"] = "gpushare"
+    forged = pod("attacker", 25, "2026-01-01T00:00:00Z")  # older: matched first by size
+    forged["metadata"]["namespace"] = "gpushare"
+    record = Allocation(id="a-" + "0" * 16, node="n1", gpus=("GPU-a",), spec=ShareSpec(),
+                        memory=1, extra={"k8s_pod": "gpushare-kernel-victim",
+                                         "k8s_namespace": "gpushare"})
+    order = plugin.pending_pods([theirs, forged], "n1", RES, 25)
+    assert [p["metadata"]["name"] for p in order] == ["attacker", "gpushare-kernel-victim"]
+    assert not plugin.allocation_is_the_pods(record, forged)
+    assert plugin.allocation_is_the_pods(record, theirs)
+    recorded_uid = replace(record, extra={**record.extra, "k8s_pod_uid": "other-uid"})
+    assert not plugin.allocation_is_the_pods(recorded_uid, theirs)  # a pod of the same name
+    elsewhere = replace(record, extra={**record.extra, "k8s_namespace": "other"})
+    assert not plugin.allocation_is_the_pods(elsewhere, theirs)
 
 
 def test_allocate_response_gives_gpu_socket_and_interposer() -> None:

@@ -103,9 +103,16 @@ def requested_units(pod: Mapping[str, Any], resource: str) -> int:
 
 def pending_pod(pods: Sequence[Mapping[str, Any]], node: str, resource: str,
                 units: int) -> Mapping[str, Any] | None:
-    """The kernel pod a container start of ``units`` is for: bound to ``node``, not yet
-    marked, not finished or being deleted, asking ``units``, with an allocation label; the
-    oldest first (the kubelet admits pods in creation order)."""
+    """The kernel pod a container start of ``units`` is for: the oldest of
+    :func:`pending_pods` (the kubelet admits pods in creation order)."""
+    found = pending_pods(pods, node, resource, units)
+    return found[0] if found else None
+
+
+def pending_pods(pods: Sequence[Mapping[str, Any]], node: str, resource: str,
+                 units: int) -> list[Mapping[str, Any]]:
+    """Kernel pods that may be waiting for ``units``: bound to ``node``, not yet marked, not
+    finished or being deleted, asking ``units``, with an allocation label; oldest first."""
     candidates = []
     for pod in pods:
         meta = pod.get("metadata") or {}
@@ -122,7 +129,20 @@ def pending_pod(pods: Sequence[Mapping[str, Any]], node: str, resource: str,
         candidates.append(pod)
     candidates.sort(key=lambda p: (p["metadata"].get("creationTimestamp") or "",
                                    p["metadata"].get("name", "")))
-    return candidates[0] if candidates else None
+    return candidates
+
+
+def allocation_is_the_pods(allocation: Allocation, pod: Mapping[str, Any]) -> bool:
+    """Whether the ledger names ``pod`` as ``allocation``'s pod (the server records the pod's
+    name and namespace before creating it, its UID after): a pod that copies another kernel's
+    allocation label is not that kernel's pod, and gets nothing."""
+    meta = pod.get("metadata") or {}
+    extra = allocation.extra or {}
+    if extra.get("k8s_pod") != meta.get("name"):
+        return False
+    if extra.get("k8s_namespace") not in (None, meta.get("namespace")):
+        return False
+    return extra.get("k8s_pod_uid") in (None, meta.get("uid"))
 
 
 def container_response(allocation: Allocation, settings: PluginSettings,
@@ -314,17 +334,22 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
         return api_pb2.AllocateResponse(container_responses=replies)
 
     async def _allocate(self, units: int) -> Any:
-        pod = pending_pod(await self._kernel_pods(), self.settings.node, self.settings.resource,
-                          units)
-        if pod is None:
+        pods = pending_pods(await self._kernel_pods(), self.settings.node,
+                            self.settings.resource, units)
+        if not pods:
             raise AllocateError(f"no kernel pod on {self.settings.node} waits for {units} "
                                 f"units of {self.settings.resource}")
-        meta = pod["metadata"]
-        allocation = await self._allocation(pod)
-        if allocation is None:
-            raise AllocateError(f"pod {meta['name']}: allocation "
-                                f"{meta['labels'][manifests.LABEL_ALLOCATION]} is not in "
-                                f"{self.settings.node}'s ledger")
+        refused = []
+        for pod in pods:
+            meta = pod["metadata"]
+            allocation = await self._allocation(pod)
+            if allocation is not None and allocation_is_the_pods(allocation, pod):
+                break
+            refused.append(f"pod {meta['name']}: allocation "
+                           f"{meta['labels'][manifests.LABEL_ALLOCATION]} is not this pod's in "
+                           f"{self.settings.node}'s ledger")
+        else:
+            raise AllocateError("; ".join(refused))
         await self.kube.core.patch_namespaced_pod(meta["name"], meta["namespace"], {
             "metadata": {"annotations": {manifests.ALLOCATED_ANNOTATION: self.settings.node}}})
         socket_dir = self._listen(allocation.id, meta["uid"])
@@ -346,7 +371,7 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
     async def _allocation(self, pod: Mapping[str, Any]) -> Allocation | None:
         allocation_id = pod["metadata"]["labels"][manifests.LABEL_ALLOCATION]
         found = self.daemon.allocations.get(allocation_id)
-        if found is None:
+        if found is None or not allocation_is_the_pods(found, pod):
             await self.daemon.refresh()  # the server recorded it just before creating the pod
             found = self.daemon.allocations.get(allocation_id)
         if found is None or found.node != self.settings.node:
@@ -412,5 +437,5 @@ async def start_plugin(daemon: Any, kube: Any, settings: PluginSettings) -> Shar
     return plugin
 
 
-__all__ = ["PluginSettings", "SharePlugin", "container_response", "devices", "pending_pod",
-           "preferred", "start_plugin"]
+__all__ = ["PluginSettings", "SharePlugin", "allocation_is_the_pods", "container_response",
+           "devices", "pending_pod", "pending_pods", "preferred", "start_plugin"]

@@ -4,7 +4,8 @@ In system mode the node agent is the only process that opens the SQLite ledger, 
 last snapshot and the inventory in memory: every caller's ``ledger.snapshot`` and the agent's
 own follower are answered without a SQLite transaction, and a compare-and-swap against the
 snapshot it handed out writes only the rows that changed (the base class rewrites every row of
-the node: with 64 live shares that is 64 JSON encodings per change). The version check is still
+the node: with 64 live shares that is 64 JSON encodings per change), on one connection kept open
+(opening one costs ~0.7 ms of CPU, the write itself ~0.02 ms). The version check is still
 the file's, in the same ``BEGIN IMMEDIATE`` transaction: if anything else ever wrote the file, a
 stale snapshot only makes a caller's CAS lose and retry (nothing is overwritten), and the cache is
 read again after ``ttl`` seconds at the latest.
@@ -14,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
+import threading
 import time
 from collections.abc import Sequence
-from contextlib import closing
 from pathlib import Path
 
 from ..inventory import Gpu
@@ -32,6 +34,8 @@ class CachedSQLiteLedger(SQLiteLedger):
         self._snap_at = 0.0
         self._gpus: list[Gpu] | None = None
         self._writes = 0  # a read that started before a write does not fill the cache
+        self._db: sqlite3.Connection | None = None  # the writer's connection (any one thread)
+        self._db_lock = threading.Lock()
 
     async def snapshot(self) -> Snapshot:
         if self._snap is not None and time.monotonic() - self._snap_at < self.ttl:
@@ -72,7 +76,24 @@ class CachedSQLiteLedger(SQLiteLedger):
     @_unavailable
     def _write_changes_sync(self, node: str, expected_version: int, gone: Sequence[str],
                             upserts: Sequence[Allocation]) -> bool:
-        with closing(self._connect()) as db, self._transaction(db, "IMMEDIATE"):
+        with self._db_lock:
+            if self._db is None:
+                self._connect().close()  # the file, its schema and WAL mode, as the base makes
+                db = sqlite3.connect(self.path, timeout=30, isolation_level=None,
+                                     check_same_thread=False)  # used under _db_lock only
+                db.execute("PRAGMA busy_timeout=30000")
+                db.execute("PRAGMA synchronous=NORMAL")
+                self._db = db
+            try:
+                return self._write_changes(self._db, node, expected_version, gone, upserts)
+            except sqlite3.Error:
+                self._db.close()  # opened afresh next time (the file may have been replaced)
+                self._db = None
+                raise
+
+    def _write_changes(self, db: sqlite3.Connection, node: str, expected_version: int,
+                       gone: Sequence[str], upserts: Sequence[Allocation]) -> bool:
+        with self._transaction(db, "IMMEDIATE"):
             row = db.execute("SELECT version FROM nodes WHERE node=?", (node,)).fetchone()
             if (row[0] if row else 0) != expected_version:
                 return False
@@ -94,3 +115,10 @@ class CachedSQLiteLedger(SQLiteLedger):
         if self._gpus is None:
             self._gpus = await super().gpus()
         return list(self._gpus)
+
+    async def close(self) -> None:
+        with self._db_lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+        await super().close()

@@ -226,6 +226,11 @@ async def status(socket: str) -> dict[str, Any]:
     return await asyncio.to_thread(DaemonClient(socket).status)
 
 
+def kernel_op(socket: str, op: str, *args: Any) -> dict[str, Any]:
+    """A kernel's own op (``release``, ``resize``) on the agent's socket, from this process."""
+    return getattr(DaemonClient(socket), op)(*args)
+
+
 async def kernel_resize(socket: str, allocation_id: str, share: dict[str, Any]) -> dict:
     """A kernel's own resize op: this process becomes the allocation's process first."""
     ledger = AgentLedger(socket)
@@ -272,6 +277,11 @@ def test_two_users_one_gpu_one_is_placed_other_refused_and_cannot_touch_it(agent
         outcome = run_as(other, work, socket, *args, **kwargs)
         assert outcome[:2] == ("error", "AgentRefused") and outcome[3] == "not_permitted", (
             work.__name__, outcome)
+    # ... nor through a kernel's own ops (the agent checks the caller's process)
+    for op, args in (("release", (winner["id"],)),
+                     ("resize", (winner["id"], {"gpu_request": 0.1, "gpu_limit": 0.1}))):
+        reply = run_as(other, kernel_op, socket, op, *args)
+        assert reply[0] == "ok" and reply[1]["error"] == "not_permitted", (op, reply)
     # nor publish GPUs
     outcome = run_as(other, put_gpus, socket)
     assert outcome[3] == "not_permitted", outcome

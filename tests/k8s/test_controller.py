@@ -75,9 +75,9 @@ c.GpushareController.group_bounds = {{"students": {STUDENT_BOUND!r}}}
 c.GpushareController.lease_duration = 3
 c.GpushareController.renew_interval = 1
 c.GpushareController.retry_interval = 0.5
-c.GpushareController.server_lease_duration = 30
-c.GpushareController.reconcile_interval = 2
-c.GpushareController.reconcile_grace = 5
+c.GpushareController.server_lease_duration = 10
+c.GpushareController.reconcile_interval = 1
+c.GpushareController.reconcile_grace = 4
 c.KubernetesBackendConfig.kubeconfig = {str(control_plane.kubeconfig("controller"))!r}
 c.KubernetesBackendConfig.namespace = {NAMESPACE!r}
 c.KubernetesBackendConfig.image = "gpushare-test:local"
@@ -359,13 +359,30 @@ c.KubernetesBackendConfig.lease_renew_interval = 2
                                          "/api/allocations")).json()
         assert [a["id"] for a in seen["allocations"] if a["kernel_id"] == kernel_id] == [
             records[0]["id"]]
-        # over the server's own bound? bob's group bound is the controller's; alice has none.
+        # shutdown releases through the controller: pod, Secret and record go
         reply = await asyncio.to_thread(server.request, "DELETE", f"/api/kernels/{kernel_id}")
         assert reply.status_code == 204, reply.text
         seen = (await asyncio.to_thread(call, controllers, hub.tokens["alice"], "GET",
                                          "/api/allocations")).json()
         assert not [a for a in seen["allocations"] if a["kernel_id"] == kernel_id]
         assert "Traceback" not in server.log_text()
+
+        # a server that dies (kill -9) stops its heartbeats: once its Lease expires the
+        # controller's reconciler deletes it and releases its kernel's share (the garbage
+        # collector then removes the pod, owned by that Lease, as in direct mode)
+        reply = await asyncio.to_thread(server.request, "POST", "/api/kernels",
+                                        json={"name": "gpushare-k8s"})
+        assert reply.status_code == 201, reply.text
+        orphan = reply.json()["id"]
+        stop_process(server.proc, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:
+            seen = (await asyncio.to_thread(call, controllers, hub.tokens["alice"], "GET",
+                                             "/api/kernels")).json()
+            if not [k for k in seen["kernels"] if k["kernel_id"] == orphan]:
+                break
+            assert time.monotonic() < deadline, seen
+            await asyncio.sleep(0.5)
     finally:
         stop_process(server.proc)
 

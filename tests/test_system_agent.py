@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from jupyter_gpushare import bound as bounds
@@ -509,12 +510,52 @@ def test_gpushare_run_as_a_user_goes_through_the_system_agent(agent) -> None:
     allocation_id, socket = seen.read_text().split()
     assert allocation_id.startswith("a-") and socket == str(a.socket)
     shutil.rmtree(theirs)
-    import psutil
-
     agents = [p for p in psutil.process_iter(["uids", "cmdline"])
               if p.info["uids"] and p.info["uids"].real == alice.pw_uid
               and "jupyter_gpushare.daemon" in " ".join(p.info["cmdline"] or [])]
     assert agents == []  # no per-user agent was started
+
+
+def test_a_jupyter_server_places_its_kernels_through_the_system_agent(
+        gpushare_env: dict[str, str], jupyter_server: Any) -> None:
+    """A real jupyter_server finds the system agent on its socket, starts no agent of its own,
+    and its kernels' shares are placed, resized and released in the agent's ledger (the
+    server's own SQLite file is never made)."""
+    from support import wait_for
+
+    from jupyter_gpushare.inventory import local_node_name
+
+    socket = Path(gpushare_env["GPUSHARE_SOCKET"])
+    state = socket.parent / "agent-state"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
+    agent_proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyter_gpushare.daemon", "--system", "--socket", str(socket),
+         "--ledger", str(state / "ledger.sqlite"), "--simulate", "1xA100",
+         "--state-dir", str(socket.parent / "agent-shm")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    try:
+        wait_for(lambda: DaemonClient(socket, timeout=1).alive(), timeout=30)
+        server = jupyter_server("1xA100")
+        kernel = server.start_kernel("gpushare-python")
+        [mine] = [a for a in server.allocations() if a["kernel_id"] == kernel["id"]]
+        held = asyncio.run(AgentLedger(socket).snapshot()).find(mine["id"])
+        assert held is not None and held.node == local_node_name() and held.pid == mine["pid"]
+        assert held.extra["uid"] == os.getuid()
+        changed = server.request("PATCH", f"/gpushare/api/allocations/{mine['id']}",
+                                 json={"gpu_limit": 0.75})
+        assert changed.status_code == 200, changed.text
+        after = asyncio.run(AgentLedger(socket).snapshot()).find(mine["id"])
+        assert after is not None and after.limit == 0.75
+        assert server.delete(f"/api/kernels/{kernel['id']}").status_code == 204
+        wait_for(lambda: asyncio.run(AgentLedger(socket).snapshot()).allocations == ())
+        assert not Path(gpushare_env["GPUSHARE_LEDGER"]).exists()
+        agents = [p for p in psutil.process_iter(["cmdline"])
+                  if "jupyter_gpushare.daemon" in (p.info["cmdline"] or [])
+                  and str(socket) in (p.info["cmdline"] or [])]
+        assert [p.pid for p in agents] == [agent_proc.pid]  # the server started none
+    finally:
+        agent_proc.send_signal(signal.SIGTERM)
+        agent_proc.wait(10)
 
 
 def test_the_systemd_unit_starts_the_system_agent_as_documented() -> None:

@@ -64,6 +64,17 @@ def node_agent(control_plane: ControlPlane) -> Iterator[Path]:
     """Fake GPU nodes (2xA100, 1xT4) whose pods run as local processes; yields its workdir
     (a short path that kernel pods' users can traverse: they run as uid 1000, and their unix
     sockets' paths must stay under 108 bytes)."""
+    if os.geteuid() != 0:
+        pytest.skip("the node agent runs kernel pods as their user (setuid): run as root")
+    probe = subprocess.run(
+        [sys.executable, "-c", "import jupyter_gpushare, ipykernel"], capture_output=True,
+        text=True, user=1000, group=100, extra_groups=[], cwd="/")
+    if probe.returncode != 0:
+        reason = ("kernel pods run as uid 1000, which cannot run this Python and checkout "
+                  f"(run .ci/setup.d/k8s_pod_user.sh as root): {probe.stderr[-500:]}")
+        if IN_CI:
+            pytest.fail(reason)
+        pytest.skip(reason)
     workdir = Path(tempfile.mkdtemp(prefix="gsn-"))
     workdir.chmod(0o755)
     log = control_plane.workdir / "node-agent.log"

@@ -19,8 +19,12 @@ Lifecycle, as the kubelet's device manager expects it:
    gone.
 
 Trust: the kubelet's socket directory is root's; the pod list and the allocation come from the
-API server and the agent's ledger, never from the pod itself (a forged label names a record
-whose pod UID is another pod's: the agent's peer check refuses its process).
+API server and the agent's ledger, never from the pod itself. A pod that copies a kernel's
+allocation label is skipped (the ledger names the kernel's pod: ``allocation_is_the_pods``).
+The API does not say which pod ``Allocate`` is for, so if such a pod is admitted first it may be
+handed the kernel's socket directory (as with HAMi's matching): the agent's peer check still
+refuses its processes (their cgroups name another pod UID than the record's), and the kernel's
+own pod then fails admission (a denial of service, not a stolen share).
 """
 
 from __future__ import annotations

@@ -526,6 +526,8 @@ def test_chart_controller_config_is_what_the_controller_reads(tmp_path: Path) ->
     assert pod["serviceAccountName"] == "gpushare-controller"
     container = pod["containers"][0]
     assert container["readinessProbe"]["httpGet"]["path"] == "/api/health"
+    # a standby is never ready: a rolling update would wait for it forever
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
     assert container["command"][:3] == ["jupyter", "gpushare", "controller"]
     args = [a.replace("/etc/gpushare/", f"{tmp_path}/") for a in container["command"][3:]]
     app = ControllerApp()

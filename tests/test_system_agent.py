@@ -558,6 +558,22 @@ def test_a_jupyter_server_places_its_kernels_through_the_system_agent(
         agent_proc.wait(10)
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--system", "--kubernetes-namespace", "x"], "--system serves a machine's own SQLite"),
+    (["--system", "--max-share", '{"gpu_request": 2}'], "--max-share: gpu_request=2 is not"),
+    (["--system", "--max-share", "half"], "--max-share 'half': not JSON share keys"),
+    (["--system", "--group-max-share", "nosuchgroup={}"], "nosuchgroup: no such group"),
+    (["--system", "--group-max-share", "0.5"], "GROUP=JSON"),
+    (["--group", "users"], "--group needs --system"),
+])
+def test_bad_system_options_are_refused_by_name(argv: list[str], message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "jupyter_gpushare.daemon", *argv,
+                           "--socket", "/nonexistent/gs-h3/daemon.sock"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_the_systemd_unit_starts_the_system_agent_as_documented() -> None:
     from jupyter_gpushare.daemon import cli as daemon_cli
 

@@ -322,6 +322,9 @@ def _access(args: argparse.Namespace) -> Access:
         except KeyError:
             raise ValueError(f"{what} {name}: no such group") from None
 
+    if args.system and args.kubernetes_namespace:
+        raise ValueError("--system serves a machine's own SQLite ledger; on Kubernetes the "
+                         "ledger is the cluster's (leave out --kubernetes-namespace or --system)")
     system_only = {"--group": args.group, "--max-share": args.max_share,
                    "--group-max-share": args.group_max_share}
     for name, value in system_only.items():

@@ -398,3 +398,48 @@ def test_installing_the_interposer_writes_through_no_prepared_name(built, work):
         st = os.lstat(path)
         assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644, path
     assert not [p for p in target.rglob("*.tmp") if p.is_file()]
+
+
+def test_a_reused_slot_gets_a_new_account(tmp_path):
+    """A slot given to a new allocation gets a new account file: what a former holder's process
+    still maps is the old one, so it cannot give back (or take) its successor's memory. An agent
+    restart reuses the accounts of active slots (memory already reserved is kept)."""
+    import mmap
+
+    from jupyter_gpushare.daemon.shm import GpuShm
+
+    state = StateDir(tmp_path / "state")
+    shm = GpuShm(state, "GPU-test", 20_000_000, 1_000_000_000)
+    try:
+        first = shm.claim("a-first", 0.5, 0.5, GiB, set())
+        assert first is not None
+        old_fd = os.dup(shm.account_fd(first))
+        old = mmap.mmap(old_fd, wire.ACCOUNT_SIZE, mmap.MAP_SHARED)
+        old_view = wire.Slot.from_buffer(old)
+        old_view.mem_used = 123
+        assert shm.account(first).mem_used == 123
+        for i in range(wire.SLOTS - 1):  # every other slot taken
+            assert shm.claim(f"a-other-{i}", 0.01, 0.01, GiB, set()) is not None
+        shm.release(first)
+        again = shm.claim("a-second", 0.25, 0.25, GiB // 2, set())
+        assert again == first  # the only released slot is reused ...
+        assert os.fstat(shm.account_fd(again)).st_ino != os.fstat(old_fd).st_ino
+        assert shm.account(again).mem_used == 0  # ... with a fresh account
+        old_view.mem_used = 2**40  # the former holder's mapping writes on
+        assert shm.account(again).mem_used == 0
+        shm.account(again).mem_used = 4096
+        assert shm.policy[again].allocation == b"a-second"
+        assert shm.policy[again].mem_cap == GiB // 2
+        del old_view
+        old.close()
+        os.close(old_fd)
+    finally:
+        shm.close()
+    restarted = GpuShm(state, "GPU-test", 20_000_000, 1_000_000_000)
+    try:
+        assert restarted.reused and restarted.slot_of("a-second") == again
+        assert restarted.account(again).mem_used == 4096
+        assert restarted.board[again].lease_until_ns == 0
+    finally:
+        restarted.close()
+        state.close()

@@ -2,8 +2,8 @@
 then, on the real control plane with the kubelet double speaking the device-plugin API over
 gRPC, what a kernel pod gets from ``Allocate`` and how the real kube-scheduler accounts for
 shares: a pod asking ``nvidia.com/gpu`` cannot land on a gpushare node, a pod asking more share
-units than are free stays Pending, and a pod that asks units without being a gpushare kernel
-is refused at admission (it gets no GPU, socket or interposer)."""
+units than are free stays Pending, and a pod that copies a kernel's labels and asks units is
+refused at admission (it gets no GPU, socket or interposer)."""
 
 from __future__ import annotations
 
@@ -202,11 +202,15 @@ async def test_kernel_pod_gets_its_share_through_the_kubelet_and_the_scheduler_c
         assert seen["socket_dir"] == ["daemon.sock"] and seen["preload"] is True
 
         # the scheduler: nvidia.com/gpu has no room on a gpushare node, 50 units are more
-        # than the 40 left, 40 fit (and are then refused at admission: not a kernel pod)
+        # than the 40 left, 40 fit (and are then refused at admission: not the kernel's pod)
         await kube.create_pod(NAMESPACE, raw_pod(names["nvidia"], {"nvidia.com/gpu": "1"},
                                                  "gpu-node-2"))
         await kube.create_pod(NAMESPACE, raw_pod(names["too-many"], {RES: "50"}, "gpu-node-2"))
-        await kube.create_pod(NAMESPACE, raw_pod(names["fits"], {RES: "40"}, "gpu-node-2"))
+        # the pod that fits forges the kernel's labels (as anyone who may create pods can)
+        forged = raw_pod(names["fits"], {RES: "40"}, "gpu-node-2")
+        forged["metadata"]["labels"] = {k: v for k, v in kpod["metadata"]["labels"].items()
+                                        if k != manifests.LABEL_KERNEL}
+        await kube.create_pod(NAMESPACE, forged)
 
         async def refused(name: str, words: str) -> str | None:
             message = unschedulable(await pod_state(kube, name))
@@ -226,7 +230,10 @@ async def test_kernel_pod_gets_its_share_through_the_kubelet_and_the_scheduler_c
         fits = await eventually(admission_refused, 30, "the 40-unit pod to be admitted or not")
         assert fits["spec"]["nodeName"] == "gpu-node-2"  # the scheduler placed it
         assert fits["status"]["reason"] == "UnexpectedAdmissionError", fits["status"]
-        assert "no kernel pod" in fits["status"]["message"], fits["status"]
+        assert f"allocation {record.id} is not this pod's" in fits["status"]["message"], fits
+        # the kernel's socket directory holds its own socket still, and it keeps working
+        again = json.loads(await execute(server, kernel, SEEN))
+        assert again["socket_dir"] == ["daemon.sock"]
     finally:
         for name in names.values():
             await kube.delete_pod(NAMESPACE, name, grace=0)

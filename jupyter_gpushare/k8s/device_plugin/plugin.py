@@ -20,11 +20,11 @@ Lifecycle, as the kubelet's device manager expects it:
 
 Trust: the kubelet's socket directory is root's; the pod list and the allocation come from the
 API server and the agent's ledger, never from the pod itself. A pod that copies a kernel's
-allocation label is skipped (the ledger names the kernel's pod: ``allocation_is_the_pods``).
-The API does not say which pod ``Allocate`` is for, so if such a pod is admitted first it may be
-handed the kernel's socket directory (as with HAMi's matching): the agent's peer check still
-refuses its processes (their cgroups name another pod UID than the record's), and the kernel's
-own pod then fails admission (a denial of service, not a stolen share).
+allocation label gets nothing: the ledger names the kernel's pod (``allocation_is_the_pods``),
+and ``Allocate`` serves the oldest waiting pod only if it is its allocation's pod (the API does
+not say which pod it is for; the kubelet admits in creation order), so the forged pod fails
+admission and the kernel's own pod is served next. The agent's peer check (the caller's cgroups
+name the record's pod UID) stays the last word on every connection.
 """
 
 from __future__ import annotations
@@ -343,17 +343,15 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
         if not pods:
             raise AllocateError(f"no kernel pod on {self.settings.node} waits for {units} "
                                 f"units of {self.settings.resource}")
-        refused = []
-        for pod in pods:
-            meta = pod["metadata"]
-            allocation = await self._allocation(pod)
-            if allocation is not None and allocation_is_the_pods(allocation, pod):
-                break
-            refused.append(f"pod {meta['name']}: allocation "
-                           f"{meta['labels'][manifests.LABEL_ALLOCATION]} is not this pod's in "
-                           f"{self.settings.node}'s ledger")
-        else:
-            raise AllocateError("; ".join(refused))
+        # the oldest is the one being admitted; if the ledger does not name it as its
+        # allocation's pod (a copied label), its container gets nothing: never another's share
+        pod = pods[0]
+        meta = pod["metadata"]
+        allocation = await self._allocation(pod)
+        if allocation is None or not allocation_is_the_pods(allocation, pod):
+            raise AllocateError(f"pod {meta['name']}: allocation "
+                                f"{meta['labels'][manifests.LABEL_ALLOCATION]} is not this "
+                                f"pod's in {self.settings.node}'s ledger")
         await self.kube.core.patch_namespaced_pod(meta["name"], meta["namespace"], {
             "metadata": {"annotations": {manifests.ALLOCATED_ANNOTATION: self.settings.node}}})
         socket_dir = self._listen(allocation.id, meta["uid"])

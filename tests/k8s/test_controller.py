@@ -179,6 +179,8 @@ def test_user_servers_hold_no_rights_the_controller_does(control_plane: ControlP
     assert not single.get("serviceAccountName")
     assert single["extraPodConfig"]["automountServiceAccountToken"] is False
     assert single["extraEnv"]["GPUSHARE_CONTROLLER_URL"].startswith("http")
+    egress = single["networkPolicy"]["egress"]  # z2jh blocks private IPs: the controller only
+    assert [p["port"] for rule in egress for p in rule["ports"]] == [8081]
 
 
 # -- two Hub users through the controller --------------------------------------------------------

@@ -70,26 +70,27 @@ def record(extra: Mapping[str, Any], bound: ShareSpec | None) -> dict[str, Any]:
     return out
 
 
-def check_within(spec: ShareSpec, memory: int, bound: ShareSpec | None) -> None:
+def check_within(spec: ShareSpec, memory: int, bound: ShareSpec | None,
+                 why: str = _WHY) -> None:
     """Raise :class:`ShareError` naming the field when the share ``spec`` (memory cap ``memory``
-    bytes per GPU) is over ``bound``."""
+    bytes per GPU) is over ``bound``; ``why`` says whose bound it is."""
     if bound is None:
         return
     if spec.gpu_count > 1:
-        raise ShareError("gpu_count", spec.gpu_count, f"1 {_WHY}")
+        raise ShareError("gpu_count", spec.gpu_count, f"1 {why}")
     if spec.gpu_request > bound.gpu_request + 1e-9:
-        raise ShareError("gpu_request", spec.gpu_request, f"at most {bound.gpu_request:g} {_WHY}")
+        raise ShareError("gpu_request", spec.gpu_request, f"at most {bound.gpu_request:g} {why}")
     if spec.gpu_limit > bound.gpu_limit + 1e-9:
-        raise ShareError("gpu_limit", spec.gpu_limit, f"at most {bound.gpu_limit:g} {_WHY}")
+        raise ShareError("gpu_limit", spec.gpu_limit, f"at most {bound.gpu_limit:g} {why}")
     if bound.gpu_memory is not None and memory > bound.gpu_memory:
         raise ShareError("gpu_memory", format_bytes(memory),
-                         f"at most {format_bytes(bound.gpu_memory)} {_WHY}")
+                         f"at most {format_bytes(bound.gpu_memory)} {why}")
     if (bound.gpu_type is not None and spec.gpu_type is not None
             and spec.gpu_type.lower() != bound.gpu_type.lower()):
-        raise ShareError("gpu_type", spec.gpu_type, f"{bound.gpu_type} {_WHY}")
+        raise ShareError("gpu_type", spec.gpu_type, f"{bound.gpu_type} {why}")
 
 
-def narrowed(spec: ShareSpec, bound: ShareSpec | None) -> ShareSpec:
+def narrowed(spec: ShareSpec, bound: ShareSpec | None, why: str = _WHY) -> ShareSpec:
     """``spec`` with what it leaves open filled from ``bound`` (type, memory cap), so placement
     picks within it; over the bound is refused as :func:`check_within` does."""
     if bound is None:
@@ -98,5 +99,5 @@ def narrowed(spec: ShareSpec, bound: ShareSpec | None) -> ShareSpec:
         spec = spec.with_changes(gpu_type=bound.gpu_type)
     if bound.gpu_memory is not None and spec.gpu_memory is None:
         spec = spec.with_changes(gpu_memory=bound.gpu_memory)
-    check_within(spec, spec.gpu_memory or 0, bound)
+    check_within(spec, spec.gpu_memory or 0, bound, why)
     return spec

@@ -230,31 +230,13 @@ def apply_user_bound(spec: ShareSpec, bound: ShareSpec | None) -> ShareSpec:
     """``spec`` within the server's upper bound (what the user picked in JupyterHub).
 
     Over the bound is refused with a :class:`ShareError`; a type or memory cap left open is
-    filled in from the bound.
+    filled in from the bound. The rules are :func:`jupyter_gpushare.bound.narrowed`'s (a node
+    agent holds every later change of the share to the same bound).
     """
-    if bound is None:
-        return spec
+    from .bound import narrowed
+
     why = "(the most this server's kernels may use, picked when it was started in JupyterHub)"
-    if spec.gpu_count > 1:
-        raise ShareError("gpu_count", spec.gpu_count, f"1 {why}")
-    if spec.gpu_request > bound.gpu_request:
-        raise ShareError("gpu_request", spec.gpu_request, f"at most {bound.gpu_request:g} {why}")
-    if spec.gpu_limit > bound.gpu_limit:
-        raise ShareError("gpu_limit", spec.gpu_limit, f"at most {bound.gpu_limit:g} {why}")
-    if bound.gpu_type is not None:
-        if spec.gpu_type is None:
-            spec = spec.with_changes(gpu_type=bound.gpu_type)
-        elif spec.gpu_type.lower() != bound.gpu_type.lower():
-            raise ShareError("gpu_type", spec.gpu_type, f"{bound.gpu_type} {why}")
-    if bound.gpu_memory is not None:
-        if spec.gpu_memory is None:
-            spec = spec.with_changes(gpu_memory=bound.gpu_memory)
-        elif spec.gpu_memory > bound.gpu_memory:
-            raise ShareError(
-                "gpu_memory", format_bytes(spec.gpu_memory),
-                f"at most {format_bytes(bound.gpu_memory)} {why}",
-            )
-    return spec
+    return narrowed(spec, bound, why)
 
 
 #: What a CPU-only profile applies, whatever was applied before (dict overrides merge).

@@ -275,8 +275,10 @@ class GpuShare(SingletonConfigurable):
         """Whether the machine's system agent serves ``socket_path`` (``paths.find_agent``; its
         ping says so). Asked once per socket path: a ping of about a millisecond."""
         if self._system_agent is None or self._system_agent[0] != self.socket_path:
-            self._system_agent = (self.socket_path,
-                                  paths.is_system_agent(Path(self.socket_path)))
+            found = paths.find_agent()
+            system = (found.system if found.socket == Path(self.socket_path)
+                      else paths.is_system_agent(Path(self.socket_path)))
+            self._system_agent = (self.socket_path, system)
         return self._system_agent[1]
 
     def local_ledger(self) -> Ledger:

@@ -87,11 +87,17 @@ def _root_owned(socket: Path) -> bool:
 
 
 def is_system_agent(path: Path, timeout: float = 1.0) -> bool:
-    """Whether a system agent answers on ``path`` (``ping`` says ``"system": true``)."""
+    """Whether a system agent answers on ``path`` (``ping`` says ``"system": true``), or serves
+    it but not this user: a root-owned socket in a root-owned directory that refuses to connect
+    (``--group``, and this user is not in the group). Such a user gets the agent's refusal, not
+    a private agent of their own beside it."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
-        sock.connect(str(path))
+        try:
+            sock.connect(str(path))
+        except PermissionError:
+            return _root_owned(path)
         sock.sendall(b'{"op":"ping"}\n')
         data = b""
         while b"\n" not in data and len(data) < 65536:

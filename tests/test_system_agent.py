@@ -227,6 +227,12 @@ async def status(socket: str) -> dict[str, Any]:
     return await asyncio.to_thread(DaemonClient(socket).status)
 
 
+def find_system(socket: str) -> bool:
+    os.environ["GPUSHARE_SOCKET"] = socket
+    found = paths.find_agent(fresh=True)
+    return found.system and str(found.socket) == socket
+
+
 def kernel_op(socket: str, op: str, *args: Any) -> dict[str, Any]:
     """A kernel's own op (``release``, ``resize``) on the agent's socket, from this process."""
     return getattr(DaemonClient(socket), op)(*args)
@@ -427,6 +433,8 @@ def test_only_the_gpu_group_may_use_the_agent(agent) -> None:
     assert st.st_mode & 0o777 == 0o660 and st.st_gid == grp.getgrnam("gsh3gpu").gr_gid
     outcome = run_as(bob, snapshot, str(a.socket))
     assert outcome[:2] == ("error", "LedgerUnavailable") and "Permission denied" in outcome[2]
+    # ... and is not sent to a private agent of their own beside it (which would double-book)
+    assert run_as(bob, find_system, str(a.socket)) == ("ok", True)
     assert run_as(alice, snapshot, str(a.socket)) == ("ok", [])
     over = run_as(alice, place, str(a.socket), 0.75)  # the group's bound, recorded at creation
     assert over[:2] == ("error", "ShareError") and "at most 0.5" in over[2], over

@@ -3,8 +3,9 @@
 Finding the node agent (:func:`find_agent`, one function for every caller: users' servers,
 ``jupyter gpushare run``, the provisioner, kernels): ``GPUSHARE_SOCKET`` when it is set; else the
 system agent's socket (:data:`SYSTEM_SOCKET`) when a system agent answers there (its ``ping``
-says ``"system": true``); else this user's own socket (:func:`user_socket_path`), where a
-per-user agent is started on demand. With a system agent nobody starts a per-user agent, and the
+says ``"system": true``, or nothing answers on that root-owned socket yet: the service is
+restarting); else this user's own socket (:func:`user_socket_path`), where a per-user agent is
+started on demand. With a system agent nobody starts a per-user agent, and the
 ledger is the agent's (:class:`~jupyter_gpushare.ledger.agent.AgentLedger`).
 """
 
@@ -67,7 +68,10 @@ def find_agent(*, fresh: bool = False) -> AgentAddress:
             return cached[1]
     if env:
         found = AgentAddress(Path(env), is_system_agent(Path(env)))
-    elif _root_owned(SYSTEM_SOCKET) and is_system_agent(SYSTEM_SOCKET):
+    elif _root_owned(SYSTEM_SOCKET) and (is_system_agent(SYSTEM_SOCKET)
+                                         or not _answers(SYSTEM_SOCKET)):
+        # the system service's own socket: while it restarts (nothing answers yet) callers
+        # wait for it rather than start a private agent and ledger beside it
         found = AgentAddress(SYSTEM_SOCKET, True)
     else:
         found = AgentAddress(user_socket_path(), False)
@@ -84,6 +88,19 @@ def _root_owned(socket: Path) -> bool:
     except OSError:
         return False
     return directory.st_uid == 0 and entry.st_uid == 0 and not directory.st_mode & 0o022
+
+
+def _answers(path: Path) -> bool:
+    """Whether anything accepts a connection on ``path``."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(1.0)
+    try:
+        sock.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
 
 
 def is_system_agent(path: Path, timeout: float = 1.0) -> bool:

@@ -606,6 +606,22 @@ def test_the_systemd_unit_starts_the_system_agent_as_documented() -> None:
         assert flag in unit and parser.parse_args(["--system", flag, "x"]) is not None
 
 
+def test_while_the_system_agent_restarts_nobody_starts_a_private_one(agent, monkeypatch) -> None:
+    """Discovery of the well-known system socket (pointed at a test agent here): answered, then
+    dead with its socket left (kill -9, before systemd restarts it): still the system agent,
+    so callers wait for it; gone (service stopped, socket removed): the per-user agent."""
+    a = agent()
+    monkeypatch.delenv("GPUSHARE_SOCKET", raising=False)
+    monkeypatch.setattr(paths, "SYSTEM_SOCKET", a.socket)
+    assert paths.find_agent(fresh=True) == paths.AgentAddress(a.socket, True)
+    a.proc.kill()
+    a.proc.wait(10)
+    assert a.socket.exists()
+    assert paths.find_agent(fresh=True) == paths.AgentAddress(a.socket, True)
+    a.socket.unlink()
+    assert not paths.find_agent(fresh=True).system
+
+
 # -- the authorization rules, pure --------------------------------------------------------
 
 

@@ -227,7 +227,8 @@ class KernelService:
         command = check_command(body.get("command"))
         env = check_env(body.get("env"))
         connection = check_connection(body.get("connection"))
-        if "allocation_id" in body:
+        placed_here = "allocation_id" not in body
+        if not placed_here:
             allocation_id = body["allocation_id"]
             if not isinstance(allocation_id, str):
                 raise bad_request("allocation_id", allocation_id, "a string")
@@ -258,12 +259,12 @@ class KernelService:
             if node_gpus and all(g.simulated for g in node_gpus) else "",
             gpu_request=allocation.request, gpu_memory=allocation.memory)
         try:
-            await self.kube.create_secret(self.namespace, manifests.connection_secret(
-                name, self.namespace, connection, owner, kernel_id))
-        except ApiException as exc:
-            if exc.status != 409:  # 409: this launch's retry; the Secret is already there
-                raise
-        try:
+            try:
+                await self.kube.create_secret(self.namespace, manifests.connection_secret(
+                    name, self.namespace, connection, owner, kernel_id))
+            except ApiException as exc:
+                if exc.status != 409:  # 409: this launch's retry; the Secret is already there
+                    raise
             try:
                 pod = await self.kube.create_pod(
                     self.namespace, manifests.kernel_pod(request, self.pod_settings))
@@ -284,6 +285,8 @@ class KernelService:
         except BaseException:
             with contextlib.suppress(Exception):
                 await self._remove_pod(name, grace=1)
+                if placed_here:  # a start that placed its share gives it back when it fails
+                    await self.ledger.release(allocation.id)
             raise
 
         def active(current: Allocation, _others: list[Allocation]) -> Allocation:

@@ -91,10 +91,17 @@ class LeaderElection:
                 if held:
                     renewed = time.monotonic()
                     if not self.is_leader:
-                        self.is_leader = True
                         log.info("gpushare controller: %s is the leader", self.identity)
-                        if self.on_started is not None:
-                            await self.on_started()
+                        try:
+                            if self.on_started is not None:
+                                await self.on_started()
+                        except Exception as exc:  # keep the Lease; try again next round
+                            self.last_error = f"could not start serving: {exc}"
+                            log.warning("gpushare controller: %s", self.last_error)
+                            if self.on_lost is not None:
+                                await self.on_lost()
+                        else:
+                            self.is_leader = True
                 elif self.is_leader:
                     log.warning("gpushare controller: lease taken by %s; stepping down",
                                 self.holder)

@@ -20,7 +20,7 @@ from typing import Any
 from ..k8s import manifests
 from ..k8s.client import ApiException, Kube
 from .auth import HubUser
-from .errors import bad_request, forbidden
+from .errors import bad_request, forbidden, unavailable
 
 USER_ANNOTATION = f"{manifests.GROUP}/user"
 SERVER_ID = re.compile(r"^[a-z0-9][-a-z0-9]{0,39}$")
@@ -41,10 +41,14 @@ class ServerLeases:
         # server id -> (monotonic time renewed, user, the Lease)
         self._known: dict[str, tuple[float, str, dict[str, Any]]] = {}
 
-    async def touch(self, user: HubUser, server_id: str, force: bool = False) -> dict[str, Any]:
+    async def touch(self, user: HubUser, server_id: str, force: bool = False,
+                    attempt: int = 0) -> dict[str, Any]:
         """Create or renew the server's Lease (at most every duration/4 unless ``force``);
         returns an ownerReference to it. 403 when it belongs to another user."""
         check_server_id(server_id)
+        if attempt > 5:
+            raise unavailable("lease_busy", f"the Lease of server {server_id!r} kept changing "
+                              "while it was renewed; try again")
         known = self._known.get(server_id)
         now = time.monotonic()
         if known is not None and known[1] != user.name:
@@ -63,7 +67,7 @@ class ServerLeases:
             except ApiException as exc:
                 if exc.status != 409:
                     raise
-                return await self.touch(user, server_id, force=True)
+                return await self.touch(user, server_id, force=True, attempt=attempt + 1)
         else:
             owner = (lease["metadata"].get("annotations") or {}).get(USER_ANNOTATION)
             if owner != user.name:
@@ -76,7 +80,7 @@ class ServerLeases:
             except ApiException as exc:
                 if exc.status != 409:
                     raise
-                return await self.touch(user, server_id, force=True)
+                return await self.touch(user, server_id, force=True, attempt=attempt + 1)
         lease = {**lease, "apiVersion": "coordination.k8s.io/v1", "kind": "Lease"}
         self._known[server_id] = (now, user.name, lease)
         return manifests.owner_reference(lease)

@@ -326,6 +326,12 @@ def test_hostile_requests_are_refused_by_name(controllers: list[Controller], hub
     assert reply.status_code == 400 and reply.json()["field"] == "grace"
     mine = call(controllers, bob, "GET", "/api/allocations").json()["allocations"]
     assert not [a for a in mine if a["kernel_id"] == kernel]
+    # a kernel that cannot run: 503 in the cluster's words, and the share it placed goes back
+    dying = {**good, "command": ["/nonexistent/gpushare-test-binary"]}  # CreateContainerError
+    reply = call(controllers, bob, "POST", "/api/kernels", dying)
+    assert reply.status_code == 503 and reply.json()["error"] == "kernel_pod_failed", reply.text
+    mine = call(controllers, bob, "GET", "/api/allocations").json()["allocations"]
+    assert not [a for a in mine if a["kernel_id"] == kernel]
 
 
 # -- a real Jupyter server in controller mode: no Kubernetes credentials at all ------------------

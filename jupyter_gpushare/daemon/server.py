@@ -181,6 +181,10 @@ class Daemon:
             self.settings.socket_path.unlink()
         for gpu in self.gpus.values():
             gpu.shm.heartbeat()
+        if all(gpu.shm.idle() for gpu in self.gpus.values()):  # no share left to keep
+            for gpu in self.gpus.values():
+                gpu.shm.discard()
+            self.state.remove_if_empty()
 
     # -- ledger -------------------------------------------------------------------------------
 

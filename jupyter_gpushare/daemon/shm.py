@@ -172,6 +172,16 @@ class StateDir:
             raise
         return fd, False
 
+    def unlink(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self.fd)
+
+    def remove_if_empty(self) -> None:
+        """Removes the directory when nothing is left in it (a ``--state-dir`` shared with other
+        files stays)."""
+        with contextlib.suppress(OSError):
+            os.rmdir(self.path)
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
@@ -352,6 +362,19 @@ class GpuShm:
         self.policy[index].state = wire.STATE_RELEASED
         self.board[index].lease_until_ns = 0
         self.wake(index)
+
+    def idle(self) -> bool:
+        """No slot holds an active share (nothing a restarted agent would need to keep)."""
+        return all(slot.state != wire.STATE_ACTIVE for slot in self.policy)
+
+    def discard(self) -> None:
+        """Closes and unlinks this GPU's files (processes that still map them keep their
+        copies); only when :meth:`idle`."""
+        names = [f"{self.uuid}.board", f"{self.uuid}.policy",
+                 *(f"{self.uuid}.{i}.account" for i in range(wire.SLOTS))]
+        self.close()
+        for name in names:
+            self.state.unlink(name)
 
     def fds(self, index: int) -> tuple[int, int, int]:
         """What a process of slot ``index``'s allocation gets: the board (read-write), the

@@ -443,3 +443,26 @@ def test_a_reused_slot_gets_a_new_account(tmp_path):
     finally:
         restarted.close()
         state.close()
+
+
+def test_a_stopped_agent_keeps_live_shares_memory_and_leaves_nothing_else(built, gpus, work):
+    from enforcement_support import remove_allocation, restart_daemon
+
+    state_dir = work / "state"
+    daemon = start(work, state_dir)
+    try:
+        ledger = SQLiteLedger(daemon.ledger_path)
+        share = add_allocation(ledger, gpus[0], 0.5, 0.5, memory=GiB)
+        wait_for_share(daemon, share.id)
+        daemon.stop()  # SIGTERM with a live share: its memory account stays for the next agent
+        assert f"{gpus[0].uuid}.board" in os.listdir(state_dir)
+        daemon = restart_daemon(daemon)
+        wait_for_share(daemon, share.id)
+        remove_allocation(ledger, share.id)
+        deadline = time.monotonic() + 20
+        while daemon.client.status()["allocations"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        daemon.stop()  # nothing left to keep: the files and the directory go
+        assert not state_dir.exists(), os.listdir(state_dir)
+    finally:
+        daemon.stop()

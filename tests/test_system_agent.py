@@ -117,6 +117,23 @@ def agent() -> Iterator[Callable[..., Agent]]:
         shutil.rmtree(a.dir, ignore_errors=True)
 
 
+@pytest.fixture
+def holder() -> Iterator[Callable[[pwd.struct_passwd], int]]:
+    """A long-lived process of a user (``sleep``): holds that user's test shares."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(user: pwd.struct_passwd) -> int:
+        proc = subprocess.Popen(["sleep", "600"], user=user.pw_uid, group=user.pw_gid,
+                                extra_groups=[], cwd="/")
+        procs.append(proc)
+        return proc.pid
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait(10)
+
+
 def as_user(user: pwd.struct_passwd, work: Callable[..., Any], *args: Any,
             start: Any = None, **kwargs: Any) -> Any:
     """Run ``work(*args)`` (a function or coroutine function) in a forked process as ``user``;
@@ -163,7 +180,10 @@ def run_as(user: pwd.struct_passwd, work: Callable[..., Any], *args: Any, **kwar
 # -- what the users' processes do (module level: they run in forked children) ----------------
 
 
-async def place(socket: str, request: float, bound: dict[str, Any] | None = None) -> dict:
+async def place(socket: str, request: float, bound: dict[str, Any] | None = None,
+                holder: int | None = None) -> dict:
+    """Place a share through the agent; ``holder``: the process that holds it (default this
+    one: the agent releases the share once it is gone)."""
     hub = bounds.from_json(bound) if bound else None
     ledger = AgentLedger(socket, hub)
     inventory = await ledger.gpus()
@@ -171,7 +191,8 @@ async def place(socket: str, request: float, bound: dict[str, Any] | None = None
     if hub is not None:  # as the provisioner does (hub.apply_user_bound): memory from the bound
         spec = bounds.narrowed(spec, hub) if request <= hub.gpu_request else spec
     try:
-        a = await allocate(ledger, spec, inventory, None, owner="run")
+        a = await allocate(ledger, spec, inventory, None, owner="run",
+                           server_pid=holder or os.getpid())
     except PlacementRefused as exc:
         return {"refused": exc.message}
     return {"allocation": a.to_json()}
@@ -251,12 +272,13 @@ async def kernel_resize(socket: str, allocation_id: str, share: dict[str, Any]) 
 # -- the tests ------------------------------------------------------------------------------
 
 
-def test_two_users_one_gpu_one_is_placed_other_refused_and_cannot_touch_it(agent) -> None:
+def test_two_users_one_gpu_one_is_placed_other_refused_and_cannot_touch_it(
+        agent, holder) -> None:
     alice, bob = unix_user(ALICE), unix_user(BOB)
     a = agent()
     socket = str(a.socket)
     start = multiprocessing.get_context("fork").Event()
-    procs = [as_user(u, place, socket, 0.75, start=start) for u in (alice, bob)]
+    procs = [as_user(u, place, socket, 0.75, None, holder(u), start=start) for u in (alice, bob)]
     time.sleep(0.3)
     start.set()  # both ask 0.75 of the one A100 at the same instant
     outcomes = [result_of(p) for p in procs]
@@ -314,14 +336,15 @@ def test_two_users_one_gpu_one_is_placed_other_refused_and_cannot_touch_it(agent
     assert asyncio.run(snapshot(socket)) == []
 
 
-def test_per_user_bound_is_recorded_and_holds_on_every_path(agent) -> None:
+def test_per_user_bound_is_recorded_and_holds_on_every_path(agent, holder) -> None:
     alice = unix_user(ALICE)
+    holding = holder(alice)
     a = agent("--max-share", '{"gpu_request": 0.5, "gpu_limit": 0.5}')
     socket = str(a.socket)
     hub_bound = {"gpu_request": 0.25, "gpu_limit": 0.25, "gpu_memory": 10 * GiB}
     over = run_as(alice, place, socket, 0.5, hub_bound)
     assert over[:2] == ("error", "ShareError") and "gpu_request" in over[2], over
-    made = run_as(alice, place, socket, 0.25, hub_bound)[1]["allocation"]
+    made = run_as(alice, place, socket, 0.25, hub_bound, holding)[1]["allocation"]
     assert made["extra"]["bound"]["gpu_limit"] == 0.25
     assert made["extra"]["bound"]["gpu_memory"] == 10 * GiB
     # PATCH-like: read-modify-CAS through the agent
@@ -333,15 +356,32 @@ def test_per_user_bound_is_recorded_and_holds_on_every_path(agent) -> None:
     # lifting the recorded bound itself is not the holder's to do
     lifted = run_as(alice, cas_replacing, socket, made["id"], extra={"uid": alice.pw_uid})
     assert lifted[3] == "not_permitted", lifted
-    # the kernel's own resize op (this process becomes the share's process)
+    # within the bound is fine; the agent's own --max-share bounds a user without a Hub bound
+    smaller = run_as(alice, resize_share, socket, made["id"], {"gpu_memory": "5GiB"})
+    assert smaller[0] == "ok" and smaller[1]["gpu_memory"] == 5 * GiB, smaller
+    assert run_as(alice, place, socket, 0.75, None, holding)[:2] == ("error", "ShareError")
+    # the kernel's own resize op (this process becomes the share's process: last, as
+    # the agent releases the share once that process is gone)
     by_kernel = run_as(alice, kernel_resize, socket, made["id"],
                        {"gpu_request": 1.0, "gpu_limit": 1.0})
     assert by_kernel[0] == "ok" and by_kernel[1]["ok"] is False, by_kernel
     assert by_kernel[1]["field"] == "gpu_request" and "0.25" in by_kernel[1]["allowed"]
-    # within the bound is fine; the agent's own --max-share bounds a user without a Hub bound
-    smaller = run_as(alice, resize_share, socket, made["id"], {"gpu_memory": "5GiB"})
-    assert smaller[0] == "ok" and smaller[1]["gpu_memory"] == 5 * GiB, smaller
-    assert run_as(alice, place, socket, 0.75)[:2] == ("error", "ShareError")
+
+
+def test_the_agent_releases_a_share_whose_holder_is_gone(agent) -> None:
+    """No share outlives its holder: the system agent reconciles for every user (a user's own
+    server could release only its own), and a user's record without a holder is refused."""
+    from support import wait_for
+
+    alice = unix_user(ALICE)
+    a = agent()
+    holding = subprocess.Popen(["sleep", "600"], user=alice.pw_uid, group=alice.pw_gid,
+                               extra_groups=[], cwd="/")
+    made = run_as(alice, place, str(a.socket), 0.5, None, holding.pid)[1]["allocation"]
+    assert [s["id"] for s in asyncio.run(snapshot(str(a.socket)))] == [made["id"]]
+    holding.kill()
+    holding.wait(10)
+    wait_for(lambda: asyncio.run(snapshot(str(a.socket))) == [], timeout=30)
 
 
 def test_reserve_uses_the_deployments_policy_and_aliases(agent, tmp_path: Path) -> None:
@@ -416,7 +456,7 @@ def test_eight_agents_started_at_once_leave_one(tmp_path: Path) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def test_only_the_gpu_group_may_use_the_agent(agent) -> None:
+def test_only_the_gpu_group_may_use_the_agent(agent, holder) -> None:
     """``--group G``: the socket is 0660 root:G; a user outside G cannot even connect, and the
     agent itself refuses one that got a descriptor some other way; a group bound applies."""
     import grp
@@ -436,9 +476,9 @@ def test_only_the_gpu_group_may_use_the_agent(agent) -> None:
     # ... and is not sent to a private agent of their own beside it (which would double-book)
     assert run_as(bob, find_system, str(a.socket)) == ("ok", True)
     assert run_as(alice, snapshot, str(a.socket)) == ("ok", [])
-    over = run_as(alice, place, str(a.socket), 0.75)  # the group's bound, recorded at creation
+    over = run_as(alice, place, str(a.socket), 0.75, None, holder(alice))  # the group's bound
     assert over[:2] == ("error", "ShareError") and "at most 0.5" in over[2], over
-    made = run_as(alice, place, str(a.socket), 0.5)[1]["allocation"]
+    made = run_as(alice, place, str(a.socket), 0.5, None, holder(alice))[1]["allocation"]
     assert made["extra"]["bound"]["gpu_limit"] == 0.5
 
 
@@ -631,13 +671,14 @@ GPU = Gpu(NODE, "GPU-1", 0, "NVIDIA A100", "A100", 80 * GiB)
 def record(uid: int, request: float = 0.25, **extra: Any) -> Allocation:
     return Allocation(id=Allocation.new_id(), node=NODE, gpus=(GPU.uuid,),
                       spec=ShareSpec(request, request, gpu_memory=GiB), memory=GiB,
-                      user=f"u{uid}", extra={"uid": uid, **extra})
+                      server_pid=os.getpid(), user=f"u{uid}", extra={"uid": uid, **extra})
 
 
 def test_authorize_rules() -> None:
-    alice = ledger_ops.Caller(1001, "alice", False, frozenset())
+    me, other = os.getuid(), os.getuid() + 1  # two users; this process is me's
+    alice = ledger_ops.Caller(me, "alice", False, frozenset())
     root = ledger_ops.Caller(0, "root", True, frozenset())
-    hers, his = record(1001), record(1002)
+    hers, his = record(me), record(other)
     current = [hers, his]
 
     def go(who: ledger_ops.Caller, proposed: list[Allocation],
@@ -651,29 +692,31 @@ def test_authorize_rules() -> None:
     with pytest.raises(ledger_ops.NotPermitted):
         go(alice, [hers, replace(redacted, gpus=("GPU-2",))])
     with pytest.raises(ledger_ops.NotPermitted):
-        go(alice, [replace(hers, extra={"uid": 1002}), redacted])  # giving hers away
-    added = replace(record(1002, 0.25), user="mallory")  # claims to be his
+        go(alice, [replace(hers, extra={"uid": other}), redacted])  # giving hers away
+    added = replace(record(other, 0.25), user="mallory")  # claims to be his
     out = go(alice, [hers, redacted, added])
-    assert out[-1].extra["uid"] == 1001 and out[-1].user == "alice"
+    assert out[-1].extra["uid"] == me and out[-1].user == "alice"
     with pytest.raises(ledger_ops.OverCapacity):
-        go(alice, [hers, redacted, record(1001, 0.75)])
+        go(alice, [hers, redacted, record(me, 0.75)])
     for bad in (-1.0, float("nan"), 0.001):  # would fool the capacity sums, or is no share
-        sneaky = Allocation.from_json({**record(1001).to_json(), "gpu_request": bad})
+        sneaky = Allocation.from_json({**record(me).to_json(), "gpu_request": bad})
         with pytest.raises(ShareError, match="gpu_request"):
-            go(alice, [hers, redacted, sneaky, record(1001, 1.0)])
+            go(alice, [hers, redacted, sneaky, record(me, 1.0)])
     with pytest.raises(ShareError, match="gpu_request"):
-        go(alice, [hers, redacted, record(1001, 0.5)], ShareSpec(0.25, 0.25))
+        go(alice, [hers, redacted, record(me, 0.5)], ShareSpec(0.25, 0.25))
     assert go(root, [hers]) == [hers]  # an admin may release anyone's
+    with pytest.raises(ledger_ops.NotPermitted, match="needs its holder"):  # never released
+        go(alice, [hers, redacted, replace(record(me), server_pid=None)])
     kept = ledger_ops.authorize(current, [replace(hers, state="active"), redacted], alice, NODE,
                                 [GPU], None, True, Policy(cordoned_gpus=frozenset({GPU.uuid})))
     assert len(kept) == 2  # shares placed before a cordon stay and may change; new ones may not
     with pytest.raises(ledger_ops.NotPermitted, match="cordoned"):
-        ledger_ops.authorize([], [record(1001)], alice, NODE, [GPU], None, True,
+        ledger_ops.authorize([], [record(me)], alice, NODE, [GPU], None, True,
                              Policy(cordoned_gpus=frozenset({GPU.uuid})))
     with pytest.raises(ledger_ops.NotPermitted, match="excluded"):
-        ledger_ops.authorize([], [record(1001)], alice, NODE, [GPU], None, True,
+        ledger_ops.authorize([], [record(me)], alice, NODE, [GPU], None, True,
                              Policy(exclude_types=("a100",)))
-    bounded = record(1001)
+    bounded = record(me)
     bounded = replace(bounded, extra=bounds.record(bounded.extra, ShareSpec(0.25, 0.25)))
     with pytest.raises(ShareError):
         ledger_ops.authorize([bounded], [replace(bounded, spec=ShareSpec(0.5, 0.5, GiB))],

@@ -17,8 +17,10 @@ Users' servers, ``jupyter gpushare run``, provisioners and kernels reach it thro
     user name and with the bound that applies (the smallest of the caller's ``bound``, the
     agent's ``--max-share`` and its groups' bounds); the uid, user and bound of a record can
     then not be changed by its holder, and every change is checked against the recorded
-    bound. The result is checked for capacity (no GPU's requests over 1, no GPU's memory caps
-    over its memory).
+    bound. A non-admin's new record names its holder (``pid`` or ``server_pid``, a process of
+    the caller's), so the agent's reconciliation releases it when that process is gone; it
+    goes only to GPUs the deployment admits (not cordoned, not an excluded type). The result
+    is checked for capacity (no GPU's requests over 1, no GPU's memory caps over its memory).
 ``ledger.gpus`` → ``{"ok", "gpus": [Gpu…]}``; ``ledger.put_gpus`` (admins only: the agent
     publishes its node's inventory itself).
 
@@ -368,6 +370,10 @@ def authorize(current: Sequence[Allocation], proposed: Sequence[Allocation], who
         if not who.admin:
             _check_fields(a, who, inventory)
             _check_admitted(a, inventory, policy or Policy())
+            if a.pid is None and a.server_pid is None:  # else nothing ever releases it
+                raise NotPermitted(f"allocation {a.id}: a share needs its holder (pid or "
+                                   "server_pid: a process of yours; the agent releases the "
+                                   "share when it exits)")
         if REDACTED_KEY in a.extra:
             raise NotPermitted(f"allocation {a.id}: a redacted record cannot be added")
         stamped = a

@@ -367,6 +367,14 @@ c.KubernetesBackendConfig.lease_renew_interval = 2
                                          "/api/allocations")).json()
         assert [a["id"] for a in seen["allocations"] if a["kernel_id"] == kernel_id] == [
             records[0]["id"]]
+        # a live resize through the server's REST goes to the controller
+        reply = await asyncio.to_thread(server.request, "PATCH",
+                                        f"/gpushare/api/allocations/{records[0]['id']}",
+                                        json={"gpu_request": 0.3})
+        assert reply.status_code == 200, reply.text
+        seen = (await asyncio.to_thread(call, controllers, hub.tokens["alice"], "GET",
+                                         f"/api/allocations/{records[0]['id']}")).json()
+        assert seen["gpu_request"] == 0.3, seen
         # shutdown releases through the controller: pod, Secret and record go
         reply = await asyncio.to_thread(server.request, "DELETE", f"/api/kernels/{kernel_id}")
         assert reply.status_code == 204, reply.text

@@ -117,13 +117,18 @@ def test_jupyter_servers_own_kernel_and_session_tests_pass_with_gpushare(tmp_pat
     (ARTIFACTS / "jupyter_server_suite.json").write_text(json.dumps({
         "jupyter_server": jupyter_server.__version__, "seconds_side_by_side": timings,
         "passed": {m: first[m]["passed"] for m in MODES},
+        "warm_claims": first["pool"]["warm_claims"],
+        "cold_starts_with_pools": first["pool"]["cold_starts_with_pools"],
         "failed": {m: first[m]["failed"] for m in MODES},
         "failed_only_with_gpushare_first_run": extra, "confirmed": confirmed,
     }, indent=1))
     print(f"jupyter_server {jupyter_server.__version__} tests, side by side: {timings} s; "
-          f"passed {[first[m]['passed'] for m in MODES]}; plain fails {sorted(plain)}")
+          f"passed {[first[m]['passed'] for m in MODES]}; plain fails {sorted(plain)}; pool: "
+          f"{first['pool']['warm_claims']} warm claims, {first['pool']['cold_starts_with_pools']}"
+          " cold")
     assert not any(confirmed.values()), (
         f"jupyter_server's own tests fail with gpushare but not without: {confirmed} (logs: "
         f"{tmp_path})")
     for mode in MODES[1:]:
         assert _ours(first[mode]["destroyed_pending"]) == [], first[mode]["destroyed_pending"]
+    assert first["pool"]["warm_claims"] > 10, first["pool"]  # the pool really served kernels

@@ -142,11 +142,17 @@ class PoolKernelManager(AsyncMappingKernelManager):  # type: ignore[misc]
         process, if it was launched, is killed, its share released, its connection file and
         zmq sockets closed, and nothing is left pending in jupyter_client's map."""
         try:
-            return await super().start_kernel(
+            await super().start_kernel(
                 kernel_id=kernel_id, path=cast(Any, ""), kernel_name=profile.kernelspec,
                 env=dict(os.environ), gpushare_share=dict(profile.share), gpushare_owner="pool",
                 gpushare_pool=profile.name,
             )
+            # with use_pending_kernels the start returns before the kernel runs (no ports yet)
+            ready = self.get_kernel(kernel_id).ready
+            if not isinstance(ready, asyncio.Future):
+                ready = asyncio.wrap_future(ready)
+            await asyncio.shield(ready)  # a cancel must not cancel jupyter_client's future
+            return kernel_id
         except asyncio.CancelledError:
             await asyncio.shield(self._abandon_start(kernel_id))
             raise

@@ -269,6 +269,7 @@ class PoolManager:
             bind_session(warm.client, km, cwd, env, session_name),
             provisioner.claim_from_pool(warm.pool),
         )
+        provisioner.bind_cwd(cwd)  # paths resolve in the session's directory (resolvePath)
         # a restart of this kernel must look like the user's own start
         launch = getattr(km, "_launch_args", None)
         if isinstance(launch, dict):

@@ -343,6 +343,15 @@ class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         data = provisioner_info.get("gpushare_allocation")
         self.allocation = Allocation.from_json(data) if data else None
 
+    def bind_cwd(self, cwd: str) -> None:
+        """A warm pool kernel was bound to a session working in ``cwd``
+        (:mod:`jupyter_gpushare.pools.binding`): paths resolve there from now on, as for a
+        kernel started there (jupyter_server's ``/api/resolvePath``). The local backend's
+        process provisioner keeps the working directory; a pod's has none to change."""
+        process = getattr(self.kernel_backend, "process", None)
+        if process is not None and hasattr(process, "cwd"):
+            process.cwd = cwd
+
     def resolve_path(self, path_str: str) -> str | None:
         return self.kernel_backend.resolve_path(path_str)
 

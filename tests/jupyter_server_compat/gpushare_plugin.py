@@ -19,12 +19,14 @@ A test that sets the synchronous ``MappingKernelManager`` keeps it (PoolKernelMa
 its kernels are gpushare kernels all the same.
 
 ``GPUSHARE_JSTESTS_REPORT`` names a JSON file the plugin writes at the end: the node ids that
-failed or errored (``failed``), how many passed, and the "Task was destroyed but it is pending"
-messages asyncio logged (``destroyed_pending``).
+failed or errored (``failed``), how many passed, the "Task was destroyed but it is pending"
+messages asyncio logged (``destroyed_pending``), and in ``pool`` mode how many kernel starts got
+a warm kernel (``warm_claims``) or found none ready (``cold_starts_with_pools``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -43,8 +45,14 @@ MODE = os.environ.get("GPUSHARE_JSTESTS_MODE", "plain")
 if MODE not in MODES:
     raise pytest.UsageError(f"GPUSHARE_JSTESTS_MODE={MODE!r}: allowed are {', '.join(MODES)}")
 SIMULATE = os.environ.get("GPUSHARE_JSTESTS_SIMULATE", "4xA100")
+#: longest a ``pool`` mode test waits for its server's first warm kernel
+WARM_WAIT_S = 30.0
 #: the warm pool of ``pool`` mode: the default kernelspec with the server's default share
 POOL = {"name": "jstests", "kernelspec": "python3", "share": {}, "size": 1}
+
+
+#: what the pools did (pool mode): warm kernels handed out, starts that found none ready
+COUNTS = {"warm_claims": 0, "cold_starts_with_pools": 0}
 
 
 class _DestroyedPending(logging.Handler):
@@ -65,11 +73,14 @@ class _Report:
         self.path = path
         self.failed: dict[str, str] = {}
         self.passed = 0
+        self.seconds: dict[str, float] = {}  # per test file: setup + call + teardown
         self.destroyed = _DestroyedPending()
         logging.getLogger("asyncio").addHandler(self.destroyed)
 
     @pytest.hookimpl
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        where = report.nodeid.split("::")[0]
+        self.seconds[where] = self.seconds.get(where, 0.0) + report.duration
         if report.failed:
             self.failed.setdefault(report.nodeid, report.when)
         elif report.passed and report.when == "call":
@@ -85,6 +96,8 @@ class _Report:
             "failed_when": self.failed,
             "passed": self.passed,
             "destroyed_pending": self.destroyed.messages,
+            **COUNTS,
+            "seconds_by_file": {k: round(v, 1) for k, v in sorted(self.seconds.items())},
         }, indent=1))
 
 
@@ -118,6 +131,17 @@ def _swap_in_gpushare() -> None:
 
     ServerApp.init_server_extensions = init_server_extensions  # type: ignore[method-assign]
     ServerApp.init_configurables = init_configurables  # type: ignore[method-assign]
+
+    from jupyter_gpushare.pools.manager import PoolManager
+
+    claim = PoolManager.claim
+
+    async def counted_claim(self: Any, *args: Any, **kwargs: Any) -> str | None:
+        kernel_id = await claim(self, *args, **kwargs)
+        COUNTS["warm_claims" if kernel_id else "cold_starts_with_pools"] += 1
+        return kernel_id
+
+    PoolManager.claim = counted_claim  # type: ignore[method-assign]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -163,3 +187,27 @@ def gpushare_kernels(request: pytest.FixtureRequest, tmp_path: Path,
     yield
     _stop_daemons(socket_path)
     shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    """``pool`` mode: a test's server has a warm kernel ready before the test runs, so that the
+    test's kernel starts are warm claims (without it most would find the pool still starting;
+    the server's stop with a pool start under way is exercised by every test all the same).
+    After all fixtures, so that the test's own (warning filters, config) came first."""
+    if MODE != "pool" or "jp_serverapp" not in getattr(item, "fixturenames", ()):
+        return
+    request = item._request  # type: ignore[attr-defined]
+    app = request.getfixturevalue("jp_serverapp")
+    pools = getattr(app.kernel_manager, "pools", None)
+    if pools is None or not pools.pools:
+        return
+    loop = request.getfixturevalue("jp_asyncio_loop")
+
+    async def ready() -> None:
+        for _ in range(int(WARM_WAIT_S / 0.05)):
+            if any(p.ready for p in pools.pools.values()):
+                return
+            await asyncio.sleep(0.05)
+
+    loop.run_until_complete(ready())

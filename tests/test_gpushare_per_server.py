@@ -4,6 +4,7 @@ outside a server ``GpuShare.instance()`` is the process's one (the CLI)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from traitlets.config import Config
 
 from jupyter_gpushare.config import GpuShare
 from jupyter_gpushare.ledger.sqlite import SQLiteLedger
+from jupyter_gpushare.periodic import PeriodicTask
 from jupyter_gpushare.serverext import stop_tasks
 
 
@@ -62,8 +64,16 @@ async def test_two_servers_in_one_process_each_use_their_own_settings(gpushare_e
         assert provisioner.settings is s2
     finally:
         for app in (one, two):
+            settings = app.web_app.settings
+            start = settings.get("gpushare_start_task")
+            if start is not None:  # (it made the periodic tasks)
+                await asyncio.wait([start], timeout=30)
+            tasks = [v for v in settings.values() if isinstance(v, PeriodicTask)]
             await stop_tasks(app)
             await app.kernel_manager.shutdown_all(now=True)
+            # nothing of the extension outlives its server
+            assert start is not None and start.done()
+            assert tasks and all(task._task is None for task in tasks)
     # outside a server (the CLI): the process's own, from the environment
     assert GpuShare.of(None) is GpuShare.instance()
     GpuShare.clear_instance()

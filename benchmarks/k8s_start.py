@@ -84,6 +84,7 @@ async def placement_latency(ledger: object, n: int, node_prefix: str) -> list[fl
 
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
     work = Path(tempfile.mkdtemp(prefix="gpushare-k8s-bench-"))
+    work.chmod(0o755)  # kernel pods run as uid 1000 (restricted pods) and must reach their files
     plane = ControlPlane(work).start()
     agent = None
     servers = []

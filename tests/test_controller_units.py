@@ -9,7 +9,7 @@ import json
 import pytest
 
 from jupyter_gpushare.controller.auth import HubUser, parse_user_model, token_from_header
-from jupyter_gpushare.controller.bounds import Bounds, parse_bounds
+from jupyter_gpushare.controller.bounds import Bounds, Quotas, parse_bounds
 from jupyter_gpushare.controller.errors import ControllerError, from_exception
 from jupyter_gpushare.controller.kernels import (
     check_command,
@@ -100,3 +100,15 @@ def test_one_error_model() -> None:
         assert mapped is not None and (mapped.status, mapped.code) == (status, code)
         assert mapped.to_json()["message"]
     assert from_exception(RuntimeError("bug")) is None  # answered 500 without details
+
+
+def test_quotas_smallest_of_user_and_groups_else_default() -> None:
+    quotas = Quotas({"alice": 2.0}, {"students": 0.5, "staff": 4}, 1.0)
+    assert quotas.of(HubUser("alice", groups=("staff",))) == 2.0
+    assert quotas.of(HubUser("bob", groups=("students", "staff"))) == 0.5
+    assert quotas.of(HubUser("dave")) == 1.0
+    assert quotas.of(HubUser("root", admin=True)) is None
+    for bad in (0, -1, True, "1"):
+        with pytest.raises(ShareError) as caught:
+            Quotas({}, {"g": bad}, None)
+        assert caught.value.field == "group_quotas['g']"

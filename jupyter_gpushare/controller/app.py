@@ -27,7 +27,7 @@ from ..k8s.usage import KubernetesUsage, UsageReader
 from ..share import ShareSpec
 from .api import MAX_BODY, State, make_app
 from .auth import HubAuth
-from .bounds import Bounds, parse_bounds
+from .bounds import Bounds, Quotas, parse_bounds
 from .config import GpushareController
 from .kernels import KernelService
 from .leader import LeaderElection
@@ -67,6 +67,8 @@ class ControllerApp(Application):
             parse_bounds(settings.user_bounds, "GpushareController.user_bounds"),
             parse_bounds(settings.group_bounds, "GpushareController.group_bounds"),
             ShareSpec.from_mapping(settings.default_bound) if settings.default_bound else None)
+        quotas = Quotas(settings.user_quotas, settings.group_quotas,
+                        settings.default_quota or None)
         kube = await connect(kcfg.kubeconfig, kcfg.context)
         state = State(HubAuth(settings.hub_url, settings.auth_cache_ttl,
                               settings.auth_cache_size), settings.identity)
@@ -83,7 +85,8 @@ class ControllerApp(Application):
                              settings.identity),
                 manifests.PodSettings.from_config(kcfg),
                 KubernetesUsage(UsageReader(kube, kcfg.namespace)),
-                start_timeout=kcfg.start_timeout, inventory_ttl=kcfg.inventory_ttl)
+                start_timeout=kcfg.start_timeout, inventory_ttl=kcfg.inventory_ttl,
+                quotas=quotas)
             await service.start(settings.connect_timeout)
             reconciler = Reconciler(kube, kcfg.namespace, None, settings.reconcile_grace,
                                     share.aliases())

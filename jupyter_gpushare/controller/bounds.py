@@ -1,4 +1,7 @@
-"""Per-user bounds applied by the controller: the most one share of a user may hold.
+"""Per-user bounds and quotas applied by the controller.
+
+A *bound* is the most one share of a user may hold; a *quota* the most compute (in GPUs, the sum
+of their shares' requests) all of a user's shares may hold together.
 
 Configured on the controller (``c.GpushareController.user_bounds`` / ``group_bounds`` /
 ``default_bound``, share objects like ``{"gpu_request": 0.25, "gpu_limit": 0.5}``); a user's
@@ -6,7 +9,9 @@ bound is the tightest of their own entry and those of their JupyterHub groups
 (:func:`jupyter_gpushare.bound.tightest`), else the default. The bound is recorded on the
 allocation when it is placed (:func:`jupyter_gpushare.bound.record`), and every resize is checked
 against the recorded bound, so a later change of config or groups does not lift it for a running
-share. Admins have no bound unless configured. Pure; no I/O.
+share. Quotas (``user_quotas`` / ``group_quotas`` / ``default_quota``) are checked on every
+placement and every resize against what the user holds then. Admins have neither unless
+configured. Pure; no I/O.
 """
 
 from __future__ import annotations
@@ -51,4 +56,26 @@ class Bounds:
         return None if user.admin else self.default
 
 
-__all__ = ["Bounds", "parse_bounds"]
+class Quotas:
+    def __init__(self, users: Mapping[str, float], groups: Mapping[str, float],
+                 default: float | None) -> None:
+        for setting, mapping in (("user_quotas", users), ("group_quotas", groups)):
+            for name, value in mapping.items():
+                if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                        or not 0 < value <= 100_000):
+                    raise ShareError(f"{setting}[{name!r}]", value,
+                                     "GPUs of compute, a number > 0 (0.5, 2, ...)")
+        self.users = {str(k): float(v) for k, v in users.items()}
+        self.groups = {str(k): float(v) for k, v in groups.items()}
+        self.default = default
+
+    def of(self, user: HubUser) -> float | None:
+        """The most compute all of ``user``'s shares may request together, or None."""
+        found = [q for q in (self.users.get(user.name),
+                             *(self.groups.get(g) for g in user.groups)) if q is not None]
+        if found:
+            return min(found)
+        return None if user.admin else self.default
+
+
+__all__ = ["Bounds", "Quotas", "parse_bounds"]

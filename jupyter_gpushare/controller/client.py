@@ -115,7 +115,7 @@ def _refusal(status: int, raw: bytes | None) -> Exception:
     body.setdefault("message", f"the gpushare controller answered {status}")
     if status == 400 and "field" in body:
         return ShareError(str(body["field"]), body.get("value"), str(body.get("allowed", "")))
-    if status == 409 and body["error"] == "no_fit":
+    if status == 409 and body["error"] in ("no_fit", "over_quota"):
         return PlacementRefused(str(body["message"]), body.get("suggestions") or ())
     if status == 404 and body["error"] == "not_found" and body.get("field") == "allocation":
         return AllocationNotFound(str(body.get("value", "")))

@@ -44,6 +44,18 @@ class GpushareController(Configurable):
         default_value={}, config=True,
         help="Bound of users with no user or group entry (empty: none). Hub admins have no "
         "default bound.")
+    user_quotas = Dict(
+        default_value={}, config=True,
+        help="Most compute all of a user's shares may request together, in GPUs, by Hub user "
+        "name: {'alice': 2.0}. With group_quotas, the smallest applies.")
+    group_quotas = Dict(
+        default_value={}, config=True,
+        help="Most compute all shares of one user may request together, by JupyterHub group: "
+        "{'students': 0.5}.")
+    default_quota = Float(
+        0.0, config=True,
+        help="Quota of users with no user or group entry, in GPUs (0: none). Hub admins have "
+        "no default quota.")
     lease_name = Unicode("gpushare-controller", config=True,
                          help="Name of the Lease the replicas elect their leader on.")
     lease_duration = Float(15.0, config=True,

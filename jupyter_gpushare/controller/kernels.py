@@ -39,7 +39,7 @@ from ..resize import parse_change, resize
 from ..share import ShareSpec
 from ..usage import UsageSource
 from .auth import HubUser
-from .bounds import Bounds
+from .bounds import Bounds, Quotas
 from .errors import ControllerError, bad_request, forbidden, not_found
 from .servers import ServerLeases, check_server_id
 
@@ -103,7 +103,7 @@ class KernelService:
     def __init__(self, kube: Kube, namespace: str, aliases: TypeAliases, policy: Policy,
                  bounds: Bounds, servers: ServerLeases, pod_settings: manifests.PodSettings,
                  usage: UsageSource, start_timeout: float = 300.0,
-                 inventory_ttl: float = 2.0) -> None:
+                 inventory_ttl: float = 2.0, quotas: Quotas | None = None) -> None:
         self.kube = kube
         self.namespace = namespace
         self.aliases = aliases
@@ -116,7 +116,10 @@ class KernelService:
         self.ledger = KubernetesLedger(kube, namespace, aliases, inventory_ttl=inventory_ttl)
         self.watcher = PodWatcher(
             kube, namespace, f"{manifests.LABEL_COMPONENT}={manifests.KERNEL_COMPONENT}")
-        self._reserving: dict[tuple[str, str], asyncio.Lock] = {}
+        self.quotas = quotas or Quotas({}, {}, None)
+        # one placement or resize per user at a time, so a quota check and its write are one
+        # step (only the leader writes; a process lock is enough)
+        self._user_locks: dict[str, asyncio.Lock] = {}
 
     async def start(self, timeout: float) -> None:
         await self.watcher.start(timeout)
@@ -173,21 +176,18 @@ class KernelService:
         spec = narrowed(spec, bound)  # refused by name when over the user's bound
         gpus = await self.gpus()
         spec = check_spec(spec, gpus, self.aliases)
-        lock = self._reserving.setdefault((user.name, kernel_id), asyncio.Lock())
-        async with lock:
-            try:
-                existing = [a for a in await self.ledger.list()
-                            if a.kernel_id == kernel_id and a.user == user.name]
-                if existing:  # a retry (or a restart) of the same kernel: one share per kernel
-                    return existing[0]
-                await self.servers.touch(user, server_id)  # its Lease exists before the record
-                allocation = await allocate(
-                    self.ledger, spec, gpus, self.policy, owner=owner, kernel_id=kernel_id,
-                    backend="kubernetes", user=user.name,
-                    extra=record({"k8s_server": server_id, "k8s_namespace": self.namespace},
-                                 bound))
-            finally:
-                self._reserving.pop((user.name, kernel_id), None)
+        async with self._user_lock(user):
+            held = [a for a in await self.ledger.list() if a.user == user.name]
+            existing = [a for a in held if a.kernel_id == kernel_id]
+            if existing:  # a retry (or a restart) of the same kernel: one share per kernel
+                return existing[0]
+            self._check_quota(user, held, spec.gpu_request * spec.gpu_count)
+            await self.servers.touch(user, server_id)  # its Lease exists before the record
+            allocation = await allocate(
+                self.ledger, spec, gpus, self.policy, owner=owner, kernel_id=kernel_id,
+                backend="kubernetes", user=user.name,
+                extra=record({"k8s_server": server_id, "k8s_namespace": self.namespace},
+                             bound))
         log.info("gpushare controller: %s holds %s on %s %s (kernel %s)", user.name,
                  spec.describe(), allocation.node, ",".join(allocation.gpus), kernel_id)
         return allocation
@@ -199,9 +199,30 @@ class KernelService:
         own_bound = None if (user.admin and before.user != user.name) else self.bounds.of(user)
         check_within(spec, spec.gpu_memory or before.memory,
                      tightest([recorded(before.extra), own_bound]))
-        _before, after = await resize(self.ledger, allocation_id, change, self.usage,
-                                      actor=user.name, logger=log)
+        owner = HubUser(before.user) if before.user != user.name else user
+        async with self._user_lock(owner):
+            others = [a for a in await self.ledger.list()
+                      if a.user == before.user and a.id != before.id]
+            if before.user == user.name:  # an admin changing someone's share is not held
+                self._check_quota(user, others, spec.gpu_request * len(before.gpus))
+            _before, after = await resize(self.ledger, allocation_id, change, self.usage,
+                                          actor=user.name, logger=log)
         return after
+
+    def _user_lock(self, user: HubUser) -> asyncio.Lock:
+        return self._user_locks.setdefault(user.name, asyncio.Lock())
+
+    def _check_quota(self, user: HubUser, held: Sequence[Allocation], more: float) -> None:
+        quota = self.quotas.of(user)
+        if quota is None:
+            return
+        used = sum(a.request * len(a.gpus) for a in held)
+        if used + more > quota + 1e-9:
+            raise ControllerError(
+                409, "over_quota",
+                f"{user.name}'s shares may request at most {quota:g} GPU in all; they hold "
+                f"{used:g} now, so {more:g} more does not fit (release or shrink a share)",
+                field="gpu_request", value=more, quota=quota, held=round(used, 4))
 
     async def release(self, user: HubUser, allocation_id: str) -> Allocation:
         found = await self.allocation(user, allocation_id)

@@ -72,6 +72,7 @@ def controllers(control_plane: ControlPlane, node_agent: Path, hub: Hub,
     config.write_text(f"""
 c.GpushareController.hub_url = {hub.url!r}
 c.GpushareController.group_bounds = {{"students": {STUDENT_BOUND!r}}}
+c.GpushareController.group_quotas = {{"students": 0.5}}
 c.GpushareController.lease_duration = 3
 c.GpushareController.renew_interval = 1
 c.GpushareController.retry_interval = 0.5
@@ -249,6 +250,29 @@ def test_two_users_see_and_change_only_their_own_kernels(
     reply = call(controllers, alice, "PATCH", f"/api/allocations/{a_alloc['id']}",
                  {"gpu_request": 0.75})
     assert reply.status_code == 200, reply.text
+
+    # bob's quota (group students: 0.5 GPU in all) holds on placing and on resizing
+    share = {"kernel_id": kernel_name(), "server_id": b_server,
+             "share": {"gpu_request": 0.25, "gpu_limit": 0.25}}
+    second = call(controllers, bob, "POST", "/api/allocations", share)
+    assert second.status_code == 201, second.text  # 0.2 + 0.25
+    reply = call(controllers, bob, "POST", "/api/allocations",
+                 {**share, "kernel_id": kernel_name(), "share": {"gpu_request": 0.1}})
+    assert reply.status_code == 409 and reply.json()["error"] == "over_quota", reply.text
+    assert reply.json()["quota"] == 0.5 and reply.json()["held"] == 0.45
+    third = call(controllers, bob, "POST", "/api/allocations",
+                 {**share, "kernel_id": kernel_name(), "share": {"gpu_request": 0.05}})
+    assert third.status_code == 201, third.text  # exactly the quota
+    reply = call(controllers, bob, "PATCH", f"/api/allocations/{b_alloc['id']}",
+                 {"gpu_request": 0.25})
+    assert reply.status_code == 409 and reply.json()["error"] == "over_quota", reply.text
+    assert call(controllers, bob, "DELETE",
+                f"/api/allocations/{third.json()['id']}").status_code == 200
+    reply = call(controllers, bob, "PATCH", f"/api/allocations/{b_alloc['id']}",
+                 {"gpu_request": 0.25})
+    assert reply.status_code == 200, reply.text  # 0.25 + 0.25: exactly the quota again
+    assert call(controllers, bob, "DELETE",
+                f"/api/allocations/{second.json()['id']}").status_code == 200
 
     # bad and missing tokens: 401 with the reason; a standby: 503 naming the leader
     assert call(controllers, "not-a-token", "GET", "/api/allocations").status_code == 401

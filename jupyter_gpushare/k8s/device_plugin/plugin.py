@@ -401,30 +401,36 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
         self.listeners[allocation_id] = (listener, pod_uid)
         return directory
 
-    async def _serve_again(self) -> None:
-        """After an agent restart: the running pods this node allocated keep their sockets."""
-        try:
-            pods = await self._kernel_pods()
-        except Exception as exc:
-            log.warning("device plugin: cannot list kernel pods: %s", exc)
-            return
+    async def _serve_again(self, pods: list[dict[str, Any]] | None = None) -> None:
+        """After an agent restart (and whenever one is missing): the running pods this node
+        allocated for keep their sockets."""
+        if pods is None:
+            try:
+                pods = await self._kernel_pods()
+            except Exception as exc:
+                log.warning("device plugin: cannot list kernel pods: %s", exc)
+                return
         for pod in pods:
             meta = pod["metadata"]
-            if (manifests.ALLOCATED_ANNOTATION in (meta.get("annotations") or {})
+            allocation_id = (meta.get("labels") or {}).get(manifests.LABEL_ALLOCATION, "")
+            if ((meta.get("annotations") or {}).get(manifests.ALLOCATED_ANNOTATION)
+                    == self.settings.node and allocation_id not in self.listeners
                     and not meta.get("deletionTimestamp")
                     and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")):
                 with contextlib.suppress(AllocateError, OSError):
-                    self._listen(meta["labels"].get(manifests.LABEL_ALLOCATION, ""), meta["uid"])
+                    self._listen(allocation_id, meta["uid"])
 
     async def _cleanup(self) -> None:
         while True:
             await asyncio.sleep(self.settings.cleanup_interval)
             try:
-                live = {p["metadata"]["uid"] for p in await self._kernel_pods()
-                        if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")}
+                pods = await self._kernel_pods()
             except Exception as exc:
                 log.debug("device plugin: cleanup skipped: %s", exc)
                 continue
+            await self._serve_again(pods)
+            live = {p["metadata"]["uid"] for p in pods
+                    if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")}
             for allocation_id, (listener, uid) in list(self.listeners.items()):
                 if uid not in live:
                     listener.close()

@@ -553,7 +553,7 @@ def test_chart_controller_config_is_what_the_controller_reads(tmp_path: Path) ->
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump({"controller": {
         "enabled": True, "hubUrl": "http://hub.jhub.svc:8081",
-        "groupBounds": {"students": STUDENT_BOUND},
+        "groupBounds": {"students": STUDENT_BOUND}, "groupQuotas": {"students": 0.5},
         "kernelPods": {"image": "img:2", "preload_interposer": False}}}))
     out = subprocess.run([binary, "template", "x", str(ROOT / "deploy/helm/jupyter-gpushare"),
                           "--namespace", "gpushare", "-f", str(values)],
@@ -574,6 +574,7 @@ def test_chart_controller_config_is_what_the_controller_reads(tmp_path: Path) ->
     app.initialize(args)
     settings = GpushareController(config=app.config)
     assert settings.group_bounds == {"students": STUDENT_BOUND}
+    assert settings.group_quotas == {"students": 0.5} and settings.default_quota == 0
     assert settings.hub_url == "http://hub.jhub.svc:8081" and settings.port == 8081
     pods = KubernetesBackendConfig(config=app.config)
     assert (pods.image, pods.preload_interposer, pods.namespace) == ("img:2", False, "gpushare")

@@ -265,3 +265,31 @@ async def test_plugin_registers_again_when_the_kubelet_restarts(
         assert node["status"]["allocatable"][RES] == "200"
     finally:
         await kube.close()
+
+
+async def test_a_resource_quota_bounds_share_units(control_plane: ControlPlane) -> None:
+    """Shares are an extended resource, so a namespace's ResourceQuota bounds them (the API
+    server refuses a pod over it): GPU quotas are no longer bypassed by shared kernels."""
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    kube = await admin(control_plane)
+    namespace = f"h7-quota-{uuid.uuid4().hex[:6]}"
+    try:
+        await kube.core.create_namespace({"metadata": {"name": namespace}})
+        await kube.core.create_namespaced_resource_quota(namespace, {
+            "metadata": {"name": "shares"},
+            "spec": {"hard": {f"requests.{RES}": "30"}}})
+
+        async def counted() -> bool:
+            quota = await kube.core.read_namespaced_resource_quota("shares", namespace)
+            return bool(quota.status and quota.status.hard)
+
+        await eventually(counted, 30, "the quota controller to count the namespace")
+        with pytest.raises(ApiException) as refused:
+            await kube.create_pod(namespace, raw_pod("over", {RES: "40"}, "gpu-node-2"))
+        assert refused.value.status == 403 and "exceeded quota" in str(refused.value.body)
+        assert f"requested: requests.{RES}=40" in str(refused.value.body)
+        await kube.create_pod(namespace, raw_pod("within", {RES: "30"}, "gpu-node-9"))
+    finally:
+        await kube.core.delete_namespace(namespace)
+        await kube.close()

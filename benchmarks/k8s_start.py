@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -84,7 +85,8 @@ async def placement_latency(ledger: object, n: int, node_prefix: str) -> list[fl
 
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
     work = Path(tempfile.mkdtemp(prefix="gpushare-k8s-bench-"))
-    work.chmod(0o755)  # kernel pods run as uid 1000 (restricted pods) and must reach their files
+    # kernel pods run as uid 1000 (restricted pods) and must reach their files
+    os.chmod(work, 0o755)
     plane = ControlPlane(work).start()
     agent = None
     servers = []

@@ -377,7 +377,7 @@ class GpuProfiles(LoggingConfigurable):
         return parse_memory(self.max_memory, "max_memory") if self.max_memory else None
 
     def _gpu_profile(self, offers: Sequence[TypeOffer], problem: str = "") -> dict[str, Any]:
-        profile = dict(self.gpu_profile)
+        profile: dict[str, Any] = dict(self.gpu_profile)
         profile.setdefault("slug", "gpu")
         override = dict(profile.pop("kubespawner_override", {}) or {})
         settings = _Settings(list(offers), self.max_request, self._max_memory(), self.mode)

@@ -161,10 +161,13 @@ class GpuLoop:
         if holder.window.used(now, w, self.lease_start) <= holder.request * w + self.quantum_ns:
             return
         if now - self.lease_start < PREEMPT_MIN_HOLD_NS:  # let it start; look again then
+            def look_again() -> None:
+                if self.holder is holder:
+                    self._maybe_preempt(waiter)
+
             loop = asyncio.get_running_loop()
             self._timers.append(loop.call_at((self.lease_start + PREEMPT_MIN_HOLD_NS) / 1e9,
-                                             lambda: self.holder is holder
-                                             and self._maybe_preempt(waiter)))
+                                             look_again))
             return
         self._update_next()
         self.shm.board[holder.slot].lease_until_ns = 0  # its agent drains and hands over

@@ -7,7 +7,7 @@ baseline of ``benchmarks/placement.py`` and the reference the property tests hol
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..inventory import Gpu
@@ -96,7 +96,14 @@ def naive_place(
     return Placement(best.node, (best.uuid,), spec.resolved_memory(best.memory))
 
 
-def _whole(gpus, holders, spec, policy, usable, node_key) -> Placement:  # type: ignore[no-untyped-def]
+def _whole(
+    gpus: Sequence[Gpu],
+    holders: dict[str, list[Allocation]],
+    spec: ShareSpec,
+    policy: Policy,
+    usable: Callable[[Gpu], bool],
+    node_key: Callable[[str], tuple[int, str]],
+) -> Placement:
     free: dict[tuple[str, str], list[Gpu]] = {}
     for g in sorted(gpus, key=lambda g: (g.index, g.uuid)):
         if usable(g) and not holders[g.uuid] and spec.resolved_memory(g.memory) <= g.memory:

@@ -150,7 +150,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("no allocations")
     for a in status["allocations"]:
         holder = f"kernel {a['kernel_id']}" if a["kernel_id"] else f"{a['owner']} pid {a['pid']}"
-        if a["owner"] == "pool":  # a warm kernel nobody has claimed yet (jupyter_gpushare.pools)
+        if a["extra"].get("redacted"):  # a system agent shows other users' shares as capacity
+            holder = "another user's share"
+        elif a["owner"] == "pool":  # a warm kernel nobody has claimed yet (jupyter_gpushare.pools)
             holder = f"warm pool kernel {a['kernel_id']} (pool {a['extra'].get('pool', '?')})"
         elif a["extra"].get("claimed_from_pool"):
             holder += f" (from pool {a['extra']['claimed_from_pool']})"

@@ -69,3 +69,31 @@ def test_no_gpu_is_said_clearly(gpushare_env):
         assert "--simulate" in result.stderr
     status = gpushare(gpushare_env, "status")
     assert status.returncode == 0
+
+
+def test_status_shows_another_users_share_as_theirs_without_details(monkeypatch, capsys):
+    """Through a system agent a user sees other users' shares redacted (capacity only): the
+    table says whose they are instead of printing empty fields ("other pid None")."""
+    import argparse
+
+    from jupyter_gpushare import cli
+    from jupyter_gpushare.daemon.ledger_ops import redact
+    from jupyter_gpushare.ledger import Allocation
+    from jupyter_gpushare.share import ShareSpec
+
+    theirs = redact(Allocation(id="a-0123456789abcdef", node="n", gpus=("GPU-1",),
+                               spec=ShareSpec(0.5, 0.5, 2**30, "A100"), memory=2**30,
+                               kernel_id="k-secret", pid=4242, user="alice"))
+
+    async def status(*_args):
+        return {"simulated": True, "gpus": [], "allocations": [theirs.to_json()]}
+
+    monkeypatch.setattr(cli, "_status", status)
+    monkeypatch.setattr(cli, "_settings", lambda simulate: None)
+    args = argparse.Namespace(simulate=None, kubernetes_namespace=None, kubeconfig="",
+                              json=False)
+    assert cli.cmd_status(args) == 0
+    out = capsys.readouterr().out
+    assert "a-0123456789abcdef: 0.5–0.5 of A100 GPU-1" in out
+    assert "another user's share" in out
+    assert "None" not in out and "k-secret" not in out and "4242" not in out

@@ -136,7 +136,7 @@ async def ensure_agent(settings: GpuShare, gpus: Sequence[Gpu],
     if _system_socket(socket_path):
         if not await asyncio.to_thread(DaemonClient(socket_path, timeout=2.0).alive):
             raise RuntimeError(f"the machine's gpushare agent does not answer on {socket_path} "
-                               "(it is a system service: systemctl status gpushare)")
+                               "(it is a system service: systemctl status jupyter-gpushare-agent)")
         return True
     await asyncio.to_thread(
         ensure_daemon,

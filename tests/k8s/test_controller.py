@@ -84,7 +84,9 @@ c.KubernetesBackendConfig.namespace = {NAMESPACE!r}
 c.KubernetesBackendConfig.image = "gpushare-test:local"
 c.KubernetesBackendConfig.start_timeout = 60
 c.KubernetesBackendConfig.resources = {{"requests": {{"cpu": "100m", "memory": "64Mi"}}}}
-c.KubernetesBackendConfig.device_plugin = False  # as tests/k8s/servers.py: hostPath mode
+# hostPath mode: with the device plugin, kernel pods of this module exited 134 (SIGABRT) right
+# after starting in 2 of 7 runs (not investigated; see the issue 16 report)
+c.KubernetesBackendConfig.device_plugin = False
 """)
     started: list[Controller] = []
 
@@ -495,11 +497,19 @@ async def test_kill_9_of_the_leader_during_starts_loses_and_doubles_nothing(
             assert all(v <= 1.0 + 1e-9 for v in per_gpu.values()), per_gpu
         # and across nodes, in the final state
         assert len({a.id for a in final}) == len(final)
-        pods = (await kube.list_pods(NAMESPACE, manifests.LABEL_KERNEL))["items"]
-        running = [p for p in pods if manifests.pod_running(p)
-                   and p["metadata"]["labels"][manifests.LABEL_KERNEL] in kernels]
-        assert sorted(p["metadata"]["labels"][manifests.LABEL_KERNEL] for p in running) == \
-            sorted(kernels)
+        # one running pod per kernel (within a window: a status update may trail the answer)
+        deadline = time.monotonic() + 15
+        while True:
+            pods = [p for p in (await kube.list_pods(NAMESPACE, manifests.LABEL_KERNEL))["items"]
+                    if p["metadata"]["labels"][manifests.LABEL_KERNEL] in kernels]
+            running = sorted(p["metadata"]["labels"][manifests.LABEL_KERNEL] for p in pods
+                             if manifests.pod_running(p))
+            if running == sorted(kernels) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        assert running == sorted(kernels), [
+            (p["metadata"]["name"], (p.get("status") or {}).get("phase"),
+             manifests.pod_failure(p)) for p in pods]
         for answer in answers:
             await client.request("DELETE", f"/api/allocations/{answer['allocation']['id']}")
     finally:

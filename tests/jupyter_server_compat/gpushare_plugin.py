@@ -45,7 +45,7 @@ MODE = os.environ.get("GPUSHARE_JSTESTS_MODE", "plain")
 if MODE not in MODES:
     raise pytest.UsageError(f"GPUSHARE_JSTESTS_MODE={MODE!r}: allowed are {', '.join(MODES)}")
 SIMULATE = os.environ.get("GPUSHARE_JSTESTS_SIMULATE", "4xA100")
-#: longest a ``pool`` mode test waits for its server's first warm kernel
+#: longest a ``pool`` mode kernel start waits for its server's first warm kernel to be ready
 WARM_WAIT_S = 30.0
 #: the warm pool of ``pool`` mode: the default kernelspec with the server's default share
 POOL = {"name": "jstests", "kernelspec": "python3", "share": {}, "size": 1}
@@ -137,6 +137,14 @@ def _swap_in_gpushare() -> None:
     claim = PoolManager.claim
 
     async def counted_claim(self: Any, *args: Any, **kwargs: Any) -> str | None:
+        # a test starts its kernel moments after its server: let the server's first warm kernel
+        # get ready (the tests that start no kernel never wait; every test's server still stops
+        # with a warm kernel unclaimed or starting)
+        for _ in range(int(WARM_WAIT_S / 0.05)):
+            pools = list(self.pools.values())
+            if any(p.ready for p in pools) or any(p.failures for p in pools):
+                break
+            await asyncio.sleep(0.05)
         kernel_id = await claim(self, *args, **kwargs)
         COUNTS["warm_claims" if kernel_id else "cold_starts_with_pools"] += 1
         return kernel_id
@@ -187,27 +195,3 @@ def gpushare_kernels(request: pytest.FixtureRequest, tmp_path: Path,
     yield
     _stop_daemons(socket_path)
     shutil.rmtree(short, ignore_errors=True)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_call(item: pytest.Item) -> None:
-    """``pool`` mode: a test's server has a warm kernel ready before the test runs, so that the
-    test's kernel starts are warm claims (without it most would find the pool still starting;
-    the server's stop with a pool start under way is exercised by every test all the same).
-    After all fixtures, so that the test's own (warning filters, config) came first."""
-    if MODE != "pool" or "jp_serverapp" not in getattr(item, "fixturenames", ()):
-        return
-    request = item._request  # type: ignore[attr-defined]
-    app = request.getfixturevalue("jp_serverapp")
-    pools = getattr(app.kernel_manager, "pools", None)
-    if pools is None or not pools.pools:
-        return
-    loop = request.getfixturevalue("jp_asyncio_loop")
-
-    async def ready() -> None:
-        for _ in range(int(WARM_WAIT_S / 0.05)):
-            if any(p.ready for p in pools.pools.values()):
-                return
-            await asyncio.sleep(0.05)
-
-    loop.run_until_complete(ready())

@@ -30,11 +30,12 @@ def test_a_refused_start_then_sigterm_stops_the_server_quickly(jupyter_server, m
     began = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     try:
-        server.proc.wait(5 + 5)  # the promise is 5 s; the margin is for a loaded machine
+        server.proc.wait(5)  # the promise (it takes ~0.7 s on a loaded 2-core machine)
     except subprocess.TimeoutExpired:
         raise AssertionError(f"the server did not stop on SIGTERM:\n{server.log()}") from None
     took = time.monotonic() - began
-    assert took < 5 + 5, took
+    print(f"{manager}: stopped {took:.2f} s after SIGTERM")
+    assert took < 5, took
     log = server.log()
     assert "Kernel does not exist" not in log, log
     assert "Task was destroyed but it is pending" not in log, log

@@ -83,8 +83,9 @@ def _start(mode: str, suite: Path, report: Path, args: list[str]) -> subprocess.
         env.pop(key, None)
     log = open(report.with_suffix(".log"), "wb")
     return subprocess.Popen(
+        # no:cacheprovider, no:benchmark: nothing written into the shared extracted suite
         [sys.executable, "-m", "pytest", "-p", "gpushare_plugin", "-p", "no:cacheprovider",
-         "-q", "--color=no", *args],
+         "-p", "no:benchmark", "-q", "--color=no", *args],
         cwd=suite, env=env, stdout=log, stderr=subprocess.STDOUT,
     )
 

@@ -40,8 +40,8 @@ from .placement import Policy
 from .placement.config import GpusharePlacement
 from .share import SHARE_FIELDS, ShareError, ShareSpec
 
-#: each Jupyter server's own settings (see GpuShare.for_server)
-_PER_SERVER: weakref.WeakKeyDictionary[Any, GpuShare] = weakref.WeakKeyDictionary()
+#: the attribute of a ServerApp that holds its own settings (see GpuShare.for_server)
+_ATTRIBUTE = "_gpushare_settings"
 
 
 def _is_server_app(obj: object) -> bool:
@@ -54,10 +54,12 @@ class GpuShare(SingletonConfigurable):
 
     @classmethod
     def for_server(cls, serverapp: Any) -> GpuShare:
-        """``serverapp``'s own settings, created with its config on first use."""
-        settings = _PER_SERVER.get(serverapp)
-        if settings is None:
-            settings = _PER_SERVER[serverapp] = cls(parent=serverapp)
+        """``serverapp``'s own settings, created with its config on first use (kept on the
+        server app itself, so they go with it)."""
+        settings = getattr(serverapp, _ATTRIBUTE, None)
+        if not isinstance(settings, cls):
+            settings = cls(parent=serverapp)
+            setattr(serverapp, _ATTRIBUTE, settings)
         return settings
 
     @classmethod

@@ -56,7 +56,6 @@ import argparse
 import asyncio
 import base64
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -79,7 +78,6 @@ EVICT = "test.gpushare/evict"
 OOM = "test.gpushare/oom"
 PER_NODE_HOST_PATHS = ("/run/gpushare", "/var/lib/kubelet/device-plugins", "/opt/gpushare/lib")
 DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
-PR_SET_NO_NEW_PRIVS = 38
 
 
 def now() -> str:
@@ -575,6 +573,7 @@ class NodeAgent:
             mounts = {**mounts, f"device:{m['container_path']}": str(
                 self.host_path(node, m["host_path"]))}
         argv, env = self._command(pod, container, mounts, device)
+        _check_executable(argv[0], env)
         user = run_as(pod, container)
         if user.uid is not None and user.uid != 0:
             home = root / f"home-{name}"
@@ -584,7 +583,7 @@ class NodeAgent:
         cgroup = self.cgroups.path(running.uid, name)
         with open(root / f"{name}.log", "ab") as log_file:
             proc = await asyncio.create_subprocess_exec(
-                *argv, env=env, cwd=str(root), preexec_fn=user.enter(cgroup),
+                *user.wrap(argv, cgroup), env=env, cwd=str(root),
                 stdout=log_file, stderr=subprocess_stdout(), stdin=asyncio.subprocess.DEVNULL,
                 start_new_session=True)
         running.processes[name] = proc
@@ -714,6 +713,23 @@ class NodeAgent:
             pod["metadata"]["name"], pod["metadata"]["namespace"], {"status": status})
 
 
+
+def _check_executable(program: str, env: dict[str, str]) -> None:
+    """The runtime resolves the command before the container starts (runc's exec check): a
+    missing one never runs, it is a CreateContainerError with runc's words."""
+    found = (program if "/" in program and os.access(program, os.X_OK)
+             else shutil.which(program, path=env.get("PATH", os.defpath)) if "/" not in program
+             else None)
+    if found is None:
+        raise FileNotFoundError(f'exec: "{program}": executable file not found in $PATH'
+                                if "/" not in program else
+                                f'exec: "{program}": stat {program}: no such file or directory')
+
+
+#: util-linux's setpriv (drops to a user, no_new_privs) by absolute path: containers' PATH varies
+SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
+
+
 class RunAs:
     """The identity a container runs as (None: the image's, which is root here)."""
 
@@ -721,22 +737,23 @@ class RunAs:
                  no_new_privs: bool) -> None:
         self.uid, self.gid, self.groups, self.no_new_privs = uid, gid, groups, no_new_privs
 
-    def enter(self, cgroup: Path | None) -> Any:
-        """The child's preexec: join the container's cgroup (as root), then drop to the user."""
-        uid, gid, groups, no_new_privs = self.uid, self.gid, self.groups, self.no_new_privs
-
-        def child() -> None:
-            if cgroup is not None:
-                with open(cgroup / "cgroup.procs", "w") as f:
-                    f.write(str(os.getpid()))
-            if no_new_privs:
-                ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-            if uid is not None:
-                os.setgroups(groups)
-                os.setgid(gid if gid is not None else 0)
-                os.setuid(uid)
-
-        return child
+    def wrap(self, argv: list[str], cgroup: Path | None) -> list[str]:
+        """``argv`` run by programs that join the container's cgroup (as root) and drop to the
+        user, each exec-ing the next in the same process. No Python runs between fork and exec:
+        this agent has gRPC threads, and Python code in a forked child of a threaded process
+        (a preexec_fn) aborted kernel pods now and then (exit 134)."""
+        if self.uid is not None:
+            groups = ["--groups", ",".join(map(str, self.groups))] if self.groups else [
+                "--clear-groups"]
+            argv = [SETPRIV, "--reuid", str(self.uid), "--regid",
+                    str(self.gid if self.gid is not None else 0), *groups,
+                    *(["--no-new-privs"] if self.no_new_privs else []), "--", *argv]
+        elif self.no_new_privs:
+            argv = [SETPRIV, "--no-new-privs", "--", *argv]
+        if cgroup is not None:
+            argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"),
+                    *argv]
+        return argv
 
 
 def run_as(pod: dict[str, Any], container: dict[str, Any]) -> RunAs:

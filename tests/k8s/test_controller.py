@@ -84,9 +84,6 @@ c.KubernetesBackendConfig.namespace = {NAMESPACE!r}
 c.KubernetesBackendConfig.image = "gpushare-test:local"
 c.KubernetesBackendConfig.start_timeout = 60
 c.KubernetesBackendConfig.resources = {{"requests": {{"cpu": "100m", "memory": "64Mi"}}}}
-# hostPath mode: with the device plugin, kernel pods of this module exited 134 (SIGABRT) right
-# after starting in 2 of 7 runs (not investigated; see the issue 16 report)
-c.KubernetesBackendConfig.device_plugin = False
 """)
     started: list[Controller] = []
 

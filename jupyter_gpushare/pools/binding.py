@@ -72,4 +72,19 @@ async def bind_session(client: Any, km: Any, cwd: str, session_env: Mapping[str,
     if content.get("status") != "ok":
         raise RuntimeError(f"binding the session failed: {content.get('ename')}: "
                            f"{content.get('evalue')}")
+    await _until_idle(client, msg_id, deadline)
     return changes
+
+
+async def _until_idle(client: Any, msg_id: str, deadline: float) -> None:
+    """Wait for the kernel's ``idle`` status after the binding (it follows the reply on iopub):
+    the user's first look at the kernel must not catch the binding's ``busy``."""
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            msg = await client.get_iopub_msg(timeout=left)
+        except Empty:
+            return
+        if (msg.get("msg_type") == "status"
+                and msg.get("parent_header", {}).get("msg_id") == msg_id
+                and msg.get("content", {}).get("execution_state") == "idle"):
+            return

@@ -279,6 +279,12 @@ class PoolManager:
             if isinstance(launch.get("env"), dict):
                 launch["env"].update(applied)
         self.km.mark_claimed(warm.kernel_id)
+        # jupyter_server's activity watch reads the binding's busy/idle on a stream of its own:
+        # hand the kernel over once it says idle there too, as a fresh kernel would
+        for _ in range(100):
+            if getattr(km, "execution_state", "idle") != "busy":
+                break
+            await asyncio.sleep(0.01)
 
     def model(self) -> list[dict[str, Any]]:
         now = time.monotonic()

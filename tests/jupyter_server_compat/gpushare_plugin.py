@@ -65,7 +65,8 @@ class _DestroyedPending(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
         if "Task was destroyed but it is pending" in message:
-            self.messages.append(message[:300])
+            test = os.environ.get("PYTEST_CURRENT_TEST", "?")
+            self.messages.append(f"{message[:300]} (logged during {test})")
 
 
 class _Report:

@@ -34,7 +34,7 @@ from .manager import Pool, PoolManager
 PROVISIONER = "gpushare-provisioner"
 
 
-class PoolKernelManager(AsyncMappingKernelManager):  # type: ignore[misc]
+class PoolKernelManager(AsyncMappingKernelManager):
     """jupyter_server's kernel manager, plus gpushare's warm kernel pools."""
 
     def __init__(self, **kwargs: Any) -> None:

@@ -216,7 +216,7 @@ class PoolManager:
 
     async def _shutdown(self, kernel_id: str) -> None:
         with contextlib.suppress(Exception):
-            await ensure_async(self.km.shutdown_kernel(kernel_id, now=True))  # type: ignore[misc]
+            await ensure_async(self.km.shutdown_kernel(kernel_id, now=True))
 
     # -- hand-over -------------------------------------------------------------------------------
 

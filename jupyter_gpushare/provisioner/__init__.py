@@ -57,7 +57,7 @@ def _share_trait(help: str) -> AnyTrait:
     return AnyTrait(None, allow_none=True, config=True, help=help)
 
 
-class GpushareProvisioner(KernelProvisionerBase):  # type: ignore[misc]
+class GpushareProvisioner(KernelProvisionerBase):
     """Launches a kernel holding a share of a GPU."""
 
     gpu_request = _share_trait("Guaranteed fraction of one GPU, in (0, 1].")

@@ -9,10 +9,16 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
 export DEBIAN_FRONTEND=noninteractive
-if ! command -v chromium >/dev/null 2>&1 || ! command -v node >/dev/null 2>&1; then
+# Only what is missing: a machine may already have Node from elsewhere (NodeSource's nodejs
+# ships npm and conflicts with Debian's npm package).
+need=()
+command -v chromium >/dev/null 2>&1 || need+=(chromium chromium-driver fonts-dejavu-core \
+  fonts-liberation)
+command -v node >/dev/null 2>&1 || need+=(nodejs)
+command -v npm >/dev/null 2>&1 || need+=(npm)
+if ((${#need[@]})); then
   apt-get update -q
-  apt-get install -y -q --no-install-recommends chromium chromium-driver \
-    fonts-dejavu-core fonts-liberation nodejs npm
+  apt-get install -y -q --no-install-recommends "${need[@]}"
 fi
 
 if [ ! -d "$HERE/tests/lab/node_modules/playwright-core" ]; then

@@ -84,3 +84,33 @@ async def test_reconcile_releases_dead_holders_only(tmp_path):
     released = await reconcile(ledger, "n1", my_server_pid=os.getpid())
     assert {a.id for a in released} == {dead.id, gone_server.id}
     assert [a.id for a in await ledger.list()] == [live.id]
+
+
+
+def _first_use(path: str, start: object, results: object) -> None:
+    start.wait()  # type: ignore[attr-defined]
+    try:
+        ledger = SQLiteLedger(path)
+        snap = ledger.snapshot_sync()
+        ledger.compare_and_swap_sync("n", snap.versions.get("n", 0), [])  # may lose the race
+        results.put("ok")  # type: ignore[attr-defined]
+    except Exception as exc:
+        results.put(repr(exc))  # type: ignore[attr-defined]
+
+
+def test_a_fresh_ledger_opened_by_many_at_once_is_never_unavailable(tmp_path):
+    """Every first connection sets WAL mode and the schema; SQLite answers the mode switch with
+    SQLITE_BUSY at once while another connection holds the file. That is contention, not a
+    broken ledger: processes opening a fresh file together all get through."""
+    ctx = multiprocessing.get_context("fork")
+    for attempt in range(5):
+        path = str(tmp_path / f"ledger-{attempt}.sqlite")
+        start, results = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_first_use, args=(path, start, results)) for _ in range(8)]
+        for proc in procs:
+            proc.start()
+        start.set()
+        outcomes = [results.get(timeout=60) for _ in procs]
+        for proc in procs:
+            proc.join(10)
+        assert outcomes == ["ok"] * 8, outcomes

@@ -25,6 +25,7 @@ import functools
 import json
 import logging
 import os
+import random
 import sqlite3
 import threading
 import time
@@ -110,12 +111,37 @@ def _reason(exc: sqlite3.Error, path: Path) -> str:
     return reason
 
 
+#: SQLITE_BUSY's primary code (extended codes keep it in the low byte)
+_SQLITE_BUSY = 5
+
+
+def _initialize(db: sqlite3.Connection, patience: float = 30.0) -> None:
+    """WAL mode and the schema, on a file other processes may be opening at the same moment.
+    Switching the journal mode takes an exclusive lock and SQLite answers SQLITE_BUSY at once
+    (no busy handler) while another connection holds the file: retry that for a while. A file
+    already in WAL mode (the mode is stored in the file) is not switched again."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            (mode,) = db.execute("PRAGMA journal_mode").fetchone()
+            if str(mode).lower() != "wal":
+                db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(_SCHEMA)
+            return
+        except sqlite3.OperationalError as exc:
+            code = getattr(exc, "sqlite_errorcode", 0) or 0
+            if code & 0xFF != _SQLITE_BUSY or time.monotonic() > deadline:
+                raise
+            time.sleep(random.uniform(0.005, 0.05))
+
+
 class SQLiteLedger(Ledger):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._ready = False
         self._warned: set[str] = set()  # unreadable rows already named in the log
         self._lock = threading.Lock()
+        self._init_lock = threading.Lock()
 
     def _connect(self) -> sqlite3.Connection:
         if not self._ready:
@@ -125,9 +151,10 @@ class SQLiteLedger(Ledger):
             db.execute("PRAGMA busy_timeout=30000")
             db.execute("PRAGMA synchronous=NORMAL")
             if not self._ready:
-                db.execute("PRAGMA journal_mode=WAL")
-                db.executescript(_SCHEMA)
-                self._ready = True
+                with self._init_lock:  # threads of this process: one initializes
+                    if not self._ready:
+                        _initialize(db)
+                        self._ready = True
         except BaseException:
             db.close()
             raise

@@ -295,7 +295,9 @@ static struct gs_gpu *gpu_by_uuid(const char *uuid, int add) {
  * Uses slot `index`; moves this process's reservations over. */
 static void *map_checked(int fd, size_t size, int prot, uint64_t id[2]) {
     struct stat st;
-    if (fd < 0 || fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < (off_t)size)
+    /* the system call, not glibc's fstat: that symbol is versioned 2.33 (glibc_baseline.h) */
+    if (fd < 0 || syscall(SYS_fstat, fd, &st) != 0 || !S_ISREG(st.st_mode) ||
+        st.st_size < (off_t)size)
         return MAP_FAILED;
     id[0] = (uint64_t)st.st_dev;
     id[1] = (uint64_t)st.st_ino;

@@ -1,0 +1,177 @@
+"""Eight ``jupyter gpushare run`` started at the same instant on a fresh machine (issue 12).
+
+Each run holds 0.10-0.125 of one simulated A100 and runs a saturating driver-API program (2 ms
+kernels, a sync every 4 launches). All eight start together on fresh state (no agent, no ledger,
+no simulator state), so each run tries to start the node agent; exactly one may serve the socket.
+While they run, the agent's status is sampled once a second (its window is 1 s) and each
+tenant's achieved share is averaged over the run.
+
+Prints per tenant the achieved share against its limit, the number of agents that served the
+socket, the worst excess over a limit, the device's busy total against the sum of the limits
+(ratio; work conservation), and one JSON line.
+
+    python3 benchmarks/concurrent_runs.py [--seconds 12] [--tenants 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # this checkout's package and libraries
+
+import psutil  # noqa: E402
+
+from jupyter_gpushare.daemon.client import DaemonClient  # noqa: E402
+from jupyter_gpushare.paths import lib_dir  # noqa: E402
+
+CSRC = HERE.parent / "jupyter_gpushare" / "csrc"
+
+#: saturates its share for argv[1] seconds: 2 ms kernels, a sync every 4 launches
+PROGRAM = r"""
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#include "gpushare_cuda.h"
+#define CK(call) do { CUresult r_ = (call); if (r_ != CUDA_SUCCESS) { \
+    fprintf(stderr, "%s = %d\n", #call, (int)r_); return 10; } } while (0)
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+int main(int argc, char **argv) {
+    double seconds = argc > 1 ? atof(argv[1]) : 10.0;
+    CUdevice dev;
+    CUcontext ctx;
+    CUmodule mod;
+    CUfunction fn;
+    uint64_t us = 2000;
+    void *params[] = {&us};
+    CK(cuInit(0));
+    CK(cuDeviceGet(&dev, 0));
+    CK(cuCtxCreate_v2(&ctx, 0, dev));
+    CK(cuModuleLoadData(&mod, "any module"));
+    CK(cuModuleGetFunction(&fn, mod, "busy_us"));
+    double end = now() + seconds;
+    while (now() < end) {
+        for (int i = 0; i < 4; i++)
+            CK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL));
+        CK(cuCtxSynchronize());
+    }
+    CK(cuCtxDestroy_v2(ctx));
+    return 0;
+}
+"""
+
+
+def build(folder: Path) -> Path:
+    sim = lib_dir() / "sim"
+    (folder / "saturate.c").write_text(PROGRAM)
+    subprocess.run([os.environ.get("CC", "cc"), "-std=c11", "-O2", f"-I{CSRC / 'include'}",
+                    str(folder / "saturate.c"), "-o", str(folder / "saturate"), f"-L{sim}",
+                    "-lcuda"], check=True)
+    return folder / "saturate"
+
+
+def agents(socket_path: str) -> set[int]:
+    found = set()
+    for p in psutil.process_iter(["cmdline"]):
+        cmdline = p.info["cmdline"] or []
+        if "jupyter_gpushare.daemon" in cmdline and socket_path in cmdline:
+            found.add(p.pid)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=12.0)
+    parser.add_argument("--tenants", type=int, default=8)
+    parser.add_argument("--request", type=float, default=0.1)
+    parser.add_argument("--limit", type=float, default=0.125)
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="gs-bench-runs-", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSHARE_", "JUPYTER_"))}
+    env.update(GPUSHARE_SIMULATE="1xA100", GPUSHARE_SOCKET=str(work / "rt" / "daemon.sock"),
+               GPUSHARE_LEDGER=str(work / "ledger.sqlite"),
+               GPUSHARE_SIM_STATE=str(work / "sim" / "sim.state"),
+               JUPYTER_DATA_DIR=str(work / "data"), JUPYTER_RUNTIME_DIR=str(work / "rt"),
+               JUPYTER_CONFIG_DIR=str(work / "config"))
+    program = build(work)
+    seen_agents: set[int] = set()
+    samples: dict[str, list[float]] = {}
+    limits: dict[str, float] = {}
+    runs = [subprocess.Popen(
+        [sys.executable, "-m", "jupyter_gpushare", "run", "--gpu-request", str(args.request),
+         "--gpu-limit", str(args.limit), "--", str(program), str(args.seconds)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(args.tenants)]
+    try:
+        client = DaemonClient(env["GPUSHARE_SOCKET"], timeout=2.0)
+        start = time.monotonic()
+        while any(r.poll() is None for r in runs) and time.monotonic() - start < args.seconds + 60:
+            time.sleep(1.0)
+            seen_agents |= agents(env["GPUSHARE_SOCKET"])
+            if time.monotonic() - start < 3.0:  # every tenant connected, windows filled
+                continue
+            try:
+                status = client.status()
+            except (OSError, ValueError):
+                continue
+            live = [a for a in status.get("allocations", []) if a.get("connected")]
+            if len(live) < args.tenants:
+                continue  # some already ended: their neighbours may take their time
+            for a in live:
+                samples.setdefault(a["id"], []).append(float(a["achieved_share"]))
+                limits[a["id"]] = float(a["limit"])
+        codes = [r.wait(60) for r in runs]
+        errors = [r.communicate()[1] for r in runs]
+        serving = agents(env["GPUSHARE_SOCKET"])
+    finally:
+        for pid in agents(env["GPUSHARE_SOCKET"]):
+            psutil.Process(pid).terminate()
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(f"{args.tenants} runs started together, request {args.request:g}, limit "
+          f"{args.limit:g}, {args.seconds:g} s each")
+    worst = 0.0
+    total = 0.0
+    for i, (allocation, values) in enumerate(sorted(samples.items())):
+        mean = statistics.fmean(values)
+        total += mean
+        worst = max(worst, mean - limits[allocation])
+        print(f"  tenant {i}: achieved {mean:.3f} of limit {limits[allocation]:.3f} "
+              f"(ratio {mean / limits[allocation]:.3f}, {len(values)} samples)")
+    promised = sum(limits.values())
+    print(f"exit codes {codes}; agent processes seen at the samples: {len(seen_agents)} "
+          f"(one left serving: {len(serving)})")
+    print(f"worst excess over a limit: {worst:+.3f} (promise: at most +0.03)")
+    if promised:
+        print(f"device busy {total:.3f} of the limits' sum {promised:.3f} "
+              f"(ratio {total / promised:.3f})")
+    bad = [e.strip().splitlines()[-1] for e in errors if "gpushare:" in e]
+    if bad:
+        print("run errors:", bad)
+    print(json.dumps({
+        "benchmark": "concurrent_runs", "tenants": args.tenants, "seconds": args.seconds,
+        "exit_codes": codes, "agents_seen": len(seen_agents),
+        "tenants_measured": len(samples),
+        "achieved": {k: round(statistics.fmean(v), 4) for k, v in sorted(samples.items())},
+        "worst_excess_over_limit": round(worst, 4),
+        "busy_over_limits_ratio": round(total / promised, 4) if promised else None,
+    }))
+
+
+if __name__ == "__main__":
+    main()

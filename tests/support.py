@@ -80,12 +80,19 @@ def add_kernelspec(env: dict[str, str], name: str, config: dict[str, Any]) -> No
 
 
 def stop_daemons(socket_path: str) -> None:
-    """End node daemons a test's server started (they are detached so that they outlive it)."""
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if "jupyter_gpushare.daemon" in cmdline and socket_path in cmdline:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
+    """End node daemons a test's server started (they are detached so that they outlive it):
+    SIGTERM first, so that an agent with no share left removes its state directory (in
+    /dev/shm), then SIGKILL for one that does not stop within 3 s."""
+    procs = [proc for proc in psutil.process_iter(["cmdline"])
+             if "jupyter_gpushare.daemon" in (cmdline := proc.info["cmdline"] or [])
+             and socket_path in cmdline]
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _gone, alive = psutil.wait_procs(procs, timeout=3)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
 
 
 class JupyterServer:

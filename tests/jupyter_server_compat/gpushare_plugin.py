@@ -27,6 +27,7 @@ a warm kernel (``warm_claims``) or found none ready (``cold_starts_with_pools``)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -160,16 +161,31 @@ def pytest_configure(config: pytest.Config) -> None:
         _swap_in_gpushare()
 
 
+#: every test's socket directory, for the last sweep at the end of the session
+_SOCKET_DIRS: list[Path] = []
+
+
 def _stop_daemons(socket_path: str) -> None:
-    """End the node daemons a test's server started (detached, they outlive their server)."""
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if "jupyter_gpushare.daemon" in cmdline and socket_path in cmdline:
-            try:
-                proc.kill()
-                proc.wait(5)
-            except psutil.Error:
-                pass
+    """End the node daemons a test's server started (detached, they outlive their server):
+    SIGTERM (an agent with no share left removes its state), SIGKILL after 3 s."""
+    procs = [proc for proc in psutil.process_iter(["cmdline"])
+             if "jupyter_gpushare.daemon" in (cmdline := proc.info["cmdline"] or [])
+             and socket_path in cmdline]
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _gone, alive = psutil.wait_procs(procs, timeout=3)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A server whose pool start outlived its test may have started an agent after that test's
+    teardown: end those too, so that no run leaves agents behind."""
+    for folder in _SOCKET_DIRS:
+        _stop_daemons(str(folder / "daemon.sock"))
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -189,6 +205,7 @@ def gpushare_kernels(request: pytest.FixtureRequest, tmp_path: Path,
     }
     (spec / "kernel.json").write_text(json.dumps(native))
     short = Path(tempfile.mkdtemp(prefix="gsjs-", dir="/tmp"))  # unix socket paths are short
+    _SOCKET_DIRS.append(short)
     socket_path = str(short / "daemon.sock")
     monkeypatch.setenv("GPUSHARE_SIMULATE", SIMULATE)
     monkeypatch.setenv("GPUSHARE_LEDGER", str(tmp_path / "gpushare-ledger.sqlite"))

@@ -32,18 +32,11 @@ def ensure_private_dir(path: Path, mode: int, exact: bool = True) -> None:
     except FileExistsError:
         pass
     st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeDirectory(f"{path} is not a directory (a symlink or a file)")
-    if st.st_uid not in (0, os.geteuid()):
-        raise UnsafeDirectory(f"{path} is owned by uid {st.st_uid}, not by uid {os.geteuid()} "
-                              "or root")
-    if st.st_uid == os.geteuid():
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
         wanted = mode if exact else stat.S_IMODE(st.st_mode) & ~0o022
         if stat.S_IMODE(st.st_mode) != wanted:
             os.chmod(path, wanted)
-    elif st.st_mode & 0o022:
-        raise UnsafeDirectory(f"{path} is writable by other users (mode "
-                              f"{stat.S_IMODE(st.st_mode):o})")
+    check_dir(path)
 
 
 def check_dir(path: Path) -> None:

@@ -27,19 +27,21 @@ a warm kernel (``warm_claims``) or found none ready (``cold_starts_with_pools``)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 from ipykernel.kernelspec import get_kernel_dict
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+from support import stop_daemons
 
 MODES = ("plain", "gpushare", "pool")
 MODE = os.environ.get("GPUSHARE_JSTESTS_MODE", "plain")
@@ -165,26 +167,11 @@ def pytest_configure(config: pytest.Config) -> None:
 _SOCKET_DIRS: list[Path] = []
 
 
-def _stop_daemons(socket_path: str) -> None:
-    """End the node daemons a test's server started (detached, they outlive their server):
-    SIGTERM (an agent with no share left removes its state), SIGKILL after 3 s."""
-    procs = [proc for proc in psutil.process_iter(["cmdline"])
-             if "jupyter_gpushare.daemon" in (cmdline := proc.info["cmdline"] or [])
-             and socket_path in cmdline]
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    _gone, alive = psutil.wait_procs(procs, timeout=3)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-
-
 def pytest_unconfigure(config: pytest.Config) -> None:
     """A server whose pool start outlived its test may have started an agent after that test's
     teardown: end those too, so that no run leaves agents behind."""
     for folder in _SOCKET_DIRS:
-        _stop_daemons(str(folder / "daemon.sock"))
+        stop_daemons(str(folder / "daemon.sock"))
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -211,5 +198,5 @@ def gpushare_kernels(request: pytest.FixtureRequest, tmp_path: Path,
     monkeypatch.setenv("GPUSHARE_LEDGER", str(tmp_path / "gpushare-ledger.sqlite"))
     monkeypatch.setenv("GPUSHARE_SOCKET", socket_path)
     yield
-    _stop_daemons(socket_path)
+    stop_daemons(socket_path)
     shutil.rmtree(short, ignore_errors=True)

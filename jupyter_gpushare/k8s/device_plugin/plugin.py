@@ -42,6 +42,7 @@ from typing import Any
 
 import grpc
 
+from ...daemon.lock import ensure_private_dir
 from ...inventory import Gpu
 from ...ledger import Allocation
 from .. import manifests
@@ -221,8 +222,8 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
     # -- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.settings.pod_socket_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-        os.chmod(self.settings.pod_socket_dir, 0o755)
+        # in the hostPath mode pods mount the agent's socket directory: refuse a prepared one
+        ensure_private_dir(self.settings.pod_socket_dir, 0o755)
         self.gpus = await self._node_gpus()
         await self._serve_again()
         await self._serve()

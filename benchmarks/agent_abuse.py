@@ -91,8 +91,9 @@ def main() -> int:
         print("run as root: the abusers are real users (useradd)", file=sys.stderr)
         return 2
     raise_own_fd_limit()
-    honest_user, idle_user, rough_user = (unix_user(n) for n in
-                                          ("gsagent-a", "gsagent-b", "gsagent-c"))
+    honest_user, idle_user, rough_user = (
+        unix_user(n) for n in ("gsagent-a", "gsagent-b", "gsagent-c")
+    )
     directory = shared_dir()
     agent = start_agent(directory)
     figures: dict[str, Any] = {"load1_start": round(os.getloadavg()[0], 2)}
@@ -101,8 +102,9 @@ def main() -> int:
     sampler = threading.Thread(target=_peak, args=(agent.proc.pid, stop, peak), daemon=True)
     try:
         ledger = SQLiteLedger(agent.ledger_path)
-        figures["agent_rss_idle_mb"] = round(psutil.Process(agent.proc.pid).memory_info().rss / MB,
-                                             1)
+        figures["agent_rss_idle_mb"] = round(
+            psutil.Process(agent.proc.pid).memory_info().rss / MB, 1
+        )
         baseline = _honest_run(agent, ledger, honest_user, args.seconds)
         sampler.start()
         idle = run_as(idle_user, IDLE, str(agent.socket), "5000")
@@ -120,32 +122,42 @@ def main() -> int:
         stop.set()
         agent.stop()
         shutil.rmtree(directory, ignore_errors=True)
-    figures.update({
-        "baseline": baseline,
-        "abused": abused,
-        "p99_ratio": round(abused["p99_ms"] / max(baseline["p99_ms"], 1e-3), 2),
-        "agent_rss_peak_mb": round(peak.get("rss", 0) / MB, 1),
-        "agent_fds_peak": peak.get("fds", 0),
-        "flood_requests_taken": flooded.get("sent_requests"),
-        "idle_connected": opened["connected"],
-        "idle_kept_open": still_open,
-        "garbage_connections": junk["connections"],
-        "garbage_max_answers": junk["max_answers"],
-        "load1_end": round(os.getloadavg()[0], 2),
-    })
+    figures.update(
+        {
+            "baseline": baseline,
+            "abused": abused,
+            "p99_ratio": round(abused["p99_ms"] / max(baseline["p99_ms"], 1e-3), 2),
+            "agent_rss_peak_mb": round(peak.get("rss", 0) / MB, 1),
+            "agent_fds_peak": peak.get("fds", 0),
+            "flood_requests_taken": flooded.get("sent_requests"),
+            "idle_connected": opened["connected"],
+            "idle_kept_open": still_open,
+            "garbage_connections": junk["connections"],
+            "garbage_max_answers": junk["max_answers"],
+            "load1_end": round(os.getloadavg()[0], 2),
+        }
+    )
     for name, run in (("unabused", baseline), ("abused", abused)):
-        print(f"{name:>9}: {run['round_trips']} round trips, {run['errors']} errors; "
-              f"status p50 {run['status_p50_ms']} ms p99 {run['status_p99_ms']} ms; "
-              f"ping p50 {run['ping_p50_ms']} ms p99 {run['ping_p99_ms']} ms")
-    print(f"honest p99 abused/unabused: {figures['p99_ratio']} "
-          f"(abused p99 {abused['p99_ms']} ms; target <= 10 ms)")
-    print(f"agent: peak RSS {figures['agent_rss_peak_mb']} MB (idle "
-          f"{figures['agent_rss_idle_mb']} MB; target < 100 MB), peak descriptors "
-          f"{figures['agent_fds_peak']}")
-    print(f"abusers: the flood got {flooded.get('sent_requests')} of 1,000,000 pings in before "
-          f"the agent stopped reading; {opened['connected']} idle connections opened, "
-          f"{still_open} kept; {junk['connections']} garbage connections, closed after at most "
-          f"{junk['max_answers']} answers")
+        print(
+            f"{name:>9}: {run['round_trips']} round trips, {run['errors']} errors; "
+            f"status p50 {run['status_p50_ms']} ms p99 {run['status_p99_ms']} ms; "
+            f"ping p50 {run['ping_p50_ms']} ms p99 {run['ping_p99_ms']} ms"
+        )
+    print(
+        f"honest p99 abused/unabused: {figures['p99_ratio']} "
+        f"(abused p99 {abused['p99_ms']} ms; target <= 10 ms)"
+    )
+    print(
+        f"agent: peak RSS {figures['agent_rss_peak_mb']} MB (idle "
+        f"{figures['agent_rss_idle_mb']} MB; target < 100 MB), peak descriptors "
+        f"{figures['agent_fds_peak']}"
+    )
+    print(
+        f"abusers: the flood got {flooded.get('sent_requests')} of 1,000,000 pings in before "
+        f"the agent stopped reading; {opened['connected']} idle connections opened, "
+        f"{still_open} kept; {junk['connections']} garbage connections, closed after at most "
+        f"{junk['max_answers']} answers"
+    )
     print(json.dumps(figures))
     return 0
 

@@ -59,10 +59,19 @@ async def fill(ledger: Ledger) -> None:
     """64 live shares, 8 per GPU."""
     gpus = await ledger.gpus()
     snap = await ledger.snapshot()
-    records = [Allocation(id=Allocation.new_id(), node=NODE, gpus=(g.uuid,),
-                          spec=ShareSpec(0.05, 0.05, gpu_memory=GiB, gpu_type=g.type),
-                          memory=GiB, owner="run", extra={"uid": 0})
-               for g in gpus for _ in range(8)]
+    records = [
+        Allocation(
+            id=Allocation.new_id(),
+            node=NODE,
+            gpus=(g.uuid,),
+            spec=ShareSpec(0.05, 0.05, gpu_memory=GiB, gpu_type=g.type),
+            memory=GiB,
+            owner="run",
+            extra={"uid": 0},
+        )
+        for g in gpus
+        for _ in range(8)
+    ]
     assert await ledger.compare_and_swap(NODE, snap.versions.get(NODE, 0), records)
 
 
@@ -71,8 +80,14 @@ async def rounds(ledger: Ledger, n: int) -> list[float]:
     times = []
     for _ in range(n):
         start = time.perf_counter()
-        made = await allocate(ledger, ShareSpec(0.05, 0.05, gpu_memory=GiB), gpus, None,
-                              owner="run", server_pid=os.getpid())
+        made = await allocate(
+            ledger,
+            ShareSpec(0.05, 0.05, gpu_memory=GiB),
+            gpus,
+            None,
+            owner="run",
+            server_pid=os.getpid(),
+        )
         times.append((time.perf_counter() - start) * 1000)
         await ledger.release(made.id)
     return times
@@ -102,8 +117,11 @@ def bench_user() -> pwd.struct_passwd | None:
     try:
         return pwd.getpwnam(USER)
     except KeyError:
-        subprocess.run(["useradd", "-M", "--shell", "/usr/sbin/nologin", USER], check=False,
-                       stderr=subprocess.DEVNULL)
+        subprocess.run(
+            ["useradd", "-M", "--shell", "/usr/sbin/nologin", USER],
+            check=False,
+            stderr=subprocess.DEVNULL,
+        )
     try:
         return pwd.getpwnam(USER)
     except KeyError:
@@ -111,9 +129,11 @@ def bench_user() -> pwd.struct_passwd | None:
 
 
 def summary(times: list[float]) -> dict[str, float]:
-    return {"p50_ms": round(statistics.median(times), 3),
-            "p99_ms": round(percentile(times, 0.99), 3),
-            "max_ms": round(max(times), 3)}
+    return {
+        "p50_ms": round(statistics.median(times), 3),
+        "p99_ms": round(percentile(times, 0.99), 3),
+        "max_ms": round(max(times), 3),
+    }
 
 
 def main() -> int:
@@ -125,10 +145,27 @@ def main() -> int:
     socket, ledger_path = directory / "daemon.sock", directory / "state" / "ledger.sqlite"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
     agent = subprocess.Popen(
-        [sys.executable, "-m", "jupyter_gpushare.daemon", "--system", "--socket", str(socket),
-         "--ledger", str(ledger_path), "--node", NODE, "--simulate", "8xA100",
-         "--state-dir", str(directory / "shm")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "jupyter_gpushare.daemon",
+            "--system",
+            "--socket",
+            str(socket),
+            "--ledger",
+            str(ledger_path),
+            "--node",
+            NODE,
+            "--simulate",
+            "8xA100",
+            "--state-dir",
+            str(directory / "shm"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while not DaemonClient(socket, timeout=1).alive():
@@ -160,15 +197,20 @@ def main() -> int:
         result["sqlite_direct"] = summary(asyncio.run(rounds(direct, args.rounds)))
         key = "agent_as_user" if "agent_as_user" in result else "agent_as_root"
         result["agent_over_direct_p50"] = round(
-            result[key]["p50_ms"] / result["sqlite_direct"]["p50_ms"], 2)
+            result[key]["p50_ms"] / result["sqlite_direct"]["p50_ms"], 2
+        )
         result["target_p99_ms"] = 2.0
         for name in ("agent_as_root", "agent_as_user", "sqlite_direct"):
             if name in result:
                 r = result[name]
-                print(f"{name:14s} p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  "
-                      f"max {r['max_ms']:.3f} ms")
-        print(f"agent CPU per placement + release: {result['agent_cpu_per_round_ms']:.3f} ms "
-              f"(beyond its idle {result['agent_idle_cpu_percent']:.1f}% of a CPU)")
+                print(
+                    f"{name:14s} p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  "
+                    f"max {r['max_ms']:.3f} ms"
+                )
+        print(
+            f"agent CPU per placement + release: {result['agent_cpu_per_round_ms']:.3f} ms "
+            f"(beyond its idle {result['agent_idle_cpu_percent']:.1f}% of a CPU)"
+        )
         print(json.dumps(result))
     finally:
         agent.send_signal(signal.SIGTERM)

@@ -79,9 +79,20 @@ int main(int argc, char **argv) {
 def build(folder: Path) -> Path:
     sim = lib_dir() / "sim"
     (folder / "saturate.c").write_text(PROGRAM)
-    subprocess.run([os.environ.get("CC", "cc"), "-std=c11", "-O2", f"-I{CSRC / 'include'}",
-                    str(folder / "saturate.c"), "-o", str(folder / "saturate"), f"-L{sim}",
-                    "-lcuda"], check=True)
+    subprocess.run(
+        [
+            os.environ.get("CC", "cc"),
+            "-std=c11",
+            "-O2",
+            f"-I{CSRC / 'include'}",
+            str(folder / "saturate.c"),
+            "-o",
+            str(folder / "saturate"),
+            f"-L{sim}",
+            "-lcuda",
+        ],
+        check=True,
+    )
     return folder / "saturate"
 
 
@@ -104,20 +115,41 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="gs-bench-runs-", dir="/tmp"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSHARE_", "JUPYTER_"))}
-    env.update(GPUSHARE_SIMULATE="1xA100", GPUSHARE_SOCKET=str(work / "rt" / "daemon.sock"),
-               GPUSHARE_LEDGER=str(work / "ledger.sqlite"),
-               GPUSHARE_SIM_STATE=str(work / "sim" / "sim.state"),
-               JUPYTER_DATA_DIR=str(work / "data"), JUPYTER_RUNTIME_DIR=str(work / "rt"),
-               JUPYTER_CONFIG_DIR=str(work / "config"))
+    env.update(
+        GPUSHARE_SIMULATE="1xA100",
+        GPUSHARE_SOCKET=str(work / "rt" / "daemon.sock"),
+        GPUSHARE_LEDGER=str(work / "ledger.sqlite"),
+        GPUSHARE_SIM_STATE=str(work / "sim" / "sim.state"),
+        JUPYTER_DATA_DIR=str(work / "data"),
+        JUPYTER_RUNTIME_DIR=str(work / "rt"),
+        JUPYTER_CONFIG_DIR=str(work / "config"),
+    )
     program = build(work)
     answered: set[int] = set()  # pids of the agents that answered a status
     samples: dict[str, list[float]] = {}
     limits: dict[str, float] = {}
-    runs = [subprocess.Popen(
-        [sys.executable, "-m", "jupyter_gpushare", "run", "--gpu-request", str(args.request),
-         "--gpu-limit", str(args.limit), "--", str(program), str(args.seconds)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(args.tenants)]
+    runs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jupyter_gpushare",
+                "run",
+                "--gpu-request",
+                str(args.request),
+                "--gpu-limit",
+                str(args.limit),
+                "--",
+                str(program),
+                str(args.seconds),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(args.tenants)
+    ]
     try:
         client = DaemonClient(env["GPUSHARE_SOCKET"], timeout=2.0)
         start = time.monotonic()
@@ -144,34 +176,50 @@ def main() -> None:
             psutil.Process(pid).terminate()
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"{args.tenants} runs started together, request {args.request:g}, limit "
-          f"{args.limit:g}, {args.seconds:g} s each")
+    print(
+        f"{args.tenants} runs started together, request {args.request:g}, limit "
+        f"{args.limit:g}, {args.seconds:g} s each"
+    )
     worst = 0.0
     total = 0.0
     for i, (allocation, values) in enumerate(sorted(samples.items())):
         mean = statistics.fmean(values)
         total += mean
         worst = max(worst, mean - limits[allocation])
-        print(f"  tenant {i}: achieved {mean:.3f} of limit {limits[allocation]:.3f} "
-              f"(ratio {mean / limits[allocation]:.3f}, {len(values)} samples)")
+        print(
+            f"  tenant {i}: achieved {mean:.3f} of limit {limits[allocation]:.3f} "
+            f"(ratio {mean / limits[allocation]:.3f}, {len(values)} samples)"
+        )
     promised = sum(limits.values())
-    print(f"exit codes {codes}; agents that answered: {len(answered)}; agent processes left: "
-          f"{len(serving)}")
+    print(
+        f"exit codes {codes}; agents that answered: {len(answered)}; agent processes left: "
+        f"{len(serving)}"
+    )
     print(f"worst excess over a limit: {worst:+.3f} (promise: at most +0.03)")
     if promised:
-        print(f"device busy {total:.3f} of the limits' sum {promised:.3f} "
-              f"(ratio {total / promised:.3f})")
+        print(
+            f"device busy {total:.3f} of the limits' sum {promised:.3f} "
+            f"(ratio {total / promised:.3f})"
+        )
     bad = [e.strip().splitlines()[-1] for e in errors if "gpushare:" in e]
     if bad:
         print("run errors:", bad)
-    print(json.dumps({
-        "benchmark": "concurrent_runs", "tenants": args.tenants, "seconds": args.seconds,
-        "exit_codes": codes, "agents_answered": len(answered), "agents_left": len(serving),
-        "tenants_measured": len(samples),
-        "achieved": {k: round(statistics.fmean(v), 4) for k, v in sorted(samples.items())},
-        "worst_excess_over_limit": round(worst, 4),
-        "busy_over_limits_ratio": round(total / promised, 4) if promised else None,
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "concurrent_runs",
+                "tenants": args.tenants,
+                "seconds": args.seconds,
+                "exit_codes": codes,
+                "agents_answered": len(answered),
+                "agents_left": len(serving),
+                "tenants_measured": len(samples),
+                "achieved": {k: round(statistics.fmean(v), 4) for k, v in sorted(samples.items())},
+                "worst_excess_over_limit": round(worst, 4),
+                "busy_over_limits_ratio": round(total / promised, 4) if promised else None,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -67,8 +67,15 @@ def run_plain(gpus, tmp, n, seconds, warmup=1.5):
     env.update(simulator_environ(gpus, tmp / "daemon.sock"))
     env["CUDA_VISIBLE_DEVICES"] = gpus[0].uuid
     env["GPUSHARE_SIM_STATE"] = str(tmp / "sim.state")
-    procs = [subprocess.Popen([str(TENANT), "spin", str(seconds + warmup + 0.3), "1000", "8"],
-                              stdout=subprocess.PIPE, text=True, env=env) for _ in range(n)]
+    procs = [
+        subprocess.Popen(
+            [str(TENANT), "spin", str(seconds + warmup + 0.3), "1000", "8"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(n)
+    ]
 
     class T:
         pass
@@ -91,8 +98,14 @@ def bench_launch(daemon, ledger, gpus, tmp, n):
     env.update(simulator_environ(gpus, daemon.socket))
     env["CUDA_VISIBLE_DEVICES"] = gpus[0].uuid
     env["GPUSHARE_SIM_STATE"] = str(daemon.socket.parent / "sim.state")
-    out = subprocess.run([str(TENANT), "bench", str(n)], env=env, capture_output=True, text=True,
-                         check=True, timeout=300).stdout
+    out = subprocess.run(
+        [str(TENANT), "bench", str(n)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout
     plain = json.loads(out.splitlines()[-1])["ns_per_launch"]
     a = add_allocation(ledger, gpus[0], 1.0, 1.0)
     t = spawn_tenant(daemon, ledger, a, gpus, ["bench", str(n)], tmp)
@@ -123,9 +136,14 @@ def main() -> int:
     args = parser.parse_args()
     build_c()
     gpus = simulated_gpus("1xA100", NODE)
-    figures: dict[str, object] = {"seconds": args.seconds, "quantum_ms": args.quantum_ms,
-                                  "window_ms": args.window_ms, "device": "simulated A100",
-                                  "cpus": os.cpu_count(), "load1": round(os.getloadavg()[0], 2)}
+    figures: dict[str, object] = {
+        "seconds": args.seconds,
+        "quantum_ms": args.quantum_ms,
+        "window_ms": args.window_ms,
+        "device": "simulated A100",
+        "cpus": os.cpu_count(),
+        "load1": round(os.getloadavg()[0], 2),
+    }
     with tempfile.TemporaryDirectory(prefix="gpushare-bench-") as d:
         tmp = Path(d)
         daemon = start_daemon(tmp, quantum_ms=args.quantum_ms, window_ms=args.window_ms)
@@ -134,64 +152,91 @@ def main() -> int:
             rounds = [bench_launch(daemon, ledger, gpus, tmp, args.launches) for _ in range(3)]
             plain = min(r[0] for r in rounds)
             ours = min(r[1] for r in rounds)
-            fast = json.loads(subprocess.run([str(TENANT.parent / "gs_fastpath")], check=True,
-                                             capture_output=True, text=True).stdout)
+            fast = json.loads(
+                subprocess.run(
+                    [str(TENANT.parent / "gs_fastpath")], check=True, capture_output=True, text=True
+                ).stdout
+            )
             print(f"{'fast path':<34}{'without':>12}{'with':>12}{'added':>10}{'ratio':>8}")
-            print(f"{'  ns per launch (busy_us(0))':<34}{plain:>12.1f}{ours:>12.1f}"
-                  f"{ours - plain:>10.1f}{ours / plain:>8.3f}")
-            print(f"{'  gs_admit alone (call loop)':<34}{fast['empty_loop_ns']:>12.1f}"
-                  f"{fast['fast_path_ns']:>12.1f}"
-                  f"{fast['fast_path_ns'] - fast['empty_loop_ns']:>10.1f}{'':>8}")
-            figures.update(launch_ns_plain=plain, launch_ns_interposed=ours,
-                           launch_ns_added=round(ours - plain, 1),
-                           fast_path_ns=fast["fast_path_ns"])
+            print(
+                f"{'  ns per launch (busy_us(0))':<34}{plain:>12.1f}{ours:>12.1f}"
+                f"{ours - plain:>10.1f}{ours / plain:>8.3f}"
+            )
+            print(
+                f"{'  gs_admit alone (call loop)':<34}{fast['empty_loop_ns']:>12.1f}"
+                f"{fast['fast_path_ns']:>12.1f}"
+                f"{fast['fast_path_ns'] - fast['empty_loop_ns']:>10.1f}{'':>8}"
+            )
+            figures.update(
+                launch_ns_plain=plain,
+                launch_ns_interposed=ours,
+                launch_ns_added=round(ours - plain, 1),
+                fast_path_ns=fast["fast_path_ns"],
+            )
 
             small = bench_small(daemon, ledger, gpus, tmp, min(args.seconds, 6.0))
-            print(f"\nsmall launch next to a saturating neighbour (quantum {args.quantum_ms} ms):"
-                  f" wait p50 {small['p50_us'] / 1e3:.2f} ms, p99 {small['p99_us'] / 1e3:.2f} ms,"
-                  f" max {small['max_us'] / 1e3:.2f} ms (n={small['n']});"
-                  f" p99/quantum {small['p99_us'] / 1e3 / args.quantum_ms:.2f}")
+            print(
+                f"\nsmall launch next to a saturating neighbour (quantum {args.quantum_ms} ms):"
+                f" wait p50 {small['p50_us'] / 1e3:.2f} ms, p99 {small['p99_us'] / 1e3:.2f} ms,"
+                f" max {small['max_us'] / 1e3:.2f} ms (n={small['n']});"
+                f" p99/quantum {small['p99_us'] / 1e3 / args.quantum_ms:.2f}"
+            )
             figures.update(small_wait_p50_us=small["p50_us"], small_wait_p99_us=small["p99_us"])
 
             cases = [
                 ("2 tenants 0.3/0.7", [(0.3, 0.3), (0.7, 0.7)], [0.3, 0.7]),
-                ("3 tenants 0.2/0.3/0.5", [(0.2, 0.2), (0.3, 0.3), (0.5, 0.5)],
-                 [0.2, 0.3, 0.5]),
+                ("3 tenants 0.2/0.3/0.5", [(0.2, 0.2), (0.3, 0.3), (0.5, 0.5)], [0.2, 0.3, 0.5]),
                 ("8 tenants 0.125 each", [(0.125, 0.125)] * 8, [0.125] * 8),
                 ("limit 0.5 alone", [(0.5, 0.5)], [0.5]),
                 ("request 0.3 limit 1.0 alone", [(0.3, 1.0)], [1.0]),
             ]
-            print(f"\n{'accuracy over ' + str(args.seconds) + ' s':<30}{'target':>8}"
-                  f"{'achieved':>10}{'error':>8}{'no gpushare':>13}")
+            print(
+                f"\n{'accuracy over ' + str(args.seconds) + ' s':<30}{'target':>8}"
+                f"{'achieved':>10}{'error':>8}{'no gpushare':>13}"
+            )
             accuracy = {}
             handoff = None
             for name, specs, targets in cases:
                 got, status = run_tenants(daemon, ledger, gpus, tmp, specs, args.seconds)
-                baseline = (run_plain(gpus, tmp, len(specs), args.seconds)
-                            if len(specs) > 1 else [1.0])
+                baseline = (
+                    run_plain(gpus, tmp, len(specs), args.seconds) if len(specs) > 1 else [1.0]
+                )
                 if name.startswith("2 tenants"):
                     handoff = status["gpus"][0]["handoff_us"]
                 for i, (target, value) in enumerate(zip(targets, got, strict=True)):
                     base = baseline[i] if i < len(baseline) else float("nan")
                     label = name if i == 0 else ""
-                    print(f"{label:<30}{target:>8.3f}{value:>10.3f}{value - target:>+8.3f}"
-                          f"{base:>13.3f}")
-                accuracy[name] = {"target": targets, "achieved": [round(x, 4) for x in got],
-                                  "max_abs_error": round(max(abs(a - b) for a, b in
-                                                             zip(got, targets, strict=True)), 4),
-                                  "no_gpushare": [round(x, 4) for x in baseline]}
+                    print(
+                        f"{label:<30}{target:>8.3f}{value:>10.3f}{value - target:>+8.3f}"
+                        f"{base:>13.3f}"
+                    )
+                accuracy[name] = {
+                    "target": targets,
+                    "achieved": [round(x, 4) for x in got],
+                    "max_abs_error": round(
+                        max(abs(a - b) for a, b in zip(got, targets, strict=True)), 4
+                    ),
+                    "no_gpushare": [round(x, 4) for x in baseline],
+                }
             figures["accuracy"] = accuracy
             if handoff:
-                print(f"\nlease handoff gap (device end -> next first launch, 2 tenants): "
-                      f"p50 {handoff.get('p50')} us, p99 {handoff.get('p99')} us, "
-                      f"n={handoff.get('n')} (target p99 <= 100 us)")
+                print(
+                    f"\nlease handoff gap (device end -> next first launch, 2 tenants): "
+                    f"p50 {handoff.get('p50')} us, p99 {handoff.get('p99')} us, "
+                    f"n={handoff.get('n')} (target p99 <= 100 us)"
+                )
                 figures["handoff_us"] = handoff
             # context, not a figure of ours: a handoff is at least one thread noticing the end
             # of the drain and one starting to launch; this is how late a plain sleep wakes here
-            wake = json.loads(subprocess.run([str(TENANT), "wake", "1000"], check=True,
-                                             capture_output=True, text=True).stdout)
-            print(f"host wake-up latency (2 ms sleeps, for reference): p50 {wake['p50_us']} us, "
-                  f"p99 {wake['p99_us']} us, max {wake['max_us']} us")
+            wake = json.loads(
+                subprocess.run(
+                    [str(TENANT), "wake", "1000"], check=True, capture_output=True, text=True
+                ).stdout
+            )
+            print(
+                f"host wake-up latency (2 ms sleeps, for reference): p50 {wake['p50_us']} us, "
+                f"p99 {wake['p99_us']} us, max {wake['max_us']} us"
+            )
             figures["host_wake_us"] = wake
             figures["load1_end"] = round(os.getloadavg()[0], 2)
         finally:

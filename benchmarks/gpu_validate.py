@@ -90,10 +90,16 @@ def has_gpu() -> str | None:
     except ImportError:
         return "PyTorch is not installed"
     probe = subprocess.run(
-        [sys.executable, "-c", "import torch; print(torch.cuda.is_available() and "
-         "torch.cuda.device_count())"],
-        capture_output=True, text=True, env={k: v for k, v in os.environ.items()
-                                              if k != "LD_PRELOAD"}, timeout=120)
+        [
+            sys.executable,
+            "-c",
+            "import torch; print(torch.cuda.is_available() and torch.cuda.device_count())",
+        ],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
+        timeout=120,
+    )
     if probe.returncode != 0 or probe.stdout.strip() in ("", "False", "0"):
         return "torch.cuda.is_available() is False"
     return None
@@ -114,9 +120,23 @@ class Rig:
         env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
         self.log = open(tmp / "daemon.log", "ab")
         self.daemon = subprocess.Popen(
-            [sys.executable, "-m", "jupyter_gpushare.daemon", "--socket", str(self.socket),
-             "--ledger", str(tmp / "ledger.sqlite"), "--node", self.node, "--state-dir",
-             str(tmp / "shm")], stdout=self.log, stderr=self.log, env=env)
+            [
+                sys.executable,
+                "-m",
+                "jupyter_gpushare.daemon",
+                "--socket",
+                str(self.socket),
+                "--ledger",
+                str(tmp / "ledger.sqlite"),
+                "--node",
+                self.node,
+                "--state-dir",
+                str(tmp / "shm"),
+            ],
+            stdout=self.log,
+            stderr=self.log,
+            env=env,
+        )
         from jupyter_gpushare.daemon.client import DaemonClient
 
         deadline = time.monotonic() + 30
@@ -131,22 +151,22 @@ class Rig:
 
         gpu = self.gpus[0]
         memory = memory or gpu.memory
-        spec = ShareSpec(gpu_request=request, gpu_limit=limit, gpu_memory=memory,
-                         gpu_type=gpu.type)
-        allocation = Allocation(id=Allocation.new_id(), node=self.node, gpus=(gpu.uuid,),
-                                spec=spec, memory=memory)
+        spec = ShareSpec(gpu_request=request, gpu_limit=limit, gpu_memory=memory, gpu_type=gpu.type)
+        allocation = Allocation(
+            id=Allocation.new_id(), node=self.node, gpus=(gpu.uuid,), spec=spec, memory=memory
+        )
         while True:
             snap = self.ledger.snapshot_sync()
-            if self.ledger.compare_and_swap_sync(self.node, snap.versions.get(self.node, 0),
-                                                 [*snap.on_node(self.node), allocation]):
+            if self.ledger.compare_and_swap_sync(
+                self.node, snap.versions.get(self.node, 0), [*snap.on_node(self.node), allocation]
+            ):
                 return allocation
 
     def release(self, allocation) -> None:
         while True:
             snap = self.ledger.snapshot_sync()
             rest = [a for a in snap.on_node(self.node) if a.id != allocation.id]
-            if self.ledger.compare_and_swap_sync(self.node, snap.versions.get(self.node, 0),
-                                                 rest):
+            if self.ledger.compare_and_swap_sync(self.node, snap.versions.get(self.node, 0), rest):
                 return
 
     def spawn(self, allocation, argv: list[str]) -> subprocess.Popen[str]:
@@ -164,16 +184,22 @@ class Rig:
             env.update(kernel_env(allocation, self.socket, self.gpus))
         else:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[0].uuid
-        proc = subprocess.Popen([sys.executable, "-c", TENANT, *argv], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", TENANT, *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         if allocation is not None:
             start = psutil.Process(proc.pid).create_time()
             while True:
                 snap = self.ledger.snapshot_sync()
                 rest = [a for a in snap.on_node(self.node) if a.id != allocation.id]
                 mine = replace(allocation, pid=proc.pid, pid_start=start, state="active")
-                if self.ledger.compare_and_swap_sync(self.node, snap.versions[self.node],
-                                                     [*rest, mine]):
+                if self.ledger.compare_and_swap_sync(
+                    self.node, snap.versions[self.node], [*rest, mine]
+                ):
                     break
         gate.touch()
         return proc
@@ -204,8 +230,10 @@ def main() -> int:
     args = parser.parse_args()
     reason = has_gpu()
     if reason is not None:
-        print(f"no GPU: {reason}; nothing to validate (run this on a machine with an NVIDIA GPU "
-              "and PyTorch)")
+        print(
+            f"no GPU: {reason}; nothing to validate (run this on a machine with an NVIDIA GPU "
+            "and PyTorch)"
+        )
         print(json.dumps({"gpu": None, "reason": reason}))
         return 0
     subprocess.run(["make", "-s", "-C", str(ROOT / "jupyter_gpushare" / "csrc")], check=True)
@@ -219,8 +247,10 @@ def main() -> int:
             alone = lines_of(rig.spawn(None, ["matmul", str(span)]), span * 3 + 60)
             t0 = alone[0]["start"] + int(warm * 1e9)
             full = rate(alone, t0, t0 + int(args.seconds * 1e9))
-            print(f"GPU {rig.gpus[0].name}: matmul 4096^2 alone without gpushare: "
-                  f"{full:.1f}/s (= share 1.0)")
+            print(
+                f"GPU {rig.gpus[0].name}: matmul 4096^2 alone without gpushare: "
+                f"{full:.1f}/s (= share 1.0)"
+            )
 
             a, b = rig.allocate(0.3, 0.3), rig.allocate(0.7, 0.7)
             pa, pb = rig.spawn(a, ["matmul", str(span)]), rig.spawn(b, ["matmul", str(span)])
@@ -245,11 +275,12 @@ def main() -> int:
 
             cap = 2 * GiB
             m = rig.allocate(0.2, 1.0, memory=cap)
-            (mem,) = lines_of(rig.spawn(m, ["memory", "0", str(GiB), str(GiB + GiB // 2)]),
-                              120)
+            (mem,) = lines_of(rig.spawn(m, ["memory", "0", str(GiB), str(GiB + GiB // 2)]), 120)
             rig.release(m)
-            print(f"memory cap 2 GiB: mem_get_info total {mem['total'] / GiB:.2f} GiB, 1 GiB "
-                  f"tensor ok, +1.5 GiB -> {mem['beyond_cap']}")
+            print(
+                f"memory cap 2 GiB: mem_get_info total {mem['total'] / GiB:.2f} GiB, 1 GiB "
+                f"tensor ok, +1.5 GiB -> {mem['beyond_cap']}"
+            )
             figures["memory"] = mem
 
             (plain,) = lines_of(rig.spawn(None, ["small", "0"]), 300)
@@ -257,11 +288,16 @@ def main() -> int:
             (ours,) = lines_of(rig.spawn(s, ["small", "0"]), 300)
             rig.release(s)
             ratio = ours["us_per_iter"] / plain["us_per_iter"]
-            print(f"small-kernel loop (x.add_(1)): {plain['us_per_iter']:.2f} us/iter without, "
-                  f"{ours['us_per_iter']:.2f} with gpushare: slowdown {100 * (ratio - 1):+.2f} % "
-                  "(target <= 2 %)")
-            figures["small_kernel_us"] = {"without": plain["us_per_iter"],
-                                          "with": ours["us_per_iter"], "ratio": ratio}
+            print(
+                f"small-kernel loop (x.add_(1)): {plain['us_per_iter']:.2f} us/iter without, "
+                f"{ours['us_per_iter']:.2f} with gpushare: slowdown {100 * (ratio - 1):+.2f} % "
+                "(target <= 2 %)"
+            )
+            figures["small_kernel_us"] = {
+                "without": plain["us_per_iter"],
+                "with": ours["us_per_iter"],
+                "ratio": ratio,
+            }
         finally:
             rig.close()
     print(json.dumps(figures))

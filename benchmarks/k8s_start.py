@@ -70,14 +70,21 @@ async def kernel_ready_times(server: object, kernels: int, name: str) -> list[fl
 
 
 async def placement_latency(ledger: object, n: int, node_prefix: str) -> list[float]:
-    inventory = [g.__class__(**{**g.to_json(), "node": f"{node_prefix}-{g.node}"})
-                 for g in stress_inventory(2, 2)]
+    inventory = [
+        g.__class__(**{**g.to_json(), "node": f"{node_prefix}-{g.node}"})
+        for g in stress_inventory(2, 2)
+    ]
     spec = ShareSpec(gpu_request=0.25, gpu_limit=0.5)
     times = []
     for _ in range(n):
         start = time.perf_counter()
-        a = await ledger.allocate(spec, inventory, place, kernel_id=uuid.uuid4().hex,  # type: ignore
-                                  backend="bench")
+        a = await ledger.allocate(
+            spec,
+            inventory,
+            place,
+            kernel_id=uuid.uuid4().hex,  # type: ignore
+            backend="bench",
+        )
         times.append(time.perf_counter() - start)
         await ledger.release(a.id)  # type: ignore
     return times
@@ -103,13 +110,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
             lat_k8s = await placement_latency(k8s_ledger, args.placements, "bench")
         finally:
             await kube.close()
-        lat_local = await placement_latency(SQLiteLedger(work / "bench.sqlite"),
-                                            args.placements, "bench")
-        print(f"placement+record (1 placer, n={args.placements}): "
-              f"API server p50 {1000 * statistics.median(lat_k8s):.2f} ms, "
-              f"p99 {1000 * pct(lat_k8s, 0.99):.2f} ms | SQLite p50 "
-              f"{1000 * statistics.median(lat_local):.2f} ms | ratio "
-              f"{statistics.median(lat_k8s) / statistics.median(lat_local):.1f}x", flush=True)
+        lat_local = await placement_latency(
+            SQLiteLedger(work / "bench.sqlite"), args.placements, "bench"
+        )
+        print(
+            f"placement+record (1 placer, n={args.placements}): "
+            f"API server p50 {1000 * statistics.median(lat_k8s):.2f} ms, "
+            f"p99 {1000 * pct(lat_k8s, 0.99):.2f} ms | SQLite p50 "
+            f"{1000 * statistics.median(lat_local):.2f} ms | ratio "
+            f"{statistics.median(lat_k8s) / statistics.median(lat_local):.1f}x",
+            flush=True,
+        )
 
         nodes = {"gpu-node-1": "2xA100", "gpu-node-2": "1xT4"}
         agent = spawn(node_agent_argv(plane, work / "nodes", nodes), work / "node-agent.log")
@@ -120,26 +131,33 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
                 raise RuntimeError((work / "node-agent.log").read_text())
             await asyncio.sleep(0.2)
         pod_server = start_jupyter_server(work / "k8s-server", plane)
-        local_server = start_jupyter_server(work / "local-server", None, backend="local",
-                                            simulate="2xA100")
+        local_server = start_jupyter_server(
+            work / "local-server", None, backend="local", simulate="2xA100"
+        )
         servers = [pod_server, local_server]
         await kernel_ready_times(pod_server, 1, "gpushare-k8s")  # warm the caches
         await kernel_ready_times(local_server, 1, "gpushare-k8s")
         pod_times = await kernel_ready_times(pod_server, args.kernels, "gpushare-k8s")
         local_times = await kernel_ready_times(local_server, args.kernels, "gpushare-k8s")
         pod_med, local_med = statistics.median(pod_times), statistics.median(local_times)
-        print(f"kernel ready (n={args.kernels}): pod path {pod_med:.2f} s | local path "
-              f"{local_med:.2f} s | ratio {pod_med / local_med:.2f}x", flush=True)
+        print(
+            f"kernel ready (n={args.kernels}): pod path {pod_med:.2f} s | local path "
+            f"{local_med:.2f} s | ratio {pod_med / local_med:.2f}x",
+            flush=True,
+        )
 
-        stress = await run_stress(str(plane.kubeconfig("admin")), "gpushare-stress",
-                                  args.placers, args.requests)
+        stress = await run_stress(
+            str(plane.kubeconfig("admin")), "gpushare-stress", args.placers, args.requests
+        )
         summary = stress.summary()
-        print(f"{args.placers} placers x {args.requests} requests through the API-server "
-              f"ledger: {summary['allocated']} allocated, {summary['refused']} refused, "
-              f"{summary['cas_conflicts']} CAS conflicts, {summary['versions_audited']} "
-              f"versions audited, over-allocations {summary['over_allocations']}, "
-              f"{summary['allocations_per_s']} allocations/s, {summary['seconds']} s",
-              flush=True)
+        print(
+            f"{args.placers} placers x {args.requests} requests through the API-server "
+            f"ledger: {summary['allocated']} allocated, {summary['refused']} refused, "
+            f"{summary['cas_conflicts']} CAS conflicts, {summary['versions_audited']} "
+            f"versions audited, over-allocations {summary['over_allocations']}, "
+            f"{summary['allocations_per_s']} allocations/s, {summary['seconds']} s",
+            flush=True,
+        )
         return {
             "benchmark": "k8s_start",
             "control_plane": "kube-apiserver 1.20.2 (Debian), etcd 3.4, 127.0.0.1",

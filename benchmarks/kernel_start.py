@@ -44,10 +44,15 @@ def _isolate() -> Path:
     shutil.copytree(REPO / "kernelspecs" / "gpushare-python", kernels / "gpushare-python")
     vanilla = kernels / "vanilla-python"
     vanilla.mkdir(parents=True)
-    (vanilla / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "vanilla", "language": "python",
-    }))
+    (vanilla / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "vanilla",
+                "language": "python",
+            }
+        )
+    )
     return tmp
 
 
@@ -88,8 +93,16 @@ def _pool_manager(tmp: Path) -> Any:
     from jupyter_gpushare.config import GpuShare
     from jupyter_gpushare.pools.kernel_manager import PoolKernelManager
 
-    GpuShare.instance(pools=[{"name": "bench", "kernelspec": "gpushare-python",
-                              "share": {"gpu_request": 0.25, "gpu_limit": 0.5}, "size": 2}])
+    GpuShare.instance(
+        pools=[
+            {
+                "name": "bench",
+                "kernelspec": "gpushare-python",
+                "share": {"gpu_request": 0.25, "gpu_limit": 0.5},
+                "size": 2,
+            }
+        ]
+    )
     root = tmp / "notebooks"
     root.mkdir(exist_ok=True)
     from jupyter_client.kernelspec import KernelSpecManager
@@ -112,8 +125,11 @@ async def _warm_once(km: Any) -> float:
     await _pool_ready(km)
     warm_ids = set(km.pools.unclaimed())
     begin = time.perf_counter()
-    kernel_id = await km.start_kernel(kernel_name="gpushare-python", path="",
-                                      env={**os.environ, "JPY_SESSION_NAME": "bench.ipynb"})
+    kernel_id = await km.start_kernel(
+        kernel_name="gpushare-python",
+        path="",
+        env={**os.environ, "JPY_SESSION_NAME": "bench.ipynb"},
+    )
     client = km.get_kernel(kernel_id).client()
     client.start_channels()
     await _first_reply(client)
@@ -139,8 +155,11 @@ async def main(rounds: int, tmp: Path) -> dict[str, float]:
     ours = statistics.median(times["gpushare-python"])
     warm = statistics.median(times["warm"])
     print(f"{'provisioner':<28}{'median ms':>12}{'p90 ms':>10}")
-    rows = (("vanilla local", "vanilla-python"), ("gpushare (local), cold", "gpushare-python"),
-            ("gpushare warm pool", "warm"))
+    rows = (
+        ("vanilla local", "vanilla-python"),
+        ("gpushare (local), cold", "gpushare-python"),
+        ("gpushare warm pool", "warm"),
+    )
     for label, name in rows:
         series = sorted(times[name])
         p90 = series[int(0.9 * (len(series) - 1))]
@@ -148,8 +167,10 @@ async def main(rounds: int, tmp: Path) -> dict[str, float]:
     ratio = ours / vanilla
     print(f"ratio gpushare/vanilla: {ratio:.3f} (target <= 1.10), {rounds} rounds each")
     warm_ratio = warm / ours
-    print(f"ratio warm/cold (gpushare): {warm_ratio:.3f}; warm median {warm * 1e3:.1f} ms "
-          f"(target <= 100 ms)")
+    print(
+        f"ratio warm/cold (gpushare): {warm_ratio:.3f}; warm median {warm * 1e3:.1f} ms "
+        f"(target <= 100 ms)"
+    )
     return {
         "rounds": rounds,
         "vanilla_median_ms": round(vanilla * 1e3, 2),

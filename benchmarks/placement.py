@@ -58,9 +58,18 @@ def build_cluster(nodes: int, per_node: int, rng: random.Random) -> list[Gpu]:
         kind = rng.choices(("A100", "H100", "T4"), weights=(6, 1, 3))[0]
         name, memory = PRODUCTS[kind]
         for i in range(per_node):
-            gpus.append(Gpu(node=f"node-{n:04d}", uuid=f"GPU-{n:04d}-{i}", index=i, name=name,
-                            type=kind, memory=memory, healthy=rng.random() > 0.002,
-                            cordoned=rng.random() < 0.002))
+            gpus.append(
+                Gpu(
+                    node=f"node-{n:04d}",
+                    uuid=f"GPU-{n:04d}-{i}",
+                    index=i,
+                    name=name,
+                    type=kind,
+                    memory=memory,
+                    healthy=rng.random() > 0.002,
+                    cordoned=rng.random() < 0.002,
+                )
+            )
     return gpus
 
 
@@ -73,11 +82,13 @@ def request(rng: random.Random) -> ShareSpec:
     if roll < 0.20:
         return ShareSpec(fraction, 1.0, gpu_type=rng.choice(("A100", "H100", "T4")))
     if roll < 0.30:
-        labels = rng.choice((
-            GpuLabels(affinity=f"team{rng.randrange(300)}"),
-            GpuLabels(anti_affinity=f"replicas{rng.randrange(300)}"),
-            GpuLabels(exclusive=f"tenant{rng.randrange(20)}"),
-        ))
+        labels = rng.choice(
+            (
+                GpuLabels(affinity=f"team{rng.randrange(300)}"),
+                GpuLabels(anti_affinity=f"replicas{rng.randrange(300)}"),
+                GpuLabels(exclusive=f"tenant{rng.randrange(20)}"),
+            )
+        )
         return ShareSpec(fraction, 1.0, gpu_labels=labels)
     if roll < 0.35:
         return ShareSpec(fraction, 1.0, gpu_memory=rng.choice((2, 4, 8)) * GiB)
@@ -85,9 +96,14 @@ def request(rng: random.Random) -> ShareSpec:
 
 
 def record(placement: Placement, spec: ShareSpec, serial: int) -> Allocation:
-    return Allocation(id=f"a-{serial:016x}", node=placement.node, gpus=placement.gpus,
-                      spec=replace(spec, gpu_memory=placement.memory), memory=placement.memory,
-                      created=float(serial))
+    return Allocation(
+        id=f"a-{serial:016x}",
+        node=placement.node,
+        gpus=placement.gpus,
+        spec=replace(spec, gpu_memory=placement.memory),
+        memory=placement.memory,
+        created=float(serial),
+    )
 
 
 def populate(gpus: list[Gpu], count: int, rng: random.Random) -> list[Allocation]:
@@ -155,10 +171,12 @@ def run_policy(
         if i % naive_every == 0:
             snapshot = list(live.values())
             took_naive, other = timed(
-                lambda spec=spec, snapshot=snapshot: naive_place(gpus, snapshot, spec, policy))
+                lambda spec=spec, snapshot=snapshot: naive_place(gpus, snapshot, spec, policy)
+            )
             naive.append(took_naive)
-            same = (isinstance(result, PlacementRefused) and isinstance(other, PlacementRefused)
-                    ) or result == other
+            same = (
+                isinstance(result, PlacementRefused) and isinstance(other, PlacementRefused)
+            ) or result == other
             assert same, f"engine and naive placer disagree on {spec}: {result} vs {other}"
         if isinstance(result, PlacementRefused):
             refused += 1
@@ -197,7 +215,7 @@ def run_cold(gpus: list[Gpu], base: list[Allocation], args: argparse.Namespace) 
     place(gpus, base, request(rng))  # this thread's index for place(), as after a first call
     for k in range(args.cold):
         # What a ledger snapshot looks like: every allocation a new object, one released, one new
-        snapshot = [replace(a) for a in base[k + 1:]]
+        snapshot = [replace(a) for a in base[k + 1 :]]
         snapshot += [replace(a, id=f"a-new{k:012d}") for a in base[: k + 1]]
         ledger_path.append(timed(lambda snapshot=snapshot: place(gpus, snapshot, request(rng)))[0])
         snapshot = [replace(a) for a in snapshot]
@@ -205,12 +223,17 @@ def run_cold(gpus: list[Gpu], base: list[Allocation], args: argparse.Namespace) 
     # A request nothing can hold (a whole free node of 8 A100s: none left) explains itself.
     refusals = []
     for _ in range(args.cold):
-        took, result = timed(lambda: placer.place(ShareSpec(1.0, 1.0, gpu_count=8,
-                                                            gpu_type="A100")))
+        took, result = timed(
+            lambda: placer.place(ShareSpec(1.0, 1.0, gpu_count=8, gpu_type="A100"))
+        )
         refusals.append(took)
     figures: dict[str, float] = {}
-    for key, samples in (("index_build", builds), ("ledger_place", ledger_path),
-                         ("sync", syncs), ("refusal", refusals)):
+    for key, samples in (
+        ("index_build", builds),
+        ("ledger_place", ledger_path),
+        ("sync", syncs),
+        ("refusal", refusals),
+    ):
         p50, p99 = percentiles(samples)
         figures[f"{key}_p50_ms"], figures[f"{key}_p99_ms"] = round(p50, 2), round(p99, 2)
     figures["refusal_example"] = getattr(result, "message", str(result))  # type: ignore[assignment]
@@ -234,32 +257,45 @@ def main() -> None:
     gpus = build_cluster(args.nodes, args.gpus_per_node, rng)
     base = populate(gpus, args.allocations, rng)
     used = sum(a.spec.gpu_request * len(a.gpus) for a in base)
-    print(f"cluster: {args.nodes} nodes x {args.gpus_per_node} GPUs = {len(gpus)} GPUs, "
-          f"{len(base)} live allocations ({used:.0f} GPUs' worth of requests)")
-    print(f"{'policy':<16}{'ours p50':>10}{'ours p99':>10}{'cpu p99':>10}{'naive p50':>11}"
-          f"{'naive p99':>11}{'ratio p50':>11}{'refused':>9}")
+    print(
+        f"cluster: {args.nodes} nodes x {args.gpus_per_node} GPUs = {len(gpus)} GPUs, "
+        f"{len(base)} live allocations ({used:.0f} GPUs' worth of requests)"
+    )
+    print(
+        f"{'policy':<16}{'ours p50':>10}{'ours p99':>10}{'cpu p99':>10}{'naive p50':>11}"
+        f"{'naive p99':>11}{'ratio p50':>11}{'refused':>9}"
+    )
     figures: dict[str, object] = {
-        "nodes": args.nodes, "gpus": len(gpus), "allocations": len(base),
+        "nodes": args.nodes,
+        "gpus": len(gpus),
+        "allocations": len(base),
         "placements_per_policy": args.placements,
     }
     for name in POLICIES:
         row = run_policy(name, gpus, base, args)
         figures.update(row)
-        print(f"{name:<16}{row[f'{name}_p50_ms']:>8.3f}ms{row[f'{name}_p99_ms']:>8.3f}ms"
-              f"{row[f'{name}_cpu_p99_ms']:>8.3f}ms"
-              f"{row[f'{name}_naive_p50_ms']:>9.1f}ms{row[f'{name}_naive_p99_ms']:>9.1f}ms"
-              f"{row[f'{name}_speedup_p50']:>10.0f}x{row[f'{name}_refused']:>9}")
+        print(
+            f"{name:<16}{row[f'{name}_p50_ms']:>8.3f}ms{row[f'{name}_p99_ms']:>8.3f}ms"
+            f"{row[f'{name}_cpu_p99_ms']:>8.3f}ms"
+            f"{row[f'{name}_naive_p50_ms']:>9.1f}ms{row[f'{name}_naive_p99_ms']:>9.1f}ms"
+            f"{row[f'{name}_speedup_p50']:>10.0f}x{row[f'{name}_refused']:>9}"
+        )
     cold = run_cold(gpus, base, args)
     example = cold.pop("refusal_example")
     figures.update(cold)
     print(f"index build (1,000 nodes, 10,000 allocations): p50 {cold['index_build_p50_ms']} ms")
-    print(f"place() on a fresh ledger snapshot (the Ledger.allocate path, index synced): p50 "
-          f"{cold['ledger_place_p50_ms']} ms, p99 {cold['ledger_place_p99_ms']} ms "
-          f"(naive: p50 {figures['binpack_naive_p50_ms']} ms)")
-    print(f"Placer.sync(fresh snapshot): p50 {cold['sync_p50_ms']} ms, "
-          f"p99 {cold['sync_p99_ms']} ms")
-    print(f"refusal with explanation: p50 {cold['refusal_p50_ms']} ms, "
-          f"p99 {cold['refusal_p99_ms']} ms: {example}")
+    print(
+        f"place() on a fresh ledger snapshot (the Ledger.allocate path, index synced): p50 "
+        f"{cold['ledger_place_p50_ms']} ms, p99 {cold['ledger_place_p99_ms']} ms "
+        f"(naive: p50 {figures['binpack_naive_p50_ms']} ms)"
+    )
+    print(
+        f"Placer.sync(fresh snapshot): p50 {cold['sync_p50_ms']} ms, p99 {cold['sync_p99_ms']} ms"
+    )
+    print(
+        f"refusal with explanation: p50 {cold['refusal_p50_ms']} ms, "
+        f"p99 {cold['refusal_p99_ms']} ms: {example}"
+    )
     figures["worst_policy_p99_ms"] = max(figures[f"{n}_p99_ms"] for n in POLICIES)  # type: ignore[type-var]
     print(json.dumps(figures))
 

@@ -42,7 +42,10 @@ def run_together(
     procs = [
         subprocess.Popen(
             [str(program), "busy", str(us), str(count), str(dev), "nb", str(start)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for dev in devices
     ]
@@ -61,7 +64,10 @@ def launch_cost_us(program: Path, env: dict[str, str], launches: int) -> float:
     costs = []
     for _ in range(3):
         out = subprocess.run(
-            [str(program), "busy", "0", str(launches)], env=env, capture_output=True, text=True,
+            [str(program), "busy", "0", str(launches)],
+            env=env,
+            capture_output=True,
+            text=True,
             check=True,
         ).stdout
         values = dict(line.split("=", 1) for line in out.splitlines())
@@ -98,8 +104,11 @@ def main() -> None:
             ratio = span / ideal
             shown = " ".join(f"{f:.1f}" for f in sorted(finishes))
             print(f"{name:38} {ideal:9.1f} {span:9.1f} {ratio:6.3f}x  {shown}")
-            figures[name] = {"ideal_ms": ideal, "measured_ms": round(span, 2),
-                             "ratio": round(ratio, 4)}
+            figures[name] = {
+                "ideal_ms": ideal,
+                "measured_ms": round(span, 2),
+                "ratio": round(ratio, 4),
+            }
         launches = 20_000 if args.quick else 100_000
         cost = launch_cost_us(program, env, launches)
         print(f"{'simulated cuLaunchKernel':38} {'':9} {cost:8.3f}us  (median of 3 x {launches})")

@@ -34,16 +34,26 @@ def tightest(bounds: Iterable[ShareSpec | None]) -> ShareSpec | None:
     memories = [b.gpu_memory for b in given if b.gpu_memory is not None]
     types = {b.gpu_type.lower(): b.gpu_type for b in given if b.gpu_type is not None}
     if len(types) > 1:  # two bounds naming different types admit no GPU at all
-        raise ShareError("gpu_type", sorted(types.values()),
-                         "one GPU type across the bounds that apply to this user")
-    return ShareSpec(gpu_request=min(request, limit), gpu_limit=limit,
-                     gpu_memory=min(memories) if memories else None,
-                     gpu_type=next(iter(types.values()), None))
+        raise ShareError(
+            "gpu_type",
+            sorted(types.values()),
+            "one GPU type across the bounds that apply to this user",
+        )
+    return ShareSpec(
+        gpu_request=min(request, limit),
+        gpu_limit=limit,
+        gpu_memory=min(memories) if memories else None,
+        gpu_type=next(iter(types.values()), None),
+    )
 
 
 def to_json(bound: ShareSpec) -> dict[str, Any]:
-    return {"gpu_request": bound.gpu_request, "gpu_limit": bound.gpu_limit,
-            "gpu_memory": bound.gpu_memory, "gpu_type": bound.gpu_type}
+    return {
+        "gpu_request": bound.gpu_request,
+        "gpu_limit": bound.gpu_limit,
+        "gpu_memory": bound.gpu_memory,
+        "gpu_type": bound.gpu_type,
+    }
 
 
 def from_json(data: object, field: str = "bound") -> ShareSpec | None:
@@ -52,8 +62,11 @@ def from_json(data: object, field: str = "bound") -> ShareSpec | None:
         return None
     if not isinstance(data, Mapping):
         raise ShareError(field, data, "an object with gpu_request, gpu_limit, gpu_memory")
-    known = {k: v for k, v in data.items()
-             if k in ("gpu_request", "gpu_limit", "gpu_memory", "gpu_type") and v is not None}
+    known = {
+        k: v
+        for k, v in data.items()
+        if k in ("gpu_request", "gpu_limit", "gpu_memory", "gpu_type") and v is not None
+    }
     return ShareSpec.from_mapping(known)
 
 
@@ -70,8 +83,7 @@ def record(extra: Mapping[str, Any], bound: ShareSpec | None) -> dict[str, Any]:
     return out
 
 
-def check_within(spec: ShareSpec, memory: int, bound: ShareSpec | None,
-                 why: str = _WHY) -> None:
+def check_within(spec: ShareSpec, memory: int, bound: ShareSpec | None, why: str = _WHY) -> None:
     """Raise :class:`ShareError` naming the field when the share ``spec`` (memory cap ``memory``
     bytes per GPU) is over ``bound``; ``why`` says whose bound it is."""
     if bound is None:
@@ -83,10 +95,14 @@ def check_within(spec: ShareSpec, memory: int, bound: ShareSpec | None,
     if spec.gpu_limit > bound.gpu_limit + 1e-9:
         raise ShareError("gpu_limit", spec.gpu_limit, f"at most {bound.gpu_limit:g} {why}")
     if bound.gpu_memory is not None and memory > bound.gpu_memory:
-        raise ShareError("gpu_memory", format_bytes(memory),
-                         f"at most {format_bytes(bound.gpu_memory)} {why}")
-    if (bound.gpu_type is not None and spec.gpu_type is not None
-            and spec.gpu_type.lower() != bound.gpu_type.lower()):
+        raise ShareError(
+            "gpu_memory", format_bytes(memory), f"at most {format_bytes(bound.gpu_memory)} {why}"
+        )
+    if (
+        bound.gpu_type is not None
+        and spec.gpu_type is not None
+        and spec.gpu_type.lower() != bound.gpu_type.lower()
+    ):
         raise ShareError("gpu_type", spec.gpu_type, f"{bound.gpu_type} {why}")
 
 

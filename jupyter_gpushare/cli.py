@@ -89,8 +89,10 @@ def install_kernelspecs(
 
 
 def cmd_kernelspec(args: argparse.Namespace) -> int:
-    names = install_kernelspecs(user=not args.sys_prefix and not args.prefix,
-                                prefix=sys.prefix if args.sys_prefix else args.prefix)
+    names = install_kernelspecs(
+        user=not args.sys_prefix and not args.prefix,
+        prefix=sys.prefix if args.sys_prefix else args.prefix,
+    )
     for name in names:
         print(f"installed kernelspec {name}")
     return 0
@@ -99,8 +101,9 @@ def cmd_kernelspec(args: argparse.Namespace) -> int:
 # -- status ----------------------------------------------------------------------------------------
 
 
-async def _status(settings: GpuShare, namespace: str | None = None,
-                  kubeconfig: str = "") -> dict[str, Any]:
+async def _status(
+    settings: GpuShare, namespace: str | None = None, kubeconfig: str = ""
+) -> dict[str, Any]:
     if namespace:  # the cluster's ledger; its reconcilers run in the cluster
         from .k8s.client import connect
         from .k8s.ledger import KubernetesLedger
@@ -121,8 +124,9 @@ async def _status(settings: GpuShare, namespace: str | None = None,
     return _status_of(await ledger.gpus(), await ledger.list(), problem)
 
 
-def _status_of(gpus: list[Gpu], allocations: list[Allocation],
-               problem: str | None = None) -> dict[str, Any]:
+def _status_of(
+    gpus: list[Gpu], allocations: list[Allocation], problem: str | None = None
+) -> dict[str, Any]:
     return {
         "simulated": any(g.simulated for g in gpus),
         "gpus": gpu_usage(gpus, allocations),
@@ -132,8 +136,9 @@ def _status_of(gpus: list[Gpu], allocations: list[Allocation],
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    status = asyncio.run(_status(_settings(args.simulate), args.kubernetes_namespace,
-                                 args.kubeconfig))
+    status = asyncio.run(
+        _status(_settings(args.simulate), args.kubernetes_namespace, args.kubeconfig)
+    )
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
@@ -184,20 +189,31 @@ async def _run(settings: GpuShare, spec: ShareSpec, command: Sequence[str]) -> i
     except (RuntimeError, OSError) as exc:  # the interposer's fail-static mode enforces alone
         print(f"gpushare: no node agent: {exc}", file=sys.stderr)
     me = os.getpid()
-    extra = {"server_start": process_start_time(me), "command": list(command)[:8],
-             "uid": os.getuid()}  # the agent's status shows a user their own shares
+    extra = {
+        "server_start": process_start_time(me),
+        "command": list(command)[:8],
+        "uid": os.getuid(),
+    }  # the agent's status shows a user their own shares
     allocation = await allocate(
-        ledger, spec, inventory, settings.policy(), owner="run", backend="local",
-        state="active", pid=me, pid_start=process_start_time(me),
-        server_pid=me, user=getpass.getuser(), extra=extra,
+        ledger,
+        spec,
+        inventory,
+        settings.policy(),
+        owner="run",
+        backend="local",
+        state="active",
+        pid=me,
+        pid_start=process_start_time(me),
+        server_pid=me,
+        user=getpass.getuser(),
+        extra=extra,
     )
     try:
         env = {**os.environ, **kernel_environment(allocation, inventory, settings)}
         try:
             proc = subprocess.Popen(list(command), env=env)  # noqa: ASYNC220 - returns at once
         except OSError as exc:  # not executable, a directory, …
-            print(f"gpushare run: cannot run {command[0]}: {exc.strerror or exc}",
-                  file=sys.stderr)
+            print(f"gpushare run: cannot run {command[0]}: {exc.strerror or exc}", file=sys.stderr)
             return 126
         watch = AgentWatch(settings, _log)  # an agent that dies meanwhile is started again
         if watch.enabled():
@@ -240,8 +256,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"gpushare run: command not found: {command[0]}", file=sys.stderr)
         return 127
     settings = _settings(args.simulate)
-    spec = ShareSpec.from_args(args.gpu_request, args.gpu_limit, args.gpu_memory, args.gpu_type,
-                               args.gpu_count, defaults=settings.default_spec())
+    spec = ShareSpec.from_args(
+        args.gpu_request,
+        args.gpu_limit,
+        args.gpu_memory,
+        args.gpu_type,
+        args.gpu_count,
+        defaults=settings.default_spec(),
+    )
     return asyncio.run(_run(settings, spec, command))
 
 
@@ -271,12 +293,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="GPUs, shares and holders")
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument("--kubernetes-namespace", metavar="NS", default=None,
-                        help="the cluster's GPUs and shares (GpuLedgers in NS) instead of this "
-                        "machine's")
-    status.add_argument("--kubeconfig", default="",
-                        help="with --kubernetes-namespace: kubeconfig (default: in-cluster, "
-                        "else $KUBECONFIG)")
+    status.add_argument(
+        "--kubernetes-namespace",
+        metavar="NS",
+        default=None,
+        help="the cluster's GPUs and shares (GpuLedgers in NS) instead of this machine's",
+    )
+    status.add_argument(
+        "--kubeconfig",
+        default="",
+        help="with --kubernetes-namespace: kubeconfig (default: in-cluster, else $KUBECONFIG)",
+    )
     status.add_argument("--simulate", metavar="N[xTYPE]", help=argparse.SUPPRESS)
     status.set_defaults(func=cmd_status)
 
@@ -299,8 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     _daemon_parser(sub)
     k8s_cli.add_parser(sub)  # jupyter gpushare k8s kernel-pod (jupyter_gpushare/k8s/cli.py)
-    sub.add_parser("controller", add_help=False, help="run the cluster controller (Kubernetes; "
-                   "its options: jupyter gpushare controller --help-all)")
+    sub.add_parser(
+        "controller",
+        add_help=False,
+        help="run the cluster controller (Kubernetes; "
+        "its options: jupyter gpushare controller --help-all)",
+    )
     return parser
 
 

@@ -243,7 +243,8 @@ class GpuShare(SingletonConfigurable):
         self._system_agent: tuple[str, bool] | None = None  # (socket, a system agent serves it)
         # one lock per event loop (see local_gpus), and one for the blocking discovery
         self._gpu_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
-            weakref.WeakKeyDictionary())
+            weakref.WeakKeyDictionary()
+        )
         self._discover_lock = threading.Lock()
         self._published = False
 
@@ -278,8 +279,11 @@ class GpuShare(SingletonConfigurable):
         ping says so). Asked once per socket path: a ping of about a millisecond."""
         if self._system_agent is None or self._system_agent[0] != self.socket_path:
             found = paths.find_agent()
-            system = (found.system if found.socket == Path(self.socket_path)
-                      else paths.is_system_agent(Path(self.socket_path)))
+            system = (
+                found.system
+                if found.socket == Path(self.socket_path)
+                else paths.is_system_agent(Path(self.socket_path))
+            )
             self._system_agent = (self.socket_path, system)
         return self._system_agent[1]
 
@@ -288,14 +292,17 @@ class GpuShare(SingletonConfigurable):
         with JupyterHub's per-user bound) when one serves ``socket_path``, else the SQLite file
         ``ledger_path`` (a per-user agent follows it)."""
         if self.system_agent():
-            if not (isinstance(self._ledger, AgentLedger)
-                    and self._ledger.socket_path == Path(self.socket_path)):
+            if not (
+                isinstance(self._ledger, AgentLedger)
+                and self._ledger.socket_path == Path(self.socket_path)
+            ):
                 from .hub import ENV_MAX, share_from_environment
 
                 self._ledger = AgentLedger(self.socket_path, share_from_environment(ENV_MAX))
             return self._ledger
-        if not (isinstance(self._ledger, SQLiteLedger)
-                and self._ledger.path == Path(self.ledger_path)):
+        if not (
+            isinstance(self._ledger, SQLiteLedger) and self._ledger.path == Path(self.ledger_path)
+        ):
             self._ledger = SQLiteLedger(self.ledger_path)
         return self._ledger
 
@@ -321,8 +328,10 @@ class GpuShare(SingletonConfigurable):
                 if isinstance(ledger, AgentLedger):  # the system agent publishes its GPUs
                     published = [g for g in await ledger.gpus() if g.node == self.node_name]
                     if not published:
-                        raise NoGpuError(f"the gpushare system agent on {self.socket_path} "
-                                         f"publishes no GPUs of node {self.node_name}")
+                        raise NoGpuError(
+                            f"the gpushare system agent on {self.socket_path} "
+                            f"publishes no GPUs of node {self.node_name}"
+                        )
                     with self._discover_lock:
                         self._gpus = published
                 else:

@@ -80,7 +80,8 @@ class TypeOffer:
 
     def label(self) -> str:
         free = (
-            "full now" if self.most_free_request <= 0
+            "full now"
+            if self.most_free_request <= 0
             else f"up to {self.most_free_request:g} of a GPU free now"
         )
         plural = "s" if self.count != 1 else ""
@@ -420,7 +421,8 @@ class GpuProfiles(LoggingConfigurable):
         for i, spec in enumerate(s for s in offered if s.gpu_limit <= self.max_request):
             key = f"{spec.gpu_request:g}-{spec.gpu_limit:g}"
             label = (
-                f"{spec.gpu_request:g} of a GPU" if spec.gpu_request == spec.gpu_limit
+                f"{spec.gpu_request:g} of a GPU"
+                if spec.gpu_request == spec.gpu_limit
                 else f"{spec.gpu_request:g} of a GPU guaranteed, bursts to {spec.gpu_limit:g}"
             )
             choices[key] = {"display_name": label, "default": i == 0}
@@ -431,15 +433,18 @@ class GpuProfiles(LoggingConfigurable):
                 "display_name": "Custom share: REQUEST or REQUEST-LIMIT, e.g. 0.3-0.6",
                 "validation_regex": SHARE_RE,
                 "validation_message": "A fraction of one GPU in steps of 0.01, or two: "
-                                      "request-limit (0.3-0.6)",
+                "request-limit (0.3-0.6)",
             }
         return option
 
     def _memory_option(self) -> dict[str, Any]:
         choices: dict[str, Any] = {}
         for i, value in enumerate(self.memory_choices):
-            label = "Auto (the share's fraction of the GPU's memory)" if value == AUTO_MEMORY \
+            label = (
+                "Auto (the share's fraction of the GPU's memory)"
+                if value == AUTO_MEMORY
                 else f"{value} of GPU memory"
+            )
             choices[value] = {"display_name": label, "default": i == 0}
         option: dict[str, Any] = {"display_name": "GPU memory per kernel", "choices": choices}
         if OPT_MEMORY in self.allow_custom:
@@ -456,10 +461,12 @@ class GpuProfiles(LoggingConfigurable):
         override = dict(profile.get("kubespawner_override") or {})
         override["environment"] = _merged(override.get("environment"), CPU_ONLY_ENVIRONMENT)
         override["extra_resource_limits"] = {
-            **(override.get("extra_resource_limits") or {}), GPU_RESOURCE: None
+            **(override.get("extra_resource_limits") or {}),
+            GPU_RESOURCE: None,
         }
         override["extra_resource_guarantees"] = {
-            **(override.get("extra_resource_guarantees") or {}), GPU_RESOURCE: None
+            **(override.get("extra_resource_guarantees") or {}),
+            GPU_RESOURCE: None,
         }
         override["node_selector"] = {**(override.get("node_selector") or {}), PRODUCT_LABEL: None}
         profile["kubespawner_override"] = override
@@ -507,9 +514,7 @@ def _node_selector_for(settings: _Settings) -> Callable[[Any], dict[str, str | N
     return node_selector
 
 
-def _merged(
-    given: Any, ours: Mapping[str, Any] | Callable[[Any], Mapping[str, Any]]
-) -> Any:
+def _merged(given: Any, ours: Mapping[str, Any] | Callable[[Any], Mapping[str, Any]]) -> Any:
     """An admin's override dict (or callable) combined with ours; ours wins."""
     if not given:
         return ours

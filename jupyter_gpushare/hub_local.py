@@ -40,8 +40,15 @@ from .hub import (
 )
 
 #: form fields this form reads (anything else in a POST is ignored)
-FIELDS = ("profile", OPT_TYPE, OPT_SHARE, OPT_MEMORY, f"{OPT_TYPE}--unlisted-choice",
-          f"{OPT_SHARE}--unlisted-choice", f"{OPT_MEMORY}--unlisted-choice")
+FIELDS = (
+    "profile",
+    OPT_TYPE,
+    OPT_SHARE,
+    OPT_MEMORY,
+    f"{OPT_TYPE}--unlisted-choice",
+    f"{OPT_SHARE}--unlisted-choice",
+    f"{OPT_MEMORY}--unlisted-choice",
+)
 
 
 async def agent_inventory(spawner: Any) -> list[TypeOffer]:
@@ -80,8 +87,9 @@ class LocalGpuForm(GpuProfiles):
         parts.extend(self._radio(p, checked=False) for p in self.cpu_profiles)
         return "\n".join(parts)
 
-    def options_from_form(self, formdata: Mapping[str, list[str]],
-                          spawner: Any = None) -> dict[str, Any]:
+    def options_from_form(
+        self, formdata: Mapping[str, list[str]], spawner: Any = None
+    ) -> dict[str, Any]:
         """``Spawner.options_from_form``: the fields of this form; a bad GPU value is refused
         with its reason (JupyterHub shows it on the form)."""
         options = {k: str(v[0]) for k, v in formdata.items() if k in FIELDS and v}
@@ -102,10 +110,8 @@ class LocalGpuForm(GpuProfiles):
 
         def pick(spawner: Any) -> dict[str, str]:
             options = dict(spawner.user_options or {})
-            if options.get("profile", self._slug(self.gpu_profile)) != self._slug(
-                    self.gpu_profile):
-                return {ENV_DEFAULT: "", ENV_MAX: "", ENV_DISABLED: "1",
-                        "CUDA_VISIBLE_DEVICES": ""}
+            if options.get("profile", self._slug(self.gpu_profile)) != self._slug(self.gpu_profile):
+                return {ENV_DEFAULT: "", ENV_MAX: "", ENV_DISABLED: "1", "CUDA_VISIBLE_DEVICES": ""}
             spec = share_from_options(options, None, self.max_request, self._max_memory())
             env = {k: v or "" for k, v in share_environment(spec).items()}
             return {**env, ENV_DISABLED: ""}
@@ -130,8 +136,10 @@ class LocalGpuForm(GpuProfiles):
         label = html.escape(str(profile.get("display_name", slug)))
         about = html.escape(str(profile.get("description", "")))
         mark = " checked" if checked else ""
-        return (f'<div class="radio"><label><input type="radio" name="profile" '
-                f'value="{slug}"{mark}> <strong>{label}</strong> {about}</label></div>')
+        return (
+            f'<div class="radio"><label><input type="radio" name="profile" '
+            f'value="{slug}"{mark}> <strong>{label}</strong> {about}</label></div>'
+        )
 
 
 def _select(name: str, option: Mapping[str, Any]) -> str:
@@ -140,17 +148,23 @@ def _select(name: str, option: Mapping[str, Any]) -> str:
     rows = []
     for value, choice in option["choices"].items():
         selected = " selected" if choice.get("default") else ""
-        rows.append(f'<option value="{html.escape(str(value), quote=True)}"{selected}>'
-                    f'{html.escape(str(choice.get("display_name", value)))}</option>')
-    out = (f'<div class="form-group"><label for="{name}">{label}</label>'
-           f'<select class="form-control" name="{name}" id="{name}">{"".join(rows)}</select>')
+        rows.append(
+            f'<option value="{html.escape(str(value), quote=True)}"{selected}>'
+            f"{html.escape(str(choice.get('display_name', value)))}</option>"
+        )
+    out = (
+        f'<div class="form-group"><label for="{name}">{label}</label>'
+        f'<select class="form-control" name="{name}" id="{name}">{"".join(rows)}</select>'
+    )
     custom = option.get("unlisted_choice") or {}
     if custom.get("enabled"):
         pattern = html.escape(str(custom.get("validation_regex", "")), quote=True)
         hint = html.escape(str(custom.get("validation_message", "")), quote=True)
-        out += (f'<input class="form-control" type="text" name="{name}--unlisted-choice" '
-                f'placeholder="{html.escape(str(custom.get("display_name", "")), quote=True)}" '
-                f'pattern="{pattern}" title="{hint}">')
+        out += (
+            f'<input class="form-control" type="text" name="{name}--unlisted-choice" '
+            f'placeholder="{html.escape(str(custom.get("display_name", "")), quote=True)}" '
+            f'pattern="{pattern}" title="{hint}">'
+        )
     return out + "</div>"
 
 

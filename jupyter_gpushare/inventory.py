@@ -237,8 +237,10 @@ def discover_local(
     if simulate:
         gpus = simulated_gpus(simulate, node)
         # Apply the configured aliases to simulated product names too.
-        return [replace(g, type=aliases.alias_for(g.name)) if aliases.canonical(g.type) is None
-                else g for g in gpus]
+        return [
+            replace(g, type=aliases.alias_for(g.name)) if aliases.canonical(g.type) is None else g
+            for g in gpus
+        ]
     return discover_nvml(aliases, node)
 
 

@@ -68,8 +68,9 @@ def find_agent(*, fresh: bool = False) -> AgentAddress:
             return cached[1]
     if env:
         found = AgentAddress(Path(env), is_system_agent(Path(env)))
-    elif _root_owned(SYSTEM_SOCKET) and (is_system_agent(SYSTEM_SOCKET)
-                                         or not _answers(SYSTEM_SOCKET)):
+    elif _root_owned(SYSTEM_SOCKET) and (
+        is_system_agent(SYSTEM_SOCKET) or not _answers(SYSTEM_SOCKET)
+    ):
         # the system service's own socket: while it restarts (nothing answers yet) callers
         # wait for it rather than start a private agent and ledger beside it
         found = AgentAddress(SYSTEM_SOCKET, True)

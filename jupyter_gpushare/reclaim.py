@@ -56,17 +56,27 @@ class ReclaimPolicy:
 
     def exempt(self, allocation: Allocation, profiles: Collection[str]) -> bool:
         return allocation.user in self.exempt_users or any(
-            p in self.exempt_profiles for p in profiles)
+            p in self.exempt_profiles for p in profiles
+        )
 
 
-def decide(allocation: Allocation, idle_s: float | None, policy: ReclaimPolicy,
-           profiles: Collection[str], now: float) -> str | None:
+def decide(
+    allocation: Allocation,
+    idle_s: float | None,
+    policy: ReclaimPolicy,
+    profiles: Collection[str],
+    now: float,
+) -> str | None:
     """What to do with ``allocation`` idle for ``idle_s`` seconds (None: unknown) at wall time
     ``now``; ``profiles`` are its kernelspec and pool names. Returns WARN, RELEASE, WITHDRAW or
     None."""
     warning = allocation.extra.get("reclaim_warning")
-    if (policy.idle_after <= 0 or allocation.owner != "kernel" or idle_s is None
-            or policy.exempt(allocation, profiles)):
+    if (
+        policy.idle_after <= 0
+        or allocation.owner != "kernel"
+        or idle_s is None
+        or policy.exempt(allocation, profiles)
+    ):
         return WITHDRAW if warning else None
     if idle_s < policy.idle_after:
         return WITHDRAW if warning else None
@@ -75,8 +85,9 @@ def decide(allocation: Allocation, idle_s: float | None, policy: ReclaimPolicy,
     return RELEASE if now >= float(warning.get("release_at", 0)) else None
 
 
-def warning_for(allocation: Allocation, idle_s: float, policy: ReclaimPolicy,
-                now: float) -> dict[str, Any]:
+def warning_for(
+    allocation: Allocation, idle_s: float, policy: ReclaimPolicy, now: float
+) -> dict[str, Any]:
     release_at = now + policy.grace
     message = (
         f"gpushare: this kernel has not used its GPU share ({allocation.spec.describe()}, "
@@ -84,8 +95,12 @@ def warning_for(allocation: Allocation, idle_s: float, policy: ReclaimPolicy,
         f"{time.strftime('%H:%M:%S', time.localtime(release_at))} (in {_duration(policy.grace)})"
         " unless the kernel runs GPU work; the kernel keeps running either way."
     )
-    return {"warned_at": now, "release_at": release_at, "idle_s": round(idle_s, 1),
-            "message": message}
+    return {
+        "warned_at": now,
+        "release_at": release_at,
+        "idle_s": round(idle_s, 1),
+        "message": message,
+    }
 
 
 def _duration(seconds: float) -> str:
@@ -108,8 +123,13 @@ class IdleReclaimer(PeriodicTask):
 
     what = "idle reclaim pass"
 
-    def __init__(self, settings: Any, ledger: Callable[[], Awaitable[Ledger]],
-                 profiles_of: Callable[[Allocation], Collection[str]], log: Any) -> None:
+    def __init__(
+        self,
+        settings: Any,
+        ledger: Callable[[], Awaitable[Ledger]],
+        profiles_of: Callable[[Allocation], Collection[str]],
+        log: Any,
+    ) -> None:
         super().__init__(log)
         self.settings = settings
         self.ledger = ledger
@@ -125,11 +145,11 @@ class IdleReclaimer(PeriodicTask):
     async def usage(self) -> UsageView:
         view = await (await usage_source(self.settings)).read()
         # logged when what is missing changes (not every pass; the ages in the message do)
-        problem = ",".join(sorted(view.stale)) if view.stale else (
-            None if view.nodes else "all")
+        problem = ",".join(sorted(view.stale)) if view.stale else (None if view.nodes else "all")
         if problem is not None and problem != self._usage_problem:
-            self.log.warning("gpushare: idle reclaim skips allocations without current usage: "
-                             "%s", view.message)
+            self.log.warning(
+                "gpushare: idle reclaim skips allocations without current usage: %s", view.message
+            )
         self._usage_problem = problem
         return view
 
@@ -162,14 +182,25 @@ class IdleReclaimer(PeriodicTask):
             await (await usage_source(self.settings)).changed()
         return done
 
-    async def _apply(self, ledger: Ledger, allocation: Allocation, action: str, idle_s: float,
-                     policy: ReclaimPolicy, now: float) -> None:
+    async def _apply(
+        self,
+        ledger: Ledger,
+        allocation: Allocation,
+        action: str,
+        idle_s: float,
+        policy: ReclaimPolicy,
+        now: float,
+    ) -> None:
         who = f"{allocation.id} (kernel {allocation.kernel_id}, user {allocation.user or '?'})"
         if action == RELEASE:
             if await ledger.release(allocation.id) is not None:
-                self.log.warning("gpushare: reclaimed idle GPU share %s: idle %.0f s, warned "
-                                 "%.0f s ago; the kernel keeps running", who, idle_s,
-                                 now - allocation.extra["reclaim_warning"]["warned_at"])
+                self.log.warning(
+                    "gpushare: reclaimed idle GPU share %s: idle %.0f s, warned "
+                    "%.0f s ago; the kernel keeps running",
+                    who,
+                    idle_s,
+                    now - allocation.extra["reclaim_warning"]["warned_at"],
+                )
             return
         warning = warning_for(allocation, idle_s, policy, now) if action == WARN else None
 
@@ -181,11 +212,14 @@ class IdleReclaimer(PeriodicTask):
 
         await ledger.update(allocation.id, change)
         if warning is not None:
-            self.log.warning("gpushare: idle GPU share %s warned: idle %.0f s, release in "
-                             "%.0f s", who, idle_s, policy.grace)
+            self.log.warning(
+                "gpushare: idle GPU share %s warned: idle %.0f s, release in %.0f s",
+                who,
+                idle_s,
+                policy.grace,
+            )
         else:
-            self.log.info("gpushare: idle warning of %s withdrawn (GPU work again, or exempt)",
-                          who)
+            self.log.info("gpushare: idle warning of %s withdrawn (GPU work again, or exempt)", who)
 
 
 # -- inside the kernel: the warning in the next cell's output ----------------------------------
@@ -224,10 +258,12 @@ class ReclaimNotice:
             # so that `%gpushare request` reserves a new share for the restart
             actions._state.seen_active = True
             actions.status()
-            return (f"gpushare: this kernel's GPU share {self.allocation_id} was released by "
-                    "idle-GPU reclaim after its warning; the kernel and its variables are still "
-                    "here. GPU work needs a new share: `%gpushare request …`, then restart the "
-                    "kernel.")
+            return (
+                f"gpushare: this kernel's GPU share {self.allocation_id} was released by "
+                "idle-GPU reclaim after its warning; the kernel and its variables are still "
+                "here. GPU work needs a new share: `%gpushare request …`, then restart the "
+                "kernel."
+            )
         [mine] = status.get("allocations") or [{}]
         warning = mine.get("reclaim_warning")
         if warning and warning.get("warned_at") != self.shown_warning:

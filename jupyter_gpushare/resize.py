@@ -39,31 +39,45 @@ class BelowUse(Exception):
     """A memory cap below what the kernel uses now."""
 
     def __init__(self, cap: int, used: int) -> None:
-        super().__init__(f"gpu_memory {format_bytes(cap)} is below the {format_bytes(used)} "
-                         "the kernel uses on its GPU now; free memory first or ask for at least "
-                         f"{format_bytes(used)}")
+        super().__init__(
+            f"gpu_memory {format_bytes(cap)} is below the {format_bytes(used)} "
+            "the kernel uses on its GPU now; free memory first or ask for at least "
+            f"{format_bytes(used)}"
+        )
         self.cap = cap
         self.used = used
 
     def to_json(self) -> dict[str, Any]:
-        return {"error": "below_use", "message": str(self), "field": "gpu_memory",
-                "value": self.cap, "memory_used": self.used}
+        return {
+            "error": "below_use",
+            "message": str(self),
+            "field": "gpu_memory",
+            "value": self.cap,
+            "memory_used": self.used,
+        }
 
 
 def parse_change(current: ShareSpec, change: Mapping[str, Any]) -> ShareSpec:
     """The share after ``change``; keys other than :data:`RESIZABLE` are refused by name."""
     unknown = sorted(set(change) - set(RESIZABLE))
     if unknown:
-        raise ShareError(unknown[0], change[unknown[0]],
-                         "a live resize may change " + ", ".join(RESIZABLE)
-                         + "; other keys need a new share")
+        raise ShareError(
+            unknown[0],
+            change[unknown[0]],
+            "a live resize may change " + ", ".join(RESIZABLE) + "; other keys need a new share",
+        )
     if current.gpu_count > 1:
         raise ShareError("gpu_count", current.gpu_count, "whole GPUs cannot be resized")
     return ShareSpec.from_mapping(change, defaults=current)
 
 
-def resized(current: Allocation, others: Sequence[Allocation], gpus: Sequence[Gpu],
-            change: Mapping[str, Any], memory_used: int | None) -> Allocation:
+def resized(
+    current: Allocation,
+    others: Sequence[Allocation],
+    gpus: Sequence[Gpu],
+    change: Mapping[str, Any],
+    memory_used: int | None,
+) -> Allocation:
     """``current`` with ``change`` applied, or a refusal (ShareError, PlacementRefused,
     BelowUse). Pure; ``gpus`` is the inventory (only the allocation's own GPUs are used)."""
     spec = parse_change(current.spec, change)
@@ -71,28 +85,40 @@ def resized(current: Allocation, others: Sequence[Allocation], gpus: Sequence[Gp
     placement = place(own, others, spec)  # refuses with the reason when it does not fit there
     if memory_used is not None and placement.memory < memory_used:
         raise BelowUse(placement.memory, memory_used)
-    return replace(current, spec=replace(spec, gpu_memory=placement.memory),
-                   memory=placement.memory)
+    return replace(
+        current, spec=replace(spec, gpu_memory=placement.memory), memory=placement.memory
+    )
 
 
 class UsageUnknown(Exception):
     """A lower memory cap asked for while the node's usage report is too old to check it."""
 
     def __init__(self, node: str, age: float) -> None:
-        super().__init__(f"the memory in use on node {node} is not known now (its daemon's last "
-                         f"usage report is {age:.0f} s old), so a lower gpu_memory cannot be "
-                         "checked against it; try again, or change only request and limit")
+        super().__init__(
+            f"the memory in use on node {node} is not known now (its daemon's last "
+            f"usage report is {age:.0f} s old), so a lower gpu_memory cannot be "
+            "checked against it; try again, or change only request and limit"
+        )
         self.node = node
         self.age = age
 
     def to_json(self) -> dict[str, Any]:
-        return {"error": "usage_unknown", "message": str(self), "node": self.node,
-                "age_s": self.age}
+        return {
+            "error": "usage_unknown",
+            "message": str(self),
+            "node": self.node,
+            "age_s": self.age,
+        }
 
 
-async def resize(ledger: Ledger, allocation_id: str, change: Mapping[str, Any],
-                 usage: UsageSource, actor: str = "", logger: Any = log
-                 ) -> tuple[Allocation, Allocation]:
+async def resize(
+    ledger: Ledger,
+    allocation_id: str,
+    change: Mapping[str, Any],
+    usage: UsageSource,
+    actor: str = "",
+    logger: Any = log,
+) -> tuple[Allocation, Allocation]:
     """Apply ``change`` to a live allocation; returns ``(before, after)``. Raises ShareError,
     PlacementRefused, BelowUse, UsageUnknown or AllocationNotFound.
 
@@ -113,8 +139,14 @@ async def resize(ledger: Ledger, allocation_id: str, change: Mapping[str, Any],
         allocation_id, lambda current, others: resized(current, others, gpus, change, used)
     )
     await usage.changed()
-    logger.info("gpushare: resized %s (kernel %s) from %s, %s to %s, %s%s", allocation_id,
-                after.kernel_id, before.spec.describe(), format_bytes(before.memory),
-                after.spec.describe(), format_bytes(after.memory),
-                f" by {actor}" if actor else "")
+    logger.info(
+        "gpushare: resized %s (kernel %s) from %s, %s to %s, %s%s",
+        allocation_id,
+        after.kernel_id,
+        before.spec.describe(),
+        format_bytes(before.memory),
+        after.spec.describe(),
+        format_bytes(after.memory),
+        f" by {actor}" if actor else "",
+    )
     return before, after

@@ -64,7 +64,8 @@ _UNITS = {
 # ASCII only: ``\d`` and ``float()`` also take other scripts' digits
 _MEMORY_RE = re.compile(r"^[ \t]*([0-9]{1,1000}(?:\.[0-9]{1,1000})?)[ \t]*([a-zA-Z]{0,3})[ \t]*\Z")
 _NUMBER_RE = re.compile(
-    r"^[ \t]*\+?([0-9]{0,30}(?:\.[0-9]{0,30})?(?:[eE][+-]?[0-9]{1,4})?)[ \t]*\Z")
+    r"^[ \t]*\+?([0-9]{0,30}(?:\.[0-9]{0,30})?(?:[eE][+-]?[0-9]{1,4})?)[ \t]*\Z"
+)
 _LABEL_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?\Z")
 
 
@@ -143,27 +144,32 @@ def parse_memory(value: object, field: str = "gpu_memory") -> int:
     dropped (``1.5KiB`` of a ``1000.7MiB`` cap does not matter)."""
     sizes = f"from 1MiB to {format_bytes(MAX_MEMORY)}"
     if isinstance(value, bool):
-        raise ShareError(field, value, f"a size in bytes or with a unit, e.g. 10GiB, 512Mi, 2G, "
-                         f"{sizes}")
+        raise ShareError(
+            field, value, f"a size in bytes or with a unit, e.g. 10GiB, 512Mi, 2G, {sizes}"
+        )
     if isinstance(value, int):
         number = Fraction(value)
     elif isinstance(value, float):
         if not math.isfinite(value) or value != int(value):
-            raise ShareError(field, value, f"a whole number of bytes, or a size such as 10GiB, "
-                             f"{sizes}")
+            raise ShareError(
+                field, value, f"a whole number of bytes, or a size such as 10GiB, {sizes}"
+            )
         number = Fraction(value)
     elif isinstance(value, str):
         match = _MEMORY_RE.match(value)
         unit = match.group(2).lower() if match else ""
         if not match or unit not in _UNITS:
             raise ShareError(
-                field, value, "a size in bytes or with a unit (B, KiB, MiB, GiB, TiB, K, M, G, "
-                f"T) in ASCII digits, {sizes}"
+                field,
+                value,
+                "a size in bytes or with a unit (B, KiB, MiB, GiB, TiB, K, M, G, "
+                f"T) in ASCII digits, {sizes}",
             )
         number = Fraction(match.group(1)) * _UNITS[unit]  # exact: no float overflow or rounding
     else:
-        raise ShareError(field, value, f"a size in bytes or with a unit, e.g. 10GiB, 512Mi, 2G, "
-                         f"{sizes}")
+        raise ShareError(
+            field, value, f"a size in bytes or with a unit, e.g. 10GiB, 512Mi, 2G, {sizes}"
+        )
     if number < MEMORY_UNIT:
         raise ShareError(field, value, f"at least 1MiB (the smallest memory cap); {sizes}")
     if number > MAX_MEMORY:
@@ -192,8 +198,10 @@ def _number(value: object) -> float | None:
 
 def _parse_fraction(value: object, field: str) -> float:
     """A compute share: a multiple of :data:`COMPUTE_UNIT` in (0, 1]."""
-    allowed = (f"a number in (0, 1] in steps of {COMPUTE_UNIT:g}, the fraction of one GPU "
-               f"(the smallest share is {COMPUTE_UNIT:g})")
+    allowed = (
+        f"a number in (0, 1] in steps of {COMPUTE_UNIT:g}, the fraction of one GPU "
+        f"(the smallest share is {COMPUTE_UNIT:g})"
+    )
     number = _number(value)
     if number is None or number <= 0 or number > 1:
         raise ShareError(field, value, allowed)
@@ -241,14 +249,13 @@ class GpuLabels:
                 pairs[key.strip().replace("-", "_")] = val.strip()
             value = pairs
         if not isinstance(value, Mapping):
-            raise ShareError(
-                "gpu_labels", value, "an object with keys " + ", ".join(LABEL_KINDS)
-            )
+            raise ShareError("gpu_labels", value, "an object with keys " + ", ".join(LABEL_KINDS))
         unknown = sorted(set(value) - set(LABEL_KINDS), key=str)
         if unknown:
             raise ShareError(
-                f"gpu_labels.{key_name(unknown[0])}", value[unknown[0]],
-                "keys are " + ", ".join(LABEL_KINDS)
+                f"gpu_labels.{key_name(unknown[0])}",
+                value[unknown[0]],
+                "keys are " + ", ".join(LABEL_KINDS),
             )
         parsed: dict[str, str | None] = {}
         for kind in LABEL_KINDS:

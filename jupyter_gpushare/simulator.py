@@ -118,8 +118,12 @@ _VERSION = 1
 
 
 class _Sample(ctypes.Structure):
-    _fields_ = [("seq", ctypes.c_uint64), ("t", ctypes.c_uint64), ("done", ctypes.c_uint64),
-                ("until", ctypes.c_uint64)]
+    _fields_ = [
+        ("seq", ctypes.c_uint64),
+        ("t", ctypes.c_uint64),
+        ("done", ctypes.c_uint64),
+        ("until", ctypes.c_uint64),
+    ]
 
 
 class _Device(ctypes.Structure):

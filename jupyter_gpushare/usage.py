@@ -24,9 +24,20 @@ from .daemon.client import DaemonClient, DaemonUnavailable
 
 #: The per-allocation fields of a usage entry (REST ``/gpushare/api/usage``, the usage
 #: ConfigMaps); all but ``id``/``kernel_id`` come from the node daemon's status.
-USAGE_KEYS = ("id", "kernel_id", "achieved_share", "memory_used", "memory_cap", "request",
-              "limit", "connected", "lease_waits", "lease_wait_seconds", "idle_s",
-              "last_launch_ago_s")
+USAGE_KEYS = (
+    "id",
+    "kernel_id",
+    "achieved_share",
+    "memory_used",
+    "memory_cap",
+    "request",
+    "limit",
+    "connected",
+    "lease_waits",
+    "lease_wait_seconds",
+    "idle_s",
+    "last_launch_ago_s",
+)
 
 
 @dataclass(frozen=True)
@@ -51,8 +62,9 @@ class UsageView:
 
     def memory_used(self, allocation_id: str) -> int | None:
         found = self.allocations.get(allocation_id)
-        return None if found is None or found.get("memory_used") is None else int(
-            found["memory_used"])
+        return (
+            None if found is None or found.get("memory_used") is None else int(found["memory_used"])
+        )
 
 
 class UsageSource(Protocol):
@@ -78,10 +90,14 @@ class DaemonUsage:
             status = await asyncio.to_thread(self._client().status)
         except (DaemonUnavailable, OSError, ValueError) as exc:
             return UsageView("daemon", message=f"no node daemon answers: {exc}")
-        return UsageView("daemon", allocations={
-            a["id"]: {**{k: a.get(k) for k in USAGE_KEYS}, "node": self.node}
-            for a in status.get("allocations", [])
-        }, nodes=frozenset({self.node}))
+        return UsageView(
+            "daemon",
+            allocations={
+                a["id"]: {**{k: a.get(k) for k in USAGE_KEYS}, "node": self.node}
+                for a in status.get("allocations", [])
+            },
+            nodes=frozenset({self.node}),
+        )
 
     async def changed(self) -> None:
         """Ask the daemon to re-read the ledger now (it re-reads every ~250 ms anyway)."""
@@ -126,5 +142,12 @@ def served_here(settings: Any) -> Callable[[Any], bool]:
     return lambda server: server == mine
 
 
-__all__ = ["USAGE_KEYS", "DaemonUsage", "UsageSource", "UsageView", "served_here", "server_id",
-           "usage_source"]
+__all__ = [
+    "USAGE_KEYS",
+    "DaemonUsage",
+    "UsageSource",
+    "UsageView",
+    "served_here",
+    "server_id",
+    "usage_source",
+]

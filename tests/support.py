@@ -83,9 +83,12 @@ def stop_daemons(socket_path: str) -> None:
     """End node daemons a test's server started (they are detached so that they outlive it):
     SIGTERM first, so that an agent with no share left removes its state directory (in
     /dev/shm), then SIGKILL for one that does not stop within 3 s."""
-    procs = [proc for proc in psutil.process_iter(["cmdline"])
-             if "jupyter_gpushare.daemon" in (cmdline := proc.info["cmdline"] or [])
-             and socket_path in cmdline]
+    procs = [
+        proc
+        for proc in psutil.process_iter(["cmdline"])
+        if "jupyter_gpushare.daemon" in (cmdline := proc.info["cmdline"] or [])
+        and socket_path in cmdline
+    ]
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             proc.terminate()
@@ -107,12 +110,19 @@ class JupyterServer:
         self.root.mkdir(exist_ok=True)
         self.log_path = Path(env["JUPYTER_DATA_DIR"]).parent / f"server-{self.port}.log"
         self.argv = [
-            sys.executable, "-m", "jupyter_server", "--no-browser",
-            f"--ServerApp.port={self.port}", "--ServerApp.ip=127.0.0.1",
-            f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
+            sys.executable,
+            "-m",
+            "jupyter_server",
+            "--no-browser",
+            f"--ServerApp.port={self.port}",
+            "--ServerApp.ip=127.0.0.1",
+            f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.root_dir={self.root}",
             "--ServerApp.jpserver_extensions=jupyter_gpushare=True",
-            f"--GpuShare.simulate={simulate}", "--GpuShare.reconcile_interval=1",
-            "--allow-root", "--ServerApp.jpserver_extensions=jupyterlab=False",
+            f"--GpuShare.simulate={simulate}",
+            "--GpuShare.reconcile_interval=1",
+            "--allow-root",
+            "--ServerApp.jpserver_extensions=jupyterlab=False",
             "--ServerApp.jpserver_extensions=jupyter_lsp=False",
             *extra,
         ]

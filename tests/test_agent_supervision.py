@@ -35,14 +35,27 @@ def _patch(server, allocation_id: str, body: dict):
 
 
 def test_a_killed_agent_is_restarted_and_changes_are_acknowledged_only_when_enforced(
-        jupyter_server, gpushare_env):
+    jupyter_server, gpushare_env
+):
     server = jupyter_server("1xA100")
     socket = gpushare_env["GPUSHARE_SOCKET"]
     first = wait_for(lambda: _agent_pid(socket), timeout=60)
     holder = subprocess.Popen(  # a share held by a command (cheaper than a kernel)
-        [sys.executable, "-m", "jupyter_gpushare", "run", "--gpu-request", "0.25",
-         "--gpu-limit", "0.5", "--", "sleep", "300"],
-        env={**gpushare_env, "GPUSHARE_SIMULATE": "1xA100"})
+        [
+            sys.executable,
+            "-m",
+            "jupyter_gpushare",
+            "run",
+            "--gpu-request",
+            "0.25",
+            "--gpu-limit",
+            "0.5",
+            "--",
+            "sleep",
+            "300",
+        ],
+        env={**gpushare_env, "GPUSHARE_SIMULATE": "1xA100"},
+    )
     try:
         [allocation] = wait_for(lambda: server.allocations(), timeout=60)
         aid = allocation["id"]
@@ -52,8 +65,13 @@ def test_a_killed_agent_is_restarted_and_changes_are_acknowledged_only_when_enfo
         assert _enforced(socket, aid)["limit"] == 0.75
 
         os.kill(first, signal.SIGKILL)
-        wait_for(lambda: not psutil.pid_exists(first) or psutil.Process(first).status()
-                 == psutil.STATUS_ZOMBIE, timeout=10)
+        wait_for(
+            lambda: (
+                not psutil.pid_exists(first)
+                or psutil.Process(first).status() == psutil.STATUS_ZOMBIE
+            ),
+            timeout=10,
+        )
         response = _patch(server, aid, {"gpu_limit": 1.0})
         if response.status_code == 200:  # the supervisor was quicker: then it is in force
             assert _enforced(socket, aid)["limit"] == 1.0
@@ -89,7 +107,8 @@ def test_a_change_is_refused_with_503_while_no_agent_can_run(jupyter_server, gpu
     agent = wait_for(lambda: _agent_pid(str(socket)), timeout=60)
     holder = subprocess.Popen(
         [sys.executable, "-m", "jupyter_gpushare", "run", "--", "sleep", "300"],
-        env={**gpushare_env, "GPUSHARE_SIMULATE": "1xA100"})
+        env={**gpushare_env, "GPUSHARE_SIMULATE": "1xA100"},
+    )
     moved = socket.parent.with_name(socket.parent.name + "-away")
     try:
         [allocation] = wait_for(lambda: server.allocations(), timeout=60)
@@ -100,8 +119,9 @@ def test_a_change_is_refused_with_503_while_no_agent_can_run(jupyter_server, gpu
         assert response.status_code == 503, response.text
         body = response.json()
         assert body["error"] == "not_applied" and "recorded" in body["message"]
-        assert server.get(f"/gpushare/api/allocations/{allocation['id']}").json()[
-            "gpu_limit"] == 1.0  # recorded: a new agent enforces it
+        assert (
+            server.get(f"/gpushare/api/allocations/{allocation['id']}").json()["gpu_limit"] == 1.0
+        )  # recorded: a new agent enforces it
         gone = server.delete(f"/gpushare/api/allocations/{allocation['id']}")
         assert gone.status_code == 503 and gone.json()["error"] == "not_applied"
         # the supervisor keeps trying every 2 s and says why once (no log line per try)
@@ -119,19 +139,25 @@ def test_a_change_is_refused_with_503_while_no_agent_can_run(jupyter_server, gpu
 
 
 def test_starting_an_agent_leaves_no_resource_warning_and_it_outlives_the_starter(
-        gpushare_env, tmp_path):
+    gpushare_env, tmp_path
+):
     socket = gpushare_env["GPUSHARE_SOCKET"]
     script = textwrap.dedent(f"""
         import gc, pathlib
         from jupyter_gpushare.daemon.supervisor import ensure_daemon
         from jupyter_gpushare.inventory import simulated_gpus
-        ensure_daemon(pathlib.Path({socket!r}), pathlib.Path({str(tmp_path / 'l.sqlite')!r}),
+        ensure_daemon(pathlib.Path({socket!r}), pathlib.Path({str(tmp_path / "l.sqlite")!r}),
                       simulated_gpus("1xA100", node="n1"), "n1")  # the Popen is not kept
         gc.collect()
         print("started")
     """)
-    done = subprocess.run([sys.executable, "-W", "error::ResourceWarning", "-c", script],
-                          env=gpushare_env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-W", "error::ResourceWarning", "-c", script],
+        env=gpushare_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0 and done.stdout == "started\n", done.stderr
     assert "ResourceWarning" not in done.stderr and "Exception ignored" not in done.stderr
     time.sleep(0.2)

@@ -8,20 +8,37 @@ import sys
 
 
 def gpushare(env, *args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "jupyter_gpushare", *args], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "jupyter_gpushare", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_run_passes_exit_code_through_and_releases(gpushare_env):
     env = {**gpushare_env, "GPUSHARE_SIMULATE": "1xA100"}
-    script = ("import os, json, subprocess, sys; "
-              "st = subprocess.run([sys.executable, '-m', 'jupyter_gpushare', 'status', '--json'],"
-              " capture_output=True, text=True); "
-              "print(json.dumps({'id': os.environ['GPUSHARE_ALLOCATION_ID'], "
-              "'gpu': os.environ['CUDA_VISIBLE_DEVICES'], 'status': json.loads(st.stdout)})); "
-              "sys.exit(7)")
-    result = gpushare(env, "run", "--gpu-request", "0.5", "--gpu-memory", "8GiB", "--",
-                      sys.executable, "-c", script)
+    script = (
+        "import os, json, subprocess, sys; "
+        "st = subprocess.run([sys.executable, '-m', 'jupyter_gpushare', 'status', '--json'],"
+        " capture_output=True, text=True); "
+        "print(json.dumps({'id': os.environ['GPUSHARE_ALLOCATION_ID'], "
+        "'gpu': os.environ['CUDA_VISIBLE_DEVICES'], 'status': json.loads(st.stdout)})); "
+        "sys.exit(7)"
+    )
+    result = gpushare(
+        env,
+        "run",
+        "--gpu-request",
+        "0.5",
+        "--gpu-memory",
+        "8GiB",
+        "--",
+        sys.executable,
+        "-c",
+        script,
+    )
     assert result.returncode == 7, result.stderr
     seen = json.loads(result.stdout)
     [alloc] = seen["status"]["allocations"]
@@ -46,8 +63,20 @@ def test_run_refuses_bad_share_before_running(gpushare_env, tmp_path):
 def test_run_is_refused_when_nothing_fits(gpushare_env):
     env = {**gpushare_env, "GPUSHARE_SIMULATE": "1xA100"}
     holder = subprocess.Popen(
-        [sys.executable, "-m", "jupyter_gpushare", "run", "--gpu-request", "0.75", "--",
-         sys.executable, "-c", "import time; time.sleep(30)"], env=env)
+        [
+            sys.executable,
+            "-m",
+            "jupyter_gpushare",
+            "run",
+            "--gpu-request",
+            "0.75",
+            "--",
+            sys.executable,
+            "-c",
+            "import time; time.sleep(30)",
+        ],
+        env=env,
+    )
     try:
         for _ in range(100):
             status = json.loads(gpushare(env, "status", "--json").stdout)
@@ -81,17 +110,25 @@ def test_status_shows_another_users_share_as_theirs_without_details(monkeypatch,
     from jupyter_gpushare.ledger import Allocation
     from jupyter_gpushare.share import ShareSpec
 
-    theirs = redact(Allocation(id="a-0123456789abcdef", node="n", gpus=("GPU-1",),
-                               spec=ShareSpec(0.5, 0.5, 2**30, "A100"), memory=2**30,
-                               kernel_id="k-secret", pid=4242, user="alice"))
+    theirs = redact(
+        Allocation(
+            id="a-0123456789abcdef",
+            node="n",
+            gpus=("GPU-1",),
+            spec=ShareSpec(0.5, 0.5, 2**30, "A100"),
+            memory=2**30,
+            kernel_id="k-secret",
+            pid=4242,
+            user="alice",
+        )
+    )
 
     async def status(*_args):
         return {"simulated": True, "gpus": [], "allocations": [theirs.to_json()]}
 
     monkeypatch.setattr(cli, "_status", status)
     monkeypatch.setattr(cli, "_settings", lambda simulate: None)
-    args = argparse.Namespace(simulate=None, kubernetes_namespace=None, kubeconfig="",
-                              json=False)
+    args = argparse.Namespace(simulate=None, kubernetes_namespace=None, kubeconfig="", json=False)
     assert cli.cmd_status(args) == 0
     out = capsys.readouterr().out
     assert "a-0123456789abcdef: 0.5–0.5 of A100 GPU-1" in out

@@ -26,10 +26,15 @@ from jupyter_gpushare.share import ShareError, ShareSpec
 def test_bounds_tightest_of_user_and_groups_else_default() -> None:
     bounds = Bounds(
         parse_bounds({"alice": {"gpu_request": 0.5, "gpu_limit": 1.0}}, "user_bounds"),
-        parse_bounds({"students": {"gpu_request": 0.25, "gpu_limit": 0.5},
-                      "big": {"gpu_request": 1.0, "gpu_limit": 1.0, "gpu_memory": "8GiB"}},
-                     "group_bounds"),
-        ShareSpec(gpu_request=0.1, gpu_limit=0.2))
+        parse_bounds(
+            {
+                "students": {"gpu_request": 0.25, "gpu_limit": 0.5},
+                "big": {"gpu_request": 1.0, "gpu_limit": 1.0, "gpu_memory": "8GiB"},
+            },
+            "group_bounds",
+        ),
+        ShareSpec(gpu_request=0.1, gpu_limit=0.2),
+    )
     both = bounds.of(HubUser("alice", groups=("students", "big")))
     assert both is not None and (both.gpu_request, both.gpu_limit) == (0.25, 0.5)
     assert both.gpu_memory == 8 * 2**30
@@ -39,11 +44,14 @@ def test_bounds_tightest_of_user_and_groups_else_default() -> None:
     assert bounds.of(HubUser("root", admin=True, groups=("students",))) is not None
 
 
-@pytest.mark.parametrize("mapping, field", [
-    ({"bob": 0.5}, "user_bounds['bob']"),
-    ({"bob": {"gpu_reqest": 0.5}}, "user_bounds['bob'].gpu_reqest"),
-    ({"bob": {"gpu_request": 2}}, "gpu_request"),
-])
+@pytest.mark.parametrize(
+    "mapping, field",
+    [
+        ({"bob": 0.5}, "user_bounds['bob']"),
+        ({"bob": {"gpu_reqest": 0.5}}, "user_bounds['bob'].gpu_reqest"),
+        ({"bob": {"gpu_request": 2}}, "gpu_request"),
+    ],
+)
 def test_bad_bound_config_names_the_setting(mapping: dict, field: str) -> None:
     with pytest.raises(ShareError) as caught:
         parse_bounds(mapping, "user_bounds")
@@ -64,11 +72,18 @@ def test_hub_user_model() -> None:
 
 
 def test_what_a_server_sends_is_checked_by_name() -> None:
-    connection = {"shell_port": 1, "iopub_port": 2, "stdin_port": 3, "control_port": 4,
-                  "hb_port": 5, "key": "k"}
+    connection = {
+        "shell_port": 1,
+        "iopub_port": 2,
+        "stdin_port": 3,
+        "control_port": 4,
+        "hb_port": 5,
+        "key": "k",
+    }
     assert check_connection(connection)["ip"] == "0.0.0.0"  # the pod's interfaces, always
-    assert check_env({"A": "1", "LD_PRELOAD": "/evil.so", "GPUSHARE_SOCKET": "/x",
-                      "PATH": "/tmp"}) == {"A": "1"}
+    assert check_env(
+        {"A": "1", "LD_PRELOAD": "/evil.so", "GPUSHARE_SOCKET": "/x", "PATH": "/tmp"}
+    ) == {"A": "1"}
     assert check_command(["python", "-c", "1"]) == ["python", "-c", "1"]
     cases = [
         (check_connection, {**connection, "hb_port": True}, "connection.hb_port"),

@@ -11,15 +11,22 @@ from jupyter_gpushare.daemon.client import DaemonClient
 
 def test_kernel_memory_cap_is_enforced_by_the_interposer(jupyter_server):
     server = jupyter_server("1xA100")
-    response = server.post("/gpushare/api/kernels", {
-        "name": "gpushare-python", "share": {"gpu_request": 0.25, "gpu_memory": "1GiB"},
-    })
+    response = server.post(
+        "/gpushare/api/kernels",
+        {
+            "name": "gpushare-python",
+            "share": {"gpu_request": 0.25, "gpu_memory": "1GiB"},
+        },
+    )
     assert response.status_code == 201, response.text
     kernel, alloc = response.json(), response.json()["allocation"]
     client = server.client(kernel["id"])
-    env = json.loads(client.execute(
-        "import os, json; print(json.dumps({k: os.environ.get(k, '') for k in "
-        "('LD_PRELOAD', 'LD_LIBRARY_PATH')}))"))
+    env = json.loads(
+        client.execute(
+            "import os, json; print(json.dumps({k: os.environ.get(k, '') for k in "
+            "('LD_PRELOAD', 'LD_LIBRARY_PATH')}))"
+        )
+    )
     assert env["LD_PRELOAD"].endswith("libgpushare.so")
     seen = json.loads(client.execute(CUDA_PROBE))
     client.close()

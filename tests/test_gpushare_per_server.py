@@ -35,8 +35,9 @@ def _server(tmp_path: Path, name: str, request: float, simulate: str) -> ServerA
     return app
 
 
-async def test_two_servers_in_one_process_each_use_their_own_settings(gpushare_env, tmp_path,
-                                                                      monkeypatch):
+async def test_two_servers_in_one_process_each_use_their_own_settings(
+    gpushare_env, tmp_path, monkeypatch
+):
     for key, value in gpushare_env.items():
         monkeypatch.setenv(key, value)
     add_kernelspec(gpushare_env, "gs-default", {})  # the server's default share
@@ -54,12 +55,15 @@ async def test_two_servers_in_one_process_each_use_their_own_settings(gpushare_e
         started = {}
         for app, name in ((one, "one"), (two, "two")):
             started[name] = await app.kernel_manager.start_kernel(kernel_name="gs-default")
-        held = {name: await SQLiteLedger(tmp_path / f"{name}.sqlite").list()
-                for name in ("one", "two")}
+        held = {
+            name: await SQLiteLedger(tmp_path / f"{name}.sqlite").list() for name in ("one", "two")
+        }
         assert [(a.kernel_id, a.node, a.spec.gpu_request) for a in held["one"]] == [
-            (started["one"], "one", 0.25)]
+            (started["one"], "one", 0.25)
+        ]
         assert [(a.kernel_id, a.node, a.spec.gpu_request) for a in held["two"]] == [
-            (started["two"], "two", 0.5)]
+            (started["two"], "two", 0.5)
+        ]
         provisioner = two.kernel_manager.get_kernel(started["two"]).provisioner
         assert provisioner.settings is s2
     finally:

@@ -87,8 +87,15 @@ def spawner_for(c: Config) -> Any:
     orm_user = orm.User(name="alice")
     db.add(orm_user)
     db.commit()
-    settings = {"spawner_class": KubeSpawner, "config": c, "hub": Hub(), "db": db,
-                "users": {}, "domain": "", "statsd": None}
+    settings = {
+        "spawner_class": KubeSpawner,
+        "config": c,
+        "hub": Hub(),
+        "db": db,
+        "users": {},
+        "domain": "",
+        "statsd": None,
+    }
     return User(orm_user, settings=settings).spawner
 
 
@@ -129,14 +136,23 @@ async def test_gpu_choice_becomes_default_and_bound(tmp_path: Path, ledger: SQLi
     spawner, _ = make_spawner(tmp_path, ledger)
     await submit(spawner, gpu_form(gpu_type="A100", gpu_share="0.25-0.5", gpu_memory="16GiB"))
     default = json.loads(spawner.environment[ENV_DEFAULT])
-    assert default == {"gpu_request": 0.25, "gpu_limit": 0.5, "gpu_memory": 16 * 2**30,
-                       "gpu_type": "A100"}
+    assert default == {
+        "gpu_request": 0.25,
+        "gpu_limit": 0.5,
+        "gpu_memory": 16 * 2**30,
+        "gpu_type": "A100",
+    }
     assert json.loads(spawner.environment[ENV_MAX]) == default
     assert spawner.environment["NVIDIA_VISIBLE_DEVICES"] == "void"  # kernels hold the GPU
     assert GPU_RESOURCE not in spawner.extra_resource_limits
     # a custom share within bounds
-    await submit(spawner, {**gpu_form(gpu_type="any", gpu_memory="auto"),
-                           "profile-option-gpu--gpu_share--unlisted-choice": "0.3-0.6"})
+    await submit(
+        spawner,
+        {
+            **gpu_form(gpu_type="any", gpu_memory="auto"),
+            "profile-option-gpu--gpu_share--unlisted-choice": "0.3-0.6",
+        },
+    )
     custom = json.loads(spawner.environment[ENV_DEFAULT])
     assert (custom["gpu_request"], custom["gpu_limit"]) == (0.3, 0.6)
     assert custom["gpu_type"] is None and custom["gpu_memory"] is None
@@ -187,8 +203,12 @@ async def test_bad_values_refused_at_start(tmp_path: Path, ledger: SQLiteLedger)
     """Options that bypass the form (JupyterHub REST API) are checked when the server starts,
     against the live inventory and the admin's bounds."""
     spawner, _ = make_spawner(tmp_path, ledger, max_request=0.5, max_memory="20GiB")
-    spawner.user_options = {"profile": "gpu", "gpu_type": "T4", "gpu_share": "0.25-0.5",
-                            "gpu_memory--unlisted-choice": "18GiB"}
+    spawner.user_options = {
+        "profile": "gpu",
+        "gpu_type": "T4",
+        "gpu_share": "0.25-0.5",
+        "gpu_memory--unlisted-choice": "18GiB",
+    }
     with pytest.raises(GpuOptionError, match="at most 15GiB"):
         await spawner.load_user_options()
     spawner.user_options = {"profile": "gpu", "gpu_type": "A100", "gpu_share": "0.5-1"}
@@ -200,8 +220,13 @@ async def test_bad_values_refused_at_start(tmp_path: Path, ledger: SQLiteLedger)
 
 
 def test_share_from_options_mirrors_share_spec() -> None:
-    spec = share_from_options({"gpu_type": "any", "gpu_share--unlisted-choice": "0.4",
-                               "gpu_memory--unlisted-choice": "10GiB"})
+    spec = share_from_options(
+        {
+            "gpu_type": "any",
+            "gpu_share--unlisted-choice": "0.4",
+            "gpu_memory--unlisted-choice": "10GiB",
+        }
+    )
     assert (spec.gpu_request, spec.gpu_limit, spec.gpu_type) == (0.4, 0.4, None)
     assert spec.gpu_memory == parse_memory("10GiB")
     with pytest.raises(GpuOptionError, match="no GPUs available"):
@@ -252,22 +277,29 @@ def test_apply_user_bound() -> None:
 def test_user_server_honours_hub_choice(gpushare_env: dict[str, str], jupyter_server: Any) -> None:
     """A real jupyter_server started with the environment the GPU profile sets: the pick is the
     default share (what the Lab picker starts from) and the most any kernel may ask for."""
-    picked = share_from_options({"gpu_type": "A100", "gpu_share": "0.25-0.5",
-                                 "gpu_memory": "16GiB"})
+    picked = share_from_options(
+        {"gpu_type": "A100", "gpu_share": "0.25-0.5", "gpu_memory": "16GiB"}
+    )
     gpushare_env.update({k: v for k, v in share_environment(picked).items() if v is not None})
     server = jupyter_server("1xA100,1xT4")
     default = server.get("/gpushare/api/presets").json()["default"]
     assert (default["gpu_type"], default["gpu_memory"]) == ("A100", 16 * 2**30)
-    too_much = server.post("/gpushare/api/kernels", {
-        "name": "gpushare-python", "share": {"gpu_request": 0.5, "gpu_limit": 1}})
+    too_much = server.post(
+        "/gpushare/api/kernels",
+        {"name": "gpushare-python", "share": {"gpu_request": 0.5, "gpu_limit": 1}},
+    )
     assert too_much.status_code == 400, too_much.text
     assert too_much.json()["field"] == "gpu_request"
     assert "JupyterHub" in too_much.json()["message"]
-    other_type = server.post("/gpushare/api/kernels", {
-        "name": "gpushare-python", "share": {"gpu_type": "T4", "gpu_memory": "8GiB"}})
+    other_type = server.post(
+        "/gpushare/api/kernels",
+        {"name": "gpushare-python", "share": {"gpu_type": "T4", "gpu_memory": "8GiB"}},
+    )
     assert other_type.status_code == 400 and other_type.json()["field"] == "gpu_type"
-    ok = server.post("/gpushare/api/kernels", {
-        "name": "gpushare-python", "share": {"gpu_request": 0.25, "gpu_limit": 0.5}})
+    ok = server.post(
+        "/gpushare/api/kernels",
+        {"name": "gpushare-python", "share": {"gpu_request": 0.25, "gpu_limit": 0.5}},
+    )
     assert ok.status_code == 201, ok.text
     allocation = ok.json()["allocation"]
     assert (allocation["gpu_type"], allocation["gpu_memory"]) == ("A100", 16 * 2**30)

@@ -49,8 +49,15 @@ def local_spawner(ledger: SQLiteLedger, **settings: Any) -> Any:
     orm_user = orm.User(name=getpass.getuser())  # a real account: get_env reads its passwd
     db.add(orm_user)
     db.commit()
-    app = {"spawner_class": LocalProcessSpawner, "config": c, "hub": Hub(), "db": db,
-           "users": {}, "domain": "", "statsd": None}
+    app = {
+        "spawner_class": LocalProcessSpawner,
+        "config": c,
+        "hub": Hub(),
+        "db": db,
+        "users": {},
+        "domain": "",
+        "statsd": None,
+    }
     return User(orm_user, settings=app).spawner
 
 
@@ -61,39 +68,61 @@ def submit(spawner: Any, form: dict[str, str]) -> dict[str, str]:
 
 
 async def test_form_offers_the_machines_gpus_and_the_pick_reaches_the_server(
-        ledger: SQLiteLedger) -> None:
+    ledger: SQLiteLedger,
+) -> None:
     spawner = local_spawner(ledger)
     page = await spawner.get_options_form()
     assert "A100 (80GiB) — 1 GPU, up to 0.25 of a GPU free now" in page
     assert "T4 (15GiB) — 1 GPU, up to 1 of a GPU free now" in page
     assert re.search(r'<input type="radio" name="profile" value="gpu" checked>', page)
     assert 'name="gpu_share--unlisted-choice"' in page and "CPU only" in page
-    env = submit(spawner, {"profile": "gpu", "gpu_type": "T4", "gpu_share": "0.25-0.5",
-                           "gpu_memory": "8GiB"})
+    env = submit(
+        spawner, {"profile": "gpu", "gpu_type": "T4", "gpu_share": "0.25-0.5", "gpu_memory": "8GiB"}
+    )
     default = json.loads(env[ENV_DEFAULT])
-    assert default == {"gpu_request": 0.25, "gpu_limit": 0.5, "gpu_memory": 8 * GiB,
-                       "gpu_type": "T4"}
+    assert default == {
+        "gpu_request": 0.25,
+        "gpu_limit": 0.5,
+        "gpu_memory": 8 * GiB,
+        "gpu_type": "T4",
+    }
     assert json.loads(env[ENV_MAX]) == default
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["GPUSHARE_DISABLED"] == ""
     # a custom share, then CPU only on the same spawner object: nothing of the GPU is left
-    env = submit(spawner, {"profile": "gpu", "gpu_type": "any",
-                           "gpu_share--unlisted-choice": "0.3-0.6", "gpu_memory": "auto"})
+    env = submit(
+        spawner,
+        {
+            "profile": "gpu",
+            "gpu_type": "any",
+            "gpu_share--unlisted-choice": "0.3-0.6",
+            "gpu_memory": "auto",
+        },
+    )
     assert json.loads(env[ENV_DEFAULT])["gpu_limit"] == 0.6
     env = submit(spawner, {"profile": "cpu"})
     assert env[ENV_DEFAULT] == "" and env[ENV_MAX] == "" and env["GPUSHARE_DISABLED"] == "1"
 
 
-@pytest.mark.parametrize(("form", "message"), [
-    ({"gpu_share--unlisted-choice": "0.6-0.5"}, "at most gpu_limit"),
-    ({"gpu_memory--unlisted-choice": "12 parsecs"}, "gpu_memory='12 parsecs'"),
-    ({"gpu_share": "1-1"}, "at most 0.5 of a GPU per user"),
-    ({"profile": "root"}, "profile='root' is not allowed: one of gpu, cpu"),
-])
+@pytest.mark.parametrize(
+    ("form", "message"),
+    [
+        ({"gpu_share--unlisted-choice": "0.6-0.5"}, "at most gpu_limit"),
+        ({"gpu_memory--unlisted-choice": "12 parsecs"}, "gpu_memory='12 parsecs'"),
+        ({"gpu_share": "1-1"}, "at most 0.5 of a GPU per user"),
+        ({"profile": "root"}, "profile='root' is not allowed: one of gpu, cpu"),
+    ],
+)
 async def test_bad_values_are_refused_with_the_reason(
-        ledger: SQLiteLedger, form: dict[str, str], message: str) -> None:
+    ledger: SQLiteLedger, form: dict[str, str], message: str
+) -> None:
     spawner = local_spawner(ledger, max_request=0.5)
-    full = {"profile": "gpu", "gpu_type": "A100", "gpu_share": "0.25-0.5", "gpu_memory": "auto",
-            **form}
+    full = {
+        "profile": "gpu",
+        "gpu_type": "A100",
+        "gpu_share": "0.25-0.5",
+        "gpu_memory": "auto",
+        **form,
+    }
     with pytest.raises(GpuOptionError, match=re.escape(message)):
         submit(spawner, full)
     # options set without the form (JupyterHub's REST API) are checked when the server starts

@@ -61,9 +61,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S * 2 + 60)]
 def _suite() -> Path:
     if (SUITE / ".complete").exists():
         return SUITE
-    reason = (f"jupyter_server {jupyter_server.__version__}'s tests are not in {SUITE}: run "
-              ".ci/setup.d/jupyter_server_tests.sh (its JUPYTER_SERVER_VERSION must be the "
-              "installed jupyter_server's)")
+    reason = (
+        f"jupyter_server {jupyter_server.__version__}'s tests are not in {SUITE}: run "
+        ".ci/setup.d/jupyter_server_tests.sh (its JUPYTER_SERVER_VERSION must be the "
+        "installed jupyter_server's)"
+    )
     if os.environ.get("CI", "").lower() == "true":  # never a silent pass in CI
         pytest.fail(reason)
     pytest.skip(reason)
@@ -74,19 +76,40 @@ def _start(mode: str, suite: Path, report: Path, args: list[str]) -> subprocess.
     env.update(
         GPUSHARE_JSTESTS_MODE=mode,
         GPUSHARE_JSTESTS_REPORT=str(report),
-        PYTHONPATH=os.pathsep.join([str(PLUGIN_DIR), env.get("PYTHONPATH", "")]).rstrip(
-            os.pathsep),
+        PYTHONPATH=os.pathsep.join([str(PLUGIN_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         PYTHONDONTWRITEBYTECODE="1",  # the extracted suite is shared and read-only
     )
-    for key in ("GPUSHARE_SIMULATE", "GPUSHARE_LEDGER", "GPUSHARE_SOCKET", "JUPYTER_CONFIG_DIR",
-                "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "PYTEST_ADDOPTS"):
+    for key in (
+        "GPUSHARE_SIMULATE",
+        "GPUSHARE_LEDGER",
+        "GPUSHARE_SOCKET",
+        "JUPYTER_CONFIG_DIR",
+        "JUPYTER_DATA_DIR",
+        "JUPYTER_RUNTIME_DIR",
+        "PYTEST_ADDOPTS",
+    ):
         env.pop(key, None)
     log = open(report.with_suffix(".log"), "wb")
     return subprocess.Popen(
         # no:cacheprovider, no:benchmark: nothing written into the shared extracted suite
-        [sys.executable, "-m", "pytest", "-p", "gpushare_plugin", "-p", "no:cacheprovider",
-         "-p", "no:benchmark", "-q", "--color=no", *args],
-        cwd=suite, env=env, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "gpushare_plugin",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:benchmark",
+            "-q",
+            "--color=no",
+            *args,
+        ],
+        cwd=suite,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
 
 
@@ -104,8 +127,7 @@ def _run_all(runs: dict[str, list[str]], suite: Path, out: Path) -> dict[str, di
                 proc.wait(max(1.0, RUN_TIMEOUT_S - (time.monotonic() - began)))
             except subprocess.TimeoutExpired:
                 log = (out / f"{mode}.log").read_text(errors="replace")[-4000:]
-                pytest.fail(f"jupyter_server's tests ({mode}) took over {RUN_TIMEOUT_S} s:\n"
-                            f"{log}")
+                pytest.fail(f"jupyter_server's tests ({mode}) took over {RUN_TIMEOUT_S} s:\n{log}")
             seconds[mode] = round(time.monotonic() - began, 1)
     finally:
         for proc in procs.values():  # never left running behind a failure or a timeout
@@ -117,8 +139,9 @@ def _run_all(runs: dict[str, list[str]], suite: Path, out: Path) -> dict[str, di
         report = out / f"{mode}.json"
         if not report.exists():
             log = (out / f"{mode}.log").read_text(errors="replace")[-4000:]
-            pytest.fail(f"jupyter_server's tests ({mode}) wrote no report (rc {proc.returncode})"
-                        f":\n{log}")
+            pytest.fail(
+                f"jupyter_server's tests ({mode}) wrote no report (rc {proc.returncode}):\n{log}"
+            )
         results[mode] = json.loads(report.read_text())
         results[mode]["seconds"] = seconds[mode]
     return results
@@ -145,32 +168,44 @@ def test_jupyter_servers_own_kernel_and_session_tests_pass_with_gpushare(tmp_pat
         confirmed[mode] = sorted(set(again[mode]["failed"]) - set(again["plain"]["failed"]))
 
     ARTIFACTS.mkdir(exist_ok=True)
-    (ARTIFACTS / "jupyter_server_suite.json").write_text(json.dumps({
-        "jupyter_server": jupyter_server.__version__, "paths": PATHS,
-        "seconds_side_by_side": timings,
-        "seconds_by_file": {m: first[m]["seconds_by_file"] for m in MODES},
-        "passed": {m: first[m]["passed"] for m in MODES},
-        "warm_claims": first["pool"]["warm_claims"],
-        "cold_starts_with_pools": first["pool"]["cold_starts_with_pools"],
-        "failed": {m: first[m]["failed"] for m in MODES},
-        "failed_only_with_gpushare_first_run": extra, "confirmed": confirmed,
-        "destroyed_pending": {m: first[m]["destroyed_pending"] for m in MODES},
-    }, indent=1))
-    print(f"jupyter_server {jupyter_server.__version__} tests, side by side: {timings} s; "
-          f"passed {[first[m]['passed'] for m in MODES]}; plain fails {sorted(plain)}; pool: "
-          f"{first['pool']['warm_claims']} warm claims, {first['pool']['cold_starts_with_pools']}"
-          " cold")
+    (ARTIFACTS / "jupyter_server_suite.json").write_text(
+        json.dumps(
+            {
+                "jupyter_server": jupyter_server.__version__,
+                "paths": PATHS,
+                "seconds_side_by_side": timings,
+                "seconds_by_file": {m: first[m]["seconds_by_file"] for m in MODES},
+                "passed": {m: first[m]["passed"] for m in MODES},
+                "warm_claims": first["pool"]["warm_claims"],
+                "cold_starts_with_pools": first["pool"]["cold_starts_with_pools"],
+                "failed": {m: first[m]["failed"] for m in MODES},
+                "failed_only_with_gpushare_first_run": extra,
+                "confirmed": confirmed,
+                "destroyed_pending": {m: first[m]["destroyed_pending"] for m in MODES},
+            },
+            indent=1,
+        )
+    )
+    print(
+        f"jupyter_server {jupyter_server.__version__} tests, side by side: {timings} s; "
+        f"passed {[first[m]['passed'] for m in MODES]}; plain fails {sorted(plain)}; pool: "
+        f"{first['pool']['warm_claims']} warm claims, {first['pool']['cold_starts_with_pools']}"
+        " cold"
+    )
     assert not any(confirmed.values()), (
         f"jupyter_server's own tests fail with gpushare but not without: {confirmed} (logs: "
-        f"{tmp_path})")
+        f"{tmp_path})"
+    )
     for mode in MODES[1:]:
         ours = _ours(first[mode]["destroyed_pending"])
         if mode == "pool":
             # KNOWN, open: now and then (0-4 in a run) a PoolManager._run task is collected
             # pending, logged while test_api's test_kernel_handler_startup_error* set up (pending
             # kernels); not understood yet, so printed and kept in the artifact, not asserted
-            print("pool mode: PoolManager tasks destroyed pending:",
-                  [m for m in ours if "PoolManager" in m or "Event.wait" in m])
+            print(
+                "pool mode: PoolManager tasks destroyed pending:",
+                [m for m in ours if "PoolManager" in m or "Event.wait" in m],
+            )
             ours = [m for m in ours if "PoolManager" not in m and "Event.wait" not in m]
         assert ours == [], first[mode]["destroyed_pending"]
     assert first["pool"]["warm_claims"] > 10, first["pool"]  # the pool really served kernels

@@ -18,12 +18,14 @@ from support import add_kernelspec
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
 
 
-def test_gpushare_kernels_run_encrypted_when_required(jupyter_server: Any,
-                                                      gpushare_env: dict[str, str]) -> None:
+def test_gpushare_kernels_run_encrypted_when_required(
+    jupyter_server: Any, gpushare_env: dict[str, str]
+) -> None:
     server = jupyter_server("1xA100", "--KernelManager.transport_encryption=required")
     for name in ("gpushare-python", "gpushare-python-half"):
-        started = server.post("/gpushare/api/kernels" if name == "gpushare-python"
-                              else "/api/kernels", {"name": name})
+        started = server.post(
+            "/gpushare/api/kernels" if name == "gpushare-python" else "/api/kernels", {"name": name}
+        )
         assert started.status_code == 201, (name, started.text, server.log())
         kernel_id = started.json()["id"]
         path = Path(gpushare_env["JUPYTER_RUNTIME_DIR"]) / f"kernel-{kernel_id}.json"
@@ -49,7 +51,8 @@ def test_gpushare_kernels_run_encrypted_when_required(jupyter_server: Any,
 
 
 def test_without_the_declaration_required_encryption_refuses_the_kernel(
-        jupyter_server: Any, gpushare_env: dict[str, str]) -> None:
+    jupyter_server: Any, gpushare_env: dict[str, str]
+) -> None:
     """What the declaration is for: the same kernelspec without it is refused."""
     add_kernelspec(gpushare_env, "undeclared", {"gpu_request": 0.25})
     server = jupyter_server("1xA100", "--KernelManager.transport_encryption=required")

@@ -30,8 +30,9 @@ def test_cached_writes_match_the_file_and_lose_to_an_outside_writer(tmp_path: Pa
         made = [await allocate(cached, ShareSpec(0.25, 0.25), gpus, None) for _ in range(3)]
         assert by_id(await cached.snapshot()) == by_id(await plain.snapshot())
         # a change of one record rewrites that row only, and the file says so
-        grown = await cached.update(made[0].id, lambda a, _o: replace(
-            a, spec=replace(a.spec, gpu_limit=0.5)))
+        grown = await cached.update(
+            made[0].id, lambda a, _o: replace(a, spec=replace(a.spec, gpu_limit=0.5))
+        )
         assert (await plain.get(made[0].id)).limit == 0.5 == grown.limit
         await cached.release(made[1].id)
         assert by_id(await cached.snapshot()) == by_id(await plain.snapshot())
@@ -39,8 +40,9 @@ def test_cached_writes_match_the_file_and_lose_to_an_outside_writer(tmp_path: Pa
         # someone else writes the file: the cached snapshot is stale, its CAS loses
         stale = await cached.snapshot()
         await plain.release(made[2].id)
-        assert not await cached.compare_and_swap(NODE, stale.versions[NODE],
-                                                 list(stale.on_node(NODE)))
+        assert not await cached.compare_and_swap(
+            NODE, stale.versions[NODE], list(stale.on_node(NODE))
+        )
         assert by_id(await cached.snapshot()) == by_id(await plain.snapshot())
         assert [a.id for a in (await plain.snapshot()).allocations] == [made[0].id]
         # and the base-class loops work through it as before

@@ -35,8 +35,11 @@ BLOB = {"blob": "x" * 400_000}  # a record bigger than the space left
 @contextlib.contextmanager
 def tmpfs(where: Path, size: str = "1m") -> Iterator[Path]:
     where.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
-                              str(where)], capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
     try:
@@ -63,8 +66,9 @@ def remount(where: Path, mode: str) -> None:
 
 async def seed(ledger: SQLiteLedger) -> list[str]:
     await ledger.put_gpus("n1", GPUS)
-    return [(await ledger.allocate(ShareSpec(0.25, 0.5), GPUS, place, owner="run")).id
-            for _ in range(3)]
+    return [
+        (await ledger.allocate(ShareSpec(0.25, 0.5), GPUS, place, owner="run")).id for _ in range(3)
+    ]
 
 
 async def ids(ledger: SQLiteLedger) -> list[str]:
@@ -157,15 +161,19 @@ def test_corrupt_file_is_reported(tmp_path: Path) -> None:
 
 
 def test_a_bad_row_is_skipped_with_one_warning_and_kept(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     ledger = SQLiteLedger(tmp_path / "ledger.sqlite")
     good = asyncio.run(seed(ledger))
-    bad_share = asyncio.run(ledger.get(good[0])).to_json() | {"id": "a-bad-share",
-                                                               "gpu_request": 0.9}
+    bad_share = asyncio.run(ledger.get(good[0])).to_json() | {
+        "id": "a-bad-share",
+        "gpu_request": 0.9,
+    }
     with sqlite3.connect(ledger.path) as db:
         db.execute("INSERT INTO allocations VALUES ('a-not-json', 'n1', '{oops')")
-        db.execute("INSERT INTO allocations VALUES (?, 'n1', ?)",
-                   ("a-bad-share", json.dumps(bad_share)))
+        db.execute(
+            "INSERT INTO allocations VALUES (?, 'n1', ?)", ("a-bad-share", json.dumps(bad_share))
+        )
         db.execute("INSERT INTO gpus VALUES ('GPU-bad', 'n1', '[]')")
     with caplog.at_level(logging.WARNING, logger="jupyter_gpushare.ledger"):
         for _ in range(3):
@@ -200,20 +208,23 @@ def check_503(response: Any, words: str) -> None:
     assert body["message"].startswith("the ledger ") and "Traceback" not in response.text
 
 
-def test_rest_answers_503_with_the_reason(jupyter_server: Any, gpushare_env: dict[str, str],
-                                          tmp_path: Path) -> None:
+def test_rest_answers_503_with_the_reason(
+    jupyter_server: Any, gpushare_env: dict[str, str], tmp_path: Path
+) -> None:
     with tmpfs(tmp_path / "fs", "4m") as fs:
         ledger = fs / "ledger.sqlite"
         gpushare_env["GPUSHARE_LEDGER"] = str(ledger)
         server = jupyter_server("1xA100", "--GpuShare.enforce=False")
-        started = server.post("/gpushare/api/kernels",
-                              {"name": "gpushare-python", "share": {"gpu_request": 0.25}})
+        started = server.post(
+            "/gpushare/api/kernels", {"name": "gpushare-python", "share": {"gpu_request": 0.25}}
+        )
         assert started.status_code == 201, started.text
         [held] = server.allocations()
 
         filler = fill(fs)  # full: a write that needs room fails, and says why
-        patched = server.request("PATCH", f"/gpushare/api/allocations/{held['id']}",
-                                 json={"gpu_request": 0.3})
+        patched = server.request(
+            "PATCH", f"/gpushare/api/allocations/{held['id']}", json={"gpu_request": 0.3}
+        )
         check_503(patched, "no space left on the file system")
         filler.unlink()
         assert server.allocations()[0]["gpu_request"] == 0.25
@@ -226,12 +237,16 @@ def test_rest_answers_503_with_the_reason(jupyter_server: Any, gpushare_env: dic
         assert [a["id"] for a in server.allocations()] == [held["id"]]
 
         corrupt(ledger)
-        for path in ("/gpushare/api/allocations", "/gpushare/api/gpus",
-                     f"/gpushare/api/allocations/{held['id']}"):
+        for path in (
+            "/gpushare/api/allocations",
+            "/gpushare/api/gpus",
+            f"/gpushare/api/allocations/{held['id']}",
+        ):
             check_503(server.get(path), "file is not a database")
         kernels_before = server.get("/api/kernels").json()
-        refused = server.post("/gpushare/api/kernels",
-                              {"name": "gpushare-python", "share": {"gpu_request": 0.25}})
+        refused = server.post(
+            "/gpushare/api/kernels", {"name": "gpushare-python", "share": {"gpu_request": 0.25}}
+        )
         check_503(refused, "file is not a database")
         assert server.get("/api/kernels").json() == kernels_before  # no kernel left behind
         server.stop()
@@ -245,17 +260,24 @@ def test_cli_says_one_line(gpushare_env: dict[str, str], tmp_path: Path) -> None
     corrupt(ledger)
     env = {**gpushare_env, "GPUSHARE_LEDGER": str(ledger), "GPUSHARE_SIMULATE": "1xA100"}
     for args in (["status"], ["run", "--gpu-request", "0.25", "--", "true"]):
-        result = subprocess.run([sys.executable, "-m", "jupyter_gpushare", *args], env=env,
-                                capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [sys.executable, "-m", "jupyter_gpushare", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert result.returncode == 5, (args, result.stderr)
         lines = result.stderr.strip().splitlines()
-        assert lines[-1] == (f"gpushare: the ledger {ledger} is unavailable: file is not a "
-                             "database (SQLITE_NOTADB)"), result.stderr
+        assert lines[-1] == (
+            f"gpushare: the ledger {ledger} is unavailable: file is not a database (SQLITE_NOTADB)"
+        ), result.stderr
         assert "Traceback" not in result.stderr
 
 
 def test_a_failing_ledger_is_logged_once_a_minute_not_per_call(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "ledger.sqlite"
     corrupt(path)
     ledger = SQLiteLedger(path)
@@ -264,6 +286,7 @@ def test_a_failing_ledger_is_logged_once_a_minute_not_per_call(
             with pytest.raises(LedgerUnavailable):
                 asyncio.run(ledger.snapshot())
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == [f"gpushare: the ledger {path} is unavailable: file is not a database "
-                     "(SQLITE_NOTADB)"], lines
+    assert lines == [
+        f"gpushare: the ledger {path} is unavailable: file is not a database (SQLITE_NOTADB)"
+    ], lines
     assert all(r.exc_info is None for r in caplog.records)  # no traceback

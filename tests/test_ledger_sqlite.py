@@ -86,7 +86,6 @@ async def test_reconcile_releases_dead_holders_only(tmp_path):
     assert [a.id for a in await ledger.list()] == [live.id]
 
 
-
 def _first_use(path: str, start: object, results: object) -> None:
     start.wait()  # type: ignore[attr-defined]
     try:

@@ -20,11 +20,13 @@ def test_kernel_sees_its_gpu_and_allocation(jupyter_server):
     assert (alloc["gpu_request"], alloc["gpu_limit"], alloc["gpu_type"]) == (0.25, 0.5, "A100")
     assert alloc["state"] == "active" and alloc["pid"]
     client = server.client(kernel["id"])
-    env = json.loads(client.execute(
-        "import os, json; print(json.dumps({k: os.environ.get(k) for k in "
-        "['GPUSHARE_ALLOCATION_ID', 'GPUSHARE_SOCKET', 'CUDA_VISIBLE_DEVICES', "
-        "'GPUSHARE_SIMULATED']}))"
-    ))
+    env = json.loads(
+        client.execute(
+            "import os, json; print(json.dumps({k: os.environ.get(k) for k in "
+            "['GPUSHARE_ALLOCATION_ID', 'GPUSHARE_SOCKET', 'CUDA_VISIBLE_DEVICES', "
+            "'GPUSHARE_SIMULATED']}))"
+        )
+    )
     client.close()
     assert env["GPUSHARE_ALLOCATION_ID"] == alloc["id"]
     assert env["CUDA_VISIBLE_DEVICES"] == alloc["gpus"][0]
@@ -71,8 +73,11 @@ def test_bad_specs_get_400_naming_the_field(jupyter_server):
         assert body["error"] == "invalid_share" and body["field"] == field, body
         assert allowed in body["allowed"], body
         assert field in body["message"]
-    nan = server.request("POST", "/gpushare/api/kernels",
-                         data='{"name": "gpushare-python", "share": {"gpu_request": NaN}}')
+    nan = server.request(
+        "POST",
+        "/gpushare/api/kernels",
+        data='{"name": "gpushare-python", "share": {"gpu_request": NaN}}',
+    )
     assert nan.status_code == 400 and nan.json()["field"] == "gpu_request"
     assert server.allocations() == []
     assert server.get("/api/kernels").json() == []

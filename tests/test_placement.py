@@ -139,9 +139,14 @@ def test_node_labels_and_product_names_map_to_aliases() -> None:
     """``nvidia.com/gpu.product`` labels and NVML names select by alias, case-insensitively, and
     a shorter alias does not swallow a longer one (A10 is not A100)."""
     aliases = TypeAliases()
-    for label, alias in (("NVIDIA-A100-SXM4-80GB", "A100"), ("nvidia-a100-pcie-40gb", "A100"),
-                         ("NVIDIA-A10G", "A10"), ("Tesla-T4", "T4"), ("NVIDIA A10", "A10"),
-                         ("NVIDIA-H100-80GB-HBM3", "H100")):
+    for label, alias in (
+        ("NVIDIA-A100-SXM4-80GB", "A100"),
+        ("nvidia-a100-pcie-40gb", "A100"),
+        ("NVIDIA-A10G", "A10"),
+        ("Tesla-T4", "T4"),
+        ("NVIDIA A10", "A10"),
+        ("NVIDIA-H100-80GB-HBM3", "H100"),
+    ):
         assert aliases.alias_for(label) == alias, label
     gpus = [*cluster("1xA100"), gpu("n1", 0, "L4")]
     assert place(gpus, [], share(gpu_type="nvidia-l4")).node == "n1"
@@ -313,13 +318,16 @@ def test_placer_updates_match_a_fresh_index() -> None:
     placer.remove(allocations[1].id)
     del allocations[1]
     for spec in plan:
-        ours, fresh = _outcome(lambda s: placer.place(s), spec), _outcome(
-            lambda s: place(gpus, allocations, s), spec)
+        ours, fresh = (
+            _outcome(lambda s: placer.place(s), spec),
+            _outcome(lambda s: place(gpus, allocations, s), spec),
+        )
         assert ours == fresh
         assert ours == _outcome(lambda s: naive_place(gpus, allocations, s), spec)
     placer.sync(allocations[:2])
     assert _outcome(placer.place, plan[2]) == _outcome(
-        lambda s: place(gpus, allocations[:2], s), plan[2])
+        lambda s: place(gpus, allocations[:2], s), plan[2]
+    )
 
 
 def _outcome(fn, spec):  # type: ignore[no-untyped-def]

@@ -72,8 +72,9 @@ class HandedOut:
         with self.lock:
             if label:
                 where = {a.gpus for a in self.live.values() if a.spec.gpu_labels.affinity == label}
-                assert where <= {allocation.gpus}, f"group {label} handed out on {where} and " \
-                    f"{allocation.gpus}"
+                assert where <= {allocation.gpus}, (
+                    f"group {label} handed out on {where} and {allocation.gpus}"
+                )
             self.live[allocation.id] = allocation
 
     def take(self, allocation: Allocation) -> None:
@@ -119,9 +120,15 @@ def racing_clusters(draw: st.DrawFn) -> list[Gpu]:
     gpus = []
     for n in range(draw(st.integers(1, 3))):
         for i in range(draw(st.integers(1, 3))):
-            gpus.append(gpu(f"n{n}", i, draw(st.sampled_from(("A100", "A100", "T4"))),
-                            healthy=draw(st.sampled_from((True,) * 6 + (False,))),
-                            cordoned=draw(st.sampled_from((False,) * 6 + (True,)))))
+            gpus.append(
+                gpu(
+                    f"n{n}",
+                    i,
+                    draw(st.sampled_from(("A100", "A100", "T4"))),
+                    healthy=draw(st.sampled_from((True,) * 6 + (False,))),
+                    cordoned=draw(st.sampled_from((False,) * 6 + (True,))),
+                )
+            )
     return gpus
 
 
@@ -145,8 +152,11 @@ def racing_specs(draw: st.DrawFn) -> ShareSpec:
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     gpus=racing_clusters(),
-    policy=st.builds(Policy, node=st.sampled_from(("binpack", "spread")),
-                     gpu=st.sampled_from(("binpack", "spread"))),
+    policy=st.builds(
+        Policy,
+        node=st.sampled_from(("binpack", "spread")),
+        gpu=st.sampled_from(("binpack", "spread")),
+    ),
     plan=st.lists(racing_specs(), min_size=WORKERS, max_size=32),
 )
 def test_threads_racing_through_the_ledger(gpus, policy, plan) -> None:  # type: ignore[no-untyped-def]
@@ -235,8 +245,10 @@ def test_two_servers_start_one_group_on_two_nodes_at_once(tmp_path) -> None:  # 
 
         results[name] = asyncio.run(allocate(ledger, spec, gpus, place_fn=racing))
 
-    threads = [threading.Thread(target=server, args=("packer", Policy(node="binpack"))),
-               threading.Thread(target=server, args=("spreader", Policy(node="spread")))]
+    threads = [
+        threading.Thread(target=server, args=("packer", Policy(node="binpack"))),
+        threading.Thread(target=server, args=("spreader", Policy(node="spread"))),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -249,8 +261,15 @@ def test_two_servers_start_one_group_on_two_nodes_at_once(tmp_path) -> None:  # 
 
 def _member(n: int, node: str, created: float, settled: bool, request: float = 0.25) -> Allocation:
     spec = ShareSpec(request, request, gpu_labels=GpuLabels(affinity="g"))
-    return Allocation(f"a-{n:016x}", node, (f"GPU-{node}-0",), spec, 10, created=created,
-                      extra={SETTLED: True} if settled else {})
+    return Allocation(
+        f"a-{n:016x}",
+        node,
+        (f"GPU-{node}-0",),
+        spec,
+        10,
+        created=created,
+        extra={SETTLED: True} if settled else {},
+    )
 
 
 def test_settling_gives_way_to_a_settled_member_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -322,8 +341,12 @@ def test_processes_racing_never_over_allocate(tmp_path) -> None:  # type: ignore
     inventory = json.dumps([g.to_json() for g in gpus])
     started = time.monotonic()
     children = [
-        subprocess.Popen([sys.executable, "-c", _CHILD, str(path), inventory, "6"],
-                         stdout=subprocess.PIPE, env=env, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(path), inventory, "6"],
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
         for _ in range(4)
     ]
     outputs = [json.loads(c.communicate(timeout=120)[0]) for c in children]
@@ -332,8 +355,10 @@ def test_processes_racing_never_over_allocate(tmp_path) -> None:  # type: ignore
     refused = [m for o in outputs for m in o["refused"]]
     assert len(placed) == 12 and len(set(placed)) == 12
     assert len(refused) == 12
-    assert all(m.startswith("no GPU has 0.25 free (5 GPUs, 1 unhealthy, 1 cordoned, most free 0)")
-               for m in refused), refused[0]
+    assert all(
+        m.startswith("no GPU has 0.25 free (5 GPUs, 1 unhealthy, 1 cordoned, most free 0)")
+        for m in refused
+    ), refused[0]
     final = SQLiteLedger(path).snapshot_sync().allocations
     assert not violations(gpus, final)
     assert {u for a in final for u in a.gpus} == {"GPU-n0-0", "GPU-n0-1", "GPU-n1-0"}

@@ -128,8 +128,10 @@ def test_every_decision_is_valid_and_refusals_are_justified(gpus, policy, steps)
             continue
         ours = outcome(placer.place, spec)
         kind = "ShareError" if ours is ShareError else type(ours).__name__
-        event(f"{kind}{' labelled' if spec.gpu_labels else ''}"
-              f"{' whole' if spec.gpu_count > 1 else ''}")
+        event(
+            f"{kind}{' labelled' if spec.gpu_labels else ''}"
+            f"{' whole' if spec.gpu_count > 1 else ''}"
+        )
         assert same(ours, outcome(place, gpus, allocations, spec, policy))
         assert same(ours, outcome(naive_place, gpus, allocations, spec, policy))
         choices = valid_choices(gpus, allocations, spec, policy)
@@ -153,11 +155,17 @@ def suggested(spec: ShareSpec, text: str) -> ShareSpec:
         return _fraction(spec, float(m[1])).with_changes(gpu_type=m[2])
     if m := re.fullmatch(r"([\d.]+) with (\S+) on (\S+)", text):
         return _fraction(spec, float(m[1])).with_changes(
-            gpu_memory=parse_memory(m[2]), gpu_type=m[3])
+            gpu_memory=parse_memory(m[2]), gpu_type=m[3]
+        )
     if m := re.fullmatch(r"([\d.]+) without ([a-z-]+) '(\S+)'", text):
         kind = m[2].replace("-", "_")
-        labels = GpuLabels(**{k: getattr(spec.gpu_labels, k) for k in
-                              ("affinity", "anti_affinity", "exclusive") if k != kind})
+        labels = GpuLabels(
+            **{
+                k: getattr(spec.gpu_labels, k)
+                for k in ("affinity", "anti_affinity", "exclusive")
+                if k != kind
+            }
+        )
         return spec.with_changes(gpu_labels=labels)
     if m := re.fullmatch(r"(\d+) whole (\S+?)s?(?: on one node)?", text):
         count = int(m[1])
@@ -166,8 +174,14 @@ def suggested(spec: ShareSpec, text: str) -> ShareSpec:
 
 
 def _fraction(spec: ShareSpec, request: float) -> ShareSpec:
-    return ShareSpec(request, max(request, min(spec.gpu_limit, 1.0)), spec.gpu_memory,
-                     spec.gpu_type, 1, spec.gpu_labels)
+    return ShareSpec(
+        request,
+        max(request, min(spec.gpu_limit, 1.0)),
+        spec.gpu_memory,
+        spec.gpu_type,
+        1,
+        spec.gpu_labels,
+    )
 
 
 @settings(max_examples=60, deadline=None)

@@ -128,8 +128,13 @@ def valid_choices(
         memory = min(spec.resolved_memory(g.memory) for g in choice)
         if any(spec.resolved_memory(g.memory) > g.memory for g in choice):
             return False
-        a = Allocation(id="trial", node=choice[0].node, gpus=tuple(g.uuid for g in choice),
-                       spec=spec.with_changes(gpu_memory=memory), memory=memory)
+        a = Allocation(
+            id="trial",
+            node=choice[0].node,
+            gpus=tuple(g.uuid for g in choice),
+            spec=spec.with_changes(gpu_memory=memory),
+            memory=memory,
+        )
         return not violations(gpus, [*allocations, a])
 
     if spec.gpu_count == 1:

@@ -29,15 +29,19 @@ SMALL = {"gpu_request": 0.25, "gpu_limit": 0.5}
 
 
 @pytest.fixture
-async def pool_km(gpushare_env: dict[str, str], tmp_path: Path,
-                  monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[PoolKernelManager]:
+async def pool_km(
+    gpushare_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[PoolKernelManager]:
     """In-process: a PoolKernelManager with one pool of one warm kernel (real kernels, real
     ledger; enforcement off, so no daemon)."""
     for key, value in gpushare_env.items():
         monkeypatch.setenv(key, value)
     GpuShare.clear_instance()
-    GpuShare.instance(simulate="1xA100", enforce=False, pools=[
-        {"name": "warm", "kernelspec": "gpushare-python", "share": SMALL, "size": 1}])
+    GpuShare.instance(
+        simulate="1xA100",
+        enforce=False,
+        pools=[{"name": "warm", "kernelspec": "gpushare-python", "share": SMALL, "size": 1}],
+    )
     km = PoolKernelManager(root_dir=str(tmp_path), kernel_spec_manager=KernelSpecManager())
     yield km
     await km.shutdown_all(now=True)
@@ -45,8 +49,11 @@ async def pool_km(gpushare_env: dict[str, str], tmp_path: Path,
 
 
 async def _held(owner: str | None = None) -> list[Allocation]:
-    return [a for a in await GpuShare.instance().local_ledger().list()
-            if owner is None or a.owner == owner]
+    return [
+        a
+        for a in await GpuShare.instance().local_ledger().list()
+        if owner is None or a.owner == owner
+    ]
 
 
 async def _until(predicate: Any, timeout: float = 60.0) -> Any:
@@ -132,9 +139,17 @@ async def test_the_reconciler_frees_an_abandoned_pool_reservation(pool_km):
     gpus = await settings.local_gpus()
 
     async def reserve(kernel_id: str) -> Allocation:
-        return await allocate(ledger, ShareSpec.from_mapping(SMALL), gpus, settings.policy(),
-                              owner="pool", kernel_id=kernel_id, backend="local",
-                              server_pid=os.getpid(), extra={"pool": "warm"})
+        return await allocate(
+            ledger,
+            ShareSpec.from_mapping(SMALL),
+            gpus,
+            settings.policy(),
+            owner="pool",
+            kernel_id=kernel_id,
+            backend="local",
+            server_pid=os.getpid(),
+            extra={"pool": "warm"},
+        )
 
     abandoned = await reserve(str(uuid.uuid4()))
     starting = str(uuid.uuid4())

@@ -32,11 +32,20 @@ def write_config(env: dict[str, str], gpushare: dict[str, Any]) -> None:
 
 
 def test_schedule_picks_the_window_size():
-    [pool] = parse_pools([{
-        "name": "small", "kernelspec": "gpushare-python", "share": SMALL, "size": 1,
-        "schedule": [{"days": "mon-fri", "hours": "08:00-18:00", "size": 4},
-                     {"days": "sat", "hours": "22:00-02:00", "size": 2}],
-    }])
+    [pool] = parse_pools(
+        [
+            {
+                "name": "small",
+                "kernelspec": "gpushare-python",
+                "share": SMALL,
+                "size": 1,
+                "schedule": [
+                    {"days": "mon-fri", "hours": "08:00-18:00", "size": 4},
+                    {"days": "sat", "hours": "22:00-02:00", "size": 2},
+                ],
+            }
+        ]
+    )
     monday = dt.datetime(2026, 11, 16)
     assert pool.target(monday.replace(hour=9)) == 4
     assert pool.target(monday.replace(hour=18)) == 1  # the end is exclusive
@@ -45,18 +54,27 @@ def test_schedule_picks_the_window_size():
     assert pool.target(monday + dt.timedelta(days=6, hours=3)) == 1
 
 
-@pytest.mark.parametrize(("pools", "words"), [
-    ([{"name": "a", "kernelspec": "k", "share": {"gpu_request": 2}}],
-     ["pool 'a'", "share.gpu_request", "2"]),
-    ([{"name": "a", "kernelspec": "k", "size": -1}], ["pool 'a'", "size", "0 to 64"]),
-    ([{"name": "a", "kernelspec": "k", "sise": 2}], ["unknown key 'sise'"]),
-    ([{"name": "a", "kernelspec": "k"}, {"name": "a", "kernelspec": "k"}], ["named 'a'"]),
-    ([{"name": "a", "kernelspec": "k", "schedule": [{"days": "mo-fr", "size": 1}]}],
-     ["schedule[0].days", "mon-fri"]),
-    ([{"name": "a", "kernelspec": "k", "schedule": [{"hours": "8-18", "size": 1}]}],
-     ["schedule[0].hours", "HH:MM-HH:MM"]),
-    ([{"name": "a", "kernelspec": "k", "backend": "slurm"}], ["backend", "'local'"]),
-])
+@pytest.mark.parametrize(
+    ("pools", "words"),
+    [
+        (
+            [{"name": "a", "kernelspec": "k", "share": {"gpu_request": 2}}],
+            ["pool 'a'", "share.gpu_request", "2"],
+        ),
+        ([{"name": "a", "kernelspec": "k", "size": -1}], ["pool 'a'", "size", "0 to 64"]),
+        ([{"name": "a", "kernelspec": "k", "sise": 2}], ["unknown key 'sise'"]),
+        ([{"name": "a", "kernelspec": "k"}, {"name": "a", "kernelspec": "k"}], ["named 'a'"]),
+        (
+            [{"name": "a", "kernelspec": "k", "schedule": [{"days": "mo-fr", "size": 1}]}],
+            ["schedule[0].days", "mon-fri"],
+        ),
+        (
+            [{"name": "a", "kernelspec": "k", "schedule": [{"hours": "8-18", "size": 1}]}],
+            ["schedule[0].hours", "HH:MM-HH:MM"],
+        ),
+        ([{"name": "a", "kernelspec": "k", "backend": "slurm"}], ["backend", "'local'"]),
+    ],
+)
 def test_bad_pool_config_is_refused_by_name(pools, words):
     with pytest.raises(PoolConfigError) as refused:
         parse_pools(pools)
@@ -64,14 +82,28 @@ def test_bad_pool_config_is_refused_by_name(pools, words):
         assert word in str(refused.value)
 
 
-@pytest.mark.parametrize(("pool", "words"), [
-    ({"name": "big", "kernelspec": "gpushare-python", "share": {"gpu_request": 3}, "size": 1},
-     ["Bad config", "pool 'big'", "gpu_request"]),
-    ({"name": "nospec", "kernelspec": "no-such-spec", "size": 1},
-     ["Bad config", "pool 'nospec'", "no kernelspec named 'no-such-spec'"]),
-    ({"name": "cpu", "kernelspec": "python3", "size": 1},
-     ["Bad config", "pool 'cpu'", "does not use the gpushare-provisioner"]),
-])
+@pytest.mark.parametrize(
+    ("pool", "words"),
+    [
+        (
+            {
+                "name": "big",
+                "kernelspec": "gpushare-python",
+                "share": {"gpu_request": 3},
+                "size": 1,
+            },
+            ["Bad config", "pool 'big'", "gpu_request"],
+        ),
+        (
+            {"name": "nospec", "kernelspec": "no-such-spec", "size": 1},
+            ["Bad config", "pool 'nospec'", "no kernelspec named 'no-such-spec'"],
+        ),
+        (
+            {"name": "cpu", "kernelspec": "python3", "size": 1},
+            ["Bad config", "pool 'cpu'", "does not use the gpushare-provisioner"],
+        ),
+    ],
+)
 def test_bad_pool_config_stops_the_server(gpushare_env, pool, words):
     write_config(gpushare_env, {"pools": [pool]})
     server = JupyterServer(gpushare_env, "1xA100", MANAGER)
@@ -84,8 +116,14 @@ def test_bad_pool_config_stops_the_server(gpushare_env, pool, words):
 
 def test_binding_changes_only_the_session_and_never_the_share():
     launch = {"HOME": "/h", "CUDA_VISIBLE_DEVICES": "GPU-1", "GPUSHARE_ALLOCATION_ID": "a-1"}
-    session = {"HOME": "/h", "JPY_SESSION_NAME": "/w/nb.ipynb", "CUDA_VISIBLE_DEVICES": "",
-               "GPUSHARE_ALLOCATION_ID": "a-2", "LD_PRELOAD": "", "EXTRA": "1"}
+    session = {
+        "HOME": "/h",
+        "JPY_SESSION_NAME": "/w/nb.ipynb",
+        "CUDA_VISIBLE_DEVICES": "",
+        "GPUSHARE_ALLOCATION_ID": "a-2",
+        "LD_PRELOAD": "",
+        "EXTRA": "1",
+    }
     assert session_changes(launch, session) == {"JPY_SESSION_NAME": "/w/nb.ipynb", "EXTRA": "1"}
     code = bind_code("/w", {"A": "b'c"}, "/w/nb.ipynb")
     namespace: dict[str, Any] = {"get_ipython": lambda: type("S", (), {"user_ns": namespace})()}
@@ -114,25 +152,41 @@ def ready_ids(server: JupyterServer, count: int) -> list[str]:
 
 
 def test_pool_serves_two_warm_then_cold_and_refills(jupyter_server, gpushare_env):
-    write_config(gpushare_env, {"pools": [
-        {"name": "small", "kernelspec": "gpushare-python", "share": SMALL, "size": 2},
-    ], "reclaim_idle_after": 0})
+    write_config(
+        gpushare_env,
+        {
+            "pools": [
+                {"name": "small", "kernelspec": "gpushare-python", "share": SMALL, "size": 2},
+            ],
+            "reclaim_idle_after": 0,
+        },
+    )
     server = jupyter_server("2xA100", MANAGER)
     warm = ready_ids(server, 2)
     by_id = {a["kernel_id"]: a for a in server.allocations()}
     assert {by_id[k]["owner"] for k in warm} == {"pool"}  # counted against capacity, as pool
     listed = {k["id"] for k in server.get("/api/kernels").json()}
     assert not listed & set(warm)  # unclaimed warm kernels belong to nobody yet
-    status = subprocess.run([sys.executable, "-m", "jupyter_gpushare", "status"],
-                            env=server.env, capture_output=True, text=True, timeout=60)
+    status = subprocess.run(
+        [sys.executable, "-m", "jupyter_gpushare", "status"],
+        env=server.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert status.stdout.count("warm pool kernel") == 2, status.stdout + status.stderr
 
     # 1: a notebook session in a sub-directory gets a warm kernel, bound to the session
     (server.root / "work").mkdir()
-    session = server.post("/api/sessions", {
-        "path": "work/analysis.ipynb", "type": "notebook", "name": "analysis.ipynb",
-        "kernel": {"name": "gpushare-python"},
-    })
+    session = server.post(
+        "/api/sessions",
+        {
+            "path": "work/analysis.ipynb",
+            "type": "notebook",
+            "name": "analysis.ipynb",
+            "kernel": {"name": "gpushare-python"},
+        },
+    )
     assert session.status_code == 201, session.text
     first = session.json()["kernel"]["id"]
     assert first in warm
@@ -144,9 +198,12 @@ def test_pool_serves_two_warm_then_cold_and_refills(jupyter_server, gpushare_env
     assert third not in warm
 
     client = server.client(first)
-    seen = json.loads(client.execute(
-        "import os, json; print(json.dumps([os.getcwd(), os.environ.get('JPY_SESSION_NAME'), "
-        "__session__, os.environ['GPUSHARE_ALLOCATION_ID']]))"))
+    seen = json.loads(
+        client.execute(
+            "import os, json; print(json.dumps([os.getcwd(), os.environ.get('JPY_SESSION_NAME'), "
+            "__session__, os.environ['GPUSHARE_ALLOCATION_ID']]))"
+        )
+    )
     client.close()
     assert seen[0] == str(server.root / "work")
     assert seen[1] == seen[2] == str(server.root / "work" / "analysis.ipynb")
@@ -166,9 +223,12 @@ def test_pool_serves_two_warm_then_cold_and_refills(jupyter_server, gpushare_env
     restarted = server.post(f"/api/kernels/{first}/restart")
     assert restarted.status_code == 200, restarted.text
     client = server.client(first)
-    again = json.loads(client.execute(
-        "import os, json; print(json.dumps([os.getcwd(), os.environ.get('JPY_SESSION_NAME'), "
-        "os.environ['GPUSHARE_ALLOCATION_ID']]))"))
+    again = json.loads(
+        client.execute(
+            "import os, json; print(json.dumps([os.getcwd(), os.environ.get('JPY_SESSION_NAME'), "
+            "os.environ['GPUSHARE_ALLOCATION_ID']]))"
+        )
+    )
     client.close()
     assert again == seen[:2] + seen[3:]
     [mine] = [a for a in server.allocations() if a["kernel_id"] == first]
@@ -177,38 +237,60 @@ def test_pool_serves_two_warm_then_cold_and_refills(jupyter_server, gpushare_env
 
 def test_pool_refill_errors_are_shown_and_starts_fall_back(jupyter_server, gpushare_env):
     # 3 warm kernels of 0.5 cannot fit on one GPU: the third is a refill error, not a crash
-    write_config(gpushare_env, {"pools": [
-        {"name": "half", "kernelspec": "gpushare-python",
-         "share": {"gpu_request": 0.5, "gpu_limit": 1.0}, "size": 3},
-    ]})
+    write_config(
+        gpushare_env,
+        {
+            "pools": [
+                {
+                    "name": "half",
+                    "kernelspec": "gpushare-python",
+                    "share": {"gpu_request": 0.5, "gpu_limit": 1.0},
+                    "size": 3,
+                },
+            ]
+        },
+    )
     server = jupyter_server("1xA100", MANAGER)
     view = wait_for(lambda: (p := pool_view(server))["refill_errors"] and p, timeout=90)
     assert view["ready"] == 2
     assert "no" in view["refill_errors"][0]["message"]  # the placement refusal, in user words
     # a share the pool does not hold is started normally (and refused normally: GPU is full)
-    refused = server.post("/gpushare/api/kernels", {"name": "gpushare-python",
-                                                     "share": {"gpu_request": 0.25}})
+    refused = server.post(
+        "/gpushare/api/kernels", {"name": "gpushare-python", "share": {"gpu_request": 0.25}}
+    )
     assert refused.status_code == 409, refused.text
     # a matching start is served warm even though the GPU is full
-    served = server.post("/gpushare/api/kernels", {
-        "name": "gpushare-python", "share": {"gpu_request": 0.5, "gpu_limit": 1.0}})
+    served = server.post(
+        "/gpushare/api/kernels",
+        {"name": "gpushare-python", "share": {"gpu_request": 0.5, "gpu_limit": 1.0}},
+    )
     assert served.status_code == 201, served.text
     assert served.json()["id"] in [k["kernel_id"] for k in view["kernels"]]
 
 
 def test_the_idle_culler_spares_warm_kernels(jupyter_server, gpushare_env):
-    write_config(gpushare_env, {"pools": [
-        {"name": "small", "kernelspec": "gpushare-python", "share": SMALL, "size": 1},
-    ]})
-    server = jupyter_server("1xA100", MANAGER, "--MappingKernelManager.cull_idle_timeout=2",
-                            "--MappingKernelManager.cull_interval=1")
+    write_config(
+        gpushare_env,
+        {
+            "pools": [
+                {"name": "small", "kernelspec": "gpushare-python", "share": SMALL, "size": 1},
+            ]
+        },
+    )
+    server = jupyter_server(
+        "1xA100",
+        MANAGER,
+        "--MappingKernelManager.cull_idle_timeout=2",
+        "--MappingKernelManager.cull_interval=1",
+    )
     [warm] = ready_ids(server, 1)
     claimed = server.start_kernel("gpushare-python")["id"]
     assert claimed == warm
     [refilled] = ready_ids(server, 1)
     # the claimed kernel is an ordinary kernel now: idle, unconnected, it is culled
-    wait_for(lambda: claimed not in {k["id"] for k in server.get("/api/kernels").json()},
-             timeout=30)
+    wait_for(
+        lambda: claimed not in {k["id"] for k in server.get("/api/kernels").json()}, timeout=30
+    )
     time.sleep(3)  # well past the idle timeout for the warm one as well
     assert [k["kernel_id"] for k in pool_view(server)["kernels"]] == [refilled]
     assert refilled in {a["kernel_id"] for a in server.allocations()}
@@ -226,10 +308,19 @@ async def test_the_schedule_grows_and_shrinks_the_pool(gpushare_env, tmp_path, m
     for key, value in gpushare_env.items():
         monkeypatch.setenv(key, value)
     GpuShare.clear_instance()
-    settings = GpuShare.instance(simulate="1xA100", enforce=False, pools=[{
-        "name": "sched", "kernelspec": "gpushare-python", "share": SMALL, "size": 1,
-        "schedule": [{"days": "mon-fri", "hours": "09:00-17:00", "size": 2}],
-    }])
+    settings = GpuShare.instance(
+        simulate="1xA100",
+        enforce=False,
+        pools=[
+            {
+                "name": "sched",
+                "kernelspec": "gpushare-python",
+                "share": SMALL,
+                "size": 1,
+                "schedule": [{"days": "mon-fri", "hours": "09:00-17:00", "size": 2}],
+            }
+        ],
+    )
     km = PoolKernelManager(root_dir=str(tmp_path), kernel_spec_manager=KernelSpecManager())
     now = [dt.datetime(2026, 11, 16, 10, 0)]  # a Monday morning: 2
     km.pools.clock = lambda: now[0]

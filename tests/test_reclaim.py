@@ -19,13 +19,25 @@ def _allocation(owner="kernel", user="ada", warning=None):
     [gpu] = simulated_gpus("1xA100", node="n")
     spec = ShareSpec(gpu_request=0.25, gpu_limit=0.5, gpu_memory=2**30, gpu_type="A100")
     extra = {"reclaim_warning": warning} if warning else {}
-    return Allocation(id=Allocation.new_id(), node="n", gpus=(gpu.uuid,), spec=spec,
-                      memory=2**30, owner=owner, user=user, extra=extra)
+    return Allocation(
+        id=Allocation.new_id(),
+        node="n",
+        gpus=(gpu.uuid,),
+        spec=spec,
+        memory=2**30,
+        owner=owner,
+        user=user,
+        extra=extra,
+    )
 
 
 def test_policy():
-    policy = ReclaimPolicy(idle_after=60, grace=30, exempt_users=frozenset({"root"}),
-                           exempt_profiles=frozenset({"training"}))
+    policy = ReclaimPolicy(
+        idle_after=60,
+        grace=30,
+        exempt_users=frozenset({"root"}),
+        exempt_profiles=frozenset({"training"}),
+    )
     fresh = _allocation()
     assert decide(fresh, 10, policy, set(), now=1000) is None
     assert decide(fresh, 61, policy, set(), now=1000) == WARN
@@ -44,13 +56,22 @@ def test_policy():
 
 
 def test_idle_kernel_is_warned_then_released_busy_kernel_keeps_its_share(
-        jupyter_server, gpushare_env):
+    jupyter_server, gpushare_env
+):
     config = Path(gpushare_env["JUPYTER_CONFIG_DIR"])
     config.mkdir(parents=True, exist_ok=True)
-    (config / "jupyter_server_config.json").write_text(json.dumps({"GpuShare": {
-        "reclaim_idle_after": 4, "reclaim_grace": 6, "reclaim_interval": 0.5,
-        "reclaim_exempt_profiles": ["gpushare-exempt"],
-    }}))
+    (config / "jupyter_server_config.json").write_text(
+        json.dumps(
+            {
+                "GpuShare": {
+                    "reclaim_idle_after": 4,
+                    "reclaim_grace": 6,
+                    "reclaim_interval": 0.5,
+                    "reclaim_exempt_profiles": ["gpushare-exempt"],
+                }
+            }
+        )
+    )
     add_kernelspec(gpushare_env, "gpushare-exempt", {"gpu_request": 0.25, "gpu_limit": 0.5})
     server = jupyter_server("1xA100")
     daemon = DaemonClient(server.env["GPUSHARE_SOCKET"])
@@ -75,11 +96,13 @@ def test_idle_kernel_is_warned_then_released_busy_kernel_keeps_its_share(
     assert "has not used" not in idle_client.execute("1 + 1")  # once per warning
     shown = idle_client.execute(  # and the panel shows it
         "from jupyter_gpushare.notebook.panel import GpuPanel\n"
-        "p = GpuPanel(); p.refresh(); print(p.message.value); p.close()")
+        "p = GpuPanel(); p.refresh(); print(p.message.value); p.close()"
+    )
     assert 'data-field="reclaim_warning"' in shown and "has not used its GPU share" in shown
 
-    gone = wait_for(lambda: ids[idle["id"]] not in {a["id"] for a in server.allocations()},
-                    timeout=30)
+    gone = wait_for(
+        lambda: ids[idle["id"]] not in {a["id"] for a in server.allocations()}, timeout=30
+    )
     assert gone
     told = daemon.status(ids[idle["id"]])  # what a kernel that ran no cell meanwhile reads
     assert told["error"] == "unknown_allocation" and "message" in told["reclaimed"]
@@ -88,7 +111,8 @@ def test_idle_kernel_is_warned_then_released_busy_kernel_keeps_its_share(
     # as after the panel's Release: a new share can be reserved for the kernel's restart
     reserved = idle_client.execute(
         "from jupyter_gpushare.notebook import actions; "
-        "print(actions.request(gpu_request=0.25)['allocation']['id'])").strip()
+        "print(actions.request(gpu_request=0.25)['allocation']['id'])"
+    ).strip()
     assert reserved in {a["id"] for a in server.allocations()}
     holders = {a["kernel_id"] for a in server.allocations()}
     assert busy["id"] in holders and exempt["id"] in holders  # busy and exempt keep theirs

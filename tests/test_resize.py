@@ -32,8 +32,9 @@ print(json.dumps({"total": total.value}))
 
 def _allocation(gpu, request, limit, memory, aid=None):
     spec = ShareSpec(gpu_request=request, gpu_limit=limit, gpu_memory=memory, gpu_type="A100")
-    return Allocation(id=aid or Allocation.new_id(), node=gpu.node, gpus=(gpu.uuid,), spec=spec,
-                      memory=memory)
+    return Allocation(
+        id=aid or Allocation.new_id(), node=gpu.node, gpus=(gpu.uuid,), spec=spec, memory=memory
+    )
 
 
 def test_resize_rules_on_the_current_gpu():
@@ -89,9 +90,13 @@ def test_resize_takes_effect_within_one_window(jupyter_server):
     server = jupyter_server("1xA100")
     daemon = DaemonClient(server.env["GPUSHARE_SOCKET"])
     wait_for(daemon.alive, timeout=30)
-    kernel = server.post("/gpushare/api/kernels", {
-        "name": "gpushare-python", "share": {"gpu_request": 0.25, "gpu_limit": 0.5,
-                                             "gpu_memory": "4GiB"}}).json()
+    kernel = server.post(
+        "/gpushare/api/kernels",
+        {
+            "name": "gpushare-python",
+            "share": {"gpu_request": 0.25, "gpu_limit": 0.5, "gpu_memory": "4GiB"},
+        },
+    ).json()
     aid = kernel["allocation"]["id"]
     window_s = daemon.status()["daemon"]["window_ms"] / 1e3
     client = server.client(kernel["id"])
@@ -118,8 +123,9 @@ def test_resize_takes_effect_within_one_window(jupyter_server):
 
     # the memory cap changes live in the interposer, and is never set below what is in use
     assert json.loads(client.execute(MEM))["total"] == 4 * GiB
-    client.execute("mem = ctypes.c_uint64(); assert cu.cuMemAlloc_v2(ctypes.byref(mem), "
-                   f"{512 * MiB}) == 0")
+    client.execute(
+        f"mem = ctypes.c_uint64(); assert cu.cuMemAlloc_v2(ctypes.byref(mem), {512 * MiB}) == 0"
+    )
     below = _patch(server, aid, {"gpu_memory": "256MiB"})
     assert below.status_code == 409, below.text
     assert below.json()["error"] == "below_use"
@@ -130,8 +136,9 @@ def test_resize_takes_effect_within_one_window(jupyter_server):
     client.close()
 
     # placement rules on its current GPU: another kernel holds 0.25; 0.5 + 0.25 + 0.5 > 1
-    other = server.post("/gpushare/api/kernels", {
-        "name": "gpushare-python", "share": {"gpu_request": 0.25}}).json()
+    other = server.post(
+        "/gpushare/api/kernels", {"name": "gpushare-python", "share": {"gpu_request": 0.25}}
+    ).json()
     assert other["allocation"]["gpus"] == kernel["allocation"]["gpus"]
     refused = _patch(server, aid, {"gpu_request": 0.8, "gpu_limit": 1.0})
     assert refused.status_code == 409 and refused.json()["error"] == "no_fit", refused.text

@@ -28,8 +28,14 @@ AUTHORIZER = textwrap.dedent('''
             return (resource, action) in allowed or ("*", action) in allowed
 ''')
 
-GETS = ["/gpushare/api/gpus", "/gpushare/api/allocations", "/gpushare/api/presets",
-        "/gpushare/api/pools", "/gpushare/api/reclaim", "/gpushare/api/usage"]
+GETS = [
+    "/gpushare/api/gpus",
+    "/gpushare/api/allocations",
+    "/gpushare/api/presets",
+    "/gpushare/api/pools",
+    "/gpushare/api/reclaim",
+    "/gpushare/api/usage",
+]
 
 
 @pytest.fixture
@@ -49,16 +55,18 @@ def _allow(server: Any, *pairs: str) -> None:
 
 
 def test_read_only_user_sees_but_cannot_start_resize_or_release(server: Any) -> None:
-    started = server.post("/gpushare/api/kernels",
-                          {"name": "gpushare-python", "share": {"gpu_request": 0.25}})
+    started = server.post(
+        "/gpushare/api/kernels", {"name": "gpushare-python", "share": {"gpu_request": 0.25}}
+    )
     assert started.status_code == 201, started.text
     allocation = started.json()["allocation"]["id"]
     _allow(server, "*:read")
 
     # the core API refuses a read-only user a kernel; so does ours, and nothing is reserved
     assert server.post("/api/kernels", {"name": "gpushare-python"}).status_code == 403
-    refused = server.post("/gpushare/api/kernels",
-                          {"name": "gpushare-python", "share": {"gpu_request": 0.25}})
+    refused = server.post(
+        "/gpushare/api/kernels", {"name": "gpushare-python", "share": {"gpu_request": 0.25}}
+    )
     assert refused.status_code == 403, refused.text
     assert "gpushare" in refused.json()["message"] or "kernels" in refused.json()["message"]
     path = f"/gpushare/api/allocations/{allocation}"
@@ -79,8 +87,12 @@ def test_see_gpus_without_start_or_release(server: Any) -> None:
     _allow(server, "gpushare:read", "kernels:read", "kernels:write")
     assert server.get("/gpushare/api/gpus").status_code == 200
     assert server.post("/gpushare/api/kernels", {"name": "gpushare-python"}).status_code == 403
-    assert server.request("PATCH", "/gpushare/api/allocations/a-x",
-                          json={"gpu_request": 0.5}).status_code == 403
+    assert (
+        server.request(
+            "PATCH", "/gpushare/api/allocations/a-x", json={"gpu_request": 0.5}
+        ).status_code
+        == 403
+    )
     assert server.delete("/gpushare/api/allocations/a-x").status_code == 403
     assert server.allocations() == []
 

@@ -33,10 +33,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterServer]:
     tmp = tmp_path_factory.mktemp("fuzz")
     short = Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))
     env = dict(os.environ)
-    env.update(JUPYTER_DATA_DIR=str(tmp / "data"), JUPYTER_RUNTIME_DIR=str(short / "rt"),
-               JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTER_PLATFORM_DIRS="1",
-               GPUSHARE_LEDGER=str(tmp / "ledger.sqlite"),
-               GPUSHARE_SOCKET=str(short / "daemon.sock"), PYTHONUNBUFFERED="1")
+    env.update(
+        JUPYTER_DATA_DIR=str(tmp / "data"),
+        JUPYTER_RUNTIME_DIR=str(short / "rt"),
+        JUPYTER_CONFIG_DIR=str(tmp / "config"),
+        JUPYTER_PLATFORM_DIRS="1",
+        GPUSHARE_LEDGER=str(tmp / "ledger.sqlite"),
+        GPUSHARE_SOCKET=str(short / "daemon.sock"),
+        PYTHONUNBUFFERED="1",
+    )
     env.pop("GPUSHARE_SIMULATE", None)
     for source in (REPO / "kernelspecs").iterdir():
         shutil.copytree(source, tmp / "data" / "kernels" / source.name)
@@ -55,8 +60,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterServer]:
 @pytest.fixture(scope="module")
 def held(server: JupyterServer) -> dict[str, Any]:
     """The one kernel (and allocation) the module's server holds."""
-    started = server.post("/gpushare/api/kernels",
-                          {"name": "gpushare-python", "share": {"gpu_request": 0.25}})
+    started = server.post(
+        "/gpushare/api/kernels", {"name": "gpushare-python", "share": {"gpu_request": 0.25}}
+    )
     assert started.status_code == 201, started.text
     return dict(started.json())
 
@@ -92,8 +98,18 @@ def unchanged(server: JupyterServer, held: dict[str, Any]) -> None:
 
 # -- named cases: every one was a 500 or a meaningless acceptance ----------------------------
 
-HUGE = [10**400, 10**5000, -(10**400), "9" * 400, "9" * 5000, "9" * 400 + "GiB",
-        "9" * 5000 + "GiB", 1e308 * 10, -math.inf, math.nan]
+HUGE = [
+    10**400,
+    10**5000,
+    -(10**400),
+    "9" * 400,
+    "9" * 5000,
+    "9" * 400 + "GiB",
+    "9" * 5000 + "GiB",
+    1e308 * 10,
+    -math.inf,
+    math.nan,
+]
 TINY = [1e-320, "1e-320", 0.005, "0.0000001", 0.333]
 FOREIGN = ["٠٫٥", "٠.٥", "０.５", "١٠GiB", "१०GiB", "1_0"]
 WRONG_TYPES = [True, False, None, [], {}, [0.5], {"a": 1}]
@@ -107,8 +123,9 @@ def test_named_share_values_are_refused_by_field(server, held, field):
         share = {field: value}
         if field == "gpu_count":
             share.update(gpu_request=1, gpu_limit=1)
-        response = send(server, "POST", "/gpushare/api/kernels",
-                        {"name": "gpushare-python", "share": share})
+        response = send(
+            server, "POST", "/gpushare/api/kernels", {"name": "gpushare-python", "share": share}
+        )
         body = check_refusal(response)
         assert response.status_code == 400, (value, body)
         assert body["field"] == field, (value, body)
@@ -116,8 +133,9 @@ def test_named_share_values_are_refused_by_field(server, held, field):
             assert "0.01" in body["allowed"]
         if value in TINY and field == "gpu_memory":
             assert "1MiB" in body["allowed"]
-        patch = send(server, "PATCH", f"/gpushare/api/allocations/{held['allocation']['id']}",
-                     {field: value})
+        patch = send(
+            server, "PATCH", f"/gpushare/api/allocations/{held['allocation']['id']}", {field: value}
+        )
         patched = check_refusal(patch)
         assert patch.status_code == 400 and patched["field"] == field, (value, patched)
     unchanged(server, held)
@@ -137,8 +155,10 @@ def test_named_share_values_are_refused_by_field(server, held, field):
     ],
 )
 def test_bodies_that_are_not_a_request(server, held, raw, words):
-    for method, path in (("POST", "/gpushare/api/kernels"),
-                         ("PATCH", f"/gpushare/api/allocations/{held['allocation']['id']}")):
+    for method, path in (
+        ("POST", "/gpushare/api/kernels"),
+        ("PATCH", f"/gpushare/api/allocations/{held['allocation']['id']}"),
+    ):
         body = check_refusal(send(server, method, path, raw))
         assert body["error"] == "bad_json" and words in body["message"], body
     unchanged(server, held)
@@ -160,8 +180,10 @@ def test_bodies_that_are_not_a_request(server, held, raw, words):
         ({"name": "gpushare-python", "x" * 10_000: 1}, "x" * 79 + "…"),
         ({"name": "gpushare-python", "share": {"y" * 10_000: 1}}, "y" * 79 + "…"),
         ({"name": "gpushare-python", "share": {"": 1}}, '""'),
-        ({"name": "gpushare-python", "share": {"gpu_request": 0.5, "gpu_limit": 0.25}},
-         "gpu_request"),
+        (
+            {"name": "gpushare-python", "share": {"gpu_request": 0.5, "gpu_limit": 0.25}},
+            "gpu_request",
+        ),
         ({"name": "gpushare-python", "share": {"gpu_type": "H100"}}, "gpu_type"),
         ({"name": "gpushare-python", "share": {"gpu_memory": "100GiB"}}, "gpu_memory"),
     ],
@@ -177,17 +199,33 @@ def test_post_refusals_name_the_field(server, held, body, field):
 
 # -- property: any body --------------------------------------------------------------------
 
-JSON_LEAF = (st.none() | st.booleans() | st.integers() | st.floats()
-             | st.integers(min_value=10**300, max_value=10**320)
-             | st.text(max_size=12)
-             | st.text(st.characters(categories=["Nd"]), min_size=1, max_size=6)
-             | st.builds(lambda d, u: d + u, st.text("0123456789.", min_size=1, max_size=420),
-                         st.sampled_from(["", "GiB", "Mi", "KiB", "b", "T", " parsecs"])))
-JSON = st.recursive(JSON_LEAF, lambda inner: st.lists(inner, max_size=3)
-                    | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6)
+JSON_LEAF = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.integers(min_value=10**300, max_value=10**320)
+    | st.text(max_size=12)
+    | st.text(st.characters(categories=["Nd"]), min_size=1, max_size=6)
+    | st.builds(
+        lambda d, u: d + u,
+        st.text("0123456789.", min_size=1, max_size=420),
+        st.sampled_from(["", "GiB", "Mi", "KiB", "b", "T", " parsecs"]),
+    )
+)
+JSON = st.recursive(
+    JSON_LEAF,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
 SHARE_VALUE = {
-    "gpu_request": JSON_LEAF, "gpu_limit": JSON_LEAF, "gpu_memory": JSON_LEAF,
-    "gpu_count": JSON_LEAF, "gpu_type": JSON_LEAF | st.sampled_from(["A100", "T4", "any"]),
+    "gpu_request": JSON_LEAF,
+    "gpu_limit": JSON_LEAF,
+    "gpu_memory": JSON_LEAF,
+    "gpu_count": JSON_LEAF,
+    "gpu_type": JSON_LEAF | st.sampled_from(["A100", "T4", "any"]),
     "gpu_labels": JSON,
 }
 SHARE = st.fixed_dictionaries({}, optional={**SHARE_VALUE, "gpu_bogus": JSON}) | JSON
@@ -204,9 +242,11 @@ def _locally_valid(share: Any) -> bool:
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
-@given(name=st.sampled_from(["gpushare-python", "python3", None, 3, "x" * 300]) | JSON,
-       share=SHARE, extra=st.dictionaries(st.sampled_from(["path", "kernel", "env"]), JSON,
-                                          max_size=1))
+@given(
+    name=st.sampled_from(["gpushare-python", "python3", None, 3, "x" * 300]) | JSON,
+    share=SHARE,
+    extra=st.dictionaries(st.sampled_from(["path", "kernel", "env"]), JSON, max_size=1),
+)
 def test_any_post_body_is_refused_cleanly(server, held, name, share, extra):
     body: dict[str, Any] = {"share": share, **extra}
     if name is not None:
@@ -222,10 +262,13 @@ def test_any_post_body_is_refused_cleanly(server, held, name, share, extra):
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
-@given(change=st.fixed_dictionaries(
-    {}, optional={k: SHARE_VALUE[k] for k in ("gpu_request", "gpu_limit", "gpu_memory")})
+@given(
+    change=st.fixed_dictionaries(
+        {}, optional={k: SHARE_VALUE[k] for k in ("gpu_request", "gpu_limit", "gpu_memory")}
+    )
     | st.dictionaries(st.sampled_from((*SHARE_FIELDS, "owner", "id")), JSON, max_size=3)
-    | JSON)
+    | JSON
+)
 def test_any_patch_body_is_answered_cleanly(server, held, change):
     allocation = held["allocation"]["id"]
     response = send(server, "PATCH", f"/gpushare/api/allocations/{allocation}", change)

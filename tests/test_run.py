@@ -56,8 +56,13 @@ int main(void)
 
 
 def gpushare(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jupyter_gpushare", *args], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "jupyter_gpushare", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +73,22 @@ def cuda_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip("needs a C compiler and the built simulator")
     folder = tmp_path_factory.mktemp("cudaprog")
     (folder / "prog.c").write_text(PROGRAM)
-    subprocess.run([cc, "-std=c11", "-Wall", "-Wextra", "-Werror", f"-I{CSRC / 'include'}",
-                    str(folder / "prog.c"), "-o", str(folder / "prog"), f"-L{sim}", "-lcuda"],
-                   check=True)
+    subprocess.run(
+        [
+            cc,
+            "-std=c11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            f"-I{CSRC / 'include'}",
+            str(folder / "prog.c"),
+            "-o",
+            str(folder / "prog"),
+            f"-L{sim}",
+            "-lcuda",
+        ],
+        check=True,
+    )
     return folder / "prog"
 
 
@@ -91,9 +109,25 @@ def test_runs_started_together_on_a_fresh_machine_share_one_agent(gpushare_env, 
     """Eight runs at once each start an agent; one serves the socket, the others step aside
     (they exit 0) and every run uses the one that serves, enforced from its first call."""
     env = {**gpushare_env, "GPUSHARE_SIMULATE": "1xA100"}
-    runs = [subprocess.Popen([sys.executable, "-m", "jupyter_gpushare", "run", "--gpu-request",
-                              "0.1", "--", str(cuda_program)], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for _ in range(8)]
+    runs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jupyter_gpushare",
+                "run",
+                "--gpu-request",
+                "0.1",
+                "--",
+                str(cuda_program),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(8)
+    ]
     results = [(run.wait(120), *run.communicate()) for run in runs]
     for code, out, err in results:
         assert (code, out) == (0, "ok\n"), err
@@ -102,15 +136,19 @@ def test_runs_started_together_on_a_fresh_machine_share_one_agent(gpushare_env, 
     assert status["ok"] and status["daemon"]["refused"] == 0
 
     def agents() -> list[int]:
-        return [p.pid for p in psutil.process_iter(["cmdline"])
-                if env["GPUSHARE_SOCKET"] in (p.info["cmdline"] or [])
-                and "jupyter_gpushare.daemon" in (p.info["cmdline"] or [])]
+        return [
+            p.pid
+            for p in psutil.process_iter(["cmdline"])
+            if env["GPUSHARE_SOCKET"] in (p.info["cmdline"] or [])
+            and "jupyter_gpushare.daemon" in (p.info["cmdline"] or [])
+        ]
 
     wait_for(lambda: agents() == [status["daemon"]["pid"]], timeout=20)  # the others are gone
 
 
 def test_the_simulator_state_directory_is_made_private_on_a_fresh_machine(
-        gpushare_env, cuda_program, tmp_path):
+    gpushare_env, cuda_program, tmp_path
+):
     state = tmp_path / "fresh" / "sim" / "sim.state"  # nothing of it exists yet
     env = {**gpushare_env, "GPUSHARE_SIMULATE": "1xA100", "GPUSHARE_SIM_STATE": str(state)}
     done = gpushare(env, "run", "--", str(cuda_program))
@@ -147,14 +185,16 @@ def test_an_agent_killed_while_a_command_runs_is_started_again(gpushare_env):
     assert "does not answer; starting a new one" in done.stderr
 
 
-def test_without_an_agent_the_command_still_runs_fail_static(gpushare_env, cuda_program,
-                                                            tmp_path):
+def test_without_an_agent_the_command_still_runs_fail_static(gpushare_env, cuda_program, tmp_path):
     """The agent cannot start (a file stands where its directory would be): ``run`` says so in
     one line and the command runs under the interposer's own limits; the share is released."""
     (tmp_path / "taken").write_text("")
-    env = {**gpushare_env, "GPUSHARE_SIMULATE": "1xA100",
-           "GPUSHARE_SOCKET": str(tmp_path / "taken" / "daemon.sock"),
-           "GPUSHARE_SIM_STATE": str(tmp_path / "sim" / "sim.state")}
+    env = {
+        **gpushare_env,
+        "GPUSHARE_SIMULATE": "1xA100",
+        "GPUSHARE_SOCKET": str(tmp_path / "taken" / "daemon.sock"),
+        "GPUSHARE_SIM_STATE": str(tmp_path / "sim" / "sim.state"),
+    }
     done = gpushare(env, "run", "--", str(cuda_program))
     assert done.returncode == 0 and done.stdout == "ok\n", done.stderr
     assert "gpushare: no node agent:" in done.stderr and "Traceback" not in done.stderr
@@ -163,8 +203,18 @@ def test_without_an_agent_the_command_still_runs_fail_static(gpushare_env, cuda_
 
 def test_run_keeps_every_argument_after_the_first_double_dash(gpushare_env):
     env = {**gpushare_env, "GPUSHARE_SIMULATE": "1xA100"}
-    done = gpushare(env, "run", "--", sys.executable, "-c", "import sys; print(sys.argv)",
-                    "--", "x", "--gpu-request", "1")
+    done = gpushare(
+        env,
+        "run",
+        "--",
+        sys.executable,
+        "-c",
+        "import sys; print(sys.argv)",
+        "--",
+        "x",
+        "--gpu-request",
+        "1",
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(["-c", "--", "x", "--gpu-request", "1"])
 

@@ -14,10 +14,13 @@ from support import wait_for
 from jupyter_gpushare.ledger.sqlite import SQLiteLedger
 
 
-@pytest.mark.parametrize("manager", [
-    "jupyter_gpushare.pools.PoolKernelManager",  # ours (``jupyter gpushare lab``)
-    "jupyter_server.services.kernels.kernelmanager.AsyncMappingKernelManager",  # plain server
-])
+@pytest.mark.parametrize(
+    "manager",
+    [
+        "jupyter_gpushare.pools.PoolKernelManager",  # ours (``jupyter gpushare lab``)
+        "jupyter_server.services.kernels.kernelmanager.AsyncMappingKernelManager",  # plain server
+    ],
+)
 def test_a_refused_start_then_sigterm_stops_the_server_quickly(jupyter_server, manager):
     server = jupyter_server("1xA100", f"--ServerApp.kernel_manager_class={manager}")
     whole = server.start_kernel("gpushare-python-whole")

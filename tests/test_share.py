@@ -24,18 +24,47 @@ from jupyter_gpushare.share import (
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("10GiB", 10 * 2**30), ("512Mi", 512 * 2**20), ("2G", 2 * 10**9), ("1.5GiB", 3 * 2**29),
-     ("1048576", 2**20), (2**20, 2**20), (" 3 MiB ", 3 * 2**20), ("1.0000001MiB", 2**20),
-     ("1024TiB", 2**50)],
+    [
+        ("10GiB", 10 * 2**30),
+        ("512Mi", 512 * 2**20),
+        ("2G", 2 * 10**9),
+        ("1.5GiB", 3 * 2**29),
+        ("1048576", 2**20),
+        (2**20, 2**20),
+        (" 3 MiB ", 3 * 2**20),
+        ("1.0000001MiB", 2**20),
+        ("1024TiB", 2**50),
+    ],
 )
 def test_memory_sizes(text, expected):
     assert parse_memory(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["10 parsecs", "-1GiB", "0", "GiB", True, 1.5, None, [1], "4096",
-                                 1024, "0.0000001", "9" * 400 + "GiB",
-                                 pytest.param(10**5000, id="5001-digits"), 1e300, "１０GiB",
-                                 "١٠GiB", "10GiB\n", "1025TiB", float("nan"), float("inf")])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "10 parsecs",
+        "-1GiB",
+        "0",
+        "GiB",
+        True,
+        1.5,
+        None,
+        [1],
+        "4096",
+        1024,
+        "0.0000001",
+        "9" * 400 + "GiB",
+        pytest.param(10**5000, id="5001-digits"),
+        1e300,
+        "１０GiB",
+        "١٠GiB",
+        "10GiB\n",
+        "1025TiB",
+        float("nan"),
+        float("inf"),
+    ],
+)
 def test_bad_memory_names_field_and_units(bad):
     with pytest.raises(ShareError) as err:
         parse_memory(bad)
@@ -54,8 +83,11 @@ def test_bad_memory_names_field_and_units(bad):
         ({"gpu_count": 2.5}, "gpu_count", "whole number"),
         ({"gpu_count": 2, "gpu_request": 0.5}, "gpu_request", "gpu_count=2"),
         ({"gpu_limt": 0.5}, "gpu_limt", "known keys"),
-        ({"gpu_labels": {"affinity": "a", "anti_affinity": "a"}}, "gpu_labels.anti_affinity",
-         "other than the affinity"),
+        (
+            {"gpu_labels": {"affinity": "a", "anti_affinity": "a"}},
+            "gpu_labels.anti_affinity",
+            "other than the affinity",
+        ),
         ({"gpu_labels": {"team": "x"}}, "gpu_labels.team", "keys are"),
         ({"gpu_type": "A100; drop"}, "gpu_type", "GPU type name"),
     ],
@@ -123,8 +155,15 @@ def test_format_bytes():
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [(0.25, 0.25), ("0.3", 0.3), (".5", 0.5), ("5e-1", 0.5), (1, 1.0), ("0.01", 0.01),
-     (0.1 + 0.2, 0.3)],
+    [
+        (0.25, 0.25),
+        ("0.3", 0.3),
+        (".5", 0.5),
+        ("5e-1", 0.5),
+        (1, 1.0),
+        ("0.01", 0.01),
+        (0.1 + 0.2, 0.3),
+    ],
 )
 def test_compute_shares_are_steps_of_the_unit(value, expected):
     assert ShareSpec.from_mapping({"gpu_request": value, "gpu_limit": 1}).gpu_request == expected
@@ -132,9 +171,34 @@ def test_compute_shares_are_steps_of_the_unit(value, expected):
 
 @pytest.mark.parametrize(
     "bad",
-    [1e-320, "1e-320", 0.005, 0.333, "0.333", 10**400, -(10**400), "9" * 5000, "٠٫٥", "٠.٥",
-     "０.５", "1_0", "nan", "Infinity", "-0", 0, True, False, "0.5\n", "", " ", ".", "e5",
-     [0.5], {"x": 1}, None.__class__],
+    [
+        1e-320,
+        "1e-320",
+        0.005,
+        0.333,
+        "0.333",
+        10**400,
+        -(10**400),
+        "9" * 5000,
+        "٠٫٥",
+        "٠.٥",
+        "０.５",
+        "1_0",
+        "nan",
+        "Infinity",
+        "-0",
+        0,
+        True,
+        False,
+        "0.5\n",
+        "",
+        " ",
+        ".",
+        "e5",
+        [0.5],
+        {"x": 1},
+        None.__class__,
+    ],
 )
 def test_meaningless_or_foreign_numbers_are_refused_with_the_unit(bad):
     with pytest.raises(ShareError) as err:
@@ -180,8 +244,18 @@ def test_memory_unit_is_stated():
 
 @pytest.mark.parametrize(
     ("text", "parses"),
-    [("0.25", True), ("0.3-0.6", True), (".5", True), ("1", True), ("0.01", True),
-     ("0.3 - 0.6", True), ("0.333", False), ("0.005", False), ("٠.٥", False), ("1e-3", False)],
+    [
+        ("0.25", True),
+        ("0.3-0.6", True),
+        (".5", True),
+        ("1", True),
+        ("0.01", True),
+        ("0.3 - 0.6", True),
+        ("0.333", False),
+        ("0.005", False),
+        ("٠.٥", False),
+        ("1e-3", False),
+    ],
 )
 def test_hub_form_pattern_agrees_with_the_parser(text, parses):
     """The Hub form checks a custom share in the browser (hub.SHARE_RE) before the server
@@ -192,8 +266,9 @@ def test_hub_form_pattern_agrees_with_the_parser(text, parses):
 
     request, _, limit = text.partition("-")
     try:
-        ShareSpec.from_mapping({"gpu_request": request.strip(),
-                                "gpu_limit": limit.strip() or request.strip()})
+        ShareSpec.from_mapping(
+            {"gpu_request": request.strip(), "gpu_limit": limit.strip() or request.strip()}
+        )
         parsed = True
     except ShareError:
         parsed = False
@@ -202,12 +277,20 @@ def test_hub_form_pattern_agrees_with_the_parser(text, parses):
 
 
 _JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.integers(min_value=10**300)
-    | st.floats() | st.text(max_size=20) | st.text(st.characters(categories=["Nd"]), max_size=5)
-    | st.builds(str, st.floats()) | st.sampled_from(["10GiB", "0.25", "1e-320", "A100"]),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                 max_size=3),
-    max_leaves=6)
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=10**300)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.text(st.characters(categories=["Nd"]), max_size=5)
+    | st.builds(str, st.floats())
+    | st.sampled_from(["10GiB", "0.25", "1e-320", "A100"]),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
 
 
 @given(st.dictionaries(st.sampled_from([*SHARE_FIELDS, "gpu_limt"]), _JSON, max_size=4) | _JSON)

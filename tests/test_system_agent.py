@@ -56,8 +56,9 @@ def unix_user(name: str) -> pwd.struct_passwd:
     try:
         return pwd.getpwnam(name)
     except KeyError:
-        subprocess.run(["useradd", "-m", "--shell", "/bin/sh", name], check=False,
-                       stderr=subprocess.DEVNULL)
+        subprocess.run(
+            ["useradd", "-m", "--shell", "/bin/sh", name], check=False, stderr=subprocess.DEVNULL
+        )
     try:
         return pwd.getpwnam(name)
     except KeyError:
@@ -65,21 +66,38 @@ def unix_user(name: str) -> pwd.struct_passwd:
 
 
 class Agent:
-    def __init__(self, directory: Path, *extra: str, system: bool = True,
-                 simulate: str = "1xA100") -> None:
+    def __init__(
+        self, directory: Path, *extra: str, system: bool = True, simulate: str = "1xA100"
+    ) -> None:
         self.dir = directory
         self.socket = directory / "daemon.sock"
         self.ledger = directory / "state" / "ledger.sqlite"
-        args = [sys.executable, "-m", "jupyter_gpushare.daemon", "--socket", str(self.socket),
-                "--ledger", str(self.ledger), "--node", NODE, "--simulate", simulate,
-                "--state-dir", str(directory / "shm"), "--poll-ms", "100", *extra]
+        args = [
+            sys.executable,
+            "-m",
+            "jupyter_gpushare.daemon",
+            "--socket",
+            str(self.socket),
+            "--ledger",
+            str(self.ledger),
+            "--node",
+            NODE,
+            "--simulate",
+            simulate,
+            "--state-dir",
+            str(directory / "shm"),
+            "--poll-ms",
+            "100",
+            *extra,
+        ]
         if system:
             args.append("--system")
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
         self.log = directory / "daemon.log"
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(args, stdout=out, stderr=out, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                args, stdout=out, stderr=out, env=env, start_new_session=True
+            )
         deadline = time.monotonic() + 30
         while not DaemonClient(self.socket, timeout=1).alive():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -123,8 +141,9 @@ def holder() -> Iterator[Callable[[pwd.struct_passwd], int]]:
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(user: pwd.struct_passwd) -> int:
-        proc = subprocess.Popen(["sleep", "600"], user=user.pw_uid, group=user.pw_gid,
-                                extra_groups=[], cwd="/")
+        proc = subprocess.Popen(
+            ["sleep", "600"], user=user.pw_uid, group=user.pw_gid, extra_groups=[], cwd="/"
+        )
         procs.append(proc)
         return proc.pid
 
@@ -134,8 +153,9 @@ def holder() -> Iterator[Callable[[pwd.struct_passwd], int]]:
         proc.wait(10)
 
 
-def as_user(user: pwd.struct_passwd, work: Callable[..., Any], *args: Any,
-            start: Any = None, **kwargs: Any) -> Any:
+def as_user(
+    user: pwd.struct_passwd, work: Callable[..., Any], *args: Any, start: Any = None, **kwargs: Any
+) -> Any:
     """Run ``work(*args)`` (a function or coroutine function) in a forked process as ``user``;
     returns
     ``("ok", result)`` or ``("error", type name, message, agent error code)``. ``start``: a
@@ -180,8 +200,9 @@ def run_as(user: pwd.struct_passwd, work: Callable[..., Any], *args: Any, **kwar
 # -- what the users' processes do (module level: they run in forked children) ----------------
 
 
-async def place(socket: str, request: float, bound: dict[str, Any] | None = None,
-                holder: int | None = None) -> dict:
+async def place(
+    socket: str, request: float, bound: dict[str, Any] | None = None, holder: int | None = None
+) -> dict:
     """Place a share through the agent; ``holder``: the process that holds it (default this
     one: the agent releases the share once it is gone)."""
     hub = bounds.from_json(bound) if bound else None
@@ -191,8 +212,9 @@ async def place(socket: str, request: float, bound: dict[str, Any] | None = None
     if hub is not None:  # as the provisioner does (hub.apply_user_bound): memory from the bound
         spec = bounds.narrowed(spec, hub) if request <= hub.gpu_request else spec
     try:
-        a = await allocate(ledger, spec, inventory, None, owner="run",
-                           server_pid=holder or os.getpid())
+        a = await allocate(
+            ledger, spec, inventory, None, owner="run", server_pid=holder or os.getpid()
+        )
     except PlacementRefused as exc:
         return {"refused": exc.message}
     return {"allocation": a.to_json()}
@@ -211,8 +233,9 @@ async def resize_share(socket: str, allocation_id: str, change: dict[str, Any]) 
     """A PATCH-like resize: the REST handler's read-modify-CAS through the agent."""
     ledger = AgentLedger(socket)
     gpus = await ledger.gpus()
-    after = await ledger.update(allocation_id,
-                                lambda cur, others: resized(cur, others, gpus, change, None))
+    after = await ledger.update(
+        allocation_id, lambda cur, others: resized(cur, others, gpus, change, None)
+    )
     return after.to_json()
 
 
@@ -223,8 +246,9 @@ async def cas_replacing(socket: str, allocation_id: str, **changes: Any) -> bool
     found = snap.find(allocation_id)
     assert found is not None
     rest = [a for a in snap.on_node(found.node) if a.id != allocation_id]
-    return await ledger.compare_and_swap(found.node, snap.versions[found.node],
-                                         [*rest, replace(found, **changes)])
+    return await ledger.compare_and_swap(
+        found.node, snap.versions[found.node], [*rest, replace(found, **changes)]
+    )
 
 
 async def put_gpus(socket: str) -> None:
@@ -264,16 +288,16 @@ async def kernel_resize(socket: str, allocation_id: str, share: dict[str, Any]) 
     ledger = AgentLedger(socket)
     pid = os.getpid()
     start = process_start_time(pid)
-    await ledger.update(allocation_id, lambda a, _o: replace(a, pid=pid, pid_start=start,
-                                                             state="active"))
+    await ledger.update(
+        allocation_id, lambda a, _o: replace(a, pid=pid, pid_start=start, state="active")
+    )
     return await asyncio.to_thread(DaemonClient(socket).resize, allocation_id, share)
 
 
 # -- the tests ------------------------------------------------------------------------------
 
 
-def test_two_users_one_gpu_one_is_placed_other_refused_and_cannot_touch_it(
-        agent, holder) -> None:
+def test_two_users_one_gpu_one_is_placed_other_refused_and_cannot_touch_it(agent, holder) -> None:
     alice, bob = unix_user(ALICE), unix_user(BOB)
     a = agent()
     socket = str(a.socket)
@@ -299,16 +323,22 @@ def test_two_users_one_gpu_one_is_placed_other_refused_and_cannot_touch_it(
     assert theirs["user"] == "" and theirs["pid"] is None and theirs["kernel_id"] is None
     assert theirs["server_pid"] is None and theirs["extra"] == {"redacted": True}
     # ... and cannot release it, resize it, or rewrite it
-    for work, args in ((release, (winner["id"],)),
-                       (resize_share, (winner["id"], {"gpu_request": 0.1, "gpu_limit": 0.1})),
-                       (cas_replacing, (winner["id"],))):
+    for work, args in (
+        (release, (winner["id"],)),
+        (resize_share, (winner["id"], {"gpu_request": 0.1, "gpu_limit": 0.1})),
+        (cas_replacing, (winner["id"],)),
+    ):
         kwargs = {"memory": 1} if work is cas_replacing else {}
         outcome = run_as(other, work, socket, *args, **kwargs)
         assert outcome[:2] == ("error", "AgentRefused") and outcome[3] == "not_permitted", (
-            work.__name__, outcome)
+            work.__name__,
+            outcome,
+        )
     # ... nor through a kernel's own ops (the agent checks the caller's process)
-    for op, args in (("release", (winner["id"],)),
-                     ("resize", (winner["id"], {"gpu_request": 0.1, "gpu_limit": 0.1}))):
+    for op, args in (
+        ("release", (winner["id"],)),
+        ("resize", (winner["id"], {"gpu_request": 0.1, "gpu_limit": 0.1})),
+    ):
         reply = run_as(other, kernel_op, socket, op, *args)
         assert reply[0] == "ok" and reply[1]["error"] == "not_permitted", (op, reply)
     # nor publish GPUs
@@ -320,8 +350,7 @@ def test_two_users_one_gpu_one_is_placed_other_refused_and_cannot_touch_it(
     shown = shown[1]
     assert winner["id"] not in json.dumps(shown.get("allocations", []))
     # no file of the agent can be opened by the other user, let alone written
-    files = [str(a.ledger), f"{a.ledger}-wal", f"{a.ledger}-shm", f"{a.socket}.lock",
-             str(a.log)]
+    files = [str(a.ledger), f"{a.ledger}-wal", f"{a.ledger}-shm", f"{a.socket}.lock", str(a.log)]
     opened = run_as(other, touch_files, [f for f in files if os.path.exists(f)])[1]
     assert not any(v == "opened" and k.startswith("w:") for k, v in opened.items()), opened
     for f in (str(a.ledger), f"{a.socket}.lock"):
@@ -348,8 +377,7 @@ def test_per_user_bound_is_recorded_and_holds_on_every_path(agent, holder) -> No
     assert made["extra"]["bound"]["gpu_limit"] == 0.25
     assert made["extra"]["bound"]["gpu_memory"] == 10 * GiB
     # PATCH-like: read-modify-CAS through the agent
-    grown = run_as(alice, resize_share, socket, made["id"],
-                   {"gpu_request": 1.0, "gpu_limit": 1.0})
+    grown = run_as(alice, resize_share, socket, made["id"], {"gpu_request": 1.0, "gpu_limit": 1.0})
     assert grown[:2] == ("error", "ShareError") and "at most 0.25" in grown[2], grown
     more_memory = run_as(alice, resize_share, socket, made["id"], {"gpu_memory": "20GiB"})
     assert more_memory[:2] == ("error", "ShareError") and "gpu_memory" in more_memory[2]
@@ -362,8 +390,9 @@ def test_per_user_bound_is_recorded_and_holds_on_every_path(agent, holder) -> No
     assert run_as(alice, place, socket, 0.75, None, holding)[:2] == ("error", "ShareError")
     # the kernel's own resize op (this process becomes the share's process: last, as
     # the agent releases the share once that process is gone)
-    by_kernel = run_as(alice, kernel_resize, socket, made["id"],
-                       {"gpu_request": 1.0, "gpu_limit": 1.0})
+    by_kernel = run_as(
+        alice, kernel_resize, socket, made["id"], {"gpu_request": 1.0, "gpu_limit": 1.0}
+    )
     assert by_kernel[0] == "ok" and by_kernel[1]["ok"] is False, by_kernel
     assert by_kernel[1]["field"] == "gpu_request" and "0.25" in by_kernel[1]["allowed"]
 
@@ -375,8 +404,9 @@ def test_the_agent_releases_a_share_whose_holder_is_gone(agent) -> None:
 
     alice = unix_user(ALICE)
     a = agent()
-    holding = subprocess.Popen(["sleep", "600"], user=alice.pw_uid, group=alice.pw_gid,
-                               extra_groups=[], cwd="/")
+    holding = subprocess.Popen(
+        ["sleep", "600"], user=alice.pw_uid, group=alice.pw_gid, extra_groups=[], cwd="/"
+    )
     made = run_as(alice, place, str(a.socket), 0.5, None, holding.pid)[1]["allocation"]
     assert [s["id"] for s in asyncio.run(snapshot(str(a.socket)))] == [made["id"]]
     holding.kill()
@@ -391,18 +421,28 @@ def test_reserve_uses_the_deployments_policy_and_aliases(agent, tmp_path: Path) 
 
     first, second = (replace(g, type="BIG") for g in simulated_gpus("2xA100", NODE))
     config = tmp_path / "jupyter_server_config.json"
-    config.write_text(json.dumps({
-        "GpuShare": {"type_aliases": {"BIG": ["A100"]}},
-        "GpusharePlacement": {"cordoned_gpus": [first.uuid]},
-    }))
+    config.write_text(
+        json.dumps(
+            {
+                "GpuShare": {"type_aliases": {"BIG": ["A100"]}},
+                "GpusharePlacement": {"cordoned_gpus": [first.uuid]},
+            }
+        )
+    )
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps({"GpuShare": {"type_aliases": {"BIG": ["A100"]}}}))
 
     def held(pid: int | None, request: float) -> Allocation:
-        return Allocation(id=Allocation.new_id(), node=NODE, gpus=(first.uuid,),
-                          spec=ShareSpec(request, request, gpu_memory=GiB, gpu_type="BIG"),
-                          memory=GiB, state="active", pid=pid,
-                          pid_start=process_start_time(pid) if pid else None)
+        return Allocation(
+            id=Allocation.new_id(),
+            node=NODE,
+            gpus=(first.uuid,),
+            spec=ShareSpec(request, request, gpu_memory=GiB, gpu_type="BIG"),
+            memory=GiB,
+            state="active",
+            pid=pid,
+            pid_start=process_start_time(pid) if pid else None,
+        )
 
     def reserve_after_release(config_file: Path) -> dict[str, Any]:
         a = agent("--config", str(config_file), system=False, simulate="2xA100")
@@ -412,8 +452,9 @@ def test_reserve_uses_the_deployments_policy_and_aliases(agent, tmp_path: Path) 
         async def hold() -> None:
             await ledger.put_gpus(NODE, [first, second])  # a per-user agent's server publishes
             snap = await ledger.snapshot()  # both on the first GPU (placed before a cordon)
-            assert await ledger.compare_and_swap(NODE, snap.versions.get(NODE, 0),
-                                                 [mine, neighbour])
+            assert await ledger.compare_and_swap(
+                NODE, snap.versions.get(NODE, 0), [mine, neighbour]
+            )
 
         asyncio.run(hold())
         client = DaemonClient(a.socket)
@@ -433,11 +474,32 @@ def test_eight_agents_started_at_once_leave_one(tmp_path: Path) -> None:
     directory = agent_dir()
     socket = directory / "daemon.sock"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
-    args = [sys.executable, "-m", "jupyter_gpushare.daemon", "--socket", str(socket),
-            "--ledger", str(directory / "ledger.sqlite"), "--node", NODE,
-            "--simulate", "1xA100", "--state-dir", str(directory / "shm")]
-    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                              start_new_session=True, text=True) for _ in range(8)]
+    args = [
+        sys.executable,
+        "-m",
+        "jupyter_gpushare.daemon",
+        "--socket",
+        str(socket),
+        "--ledger",
+        str(directory / "ledger.sqlite"),
+        "--node",
+        NODE,
+        "--simulate",
+        "1xA100",
+        "--state-dir",
+        str(directory / "shm"),
+    ]
+    procs = [
+        subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            text=True,
+        )
+        for _ in range(8)
+    ]
     try:
         deadline = time.monotonic() + 60
         while sum(p.poll() is None for p in procs) > 1 and time.monotonic() < deadline:
@@ -465,10 +527,12 @@ def test_only_the_gpu_group_may_use_the_agent(agent, holder) -> None:
         pytest.skip("groupadd failed")
     alice, bob = unix_user(ALICE), unix_user(BOB)
     subprocess.run(["usermod", "-aG", "gsh3gpu", ALICE], check=True)
-    subprocess.run(["gpasswd", "-d", BOB, "gsh3gpu"], stderr=subprocess.DEVNULL,
-                   stdout=subprocess.DEVNULL)
-    a = agent("--group", "gsh3gpu", "--group-max-share",
-              'gsh3gpu={"gpu_request": 0.5, "gpu_limit": 0.5}')
+    subprocess.run(
+        ["gpasswd", "-d", BOB, "gsh3gpu"], stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+    )
+    a = agent(
+        "--group", "gsh3gpu", "--group-max-share", 'gsh3gpu={"gpu_request": 0.5, "gpu_limit": 0.5}'
+    )
     st = os.stat(a.socket)
     assert st.st_mode & 0o777 == 0o660 and st.st_gid == grp.getgrnam("gsh3gpu").gr_gid
     outcome = run_as(bob, snapshot, str(a.socket))
@@ -549,23 +613,31 @@ def test_gpushare_run_as_a_user_goes_through_the_system_agent(agent) -> None:
     theirs = Path(tempfile.mkdtemp(prefix="gs-h3-run-", dir="/tmp"))
     os.chown(theirs, alice.pw_uid, alice.pw_gid)  # the user's command writes what it saw here
     seen = theirs / "seen"
-    script = (f"echo $GPUSHARE_ALLOCATION_ID $GPUSHARE_SOCKET > {seen}; "
-              f"test -S $GPUSHARE_SOCKET && exit 7")
-    outcome = run_as(alice, gpushare_run, str(a.socket), "--gpu-request", "0.5", "--",
-                     "/bin/sh", "-c", script)
+    script = (
+        f"echo $GPUSHARE_ALLOCATION_ID $GPUSHARE_SOCKET > {seen}; "
+        f"test -S $GPUSHARE_SOCKET && exit 7"
+    )
+    outcome = run_as(
+        alice, gpushare_run, str(a.socket), "--gpu-request", "0.5", "--", "/bin/sh", "-c", script
+    )
     assert outcome[0] == "ok", outcome
     assert outcome[1] == {"code": 7, "left": []}
     allocation_id, socket = seen.read_text().split()
     assert allocation_id.startswith("a-") and socket == str(a.socket)
     shutil.rmtree(theirs)
-    agents = [p for p in psutil.process_iter(["uids", "cmdline"])
-              if p.info["uids"] and p.info["uids"].real == alice.pw_uid
-              and "jupyter_gpushare.daemon" in " ".join(p.info["cmdline"] or [])]
+    agents = [
+        p
+        for p in psutil.process_iter(["uids", "cmdline"])
+        if p.info["uids"]
+        and p.info["uids"].real == alice.pw_uid
+        and "jupyter_gpushare.daemon" in " ".join(p.info["cmdline"] or [])
+    ]
     assert agents == []  # no per-user agent was started
 
 
 def test_a_jupyter_server_places_its_kernels_through_the_system_agent(
-        gpushare_env: dict[str, str], jupyter_server: Any) -> None:
+    gpushare_env: dict[str, str], jupyter_server: Any
+) -> None:
     """A real jupyter_server finds the system agent on its socket, starts no agent of its own,
     and its kernels' shares are placed, resized and released in the agent's ledger (the
     server's own SQLite file is never made)."""
@@ -577,10 +649,25 @@ def test_a_jupyter_server_places_its_kernels_through_the_system_agent(
     state = socket.parent / "agent-state"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
     agent_proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyter_gpushare.daemon", "--system", "--socket", str(socket),
-         "--ledger", str(state / "ledger.sqlite"), "--simulate", "1xA100",
-         "--state-dir", str(socket.parent / "agent-shm")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "jupyter_gpushare.daemon",
+            "--system",
+            "--socket",
+            str(socket),
+            "--ledger",
+            str(state / "ledger.sqlite"),
+            "--simulate",
+            "1xA100",
+            "--state-dir",
+            str(socket.parent / "agent-shm"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
     try:
         wait_for(lambda: DaemonClient(socket, timeout=1).alive(), timeout=30)
         server = jupyter_server("1xA100")
@@ -589,35 +676,52 @@ def test_a_jupyter_server_places_its_kernels_through_the_system_agent(
         held = asyncio.run(AgentLedger(socket).snapshot()).find(mine["id"])
         assert held is not None and held.node == local_node_name() and held.pid == mine["pid"]
         assert held.extra["uid"] == os.getuid()
-        changed = server.request("PATCH", f"/gpushare/api/allocations/{mine['id']}",
-                                 json={"gpu_limit": 0.75})
+        changed = server.request(
+            "PATCH", f"/gpushare/api/allocations/{mine['id']}", json={"gpu_limit": 0.75}
+        )
         assert changed.status_code == 200, changed.text
         after = asyncio.run(AgentLedger(socket).snapshot()).find(mine["id"])
         assert after is not None and after.limit == 0.75
         assert server.delete(f"/api/kernels/{kernel['id']}").status_code == 204
         wait_for(lambda: asyncio.run(AgentLedger(socket).snapshot()).allocations == ())
         assert not Path(gpushare_env["GPUSHARE_LEDGER"]).exists()
-        agents = [p for p in psutil.process_iter(["cmdline"])
-                  if "jupyter_gpushare.daemon" in (p.info["cmdline"] or [])
-                  and str(socket) in (p.info["cmdline"] or [])]
+        agents = [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if "jupyter_gpushare.daemon" in (p.info["cmdline"] or [])
+            and str(socket) in (p.info["cmdline"] or [])
+        ]
         assert [p.pid for p in agents] == [agent_proc.pid]  # the server started none
     finally:
         agent_proc.send_signal(signal.SIGTERM)
         agent_proc.wait(10)
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--system", "--kubernetes-namespace", "x"], "--system serves a machine's own SQLite"),
-    (["--system", "--max-share", '{"gpu_request": 2}'], "--max-share: gpu_request=2 is not"),
-    (["--system", "--max-share", "half"], "--max-share 'half': not JSON share keys"),
-    (["--system", "--group-max-share", "nosuchgroup={}"], "nosuchgroup: no such group"),
-    (["--system", "--group-max-share", "0.5"], "GROUP=JSON"),
-    (["--group", "users"], "--group needs --system"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--system", "--kubernetes-namespace", "x"], "--system serves a machine's own SQLite"),
+        (["--system", "--max-share", '{"gpu_request": 2}'], "--max-share: gpu_request=2 is not"),
+        (["--system", "--max-share", "half"], "--max-share 'half': not JSON share keys"),
+        (["--system", "--group-max-share", "nosuchgroup={}"], "nosuchgroup: no such group"),
+        (["--system", "--group-max-share", "0.5"], "GROUP=JSON"),
+        (["--group", "users"], "--group needs --system"),
+    ],
+)
 def test_bad_system_options_are_refused_by_name(argv: list[str], message: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "jupyter_gpushare.daemon", *argv,
-                           "--socket", "/nonexistent/gs-h3/daemon.sock"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jupyter_gpushare.daemon",
+            *argv,
+            "--socket",
+            "/nonexistent/gs-h3/daemon.sock",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
 
@@ -625,10 +729,15 @@ def test_bad_system_options_are_refused_by_name(argv: list[str], message: str) -
 def test_the_systemd_unit_starts_the_system_agent_as_documented() -> None:
     from jupyter_gpushare.daemon import cli as daemon_cli
 
-    unit = (Path(__file__).resolve().parents[1] / "deploy" / "systemd"
-            / "jupyter-gpushare-agent.service").read_text()
-    settings = dict(line.split("=", 1) for line in unit.splitlines()
-                    if "=" in line and not line.startswith("#"))
+    unit = (
+        Path(__file__).resolve().parents[1]
+        / "deploy"
+        / "systemd"
+        / "jupyter-gpushare-agent.service"
+    ).read_text()
+    settings = dict(
+        line.split("=", 1) for line in unit.splitlines() if "=" in line and not line.startswith("#")
+    )
     command = settings["ExecStart"].split()
     assert command[0].endswith("jupyter-gpushare") and command[1] == "daemon"
     import argparse
@@ -669,9 +778,16 @@ GPU = Gpu(NODE, "GPU-1", 0, "NVIDIA A100", "A100", 80 * GiB)
 
 
 def record(uid: int, request: float = 0.25, **extra: Any) -> Allocation:
-    return Allocation(id=Allocation.new_id(), node=NODE, gpus=(GPU.uuid,),
-                      spec=ShareSpec(request, request, gpu_memory=GiB), memory=GiB,
-                      server_pid=os.getpid(), user=f"u{uid}", extra={"uid": uid, **extra})
+    return Allocation(
+        id=Allocation.new_id(),
+        node=NODE,
+        gpus=(GPU.uuid,),
+        spec=ShareSpec(request, request, gpu_memory=GiB),
+        memory=GiB,
+        server_pid=os.getpid(),
+        user=f"u{uid}",
+        extra={"uid": uid, **extra},
+    )
 
 
 def test_authorize_rules() -> None:
@@ -681,8 +797,9 @@ def test_authorize_rules() -> None:
     hers, his = record(me), record(other)
     current = [hers, his]
 
-    def go(who: ledger_ops.Caller, proposed: list[Allocation],
-           bound: ShareSpec | None = None) -> list[Allocation]:
+    def go(
+        who: ledger_ops.Caller, proposed: list[Allocation], bound: ShareSpec | None = None
+    ) -> list[Allocation]:
         return ledger_ops.authorize(current, proposed, who, NODE, [GPU], bound, True)
 
     redacted = ledger_ops.redact(his)
@@ -707,20 +824,44 @@ def test_authorize_rules() -> None:
     assert go(root, [hers]) == [hers]  # an admin may release anyone's
     with pytest.raises(ledger_ops.NotPermitted, match="needs its holder"):  # never released
         go(alice, [hers, redacted, replace(record(me), server_pid=None)])
-    kept = ledger_ops.authorize(current, [replace(hers, state="active"), redacted], alice, NODE,
-                                [GPU], None, True, Policy(cordoned_gpus=frozenset({GPU.uuid})))
+    kept = ledger_ops.authorize(
+        current,
+        [replace(hers, state="active"), redacted],
+        alice,
+        NODE,
+        [GPU],
+        None,
+        True,
+        Policy(cordoned_gpus=frozenset({GPU.uuid})),
+    )
     assert len(kept) == 2  # shares placed before a cordon stay and may change; new ones may not
     with pytest.raises(ledger_ops.NotPermitted, match="cordoned"):
-        ledger_ops.authorize([], [record(me)], alice, NODE, [GPU], None, True,
-                             Policy(cordoned_gpus=frozenset({GPU.uuid})))
+        ledger_ops.authorize(
+            [],
+            [record(me)],
+            alice,
+            NODE,
+            [GPU],
+            None,
+            True,
+            Policy(cordoned_gpus=frozenset({GPU.uuid})),
+        )
     with pytest.raises(ledger_ops.NotPermitted, match="excluded"):
-        ledger_ops.authorize([], [record(me)], alice, NODE, [GPU], None, True,
-                             Policy(exclude_types=("a100",)))
+        ledger_ops.authorize(
+            [], [record(me)], alice, NODE, [GPU], None, True, Policy(exclude_types=("a100",))
+        )
     bounded = record(me)
     bounded = replace(bounded, extra=bounds.record(bounded.extra, ShareSpec(0.25, 0.25)))
     with pytest.raises(ShareError):
-        ledger_ops.authorize([bounded], [replace(bounded, spec=ShareSpec(0.5, 0.5, GiB))],
-                             alice, NODE, [GPU], None, True)
+        ledger_ops.authorize(
+            [bounded],
+            [replace(bounded, spec=ShareSpec(0.5, 0.5, GiB))],
+            alice,
+            NODE,
+            [GPU],
+            None,
+            True,
+        )
 
 
 def test_who_may_use_the_agent_and_which_bound_applies() -> None:
@@ -729,9 +870,12 @@ def test_who_may_use_the_agent_and_which_bound_applies() -> None:
 
     daemon: Any = FakeDaemon()
     group_bound, agent_bound = ShareSpec(0.5, 0.5), ShareSpec(0.75, 1.0, gpu_memory=40 * GiB)
-    ledger_ops.configure(daemon, ledger_ops.Access(system=True, user_gid=4242,
-                                                   max_share=agent_bound,
-                                                   group_bounds={4242: group_bound}))
+    ledger_ops.configure(
+        daemon,
+        ledger_ops.Access(
+            system=True, user_gid=4242, max_share=agent_bound, group_bounds={4242: group_bound}
+        ),
+    )
     member = ledger_ops.Caller(1001, "alice", False, frozenset({4242}))
     outsider = ledger_ops.Caller(1002, "bob", False, frozenset({100}))
     root = ledger_ops.Caller(0, "root", True, frozenset())

@@ -28,8 +28,10 @@ def test_pyproject_takes_the_version_from_the_package() -> None:
 
 
 def test_the_lab_extension_and_chart_state_the_same_version() -> None:
-    for package in (REPO / "labextension" / "package.json",
-                    REPO / "jupyter_gpushare" / "labextension" / "package.json"):
+    for package in (
+        REPO / "labextension" / "package.json",
+        REPO / "jupyter_gpushare" / "labextension" / "package.json",
+    ):
         assert json.loads(package.read_text())["version"] == VERSION, package
     chart = yaml.safe_load((REPO / "deploy/helm/jupyter-gpushare/Chart.yaml").read_text())
     assert chart["appVersion"] == VERSION

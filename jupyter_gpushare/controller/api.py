@@ -56,8 +56,12 @@ class State:
         error = getattr(self.leader, "last_error", None)
         where = f"the active controller is {holder}" if holder else "no controller is active"
         why = f"; last error: {error}" if error else ""
-        return unavailable("not_leader", f"this controller replica ({self.identity}) is "
-                           f"standing by: {where}{why}; retry shortly", leader=holder)
+        return unavailable(
+            "not_leader",
+            f"this controller replica ({self.identity}) is "
+            f"standing by: {where}{why}; retry shortly",
+            leader=holder,
+        )
 
 
 class Handler(RequestHandler):
@@ -87,8 +91,9 @@ class Handler(RequestHandler):
         try:
             data = json.loads(self.request.body or b"{}")
         except (ValueError, RecursionError):
-            raise bad_request("body", self.request.body[:80].decode(errors="replace"),
-                              "a JSON object") from None
+            raise bad_request(
+                "body", self.request.body[:80].decode(errors="replace"), "a JSON object"
+            ) from None
         if not isinstance(data, dict):
             raise bad_request("body", data, "a JSON object")
         return data
@@ -102,8 +107,12 @@ class Handler(RequestHandler):
         if mapped is None and isinstance(e, HTTPError):
             mapped = ControllerError(e.status_code, "http_error", e.log_message or e.reason or "")
         if mapped is None:
-            log.error("gpushare controller: %s %s failed", self.request.method,
-                      self.request.path, exc_info=e)
+            log.error(
+                "gpushare controller: %s %s failed",
+                self.request.method,
+                self.request.path,
+                exc_info=e,
+            )
             mapped = ControllerError(500, "internal", "the controller failed; see its log")
         if self._finished:
             return
@@ -168,9 +177,20 @@ class AllocationHandler(Handler):
 class KernelsHandler(Handler):
     async def get(self) -> None:
         found = await self.service.allocations(self.user)
-        self.reply({"kernels": [{**self.service.kernel_status(a), "kernel_id": a.kernel_id,
-                                 "user": a.user, "node": a.node}
-                                for a in found if a.extra.get("k8s_pod")]})
+        self.reply(
+            {
+                "kernels": [
+                    {
+                        **self.service.kernel_status(a),
+                        "kernel_id": a.kernel_id,
+                        "user": a.user,
+                        "node": a.node,
+                    }
+                    for a in found
+                    if a.extra.get("k8s_pod")
+                ]
+            }
+        )
 
     async def post(self) -> None:
         self.reply(await self.service.launch(self.user, self.body()), 201)
@@ -211,8 +231,9 @@ def make_app(state: State, **settings: Any) -> Application:
         (rf"/api/servers/{ident}", ServerHandler, {"state": state}),
     ]
     default: Callable[..., Any] = NotFoundHandler
-    return Application(routes, default_handler_class=default,
-                       default_handler_args={"state": state}, **settings)
+    return Application(
+        routes, default_handler_class=default, default_handler_args={"state": state}, **settings
+    )
 
 
 __all__ = ["State", "make_app"]

@@ -41,19 +41,24 @@ class ControllerApp(Application):
     description = "The gpushare cluster controller: the only holder of Kubernetes rights."
     classes = [GpushareController, KubernetesBackendConfig, GpuShare]
     config_file = Unicode("", config=True, help="A Python config file to load.")
-    aliases = {"config": "ControllerApp.config_file", "port": "GpushareController.port",
-               "ip": "GpushareController.ip", "hub-url": "GpushareController.hub_url",
-               "namespace": "KubernetesBackendConfig.namespace",
-               "kubeconfig": "KubernetesBackendConfig.kubeconfig",
-               "log-level": "Application.log_level"}
+    aliases = {
+        "config": "ControllerApp.config_file",
+        "port": "GpushareController.port",
+        "ip": "GpushareController.ip",
+        "hub-url": "GpushareController.hub_url",
+        "namespace": "KubernetesBackendConfig.namespace",
+        "kubeconfig": "KubernetesBackendConfig.kubeconfig",
+        "log-level": "Application.log_level",
+    }
 
     def initialize(self, argv: Any = None) -> None:
         self.parse_command_line(argv)
         if self.config_file:
             self.load_config_file(self.config_file)
             self.parse_command_line(argv)  # the command line wins over the file
-        logging.basicConfig(level=int(str(self.log_level)),
-                            format="%(asctime)s %(levelname)s %(name)s %(message)s")
+        logging.basicConfig(
+            level=int(str(self.log_level)), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+        )
 
     def start(self) -> None:
         with contextlib.suppress(KeyboardInterrupt):
@@ -66,32 +71,49 @@ class ControllerApp(Application):
         bounds = Bounds(
             parse_bounds(settings.user_bounds, "GpushareController.user_bounds"),
             parse_bounds(settings.group_bounds, "GpushareController.group_bounds"),
-            ShareSpec.from_mapping(settings.default_bound) if settings.default_bound else None)
-        quotas = Quotas(settings.user_quotas, settings.group_quotas,
-                        settings.default_quota or None)
+            ShareSpec.from_mapping(settings.default_bound) if settings.default_bound else None,
+        )
+        quotas = Quotas(settings.user_quotas, settings.group_quotas, settings.default_quota or None)
         kube = await connect(kcfg.kubeconfig, kcfg.context)
-        state = State(HubAuth(settings.hub_url, settings.auth_cache_ttl,
-                              settings.auth_cache_size), settings.identity)
-        leader = LeaderElection(kube, kcfg.namespace, settings.lease_name, settings.identity,
-                                settings.lease_duration, settings.renew_interval,
-                                settings.retry_interval)
+        state = State(
+            HubAuth(settings.hub_url, settings.auth_cache_ttl, settings.auth_cache_size),
+            settings.identity,
+        )
+        leader = LeaderElection(
+            kube,
+            kcfg.namespace,
+            settings.lease_name,
+            settings.identity,
+            settings.lease_duration,
+            settings.renew_interval,
+            settings.retry_interval,
+        )
         state.leader = leader
         active: dict[str, Any] = {}
 
         async def started() -> None:
             service = KernelService(
-                kube, kcfg.namespace, share.aliases(), share.policy(), bounds,
-                ServerLeases(kube, kcfg.namespace, settings.server_lease_duration,
-                             settings.identity),
+                kube,
+                kcfg.namespace,
+                share.aliases(),
+                share.policy(),
+                bounds,
+                ServerLeases(
+                    kube, kcfg.namespace, settings.server_lease_duration, settings.identity
+                ),
                 manifests.PodSettings.from_config(kcfg),
                 KubernetesUsage(UsageReader(kube, kcfg.namespace)),
-                start_timeout=kcfg.start_timeout, inventory_ttl=kcfg.inventory_ttl,
-                quotas=quotas)
+                start_timeout=kcfg.start_timeout,
+                inventory_ttl=kcfg.inventory_ttl,
+                quotas=quotas,
+            )
             await service.start(settings.connect_timeout)
-            reconciler = Reconciler(kube, kcfg.namespace, None, settings.reconcile_grace,
-                                    share.aliases())
+            reconciler = Reconciler(
+                kube, kcfg.namespace, None, settings.reconcile_grace, share.aliases()
+            )
             active["reconcile"] = asyncio.create_task(
-                reconciler.run_forever(settings.reconcile_interval))
+                reconciler.run_forever(settings.reconcile_interval)
+            )
             active["service"] = service
             state.service = service
 
@@ -108,9 +130,14 @@ class ControllerApp(Application):
         leader.on_lost = lost
         server = HTTPServer(make_app(state), max_body_size=MAX_BODY)
         server.listen(settings.port, settings.ip)
-        log.info("gpushare controller %s listening on %s:%s (namespace %s, hub %s)",
-                 settings.identity, settings.ip, settings.port, kcfg.namespace,
-                 settings.hub_url)
+        log.info(
+            "gpushare controller %s listening on %s:%s (namespace %s, hub %s)",
+            settings.identity,
+            settings.ip,
+            settings.port,
+            kcfg.namespace,
+            settings.hub_url,
+        )
         leader.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -34,8 +34,10 @@ class HubUser:
 def token_from_header(header: str | None) -> str:
     """The token of an ``Authorization: token …`` (or ``Bearer …``) header; 401 otherwise."""
     if not header:
-        raise unauthorized("no Authorization header: send the server's JupyterHub API token "
-                           "as 'Authorization: token <JUPYTERHUB_API_TOKEN>'")
+        raise unauthorized(
+            "no Authorization header: send the server's JupyterHub API token "
+            "as 'Authorization: token <JUPYTERHUB_API_TOKEN>'"
+        )
     scheme, _, token = header.strip().partition(" ")
     if scheme.lower() not in ("token", "bearer") or not token.strip():
         raise unauthorized("Authorization must be 'token <JupyterHub API token>'")
@@ -45,8 +47,9 @@ def token_from_header(header: str | None) -> str:
 class HubAuth:
     """Resolve Hub API tokens to users (``GET /hub/api/user``), with a bounded TTL cache."""
 
-    def __init__(self, hub_url: str, ttl: float = 30.0, max_entries: int = 4096,
-                 timeout: float = 5.0) -> None:
+    def __init__(
+        self, hub_url: str, ttl: float = 30.0, max_entries: int = 4096, timeout: float = 5.0
+    ) -> None:
         self.hub_url = hub_url.rstrip("/")
         self.ttl = ttl
         self.max_entries = max_entries
@@ -91,19 +94,24 @@ class HubAuth:
 
     async def _ask(self, token: str) -> HubUser | None:
         self.hub_requests += 1
-        request = HTTPRequest(f"{self.hub_url}/hub/api/user",
-                              headers={"Authorization": f"token {token}"},
-                              request_timeout=self.timeout, connect_timeout=self.timeout)
+        request = HTTPRequest(
+            f"{self.hub_url}/hub/api/user",
+            headers={"Authorization": f"token {token}"},
+            request_timeout=self.timeout,
+            connect_timeout=self.timeout,
+        )
         try:
             response = await AsyncHTTPClient().fetch(request)
         except HTTPClientError as exc:
             if exc.code in (401, 403, 404):
                 return None
-            raise unavailable("hub_unavailable",
-                              f"JupyterHub at {self.hub_url} answered {exc.code}") from None
+            raise unavailable(
+                "hub_unavailable", f"JupyterHub at {self.hub_url} answered {exc.code}"
+            ) from None
         except (OSError, asyncio.TimeoutError) as exc:
-            raise unavailable("hub_unavailable",
-                              f"JupyterHub at {self.hub_url} cannot be reached: {exc}") from None
+            raise unavailable(
+                "hub_unavailable", f"JupyterHub at {self.hub_url} cannot be reached: {exc}"
+            ) from None
         return parse_user_model(response.body)
 
 
@@ -120,8 +128,11 @@ def parse_user_model(body: bytes) -> HubUser | None:
     if not isinstance(name, str) or not name:
         return None
     groups = model.get("groups") or []
-    return HubUser(name=name, admin=model.get("admin") is True,
-                   groups=tuple(g for g in groups if isinstance(g, str)))
+    return HubUser(
+        name=name,
+        admin=model.get("admin") is True,
+        groups=tuple(g for g in groups if isinstance(g, str)),
+    )
 
 
 __all__ = ["ControllerError", "HubAuth", "HubUser", "parse_user_model", "token_from_header"]

@@ -73,10 +73,14 @@ class ControllerKernelBackend(KubernetesKernelBackend):
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         remote = await self.remote()
         assert self.allocation is not None and self._connection is not None
-        body = {"allocation_id": self.allocation.id, "launch_id": self._launch_id,
-                "kernel_id": str(self.provisioner.kernel_id), "command": list(cmd),
-                "env": self._forwarded_env(kwargs.get("env")),
-                "connection": self._connection}
+        body = {
+            "allocation_id": self.allocation.id,
+            "launch_id": self._launch_id,
+            "kernel_id": str(self.provisioner.kernel_id),
+            "command": list(cmd),
+            "env": self._forwarded_env(kwargs.get("env")),
+            "connection": self._connection,
+        }
         try:
             answer = await remote.client.request("POST", "/api/kernels", body)
         except ControllerRefused as exc:
@@ -90,8 +94,12 @@ class ControllerKernelBackend(KubernetesKernelBackend):
         info = dict(self._connection)
         info["ip"] = answer["connection"]["ip"]
         info["key"] = str(info["key"]).encode()
-        self.log.info("gpushare: kernel %s runs in pod %s on %s (through the controller)",
-                      self.provisioner.kernel_id, self.pod_name, self.allocation.node)
+        self.log.info(
+            "gpushare: kernel %s runs in pod %s on %s (through the controller)",
+            self.provisioner.kernel_id,
+            self.pod_name,
+            self.allocation.node,
+        )
         return info  # type: ignore[return-value]
 
     async def _kernel_status(self, fresh: bool = False) -> dict[str, Any] | None:
@@ -103,7 +111,8 @@ class ControllerKernelBackend(KubernetesKernelBackend):
         remote = await self.remote()
         try:
             status = await remote.client.request(
-                "GET", f"/api/kernels/{self.allocation.id}", retry=False)
+                "GET", f"/api/kernels/{self.allocation.id}", retry=False
+            )
         except ControllerRefused:
             return self._status[1] if self._status else None  # away: the kernel keeps running
         except Exception:
@@ -122,8 +131,9 @@ class ControllerKernelBackend(KubernetesKernelBackend):
             code = -9
         if code is not None and self.failure is None and not self._deleting:
             self.failure = status.get("failure") or f"pod {self.pod_name} ended (exit {code})"
-            self.log.warning("gpushare: kernel %s ended: %s", self.provisioner.kernel_id,
-                             self.failure)
+            self.log.warning(
+                "gpushare: kernel %s ended: %s", self.provisioner.kernel_id, self.failure
+            )
         return code if code is None else int(code)
 
     async def wait(self) -> int | None:
@@ -156,7 +166,8 @@ class ControllerKernelBackend(KubernetesKernelBackend):
             return
         remote = await self.remote()
         status = await remote.client.request(
-            "DELETE", f"/api/kernels/{self.allocation.id}?grace={grace}")
+            "DELETE", f"/api/kernels/{self.allocation.id}?grace={grace}"
+        )
         self._status = (time.monotonic(), status)
 
     async def cleanup(self, restart: bool = False) -> None:
@@ -164,8 +175,9 @@ class ControllerKernelBackend(KubernetesKernelBackend):
             try:
                 await self._stop_pod(1)
             except Exception as exc:  # released meanwhile: nothing left to stop
-                self.log.debug("gpushare: cleanup of kernel %s: %s", self.provisioner.kernel_id,
-                               exc)
+                self.log.debug(
+                    "gpushare: cleanup of kernel %s: %s", self.provisioner.kernel_id, exc
+                )
         self._launched = False
         self._deleting = False
         if not restart:

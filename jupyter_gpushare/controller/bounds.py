@@ -29,20 +29,30 @@ def parse_bounds(mapping: Mapping[str, Any], setting: str) -> dict[str, ShareSpe
     out = {}
     for name, value in mapping.items():
         if not isinstance(value, Mapping):
-            raise ShareError(f"{setting}[{name!r}]", value, "a share object like "
-                             "{'gpu_request': 0.25, 'gpu_limit': 0.5}")
+            raise ShareError(
+                f"{setting}[{name!r}]",
+                value,
+                "a share object like {'gpu_request': 0.25, 'gpu_limit': 0.5}",
+            )
         given = {k: v for k, v in value.items() if v is not None}
         unknown = sorted(set(given) - set(SHARE_FIELDS))
         if unknown:
-            raise ShareError(f"{setting}[{name!r}].{unknown[0]}", given[unknown[0]],
-                             "one of " + ", ".join(SHARE_FIELDS))
+            raise ShareError(
+                f"{setting}[{name!r}].{unknown[0]}",
+                given[unknown[0]],
+                "one of " + ", ".join(SHARE_FIELDS),
+            )
         out[str(name)] = ShareSpec.from_mapping(given)
     return out
 
 
 class Bounds:
-    def __init__(self, users: Mapping[str, ShareSpec], groups: Mapping[str, ShareSpec],
-                 default: ShareSpec | None) -> None:
+    def __init__(
+        self,
+        users: Mapping[str, ShareSpec],
+        groups: Mapping[str, ShareSpec],
+        default: ShareSpec | None,
+    ) -> None:
         self.users = dict(users)
         self.groups = dict(groups)
         self.default = default
@@ -57,22 +67,30 @@ class Bounds:
 
 
 class Quotas:
-    def __init__(self, users: Mapping[str, float], groups: Mapping[str, float],
-                 default: float | None) -> None:
+    def __init__(
+        self, users: Mapping[str, float], groups: Mapping[str, float], default: float | None
+    ) -> None:
         for setting, mapping in (("user_quotas", users), ("group_quotas", groups)):
             for name, value in mapping.items():
-                if (not isinstance(value, (int, float)) or isinstance(value, bool)
-                        or not 0 < value <= 100_000):
-                    raise ShareError(f"{setting}[{name!r}]", value,
-                                     "GPUs of compute, a number > 0 (0.5, 2, ...)")
+                if (
+                    not isinstance(value, (int, float))
+                    or isinstance(value, bool)
+                    or not 0 < value <= 100_000
+                ):
+                    raise ShareError(
+                        f"{setting}[{name!r}]", value, "GPUs of compute, a number > 0 (0.5, 2, ...)"
+                    )
         self.users = {str(k): float(v) for k, v in users.items()}
         self.groups = {str(k): float(v) for k, v in groups.items()}
         self.default = default
 
     def of(self, user: HubUser) -> float | None:
         """The most compute all of ``user``'s shares may request together, or None."""
-        found = [q for q in (self.users.get(user.name),
-                             *(self.groups.get(g) for g in user.groups)) if q is not None]
+        found = [
+            q
+            for q in (self.users.get(user.name), *(self.groups.get(g) for g in user.groups))
+            if q is not None
+        ]
         if found:
             return min(found)
         return None if user.admin else self.default

@@ -43,8 +43,11 @@ class ControllerRefused(HTTPError):
     """The controller's refusal (or absence), with its status, code and message."""
 
     def __init__(self, status: int, body: dict[str, Any]) -> None:
-        super().__init__(status, log_message=str(body.get("message", "")),
-                         reason=str(body.get("error", "controller_error")))
+        super().__init__(
+            status,
+            log_message=str(body.get("message", "")),
+            reason=str(body.get("error", "controller_error")),
+        )
         self.body = body
 
     def __str__(self) -> str:
@@ -52,8 +55,9 @@ class ControllerRefused(HTTPError):
 
 
 class ControllerClient:
-    def __init__(self, urls: Sequence[str], token: str, timeout: float = 330.0,
-                 retry_for: float = 60.0) -> None:
+    def __init__(
+        self, urls: Sequence[str], token: str, timeout: float = 330.0, retry_for: float = 60.0
+    ) -> None:
         self.urls = [u.rstrip("/") for u in urls if u.strip()]
         if not self.urls:
             raise ValueError("no controller URL")
@@ -61,8 +65,9 @@ class ControllerClient:
         self.timeout = timeout
         self.retry_for = retry_for
 
-    async def request(self, method: str, path: str, body: Any = None,
-                      retry: bool = True) -> dict[str, Any]:
+    async def request(
+        self, method: str, path: str, body: Any = None, retry: bool = True
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + (self.retry_for if retry else 0.0)
         delay = 0.2
         last: ControllerRefused | None = None
@@ -72,7 +77,9 @@ class ControllerClient:
                     return await self._once(url, method, path, body)
                 except ControllerRefused as exc:
                     if exc.status_code != 503 or exc.body.get("error") not in (
-                            "not_leader", "controller_unreachable"):
+                        "not_leader",
+                        "controller_unreachable",
+                    ):
                         raise
                     last = exc
             if time.monotonic() + delay > deadline:
@@ -83,24 +90,35 @@ class ControllerClient:
 
     async def _once(self, url: str, method: str, path: str, body: Any) -> dict[str, Any]:
         request = HTTPRequest(
-            url + path, method=method,
-            headers={"Authorization": f"token {self.token}",
-                     "Content-Type": "application/json"},
-            body=json.dumps(body) if body is not None else (b"" if method in ("POST", "PUT",
-                                                                              "PATCH") else None),
-            request_timeout=self.timeout, connect_timeout=5.0)
+            url + path,
+            method=method,
+            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
+            body=json.dumps(body)
+            if body is not None
+            else (b"" if method in ("POST", "PUT", "PATCH") else None),
+            request_timeout=self.timeout,
+            connect_timeout=5.0,
+        )
         try:
             response = await AsyncHTTPClient().fetch(request)
         except HTTPClientError as exc:
             if exc.code == 599 or exc.response is None:
-                raise ControllerRefused(503, {"error": "controller_unreachable", "message":
-                                              f"the gpushare controller at {url} cannot be "
-                                              f"reached: {exc}"}) from None
+                raise ControllerRefused(
+                    503,
+                    {
+                        "error": "controller_unreachable",
+                        "message": f"the gpushare controller at {url} cannot be reached: {exc}",
+                    },
+                ) from None
             raise _refusal(exc.code, exc.response.body) from None
         except OSError as exc:
-            raise ControllerRefused(503, {"error": "controller_unreachable", "message":
-                                          f"the gpushare controller at {url} cannot be "
-                                          f"reached: {exc}"}) from None
+            raise ControllerRefused(
+                503,
+                {
+                    "error": "controller_unreachable",
+                    "message": f"the gpushare controller at {url} cannot be reached: {exc}",
+                },
+            ) from None
         return json.loads(response.body) if response.body else {}
 
 
@@ -137,8 +155,9 @@ class ControllerLedger(Ledger):
     async def snapshot(self) -> Snapshot:
         return Snapshot(allocations=tuple(await self.list()), versions={})
 
-    async def compare_and_swap(self, node: str, expected_version: int,
-                               allocations: Sequence[Allocation]) -> bool:
+    async def compare_and_swap(
+        self, node: str, expected_version: int, allocations: Sequence[Allocation]
+    ) -> bool:
         raise NotImplementedError("in controller mode only the controller writes the ledger")
 
     async def put_gpus(self, node: str, gpus: Sequence[Gpu]) -> None:
@@ -154,26 +173,38 @@ class ControllerLedger(Ledger):
         return [a for a in found if node is None or a.node == node]
 
     async def get(self, allocation_id: str) -> Allocation:
-        return Allocation.from_json(await self.client.request(
-            "GET", f"/api/allocations/{quote(allocation_id, safe='')}"))
+        return Allocation.from_json(
+            await self.client.request("GET", f"/api/allocations/{quote(allocation_id, safe='')}")
+        )
 
-    async def allocate(self, spec: ShareSpec, inventory: Sequence[Gpu], place: LedgerPlacer,
-                       **fields: Any) -> Allocation:
-        body = {"share": spec.to_json(), "kernel_id": fields.get("kernel_id"),
-                "server_id": self.server_id, "owner": fields.get("owner", "kernel")}
+    async def allocate(
+        self, spec: ShareSpec, inventory: Sequence[Gpu], place: LedgerPlacer, **fields: Any
+    ) -> Allocation:
+        body = {
+            "share": spec.to_json(),
+            "kernel_id": fields.get("kernel_id"),
+            "server_id": self.server_id,
+            "owner": fields.get("owner", "kernel"),
+        }
         return Allocation.from_json(await self.client.request("POST", "/api/allocations", body))
 
-    async def release(self, allocation_id: str,
-                      if_unchanged: Allocation | None = None) -> Allocation | None:
+    async def release(
+        self, allocation_id: str, if_unchanged: Allocation | None = None
+    ) -> Allocation | None:
         try:
-            return Allocation.from_json(await self.client.request(
-                "DELETE", f"/api/allocations/{quote(allocation_id, safe='')}"))
+            return Allocation.from_json(
+                await self.client.request(
+                    "DELETE", f"/api/allocations/{quote(allocation_id, safe='')}"
+                )
+            )
         except AllocationNotFound:
             return None
 
-    async def update(self, allocation_id: str,
-                     change: Callable[[Allocation, builtins.list[Allocation]], Allocation]
-                     ) -> Allocation:
+    async def update(
+        self,
+        allocation_id: str,
+        change: Callable[[Allocation, builtins.list[Allocation]], Allocation],
+    ) -> Allocation:
         current = await self.get(allocation_id)
         changed = change(current, [])
         body = {}
@@ -186,8 +217,11 @@ class ControllerLedger(Ledger):
         assert set(body) <= set(RESIZABLE)
         if not body:
             return changed
-        return Allocation.from_json(await self.client.request(
-            "PATCH", f"/api/allocations/{quote(allocation_id, safe='')}", body))
+        return Allocation.from_json(
+            await self.client.request(
+                "PATCH", f"/api/allocations/{quote(allocation_id, safe='')}", body
+            )
+        )
 
 
 class ControllerContext:
@@ -206,8 +240,9 @@ class ControllerContext:
     async def _beat(self) -> None:
         while True:
             try:
-                await self.client.request("PUT", f"/api/servers/{self.config.server_id}",
-                                          retry=False)
+                await self.client.request(
+                    "PUT", f"/api/servers/{self.config.server_id}", retry=False
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # keep beating through failovers
@@ -223,15 +258,21 @@ class ControllerContext:
 
 
 _contexts: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ControllerContext] = (
-    weakref.WeakKeyDictionary())
+    weakref.WeakKeyDictionary()
+)
 
 
 def hub_token(config: Any) -> str:
     token = config.controller_token or os.environ.get("JUPYTERHUB_API_TOKEN", "")
     if not token:
-        raise ControllerRefused(503, {
-            "error": "no_hub_token", "message": "controller mode needs the server's JupyterHub "
-            "API token ($JUPYTERHUB_API_TOKEN, or c.KubernetesBackendConfig.controller_token)"})
+        raise ControllerRefused(
+            503,
+            {
+                "error": "no_hub_token",
+                "message": "controller mode needs the server's JupyterHub "
+                "API token ($JUPYTERHUB_API_TOKEN, or c.KubernetesBackendConfig.controller_token)",
+            },
+        )
     return str(token)
 
 
@@ -239,9 +280,12 @@ async def controller_context(config: Any) -> ControllerContext:
     loop = asyncio.get_running_loop()
     ctx = _contexts.get(loop)
     if ctx is None:
-        client = ControllerClient(config.controller_url.split(","), hub_token(config),
-                                  timeout=config.start_timeout + 30.0,
-                                  retry_for=config.controller_retry_for)
+        client = ControllerClient(
+            config.controller_url.split(","),
+            hub_token(config),
+            timeout=config.start_timeout + 30.0,
+            retry_for=config.controller_retry_for,
+        )
         ctx = _contexts[loop] = ControllerContext(config, client)
         ctx.start()
     return ctx
@@ -253,5 +297,12 @@ async def close_controller_context() -> None:
         await ctx.close()
 
 
-__all__ = ["ControllerClient", "ControllerContext", "ControllerLedger", "ControllerRefused",
-           "close_controller_context", "controller_context", "hub_token"]
+__all__ = [
+    "ControllerClient",
+    "ControllerContext",
+    "ControllerLedger",
+    "ControllerRefused",
+    "close_controller_context",
+    "controller_context",
+    "hub_token",
+]

@@ -26,57 +26,83 @@ class GpushareController(Configurable):
         "{hub_url}/hub/api/user). Default: $JUPYTERHUB_URL, else http://hub:8081.",
     )
     auth_cache_ttl = Float(
-        30.0, config=True,
-        help="Seconds a resolved Hub token (user, admin flag, groups) is reused.")
+        30.0, config=True, help="Seconds a resolved Hub token (user, admin flag, groups) is reused."
+    )
     auth_cache_size = Int(
-        4096, config=True, help="Most tokens kept in the resolution cache (least recently used "
-        "go first).")
+        4096,
+        config=True,
+        help="Most tokens kept in the resolution cache (least recently used go first).",
+    )
     user_bounds = Dict(
-        default_value={}, config=True,
+        default_value={},
+        config=True,
         help="Most one share of a user may hold, by Hub user name: {'alice': {'gpu_request': "
         "0.5, 'gpu_limit': 1.0, 'gpu_memory': '20GiB'}}. With group_bounds, the tightest "
-        "field wins.")
+        "field wins.",
+    )
     group_bounds = Dict(
-        default_value={}, config=True,
+        default_value={},
+        config=True,
         help="Most one share may hold, by JupyterHub group: {'students': {'gpu_request': 0.25, "
-        "'gpu_limit': 0.5}}.")
+        "'gpu_limit': 0.5}}.",
+    )
     default_bound = Dict(
-        default_value={}, config=True,
+        default_value={},
+        config=True,
         help="Bound of users with no user or group entry (empty: none). Hub admins have no "
-        "default bound.")
+        "default bound.",
+    )
     user_quotas = Dict(
-        default_value={}, config=True,
+        default_value={},
+        config=True,
         help="Most compute all of a user's shares may request together, in GPUs, by Hub user "
-        "name: {'alice': 2.0}. With group_quotas, the smallest applies.")
+        "name: {'alice': 2.0}. With group_quotas, the smallest applies.",
+    )
     group_quotas = Dict(
-        default_value={}, config=True,
+        default_value={},
+        config=True,
         help="Most compute all shares of one user may request together, by JupyterHub group: "
-        "{'students': 0.5}.")
+        "{'students': 0.5}.",
+    )
     default_quota = Float(
-        0.0, config=True,
+        0.0,
+        config=True,
         help="Quota of users with no user or group entry, in GPUs (0: none). Hub admins have "
-        "no default quota.")
-    lease_name = Unicode("gpushare-controller", config=True,
-                         help="Name of the Lease the replicas elect their leader on.")
-    lease_duration = Float(15.0, config=True,
-                           help="Seconds a leader's Lease lasts without renewal; a standby "
-                           "takes over after it.")
+        "no default quota.",
+    )
+    lease_name = Unicode(
+        "gpushare-controller",
+        config=True,
+        help="Name of the Lease the replicas elect their leader on.",
+    )
+    lease_duration = Float(
+        15.0,
+        config=True,
+        help="Seconds a leader's Lease lasts without renewal; a standby takes over after it.",
+    )
     renew_interval = Float(5.0, config=True, help="Seconds between the leader's renewals.")
-    retry_interval = Float(2.0, config=True,
-                           help="Seconds between a standby's attempts to take the Lease.")
-    identity = Unicode(config=True, help="This replica's name in the Lease (default: "
-                       "$POD_NAME, else host/pid).")
+    retry_interval = Float(
+        2.0, config=True, help="Seconds between a standby's attempts to take the Lease."
+    )
+    identity = Unicode(
+        config=True, help="This replica's name in the Lease (default: $POD_NAME, else host/pid)."
+    )
     server_lease_duration = Float(
-        60.0, config=True,
+        60.0,
+        config=True,
         help="Seconds a user server's Lease lasts after its last heartbeat; then the "
-        "reconciler releases its kernels.")
+        "reconciler releases its kernels.",
+    )
     reconcile_interval = Float(5.0, config=True, help="Seconds between reconciliation passes.")
     reconcile_grace = Float(
-        10.0, config=True,
+        10.0,
+        config=True,
         help="Seconds a server Lease may be overdue or a kernel pod missing before its share "
-        "is reclaimed.")
-    connect_timeout = Float(30.0, config=True,
-                            help="Seconds to wait for the API server's first pod listing.")
+        "is reclaimed.",
+    )
+    connect_timeout = Float(
+        30.0, config=True, help="Seconds to wait for the API server's first pod listing."
+    )
 
     @default("hub_url")
     def _default_hub_url(self) -> str:

@@ -37,16 +37,22 @@ def forbidden(message: str) -> ControllerError:
 
 
 def not_found(what: str, value: str) -> ControllerError:
-    return ControllerError(404, "not_found", f"no {what} {value!r} (or not yours)",
-                           field=what, value=value)
+    return ControllerError(
+        404, "not_found", f"no {what} {value!r} (or not yours)", field=what, value=value
+    )
 
 
 def bad_request(field: str, value: Any, allowed: str) -> ControllerError:
     shown = repr(value)
     if len(shown) > 80:
         shown = shown[:77] + "..."
-    return ControllerError(400, "invalid", f"{field}: {shown} is not allowed; expected {allowed}",
-                           field=field, allowed=allowed)
+    return ControllerError(
+        400,
+        "invalid",
+        f"{field}: {shown} is not allowed; expected {allowed}",
+        field=field,
+        allowed=allowed,
+    )
 
 
 def unavailable(code: str, message: str, **fields: Any) -> ControllerError:
@@ -60,8 +66,9 @@ def from_exception(exc: BaseException) -> ControllerError | None:
         return exc
     if isinstance(exc, ShareError):
         body = exc.to_json()
-        return ControllerError(400, str(body.pop("error", "invalid_share")),
-                               str(body.pop("message", exc)), **body)
+        return ControllerError(
+            400, str(body.pop("error", "invalid_share")), str(body.pop("message", exc)), **body
+        )
     if isinstance(exc, (PlacementRefused, BelowUse, UsageUnknown)):
         body = exc.to_json()
         status = 503 if isinstance(exc, UsageUnknown) else 409
@@ -70,15 +77,24 @@ def from_exception(exc: BaseException) -> ControllerError | None:
         return not_found("allocation", str(exc.args[0]) if exc.args else "")
     if isinstance(exc, LedgerUnavailable):
         body = exc.to_json()
-        return ControllerError(503, str(body.pop("error", "ledger_unavailable")),
-                               str(body.pop("message", exc)), **body)
+        return ControllerError(
+            503, str(body.pop("error", "ledger_unavailable")), str(body.pop("message", exc)), **body
+        )
     if isinstance(exc, LedgerConflict):
         return ControllerError(503, "ledger_busy", str(exc))
     return None
 
 
-__all__ = ["ControllerError", "bad_request", "error_body", "forbidden", "from_exception",
-           "not_found", "unauthorized", "unavailable"]
+__all__ = [
+    "ControllerError",
+    "bad_request",
+    "error_body",
+    "forbidden",
+    "from_exception",
+    "not_found",
+    "unauthorized",
+    "unavailable",
+]
 
 
 def error_body(exc: ControllerError) -> dict[str, Any]:

@@ -49,8 +49,14 @@ KERNEL_ID = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9_]{0,63}$")
 LAUNCH_ID = re.compile(r"^[a-z0-9]{4,32}$")
 PORT_KEYS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
 #: environment the controller never takes from a user's server: it sets these itself
-RESERVED_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
-                "PATH", "KUBECONFIG")
+RESERVED_ENV = (
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    "CUDA_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES",
+    "PATH",
+    "KUBECONFIG",
+)
 
 
 def check_kernel_id(value: Any) -> str:
@@ -60,8 +66,12 @@ def check_kernel_id(value: Any) -> str:
 
 
 def check_command(value: Any) -> list[str]:
-    if (not isinstance(value, list) or not value or len(value) > 256
-            or not all(isinstance(a, str) and len(a) <= 4096 for a in value)):
+    if (
+        not isinstance(value, list)
+        or not value
+        or len(value) > 256
+        or not all(isinstance(a, str) and len(a) <= 4096 for a in value)
+    ):
         raise bad_request("command", value, "a non-empty list of at most 256 strings")
     return list(value)
 
@@ -69,13 +79,21 @@ def check_command(value: Any) -> list[str]:
 def check_env(value: Any) -> dict[str, str]:
     if value is None:
         return {}
-    if (not isinstance(value, dict) or len(value) > 256
-            or not all(isinstance(k, str) and isinstance(v, str) and len(v) <= 65536
-                       and re.match(r"^[A-Za-z_][A-Za-z0-9_.-]{0,255}$", k)
-                       for k, v in value.items())):
+    if (
+        not isinstance(value, dict)
+        or len(value) > 256
+        or not all(
+            isinstance(k, str)
+            and isinstance(v, str)
+            and len(v) <= 65536
+            and re.match(r"^[A-Za-z_][A-Za-z0-9_.-]{0,255}$", k)
+            for k, v in value.items()
+        )
+    ):
         raise bad_request("env", value, "an object of at most 256 NAME: string pairs")
-    return {k: v for k, v in value.items()
-            if k not in RESERVED_ENV and not k.startswith("GPUSHARE_")}
+    return {
+        k: v for k, v in value.items() if k not in RESERVED_ENV and not k.startswith("GPUSHARE_")
+    }
 
 
 def check_connection(value: Any) -> dict[str, Any]:
@@ -87,8 +105,12 @@ def check_connection(value: Any) -> dict[str, Any]:
         if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
             raise bad_request(f"connection.{key}", port, "a port number 1-65535")
         out[key] = port
-    for key, default in (("key", None), ("signature_scheme", "hmac-sha256"),
-                         ("transport", "tcp"), ("kernel_name", "")):
+    for key, default in (
+        ("key", None),
+        ("signature_scheme", "hmac-sha256"),
+        ("transport", "tcp"),
+        ("kernel_name", ""),
+    ):
         text = value.get(key, default)
         if not isinstance(text, str) or len(text) > 1024:
             raise bad_request(f"connection.{key}", text, "a string")
@@ -100,10 +122,20 @@ def check_connection(value: Any) -> dict[str, Any]:
 
 
 class KernelService:
-    def __init__(self, kube: Kube, namespace: str, aliases: TypeAliases, policy: Policy,
-                 bounds: Bounds, servers: ServerLeases, pod_settings: manifests.PodSettings,
-                 usage: UsageSource, start_timeout: float = 300.0,
-                 inventory_ttl: float = 2.0, quotas: Quotas | None = None) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        namespace: str,
+        aliases: TypeAliases,
+        policy: Policy,
+        bounds: Bounds,
+        servers: ServerLeases,
+        pod_settings: manifests.PodSettings,
+        usage: UsageSource,
+        start_timeout: float = 300.0,
+        inventory_ttl: float = 2.0,
+        quotas: Quotas | None = None,
+    ) -> None:
         self.kube = kube
         self.namespace = namespace
         self.aliases = aliases
@@ -115,7 +147,8 @@ class KernelService:
         self.start_timeout = start_timeout
         self.ledger = KubernetesLedger(kube, namespace, aliases, inventory_ttl=inventory_ttl)
         self.watcher = PodWatcher(
-            kube, namespace, f"{manifests.LABEL_COMPONENT}={manifests.KERNEL_COMPONENT}")
+            kube, namespace, f"{manifests.LABEL_COMPONENT}={manifests.KERNEL_COMPONENT}"
+        )
         self.quotas = quotas or Quotas({}, {}, None)
         # one placement or resize per user at a time, so a quota check and its write are one
         # step (only the leader writes; a process lock is enough)
@@ -155,7 +188,8 @@ class KernelService:
                 exit_code=manifests.pod_exit_code(pod),
                 failure=manifests.pod_failure(pod),
                 deleting=bool(pod["metadata"].get("deletionTimestamp")),
-                ip=(pod.get("status") or {}).get("podIP"))
+                ip=(pod.get("status") or {}).get("podIP"),
+            )
         elif name:
             status.update(exit_code=-9, failure=f"pod {name} was deleted")
         return status
@@ -184,29 +218,45 @@ class KernelService:
             self._check_quota(user, held, spec.gpu_request * spec.gpu_count)
             await self.servers.touch(user, server_id)  # its Lease exists before the record
             allocation = await allocate(
-                self.ledger, spec, gpus, self.policy, owner=owner, kernel_id=kernel_id,
-                backend="kubernetes", user=user.name,
-                extra=record({"k8s_server": server_id, "k8s_namespace": self.namespace},
-                             bound))
-        log.info("gpushare controller: %s holds %s on %s %s (kernel %s)", user.name,
-                 spec.describe(), allocation.node, ",".join(allocation.gpus), kernel_id)
+                self.ledger,
+                spec,
+                gpus,
+                self.policy,
+                owner=owner,
+                kernel_id=kernel_id,
+                backend="kubernetes",
+                user=user.name,
+                extra=record({"k8s_server": server_id, "k8s_namespace": self.namespace}, bound),
+            )
+        log.info(
+            "gpushare controller: %s holds %s on %s %s (kernel %s)",
+            user.name,
+            spec.describe(),
+            allocation.node,
+            ",".join(allocation.gpus),
+            kernel_id,
+        )
         return allocation
 
-    async def resize(self, user: HubUser, allocation_id: str,
-                     change: Mapping[str, Any]) -> Allocation:
+    async def resize(
+        self, user: HubUser, allocation_id: str, change: Mapping[str, Any]
+    ) -> Allocation:
         before = await self.allocation(user, allocation_id)
         spec = parse_change(before.spec, change)
         own_bound = None if (user.admin and before.user != user.name) else self.bounds.of(user)
-        check_within(spec, spec.gpu_memory or before.memory,
-                     tightest([recorded(before.extra), own_bound]))
+        check_within(
+            spec, spec.gpu_memory or before.memory, tightest([recorded(before.extra), own_bound])
+        )
         owner = HubUser(before.user) if before.user != user.name else user
         async with self._user_lock(owner):
-            others = [a for a in await self.ledger.list()
-                      if a.user == before.user and a.id != before.id]
+            others = [
+                a for a in await self.ledger.list() if a.user == before.user and a.id != before.id
+            ]
             if before.user == user.name:  # an admin changing someone's share is not held
                 self._check_quota(user, others, spec.gpu_request * len(before.gpus))
-            _before, after = await resize(self.ledger, allocation_id, change, self.usage,
-                                          actor=user.name, logger=log)
+            _before, after = await resize(
+                self.ledger, allocation_id, change, self.usage, actor=user.name, logger=log
+            )
         return after
 
     def _user_lock(self, user: HubUser) -> asyncio.Lock:
@@ -219,10 +269,15 @@ class KernelService:
         used = sum(a.request * len(a.gpus) for a in held)
         if used + more > quota + 1e-9:
             raise ControllerError(
-                409, "over_quota",
+                409,
+                "over_quota",
                 f"{user.name}'s shares may request at most {quota:g} GPU in all; they hold "
                 f"{used:g} now, so {more:g} more does not fit (release or shrink a share)",
-                field="gpu_request", value=more, quota=quota, held=round(used, 4))
+                field="gpu_request",
+                value=more,
+                quota=quota,
+                held=round(used, 4),
+            )
 
     async def release(self, user: HubUser, allocation_id: str) -> Allocation:
         found = await self.allocation(user, allocation_id)
@@ -232,8 +287,9 @@ class KernelService:
         released = await self.ledger.release(allocation_id)
         if released is None:
             raise not_found("allocation", allocation_id)
-        log.info("gpushare controller: released %s of %s (by %s)", allocation_id,
-                 found.user, user.name)
+        log.info(
+            "gpushare controller: released %s of %s (by %s)", allocation_id, found.user, user.name
+        )
         return released
 
     # -- kernel pods -----------------------------------------------------------------------------
@@ -243,8 +299,12 @@ class KernelService:
         wait for it to run; returns the connection info with the pod's IP."""
         launch_id = body.get("launch_id")  # everything is checked before anything is placed
         if not isinstance(launch_id, str) or not LAUNCH_ID.match(launch_id):
-            raise bad_request("launch_id", launch_id, "4-32 lowercase letters and digits, new "
-                              "for each launch and the same for its retries")
+            raise bad_request(
+                "launch_id",
+                launch_id,
+                "4-32 lowercase letters and digits, new "
+                "for each launch and the same for its retries",
+            )
         command = check_command(body.get("command"))
         env = check_env(body.get("env"))
         connection = check_connection(body.get("connection"))
@@ -264,8 +324,12 @@ class KernelService:
         owner = await self.servers.touch(user, server_id)
 
         def with_pod(current: Allocation, _others: list[Allocation]) -> Allocation:
-            extra = {**current.extra, "k8s_namespace": self.namespace, "k8s_pod": name,
-                     "k8s_server": server_id}
+            extra = {
+                **current.extra,
+                "k8s_namespace": self.namespace,
+                "k8s_pod": name,
+                "k8s_server": server_id,
+            }
             if current.extra.get("k8s_pod") != name:
                 extra.pop("k8s_pod_uid", None)  # a restart's new pod gets its own
             return replace(current, extra=extra, state="reserved")
@@ -273,22 +337,35 @@ class KernelService:
         allocation = await self.ledger.update(allocation.id, with_pod)
         node_gpus = [g for g in await self.gpus() if g.node == allocation.node]
         request = manifests.KernelPodRequest(
-            name=name, namespace=self.namespace, kernel_id=kernel_id,
-            allocation_id=allocation.id, node=allocation.node, gpus=allocation.gpus,
-            command=command, env=env, server_id=server_id, owner=owner,
+            name=name,
+            namespace=self.namespace,
+            kernel_id=kernel_id,
+            allocation_id=allocation.id,
+            node=allocation.node,
+            gpus=allocation.gpus,
+            command=command,
+            env=env,
+            server_id=server_id,
+            owner=owner,
             simulated_devices=simulator_device_list(node_gpus)
-            if node_gpus and all(g.simulated for g in node_gpus) else "",
-            gpu_request=allocation.request, gpu_memory=allocation.memory)
+            if node_gpus and all(g.simulated for g in node_gpus)
+            else "",
+            gpu_request=allocation.request,
+            gpu_memory=allocation.memory,
+        )
         try:
             try:
-                await self.kube.create_secret(self.namespace, manifests.connection_secret(
-                    name, self.namespace, connection, owner, kernel_id))
+                await self.kube.create_secret(
+                    self.namespace,
+                    manifests.connection_secret(name, self.namespace, connection, owner, kernel_id),
+                )
             except ApiException as exc:
                 if exc.status != 409:  # 409: this launch's retry; the Secret is already there
                     raise
             try:
                 pod = await self.kube.create_pod(
-                    self.namespace, manifests.kernel_pod(request, self.pod_settings))
+                    self.namespace, manifests.kernel_pod(request, self.pod_settings)
+                )
             except ApiException as exc:
                 if exc.status != 409:
                     raise
@@ -300,8 +377,11 @@ class KernelService:
                 return replace(current, extra={**current.extra, "k8s_pod_uid": uid})
 
             allocation = await self.ledger.update(allocation.id, with_uid)
-            await self.kube.set_secret_owners(self.namespace, name, [
-                manifests.owner_reference({**pod, "apiVersion": "v1", "kind": "Pod"})])
+            await self.kube.set_secret_owners(
+                self.namespace,
+                name,
+                [manifests.owner_reference({**pod, "apiVersion": "v1", "kind": "Pod"})],
+            )
             pod = await self._wait_running(name)
         except BaseException:
             with contextlib.suppress(Exception):
@@ -314,8 +394,13 @@ class KernelService:
             return replace(current, state="active")
 
         allocation = await self.ledger.update(allocation.id, active)
-        log.info("gpushare controller: kernel %s of %s runs in pod %s on %s", kernel_id,
-                 user.name, name, allocation.node)
+        log.info(
+            "gpushare controller: kernel %s of %s runs in pod %s on %s",
+            kernel_id,
+            user.name,
+            name,
+            allocation.node,
+        )
         info = {k: v for k, v in connection.items()}
         info["ip"] = pod["status"]["podIP"]
         return {"allocation": allocation.to_json(), "pod": name, "connection": info}
@@ -324,8 +409,9 @@ class KernelService:
         pod = await self.kube.get_pod(self.namespace, name)
         labels = (pod or {}).get("metadata", {}).get("labels") or {}
         if pod is None or labels.get(manifests.LABEL_ALLOCATION) != allocation_id:
-            raise ControllerError(409, "launch_conflict",
-                                  f"pod {name} exists and is not this launch's")
+            raise ControllerError(
+                409, "launch_conflict", f"pod {name} exists and is not this launch's"
+            )
         return pod
 
     async def _wait_running(self, name: str) -> dict[str, Any]:
@@ -335,12 +421,15 @@ class KernelService:
         try:
             pod = await self.watcher.wait_for(name, settled, self.start_timeout)
         except (asyncio.TimeoutError, TimeoutError):
-            raise ControllerError(503, "kernel_pod_failed",
-                                  f"kernel pod {name} did not start within "
-                                  f"{self.start_timeout:g} s") from None
+            raise ControllerError(
+                503,
+                "kernel_pod_failed",
+                f"kernel pod {name} did not start within {self.start_timeout:g} s",
+            ) from None
         if pod is None:
-            raise ControllerError(503, "kernel_pod_failed",
-                                  f"kernel pod {name} was deleted while starting")
+            raise ControllerError(
+                503, "kernel_pod_failed", f"kernel pod {name} was deleted while starting"
+            )
         failure = manifests.pod_failure(pod)
         if failure:
             raise ControllerError(503, "kernel_pod_failed", failure)

@@ -31,25 +31,48 @@ log = logging.getLogger("jupyter_gpushare.controller")
 LEASE_API = "coordination.k8s.io/v1"
 
 
-def lease_body(name: str, namespace: str, identity: str, duration: float,
-               now: datetime, transitions: int, acquired: datetime | None = None,
-               resource_version: str | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": namespace,
-                            "labels": {manifests.LABEL_COMPONENT: "gpushare-controller"}}
+def lease_body(
+    name: str,
+    namespace: str,
+    identity: str,
+    duration: float,
+    now: datetime,
+    transitions: int,
+    acquired: datetime | None = None,
+    resource_version: str | None = None,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "labels": {manifests.LABEL_COMPONENT: "gpushare-controller"},
+    }
     if resource_version:
         meta["resourceVersion"] = resource_version
     return {
-        "apiVersion": LEASE_API, "kind": "Lease", "metadata": meta,
-        "spec": {"holderIdentity": identity, "leaseDurationSeconds": max(1, round(duration)),
-                 "acquireTime": manifests.micro_time(acquired or now),
-                 "renewTime": manifests.micro_time(now), "leaseTransitions": transitions},
+        "apiVersion": LEASE_API,
+        "kind": "Lease",
+        "metadata": meta,
+        "spec": {
+            "holderIdentity": identity,
+            "leaseDurationSeconds": max(1, round(duration)),
+            "acquireTime": manifests.micro_time(acquired or now),
+            "renewTime": manifests.micro_time(now),
+            "leaseTransitions": transitions,
+        },
     }
 
 
 class LeaderElection:
-    def __init__(self, kube: Kube, namespace: str, name: str, identity: str,
-                 duration: float = 15.0, renew_interval: float = 5.0,
-                 retry_interval: float = 2.0) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        namespace: str,
+        name: str,
+        identity: str,
+        duration: float = 15.0,
+        renew_interval: float = 5.0,
+        retry_interval: float = 2.0,
+    ) -> None:
         self.kube = kube
         self.namespace = namespace
         self.name = name
@@ -103,8 +126,9 @@ class LeaderElection:
                         else:
                             self.is_leader = True
                 elif self.is_leader:
-                    log.warning("gpushare controller: lease taken by %s; stepping down",
-                                self.holder)
+                    log.warning(
+                        "gpushare controller: lease taken by %s; stepping down", self.holder
+                    )
                     await self._step_down()
             except asyncio.CancelledError:
                 raise
@@ -126,8 +150,10 @@ class LeaderElection:
         lease = await self.kube.get_lease(self.namespace, self.name)
         if lease is None:
             try:
-                await self.kube.create_lease(self.namespace, lease_body(
-                    self.name, self.namespace, self.identity, self.duration, now, 0))
+                await self.kube.create_lease(
+                    self.namespace,
+                    lease_body(self.name, self.namespace, self.identity, self.duration, now, 0),
+                )
             except ApiException as exc:
                 if exc.status == 409:
                     return False
@@ -143,9 +169,19 @@ class LeaderElection:
         transitions = int(spec.get("leaseTransitions") or 0) + (0 if mine else 1)
         acquired = manifests.parse_time(spec.get("acquireTime")) if mine else None
         try:
-            await self.kube.replace_lease(self.namespace, lease_body(
-                self.name, self.namespace, self.identity, self.duration, now, transitions,
-                acquired, resource_version=lease["metadata"]["resourceVersion"]))
+            await self.kube.replace_lease(
+                self.namespace,
+                lease_body(
+                    self.name,
+                    self.namespace,
+                    self.identity,
+                    self.duration,
+                    now,
+                    transitions,
+                    acquired,
+                    resource_version=lease["metadata"]["resourceVersion"],
+                ),
+            )
         except ApiException as exc:
             if exc.status == 409:  # another replica wrote first
                 return False

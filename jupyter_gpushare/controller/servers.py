@@ -41,14 +41,17 @@ class ServerLeases:
         # server id -> (monotonic time renewed, user, the Lease)
         self._known: dict[str, tuple[float, str, dict[str, Any]]] = {}
 
-    async def touch(self, user: HubUser, server_id: str, force: bool = False,
-                    attempt: int = 0) -> dict[str, Any]:
+    async def touch(
+        self, user: HubUser, server_id: str, force: bool = False, attempt: int = 0
+    ) -> dict[str, Any]:
         """Create or renew the server's Lease (at most every duration/4 unless ``force``);
         returns an ownerReference to it. 403 when it belongs to another user."""
         check_server_id(server_id)
         if attempt > 5:
-            raise unavailable("lease_busy", f"the Lease of server {server_id!r} kept changing "
-                              "while it was renewed; try again")
+            raise unavailable(
+                "lease_busy",
+                f"the Lease of server {server_id!r} kept changing while it was renewed; try again",
+            )
         known = self._known.get(server_id)
         now = time.monotonic()
         if known is not None and known[1] != user.name:
@@ -59,8 +62,9 @@ class ServerLeases:
         lease = await self.kube.get_lease(self.namespace, name)
         stamp = datetime.now(timezone.utc)
         if lease is None:
-            body = manifests.server_lease(server_id, self.namespace, self.holder, self.duration,
-                                          now=stamp)
+            body = manifests.server_lease(
+                server_id, self.namespace, self.holder, self.duration, now=stamp
+            )
             body["metadata"]["annotations"] = {USER_ANNOTATION: user.name}
             try:
                 lease = await self.kube.create_lease(self.namespace, body)
@@ -72,9 +76,12 @@ class ServerLeases:
             owner = (lease["metadata"].get("annotations") or {}).get(USER_ANNOTATION)
             if owner != user.name:
                 raise forbidden(f"server {server_id!r} belongs to another user")
-            lease["spec"] = {**(lease.get("spec") or {}), "holderIdentity": self.holder,
-                             "leaseDurationSeconds": max(1, round(self.duration)),
-                             "renewTime": manifests.micro_time(stamp)}
+            lease["spec"] = {
+                **(lease.get("spec") or {}),
+                "holderIdentity": self.holder,
+                "leaseDurationSeconds": max(1, round(self.duration)),
+                "renewTime": manifests.micro_time(stamp),
+            }
             try:
                 lease = await self.kube.replace_lease(self.namespace, lease)
             except ApiException as exc:

@@ -10,8 +10,9 @@ from .cli import add_arguments, run
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jupyter_gpushare.daemon",
-                                     description="gpushare node daemon")
+    parser = argparse.ArgumentParser(
+        prog="python -m jupyter_gpushare.daemon", description="gpushare node daemon"
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -135,9 +135,14 @@ def raise_fd_limit() -> int:
 class Admission:
     """Connection caps and the descriptor reserve (see the module's doc)."""
 
-    def __init__(self, per_uid: int, per_pod: int, reserve: int,
-                 fd_limit: Callable[[], int] | None = None,
-                 open_fds: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        per_uid: int,
+        per_pod: int,
+        reserve: int,
+        fd_limit: Callable[[], int] | None = None,
+        open_fds: Callable[[], int] | None = None,
+    ) -> None:
         self.per_uid = per_uid
         self.per_pod = per_pod
         self.reserve = reserve
@@ -164,12 +169,16 @@ class Admission:
             cap = None if peer.uid in self.exempt else self.per_uid
         if cap is not None and self.connections[key] >= cap:
             self.refused += 1
-            return (f"{key} already has {self.connections[key]} connections to the gpushare agent "
-                    f"(at most {cap}); close some")
+            return (
+                f"{key} already has {self.connections[key]} connections to the gpushare agent "
+                f"(at most {cap}); close some"
+            )
         if not peer.admin and self.free_fds() < self.reserve and not holds_share():
             self.refused += 1
-            return ("the gpushare agent is short of file descriptors; its last "
-                    f"{self.reserve} are kept for processes that hold a GPU share")
+            return (
+                "the gpushare agent is short of file descriptors; its last "
+                f"{self.reserve} are kept for processes that hold a GPU share"
+            )
         self.connections[key] += 1
         return None
 
@@ -231,8 +240,13 @@ class Listener:
                 self.short.ok()
                 return
             except OSError as exc:
-                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM,
-                                     errno.ECONNABORTED):
+                if exc.errno not in (
+                    errno.EMFILE,
+                    errno.ENFILE,
+                    errno.ENOBUFS,
+                    errno.ENOMEM,
+                    errno.ECONNABORTED,
+                ):
                     raise
                 self.short.failed(str(exc))
                 if exc.errno != errno.ECONNABORTED:  # out of resources: try again shortly

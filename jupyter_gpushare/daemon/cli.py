@@ -35,122 +35,240 @@ from .shm import StateDirError
 
 
 class DaemonConfig(Configurable):
-    quantum_ms = Float(20.0, help="Lease quantum in ms (10-50): the longest a GPU is held by "
-                       "one kernel while others wait.").tag(config=True)
-    window_ms = Float(1000.0, help="Sliding window in ms (1000-2000) over which request and "
-                      "limit shares are measured.").tag(config=True)
-    poll_ms = Float(250.0, help="How often a SQLite ledger is re-read, in ms (a Kubernetes "
-                    "ledger is watched).").tag(config=True)
-    metrics_host = Unicode("127.0.0.1", help="Address of the Prometheus endpoint (keep it on "
-                           "loopback unless the network is trusted).").tag(config=True)
-    metrics_port = Int(0, help="Port of the Prometheus endpoint; 0 disables it, -1 picks a "
-                       "free port.").tag(config=True)
-    max_connections_per_uid = Int(256, help="Connections one uid may hold open to the agent's "
-                                  "socket (uid 0 and the agent's own uid are not capped); more "
-                                  "are closed at once.").tag(config=True)
-    max_connections_per_pod = Int(64, help="Connections one kernel pod may hold open to the "
-                                  "agent's socket.").tag(config=True)
-    idle_timeout_s = Float(60.0, help="Seconds after which a connection that holds no GPU "
-                           "share and sent no request is closed (0: never).").tag(config=True)
-    fd_reserve = Int(64, help="File descriptors kept for admins and processes that hold a GPU "
-                     "share: other new connections are refused when fewer are free.").tag(
-                         config=True)
-    admin_group = Unicode("", help="Unix group whose members see every share in the agent's "
-                          "status, as root and the agent's own user do (empty: none).").tag(
-                              config=True)
+    quantum_ms = Float(
+        20.0,
+        help="Lease quantum in ms (10-50): the longest a GPU is held by "
+        "one kernel while others wait.",
+    ).tag(config=True)
+    window_ms = Float(
+        1000.0,
+        help="Sliding window in ms (1000-2000) over which request and limit shares are measured.",
+    ).tag(config=True)
+    poll_ms = Float(
+        250.0, help="How often a SQLite ledger is re-read, in ms (a Kubernetes ledger is watched)."
+    ).tag(config=True)
+    metrics_host = Unicode(
+        "127.0.0.1",
+        help="Address of the Prometheus endpoint (keep it on "
+        "loopback unless the network is trusted).",
+    ).tag(config=True)
+    metrics_port = Int(
+        0, help="Port of the Prometheus endpoint; 0 disables it, -1 picks a free port."
+    ).tag(config=True)
+    max_connections_per_uid = Int(
+        256,
+        help="Connections one uid may hold open to the agent's "
+        "socket (uid 0 and the agent's own uid are not capped); more "
+        "are closed at once.",
+    ).tag(config=True)
+    max_connections_per_pod = Int(
+        64, help="Connections one kernel pod may hold open to the agent's socket."
+    ).tag(config=True)
+    idle_timeout_s = Float(
+        60.0,
+        help="Seconds after which a connection that holds no GPU "
+        "share and sent no request is closed (0: never).",
+    ).tag(config=True)
+    fd_reserve = Int(
+        64,
+        help="File descriptors kept for admins and processes that hold a GPU "
+        "share: other new connections are refused when fewer are free.",
+    ).tag(config=True)
+    admin_group = Unicode(
+        "",
+        help="Unix group whose members see every share in the agent's "
+        "status, as root and the agent's own user do (empty: none).",
+    ).tag(config=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DaemonConfig()
-    parser.add_argument("--socket", type=Path, default=None,
-                        help=f"unix socket to serve (default: $GPUSHARE_SOCKET, else "
-                        f"{paths.user_socket_path()}; with --system {paths.SYSTEM_SOCKET})")
-    parser.add_argument("--ledger", type=Path, default=None,
-                        help=f"SQLite ledger to follow (default: $GPUSHARE_LEDGER, else "
-                        f"{paths.ledger_path()}; with --system {paths.SYSTEM_LEDGER}, which the "
-                        "agent alone opens and serves to users on its socket)")
-    parser.add_argument("--system", action="store_true",
-                        help="run as the machine's system agent (a system service, as root): it "
-                        "owns the ledger and serves placement, release and resize to every "
-                        "user, each seeing and changing only their own shares")
-    parser.add_argument("--group", default=None, metavar="GROUP",
-                        help="with --system: only members of this Unix group (and admins) may "
-                        "use the GPUs (socket mode 0660, group GROUP); default: every user "
-                        "(socket 0666, callers known by their peer credentials)")
-    parser.add_argument("--max-share", default=None, metavar="JSON",
-                        help="with --system: the most any one share may hold, as JSON share "
-                        "keys, e.g. '{\"gpu_request\": 0.5, \"gpu_limit\": 0.5, "
-                        "\"gpu_memory\": \"40GiB\"}'; recorded on each share when it is "
-                        "created (with JupyterHub's GPUSHARE_MAX_SHARE: the smaller wins) and "
-                        "enforced on every later change")
-    parser.add_argument("--group-max-share", action="append", default=[],
-                        metavar="GROUP=JSON",
-                        help="with --system: a bound for members of GROUP (repeatable); where "
-                        "several apply, the smallest of each field wins")
-    parser.add_argument("--config", action="append", default=[], type=Path, metavar="FILE",
-                        help="Jupyter config file(s) (.py or .json) with the deployment's "
-                        "c.GpuShare.type_aliases and c.GpusharePlacement.* (policy, cordons, "
-                        "exclusions) for the agent's own placements (a kernel's reserve); "
-                        "default: jupyter_server_config.* on the Jupyter config path")
-    parser.add_argument("--kubernetes-namespace", default=None, metavar="NS",
-                        help="follow the Kubernetes ledger (GpuLedger records in NS) instead of "
-                        "a SQLite ledger (a DaemonSet on a cluster)")
-    parser.add_argument("--kubeconfig", default="",
-                        help="with --kubernetes-namespace: kubeconfig file (default: in-cluster "
-                        "service account, else $KUBECONFIG)")
-    parser.add_argument("--node", default=None,
-                        help="node name whose allocations to enforce (default: this host)")
-    parser.add_argument("--device-plugin", action="store_true",
-                        help="with --kubernetes-namespace: also serve the kubelet's device-plugin "
-                        "API (k8s/device_plugin): advertise 100 share units per GPU and hand "
-                        "kernel pods their GPU, the interposer and a socket of their own")
-    parser.add_argument("--kubelet-socket", type=Path, metavar="PATH",
-                        default=Path("/var/lib/kubelet/device-plugins/kubelet.sock"),
-                        help="the kubelet's device-plugin registration socket; the plugin "
-                        "serves gpushare.sock beside it")
-    parser.add_argument("--share-resource", default="gpushare.jupyter.org/gpu-share",
-                        metavar="NAME", help="extended resource the device plugin advertises")
-    parser.add_argument("--interposer-dir", type=Path, default=Path("/opt/gpushare/lib"),
-                        metavar="DIR", help="host directory with libgpushare.so that the "
-                        "device plugin mounts read-only into kernel pods")
-    parser.add_argument("--pod-socket-dir", type=Path, default=None, metavar="DIR",
-                        help="host directory of the per-pod socket directories (default: pods/ "
-                        "beside --socket)")
-    parser.add_argument("--simulate-devices", "--simulate", dest="simulate", default=None,
-                        metavar="N[xTYPE]",
-                        help="enforce on simulated GPUs (e.g. 2xA100); also GPUSHARE_SIMULATE")
-    parser.add_argument("--simulate-from-node-label", action="store_true",
-                        help=f"with --kubernetes-namespace: simulate the GPUs named by the Node's "
-                        f"{SIMULATE_LABEL} label when it has one (demo nodes without GPUs), "
-                        "else use the real ones")
-    parser.add_argument("--quantum-ms", type=float, default=d.quantum_ms,
-                        help=DaemonConfig.quantum_ms.help)
-    parser.add_argument("--window-ms", type=float, default=d.window_ms,
-                        help=DaemonConfig.window_ms.help)
+    parser.add_argument(
+        "--socket",
+        type=Path,
+        default=None,
+        help=f"unix socket to serve (default: $GPUSHARE_SOCKET, else "
+        f"{paths.user_socket_path()}; with --system {paths.SYSTEM_SOCKET})",
+    )
+    parser.add_argument(
+        "--ledger",
+        type=Path,
+        default=None,
+        help=f"SQLite ledger to follow (default: $GPUSHARE_LEDGER, else "
+        f"{paths.ledger_path()}; with --system {paths.SYSTEM_LEDGER}, which the "
+        "agent alone opens and serves to users on its socket)",
+    )
+    parser.add_argument(
+        "--system",
+        action="store_true",
+        help="run as the machine's system agent (a system service, as root): it "
+        "owns the ledger and serves placement, release and resize to every "
+        "user, each seeing and changing only their own shares",
+    )
+    parser.add_argument(
+        "--group",
+        default=None,
+        metavar="GROUP",
+        help="with --system: only members of this Unix group (and admins) may "
+        "use the GPUs (socket mode 0660, group GROUP); default: every user "
+        "(socket 0666, callers known by their peer credentials)",
+    )
+    parser.add_argument(
+        "--max-share",
+        default=None,
+        metavar="JSON",
+        help="with --system: the most any one share may hold, as JSON share "
+        'keys, e.g. \'{"gpu_request": 0.5, "gpu_limit": 0.5, '
+        '"gpu_memory": "40GiB"}\'; recorded on each share when it is '
+        "created (with JupyterHub's GPUSHARE_MAX_SHARE: the smaller wins) and "
+        "enforced on every later change",
+    )
+    parser.add_argument(
+        "--group-max-share",
+        action="append",
+        default=[],
+        metavar="GROUP=JSON",
+        help="with --system: a bound for members of GROUP (repeatable); where "
+        "several apply, the smallest of each field wins",
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="FILE",
+        help="Jupyter config file(s) (.py or .json) with the deployment's "
+        "c.GpuShare.type_aliases and c.GpusharePlacement.* (policy, cordons, "
+        "exclusions) for the agent's own placements (a kernel's reserve); "
+        "default: jupyter_server_config.* on the Jupyter config path",
+    )
+    parser.add_argument(
+        "--kubernetes-namespace",
+        default=None,
+        metavar="NS",
+        help="follow the Kubernetes ledger (GpuLedger records in NS) instead of "
+        "a SQLite ledger (a DaemonSet on a cluster)",
+    )
+    parser.add_argument(
+        "--kubeconfig",
+        default="",
+        help="with --kubernetes-namespace: kubeconfig file (default: in-cluster "
+        "service account, else $KUBECONFIG)",
+    )
+    parser.add_argument(
+        "--node", default=None, help="node name whose allocations to enforce (default: this host)"
+    )
+    parser.add_argument(
+        "--device-plugin",
+        action="store_true",
+        help="with --kubernetes-namespace: also serve the kubelet's device-plugin "
+        "API (k8s/device_plugin): advertise 100 share units per GPU and hand "
+        "kernel pods their GPU, the interposer and a socket of their own",
+    )
+    parser.add_argument(
+        "--kubelet-socket",
+        type=Path,
+        metavar="PATH",
+        default=Path("/var/lib/kubelet/device-plugins/kubelet.sock"),
+        help="the kubelet's device-plugin registration socket; the plugin "
+        "serves gpushare.sock beside it",
+    )
+    parser.add_argument(
+        "--share-resource",
+        default="gpushare.jupyter.org/gpu-share",
+        metavar="NAME",
+        help="extended resource the device plugin advertises",
+    )
+    parser.add_argument(
+        "--interposer-dir",
+        type=Path,
+        default=Path("/opt/gpushare/lib"),
+        metavar="DIR",
+        help="host directory with libgpushare.so that the "
+        "device plugin mounts read-only into kernel pods",
+    )
+    parser.add_argument(
+        "--pod-socket-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="host directory of the per-pod socket directories (default: pods/ beside --socket)",
+    )
+    parser.add_argument(
+        "--simulate-devices",
+        "--simulate",
+        dest="simulate",
+        default=None,
+        metavar="N[xTYPE]",
+        help="enforce on simulated GPUs (e.g. 2xA100); also GPUSHARE_SIMULATE",
+    )
+    parser.add_argument(
+        "--simulate-from-node-label",
+        action="store_true",
+        help=f"with --kubernetes-namespace: simulate the GPUs named by the Node's "
+        f"{SIMULATE_LABEL} label when it has one (demo nodes without GPUs), "
+        "else use the real ones",
+    )
+    parser.add_argument(
+        "--quantum-ms", type=float, default=d.quantum_ms, help=DaemonConfig.quantum_ms.help
+    )
+    parser.add_argument(
+        "--window-ms", type=float, default=d.window_ms, help=DaemonConfig.window_ms.help
+    )
     parser.add_argument("--poll-ms", type=float, default=d.poll_ms, help=DaemonConfig.poll_ms.help)
-    parser.add_argument("--state-dir", type=Path, default=None,
-                        help="the agent's private directory of lease memory (made 0700; one "
-                        "that is a symlink, another user's or open to others is refused; default "
-                        "$XDG_RUNTIME_DIR/gpushare/… or /dev/shm/gpushare-<uid>-…)")
-    parser.add_argument("--metrics-host", default=d.metrics_host,
-                        help=DaemonConfig.metrics_host.help)
-    parser.add_argument("--metrics-port", type=int, default=d.metrics_port,
-                        help=DaemonConfig.metrics_port.help)
-    parser.add_argument("--usage-interval", type=float, default=2.0, metavar="S",
-                        help="with --kubernetes-namespace: seconds between writes of this node's "
-                        "usage to its ConfigMap gpushare-usage-<node> (0: never)")
-    parser.add_argument("--max-connections-per-uid", type=int, metavar="N",
-                        default=d.max_connections_per_uid,
-                        help=DaemonConfig.max_connections_per_uid.help)
-    parser.add_argument("--max-connections-per-pod", type=int, metavar="N",
-                        default=d.max_connections_per_pod,
-                        help=DaemonConfig.max_connections_per_pod.help)
-    parser.add_argument("--idle-timeout", type=float, metavar="S", default=d.idle_timeout_s,
-                        help=DaemonConfig.idle_timeout_s.help)
-    parser.add_argument("--fd-reserve", type=int, metavar="N", default=d.fd_reserve,
-                        help=DaemonConfig.fd_reserve.help)
-    parser.add_argument("--admin-group", metavar="GROUP", default=d.admin_group,
-                        help=DaemonConfig.admin_group.help)
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="the agent's private directory of lease memory (made 0700; one "
+        "that is a symlink, another user's or open to others is refused; default "
+        "$XDG_RUNTIME_DIR/gpushare/… or /dev/shm/gpushare-<uid>-…)",
+    )
+    parser.add_argument(
+        "--metrics-host", default=d.metrics_host, help=DaemonConfig.metrics_host.help
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=d.metrics_port, help=DaemonConfig.metrics_port.help
+    )
+    parser.add_argument(
+        "--usage-interval",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="with --kubernetes-namespace: seconds between writes of this node's "
+        "usage to its ConfigMap gpushare-usage-<node> (0: never)",
+    )
+    parser.add_argument(
+        "--max-connections-per-uid",
+        type=int,
+        metavar="N",
+        default=d.max_connections_per_uid,
+        help=DaemonConfig.max_connections_per_uid.help,
+    )
+    parser.add_argument(
+        "--max-connections-per-pod",
+        type=int,
+        metavar="N",
+        default=d.max_connections_per_pod,
+        help=DaemonConfig.max_connections_per_pod.help,
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        metavar="S",
+        default=d.idle_timeout_s,
+        help=DaemonConfig.idle_timeout_s.help,
+    )
+    parser.add_argument(
+        "--fd-reserve",
+        type=int,
+        metavar="N",
+        default=d.fd_reserve,
+        help=DaemonConfig.fd_reserve.help,
+    )
+    parser.add_argument(
+        "--admin-group", metavar="GROUP", default=d.admin_group, help=DaemonConfig.admin_group.help
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level")
 
 
@@ -201,8 +319,13 @@ async def _simulate_value(args: argparse.Namespace, ledger: Ledger, node: str) -
     return labels.get(SIMULATE_LABEL) or None
 
 
-async def _publish_gpus(ledger: Ledger, node: str, simulate: str | None, system: bool = False,
-                        aliases: TypeAliases | None = None) -> None:
+async def _publish_gpus(
+    ledger: Ledger,
+    node: str,
+    simulate: str | None,
+    system: bool = False,
+    aliases: TypeAliases | None = None,
+) -> None:
     """On Kubernetes and as a system agent the daemon publishes its node's GPUs (the inventory
     placement reads)."""
     if not hasattr(ledger, "kube") and not system:
@@ -220,14 +343,18 @@ async def _publish_gpus(ledger: Ledger, node: str, simulate: str | None, system:
 
 def run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; returns the exit status."""
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s gpushare-daemon %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s gpushare-daemon %(levelname)s %(message)s",
+    )
     if not 1 <= args.quantum_ms <= 1000 or not args.quantum_ms <= args.window_ms <= 60000:
         logging.error("need 1 <= quantum-ms <= window-ms <= 60000")
         return 2
-    limits = {"--max-connections-per-uid": args.max_connections_per_uid,
-              "--max-connections-per-pod": args.max_connections_per_pod,
-              "--fd-reserve": args.fd_reserve}
+    limits = {
+        "--max-connections-per-uid": args.max_connections_per_uid,
+        "--max-connections-per-pod": args.max_connections_per_pod,
+        "--fd-reserve": args.fd_reserve,
+    }
     for name, value in limits.items():
         if value < 1:
             logging.error("%s %s: need a whole number >= 1", name, value)
@@ -236,8 +363,10 @@ def run(args: argparse.Namespace) -> int:
         logging.error("--idle-timeout %s: need 0 (never) to 86400 seconds", args.idle_timeout)
         return 2
     if args.device_plugin and not args.kubernetes_namespace:
-        logging.error("--device-plugin: needs --kubernetes-namespace (the plugin finds kernel "
-                      "pods and their allocations on the cluster)")
+        logging.error(
+            "--device-plugin: needs --kubernetes-namespace (the plugin finds kernel "
+            "pods and their allocations on the cluster)"
+        )
         return 2
     if args.admin_group:
         import grp
@@ -265,8 +394,11 @@ def run(args: argparse.Namespace) -> int:
         logging.error("cannot serve %s: %s", path, exc)
         return 2
     if held is None:  # another agent serves this socket: nothing to do
-        print(f"gpushare daemon: another agent (pid {_serving_pid(path) or '?'}) already "
-              f"serves {path}; exiting", flush=True)
+        print(
+            f"gpushare daemon: another agent (pid {_serving_pid(path) or '?'}) already "
+            f"serves {path}; exiting",
+            flush=True,
+        )
         return 0
     try:
         asyncio.run(_main(args, access))
@@ -307,8 +439,10 @@ def _access(args: argparse.Namespace) -> Access:
         try:
             data = json.loads(text)
         except json.JSONDecodeError:
-            raise ValueError(f"{what} {text!r}: not JSON share keys, e.g. "
-                             '\'{"gpu_request": 0.5, "gpu_limit": 0.5}\'') from None
+            raise ValueError(
+                f"{what} {text!r}: not JSON share keys, e.g. "
+                '\'{"gpu_request": 0.5, "gpu_limit": 0.5}\''
+            ) from None
         if not isinstance(data, dict):
             raise ValueError(f"{what} {text!r}: a JSON object of share keys")
         try:
@@ -323,10 +457,15 @@ def _access(args: argparse.Namespace) -> Access:
             raise ValueError(f"{what} {name}: no such group") from None
 
     if args.system and args.kubernetes_namespace:
-        raise ValueError("--system serves a machine's own SQLite ledger; on Kubernetes the "
-                         "ledger is the cluster's (leave out --kubernetes-namespace or --system)")
-    system_only = {"--group": args.group, "--max-share": args.max_share,
-                   "--group-max-share": args.group_max_share}
+        raise ValueError(
+            "--system serves a machine's own SQLite ledger; on Kubernetes the "
+            "ledger is the cluster's (leave out --kubernetes-namespace or --system)"
+        )
+    system_only = {
+        "--group": args.group,
+        "--max-share": args.max_share,
+        "--group-max-share": args.group_max_share,
+    }
     for name, value in system_only.items():
         if value and not args.system:
             raise ValueError(f"{name} needs --system (a per-user agent serves one user)")
@@ -363,8 +502,11 @@ def _placement_config(files: Sequence[Path]) -> tuple[Policy, TypeAliases]:
             if not f.is_file():
                 raise ValueError(f"--config {f}: no such file")
     else:
-        candidates = [Path(d) / f"jupyter_server_config{ext}"
-                      for d in reversed(jupyter_config_path()) for ext in (".json", ".py")]
+        candidates = [
+            Path(d) / f"jupyter_server_config{ext}"
+            for d in reversed(jupyter_config_path())
+            for ext in (".json", ".py")
+        ]
     config = Config()
     for f in candidates:
         if not f.is_file():
@@ -426,12 +568,20 @@ async def _main(args: argparse.Namespace, access: Access) -> None:
     if args.device_plugin and args.kubernetes_namespace:
         from ..k8s.device_plugin.plugin import PluginSettings, start_plugin
 
-        plugin = await start_plugin(daemon, ledger.kube, PluginSettings(  # type: ignore[attr-defined]
-            node=node, namespace=args.kubernetes_namespace, kubelet_socket=args.kubelet_socket,
-            resource=args.share_resource, interposer_dir=args.interposer_dir,
-            pod_socket_dir=args.pod_socket_dir or socket_path.parent / "pods",
-            simulated_devices=os.environ.get("GPUSHARE_SIM_DEVICES", "") if simulate else "",
-            sim_state=os.environ.get("GPUSHARE_SIM_STATE", "") if simulate else ""))
+        plugin = await start_plugin(
+            daemon,
+            ledger.kube,
+            PluginSettings(  # type: ignore[attr-defined]
+                node=node,
+                namespace=args.kubernetes_namespace,
+                kubelet_socket=args.kubelet_socket,
+                resource=args.share_resource,
+                interposer_dir=args.interposer_dir,
+                pod_socket_dir=args.pod_socket_dir or socket_path.parent / "pods",
+                simulated_devices=os.environ.get("GPUSHARE_SIM_DEVICES", "") if simulate else "",
+                sim_state=os.environ.get("GPUSHARE_SIM_STATE", "") if simulate else "",
+            ),
+        )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.stop)

@@ -76,8 +76,9 @@ class GpuLoop:
 
     # -- tenants ------------------------------------------------------------------------------
 
-    def upsert(self, allocation: str, request: float, limit: float, memory: int,
-               busy_slots: set[int]) -> Tenant | None:
+    def upsert(
+        self, allocation: str, request: float, limit: float, memory: int, busy_slots: set[int]
+    ) -> Tenant | None:
         tenant = self.tenants.get(allocation)
         if tenant is None:
             index = self.shm.slot_of(allocation)
@@ -95,8 +96,9 @@ class GpuLoop:
         elif (tenant.request, tenant.limit, tenant.memory) != (request, limit, memory):
             tenant.request, tenant.limit, tenant.memory = request, limit, memory
             self.shm.configure(tenant.slot, request, limit, memory)
-            log.info("GPU %s: %s now request %.3f limit %.3f", self.uuid, allocation,
-                     request, limit)
+            log.info(
+                "GPU %s: %s now request %.3f limit %.3f", self.uuid, allocation, request, limit
+            )
         return tenant
 
     def forget(self, allocation: str) -> None:
@@ -161,13 +163,15 @@ class GpuLoop:
         if holder.window.used(now, w, self.lease_start) <= holder.request * w + self.quantum_ns:
             return
         if now - self.lease_start < PREEMPT_MIN_HOLD_NS:  # let it start; look again then
+
             def look_again() -> None:
                 if self.holder is holder:
                     self._maybe_preempt(waiter)
 
             loop = asyncio.get_running_loop()
-            self._timers.append(loop.call_at((self.lease_start + PREEMPT_MIN_HOLD_NS) / 1e9,
-                                             look_again))
+            self._timers.append(
+                loop.call_at((self.lease_start + PREEMPT_MIN_HOLD_NS) / 1e9, look_again)
+            )
             return
         self._update_next()
         self.shm.board[holder.slot].lease_until_ns = 0  # its agent drains and hands over
@@ -178,7 +182,8 @@ class GpuLoop:
             return
         loop = asyncio.get_running_loop()
         self._timers.append(
-            loop.call_at((monotonic_ns() + DRAIN_GRACE_NS) / 1e9, self._force_finish))
+            loop.call_at((monotonic_ns() + DRAIN_GRACE_NS) / 1e9, self._force_finish)
+        )
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -286,8 +291,9 @@ class GpuLoop:
                 v = replace(v, credit_ns=credit)
             views.append(v)
         grant = pick(views, self.quantum_ns, self.window_ns)
-        other = pick([v for v in views if v.key != self.holder.allocation], self.quantum_ns,
-                     self.window_ns)
+        other = pick(
+            [v for v in views if v.key != self.holder.allocation], self.quantum_ns, self.window_ns
+        )
         chosen = grant or other
         if chosen is not None:
             header.next_lease_ns = chosen.lease_ns
@@ -313,8 +319,9 @@ class GpuLoop:
             if until <= start and monotonic_ns() - start < HANDOFF_SETTLE_NS:
                 # caught between the client's move of ``holder`` and its store of the lease:
                 # look again in a moment (acting now would see no lease and revoke it)
-                asyncio.get_running_loop().call_later(HANDOFF_SETTLE_NS / 1e9 / 20,
-                                                      self._sync_holder)
+                asyncio.get_running_loop().call_later(
+                    HANDOFF_SETTLE_NS / 1e9 / 20, self._sync_holder
+                )
                 return True
         old = self.holder
         self._charge(old, int(self.shm.board[old.slot].drain_end_ns))
@@ -348,8 +355,9 @@ class GpuLoop:
             # without draining; look again shortly (then revoke as usual)
             self._deferred = True
             loop = asyncio.get_running_loop()
-            self._timers.append(loop.call_at((monotonic_ns() + EXTEND_GRACE_NS) / 1e9,
-                                             self._expire))
+            self._timers.append(
+                loop.call_at((monotonic_ns() + EXTEND_GRACE_NS) / 1e9, self._expire)
+            )
             return
         slot = self.shm.board[self.holder.slot]
         if slot.lease_until_ns != self.lease_until and self._sync_holder():
@@ -393,12 +401,16 @@ class GpuLoop:
         if handed and first and 0 <= self.lease_start - self._prev_end < 5_000_000:
             self.handoff_gaps.append(max(0, first - self._prev_end))  # granted on the spot
             if first - self._prev_end > 5_000_000:
-                log.debug("GPU %s: slow handoff to %s: %.1f ms (granted %.1f ms after the end, "
-                          "lease %.1f ms, charged to %.1f ms)",
-                          self.uuid, tenant.allocation, (first - self._prev_end) / 1e6,
-                          (self.lease_start - self._prev_end) / 1e6,
-                          (self.lease_until - self.lease_start) / 1e6,
-                          (end - self.lease_start) / 1e6)
+                log.debug(
+                    "GPU %s: slow handoff to %s: %.1f ms (granted %.1f ms after the end, "
+                    "lease %.1f ms, charged to %.1f ms)",
+                    self.uuid,
+                    tenant.allocation,
+                    (first - self._prev_end) / 1e6,
+                    (self.lease_start - self._prev_end) / 1e6,
+                    (self.lease_until - self.lease_start) / 1e6,
+                    (end - self.lease_start) / 1e6,
+                )
         self._prev_end = end
         self._prev_holder = tenant
         tenant.window.charge(start, end)
@@ -471,8 +483,9 @@ class GpuLoop:
             # idle-GPU reclaim: a lease is granted only to launch, so the last grant is the
             # last launch; a share holding or waiting for a lease is not idle
             "last_launch_ago_s": (now - tenant.last_grant_ns) / 1e9 if tenant.grants else None,
-            "idle_s": 0.0 if self.holder is tenant or slot.waiters > 0 else
-            (now - (tenant.last_grant_ns if tenant.grants else tenant.created_ns)) / 1e9,
+            "idle_s": 0.0
+            if self.holder is tenant or slot.waiters > 0
+            else (now - (tenant.last_grant_ns if tenant.grants else tenant.created_ns)) / 1e9,
         }
 
     def status(self, now: int) -> dict[str, Any]:

@@ -106,11 +106,15 @@ def _memory_used(daemon: Daemon, allocation: Allocation) -> int:
 
 async def reserve(daemon: Daemon, client: Client, message: dict[str, Any]) -> dict[str, Any]:
     """A new share for a kernel whose process released its share through this daemon."""
-    previous = next((a for a in reversed(daemon.released.values())
-                     if daemon._check_peer(client, a) is None), None)
+    previous = next(
+        (a for a in reversed(daemon.released.values()) if daemon._check_peer(client, a) is None),
+        None,
+    )
     if previous is None:
-        return wire.refusal(E_NOTHING_RELEASED, "this process released no GPU share here (a "
-                            "share held now is changed with a resize)")
+        return wire.refusal(
+            E_NOTHING_RELEASED,
+            "this process released no GPU share here (a share held now is changed with a resize)",
+        )
     share = dict(message.get("share") or {})
     node = daemon.settings.node
     inventory = [g for g in await daemon.ledger.gpus() if g.node == node]
@@ -121,10 +125,18 @@ async def reserve(daemon: Daemon, client: Client, message: dict[str, Any]) -> di
         spec = bounds.narrowed(ShareSpec.from_mapping(share, defaults=defaults), bound)
         spec = check_spec(spec, inventory, access.aliases)
         allocation = await allocate(
-            daemon.ledger, spec, inventory, access.policy, owner=previous.owner,
+            daemon.ledger,
+            spec,
+            inventory,
+            access.policy,
+            owner=previous.owner,
             kernel_id=previous.kernel_id,
-            backend=previous.backend, state="active", pid=previous.pid,
-            pid_start=previous.pid_start, server_pid=previous.server_pid, user=previous.user,
+            backend=previous.backend,
+            state="active",
+            pid=previous.pid,
+            pid_start=previous.pid_start,
+            server_pid=previous.server_pid,
+            user=previous.user,
             extra={k: v for k, v in previous.extra.items() if k not in _NOT_CARRIED},
         )
     except ShareError as exc:
@@ -148,10 +160,12 @@ async def gpus(daemon: Daemon) -> dict[str, Any]:
     for g in inventory:
         mine = held.get(g.uuid, [])
         used = sum(a.request for a in mine)
-        rows.append({
-            **g.to_json(),
-            "free_request": round(max(0.0, 1.0 - used), 6),
-            "free_memory": max(0, g.memory - sum(a.memory for a in mine)),
-            "allocations": [a.id for a in mine],
-        })
+        rows.append(
+            {
+                **g.to_json(),
+                "free_request": round(max(0.0, 1.0 - used), 6),
+                "free_memory": max(0, g.memory - sum(a.memory for a in mine)),
+                "allocations": [a.id for a in mine],
+            }
+        )
     return {"ok": True, "simulated": any(g.simulated for g in inventory), "gpus": rows}

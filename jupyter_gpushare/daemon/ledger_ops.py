@@ -143,11 +143,17 @@ def may_use(daemon: Daemon, who: Caller) -> dict[str, Any] | None:
     if who.admin:
         return None
     if not access.system:
-        return wire.refusal(wire.E_NOT_PERMITTED, f"this is user {os.geteuid()}'s own gpushare "
-                            f"agent; uid {who.uid} may not use its ledger")
+        return wire.refusal(
+            wire.E_NOT_PERMITTED,
+            f"this is user {os.geteuid()}'s own gpushare "
+            f"agent; uid {who.uid} may not use its ledger",
+        )
     if access.user_gid is not None and access.user_gid not in who.groups:
-        return wire.refusal(wire.E_NOT_PERMITTED, f"user {who.name} is not in group "
-                            f"{_group_name(access.user_gid)}, which may use this machine's GPUs")
+        return wire.refusal(
+            wire.E_NOT_PERMITTED,
+            f"user {who.name} is not in group "
+            f"{_group_name(access.user_gid)}, which may use this machine's GPUs",
+        )
     return None
 
 
@@ -169,10 +175,18 @@ def redact(allocation: Allocation) -> Allocation:
     extra: dict[str, Any] = {REDACTED_KEY: True}
     if allocation.extra.get(SETTLED):  # placement orders affinity groups by it
         extra[SETTLED] = True
-    return Allocation(id=allocation.id, node=allocation.node, gpus=allocation.gpus,
-                      spec=allocation.spec, memory=allocation.memory, owner="other",
-                      backend=allocation.backend, state=allocation.state,
-                      created=allocation.created, extra=extra)
+    return Allocation(
+        id=allocation.id,
+        node=allocation.node,
+        gpus=allocation.gpus,
+        spec=allocation.spec,
+        memory=allocation.memory,
+        owner="other",
+        backend=allocation.backend,
+        state=allocation.state,
+        created=allocation.created,
+        extra=extra,
+    )
 
 
 def visible(allocation: Allocation, who: Caller) -> Allocation:
@@ -191,8 +205,7 @@ async def handle(daemon: Daemon, client: Client, message: dict[str, Any]) -> dic
     try:
         if op == "ledger.snapshot":
             snap = await daemon.ledger.snapshot()
-            return {"ok": True, "allocations": _shown(snap, who),
-                    "versions": dict(snap.versions)}
+            return {"ok": True, "allocations": _shown(snap, who), "versions": dict(snap.versions)}
         if op == "ledger.gpus":
             return {"ok": True, "gpus": [g.to_json() for g in await daemon.ledger.gpus()]}
         if op == "ledger.put_gpus":
@@ -229,13 +242,16 @@ def _shown(snap: Snapshot, who: Caller) -> list[dict[str, Any]]:
 
 async def _put_gpus(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dict[str, Any]:
     if access_of(daemon).system and not who.admin:
-        return wire.refusal(wire.E_NOT_PERMITTED, "the system agent publishes this machine's "
-                            "GPUs itself; only an admin may replace them")
+        return wire.refusal(
+            wire.E_NOT_PERMITTED,
+            "the system agent publishes this machine's GPUs itself; only an admin may replace them",
+        )
     node = message.get("node")
     raw = message.get("gpus")
     if not isinstance(node, str) or not isinstance(raw, list):
-        return wire.refusal(wire.E_BAD_REQUEST, "ledger.put_gpus needs node (a string) and "
-                            "gpus (a list)")
+        return wire.refusal(
+            wire.E_BAD_REQUEST, "ledger.put_gpus needs node (a string) and gpus (a list)"
+        )
     try:
         gpus = [Gpu.from_json(g) for g in raw]
     except (TypeError, KeyError, ValueError, AttributeError) as exc:
@@ -257,8 +273,11 @@ def _parse_allocations(raw: object, current: Sequence[Allocation]) -> list[Alloc
         if item.get("keep") is True:
             kept = stored.get(item.get("id"))  # type: ignore[arg-type]
             if kept is None:
-                raise ShareError(f"allocations[{i}].id", item.get("id"),
-                                 "the id of an allocation on this node (to keep it)")
+                raise ShareError(
+                    f"allocations[{i}].id",
+                    item.get("id"),
+                    "the id of an allocation on this node (to keep it)",
+                )
             out.append(kept)
             continue
         try:
@@ -266,13 +285,16 @@ def _parse_allocations(raw: object, current: Sequence[Allocation]) -> list[Alloc
         except ShareError as exc:
             raise ShareError(f"allocations[{i}].{exc.field}", exc.value, exc.allowed) from None
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ShareError(f"allocations[{i}]", item.get("id"),
-                             f"an allocation with every field ({type(exc).__name__}: {exc})"
-                             ) from None
+            raise ShareError(
+                f"allocations[{i}]",
+                item.get("id"),
+                f"an allocation with every field ({type(exc).__name__}: {exc})",
+            ) from None
     ids = [a.id for a in out]
     if len(set(ids)) != len(ids):
-        raise ShareError("allocations", sorted({i for i in ids if ids.count(i) > 1}),
-                         "each allocation id once")
+        raise ShareError(
+            "allocations", sorted({i for i in ids if ids.count(i) > 1}), "each allocation id once"
+        )
     return out
 
 
@@ -280,8 +302,9 @@ async def _cas(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dict[str
     node = message.get("node")
     version = message.get("version")
     if not isinstance(node, str) or not isinstance(version, int) or isinstance(version, bool):
-        return wire.refusal(wire.E_BAD_REQUEST, "ledger.cas needs node (a string) and version "
-                            "(an integer)")
+        return wire.refusal(
+            wire.E_BAD_REQUEST, "ledger.cas needs node (a string) and version (an integer)"
+        )
     asked = bounds.from_json(message.get("bound"), "bound")
     snap = await daemon.ledger.snapshot()
     if snap.versions.get(node, 0) != version:
@@ -291,8 +314,16 @@ async def _cas(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dict[str
     inventory = [g for g in await daemon.ledger.gpus() if g.node == node]
     try:
         access = access_of(daemon)
-        result = authorize(current, proposed, who, node, inventory,
-                           bound_for(daemon, who, asked), access.system, access.policy)
+        result = authorize(
+            current,
+            proposed,
+            who,
+            node,
+            inventory,
+            bound_for(daemon, who, asked),
+            access.system,
+            access.policy,
+        )
     except NotPermitted as exc:
         log.warning("refused ledger.cas from uid %d (%s): %s", who.uid, who.name, exc)
         return wire.refusal(wire.E_NOT_PERMITTED, str(exc))
@@ -304,8 +335,11 @@ async def _cas(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dict[str
     if node == daemon.settings.node:
         await daemon.refresh()  # in force before the caller hears "swapped"
     before = {a.id for a in current}
-    return {"ok": True, "swapped": True,
-            "added": [a.to_json() for a in result if a.id not in before]}
+    return {
+        "ok": True,
+        "swapped": True,
+        "added": [a.to_json() for a in result if a.id not in before],
+    }
 
 
 class NotPermitted(Exception):
@@ -320,9 +354,16 @@ class OverCapacity(Exception):
 PROTECTED = (UID_KEY, bounds.EXTRA_KEY)
 
 
-def authorize(current: Sequence[Allocation], proposed: Sequence[Allocation], who: Caller,
-              node: str, inventory: Sequence[Gpu], bound: ShareSpec | None,
-              system: bool, policy: Policy | None = None) -> list[Allocation]:
+def authorize(
+    current: Sequence[Allocation],
+    proposed: Sequence[Allocation],
+    who: Caller,
+    node: str,
+    inventory: Sequence[Gpu],
+    bound: ShareSpec | None,
+    system: bool,
+    policy: Policy | None = None,
+) -> list[Allocation]:
     """The allocations to write for ``who``'s proposal on ``node``, or NotPermitted /
     OverCapacity / ShareError. A non-admin's new or moved share must be on GPUs the
     deployment's ``policy`` admits (healthy, not cordoned, not an excluded type). Pure."""
@@ -337,14 +378,18 @@ def authorize(current: Sequence[Allocation], proposed: Sequence[Allocation], who
         mine = who.admin or owner_uid(a) == who.uid
         if a.id not in new:
             if not mine:
-                raise NotPermitted(f"allocation {a.id} belongs to another user; only they or "
-                                   "an admin may release it")
+                raise NotPermitted(
+                    f"allocation {a.id} belongs to another user; only they or "
+                    "an admin may release it"
+                )
             continue
         sent = new[a.id]
         if not mine:
             if redact(sent) != redact(a):
-                raise NotPermitted(f"allocation {a.id} belongs to another user; only they or "
-                                   "an admin may change it")
+                raise NotPermitted(
+                    f"allocation {a.id} belongs to another user; only they or "
+                    "an admin may change it"
+                )
             result.append(a)  # the stored record, not what came back redacted
             continue
         if sent == a:
@@ -354,8 +399,10 @@ def authorize(current: Sequence[Allocation], proposed: Sequence[Allocation], who
             _check_fields(sent, who, inventory, a)
             for key in PROTECTED:
                 if sent.extra.get(key) != a.extra.get(key):
-                    raise NotPermitted(f"allocation {a.id}: extra.{key} is set by the agent and "
-                                       "cannot be changed by its holder")
+                    raise NotPermitted(
+                        f"allocation {a.id}: extra.{key} is set by the agent and "
+                        "cannot be changed by its holder"
+                    )
             if sent.user != a.user:
                 raise NotPermitted(f"allocation {a.id}: user is set by the agent")
         if sent.spec != a.spec or sent.memory != a.memory or sent.gpus != a.gpus:
@@ -371,9 +418,11 @@ def authorize(current: Sequence[Allocation], proposed: Sequence[Allocation], who
             _check_fields(a, who, inventory)
             _check_admitted(a, inventory, policy or Policy())
             if a.pid is None and a.server_pid is None:  # else nothing ever releases it
-                raise NotPermitted(f"allocation {a.id}: a share needs its holder (pid or "
-                                   "server_pid: a process of yours; the agent releases the "
-                                   "share when it exits)")
+                raise NotPermitted(
+                    f"allocation {a.id}: a share needs its holder (pid or "
+                    "server_pid: a process of yours; the agent releases the "
+                    "share when it exits)"
+                )
         if REDACTED_KEY in a.extra:
             raise NotPermitted(f"allocation {a.id}: a redacted record cannot be added")
         stamped = a
@@ -389,8 +438,9 @@ def authorize(current: Sequence[Allocation], proposed: Sequence[Allocation], who
     return result
 
 
-def _check_fields(a: Allocation, who: Caller, inventory: Sequence[Gpu],
-                  before: Allocation | None = None) -> None:
+def _check_fields(
+    a: Allocation, who: Caller, inventory: Sequence[Gpu], before: Allocation | None = None
+) -> None:
     """What a non-admin may put in a record of its own (``before``: the record it changes)."""
     # the share itself passes the one validator (a record read from JSON skipped it): no
     # negative, NaN or oversized request or memory that would fool the capacity sums
@@ -398,18 +448,21 @@ def _check_fields(a: Allocation, who: Caller, inventory: Sequence[Gpu],
     known = {g.uuid for g in inventory}
     unknown = [u for u in a.gpus if u not in known]
     if unknown or not a.gpus or len(set(a.gpus)) != len(a.gpus):
-        raise NotPermitted(f"allocation {a.id}: gpus {list(a.gpus)} are not distinct GPUs of "
-                           "this node")
+        raise NotPermitted(
+            f"allocation {a.id}: gpus {list(a.gpus)} are not distinct GPUs of this node"
+        )
     if a.spec.gpu_count != len(a.gpus) or a.memory < 0 or a.spec.gpu_memory != a.memory:
         raise NotPermitted(f"allocation {a.id}: gpu_count, gpus and gpu_memory disagree")
     if a.backend != "local":
-        raise NotPermitted(f"allocation {a.id}: backend {a.backend!r} (this agent records "
-                           "local shares)")
+        raise NotPermitted(
+            f"allocation {a.id}: backend {a.backend!r} (this agent records local shares)"
+        )
     for what, pid in (("pid", a.pid), ("server_pid", a.server_pid)):
         unchanged = before is not None and getattr(before, what) == pid
         if pid is not None and not unchanged and not _owned_by(pid, who.uid):
-            raise NotPermitted(f"allocation {a.id}: {what} {pid} is not a process of user "
-                               f"{who.name}")
+            raise NotPermitted(
+                f"allocation {a.id}: {what} {pid} is not a process of user {who.name}"
+            )
 
 
 def _check_admitted(a: Allocation, inventory: Sequence[Gpu], policy: Policy) -> None:
@@ -421,15 +474,21 @@ def _check_admitted(a: Allocation, inventory: Sequence[Gpu], policy: Policy) -> 
     for uuid in a.gpus:
         g = by_uuid[uuid]
         names = {g.type.lower(), g.name.lower()}
-        why = ("unhealthy" if not g.healthy
-               else "cordoned" if g.cordoned or uuid in policy.cordoned_gpus
-               or g.node in policy.cordoned_nodes
-               else "of an excluded type" if names & excluded
-               else "not of a type kernels may use" if wanted and not names & wanted
-               else None)
+        why = (
+            "unhealthy"
+            if not g.healthy
+            else "cordoned"
+            if g.cordoned or uuid in policy.cordoned_gpus or g.node in policy.cordoned_nodes
+            else "of an excluded type"
+            if names & excluded
+            else "not of a type kernels may use"
+            if wanted and not names & wanted
+            else None
+        )
         if why is not None:
-            raise NotPermitted(f"allocation {a.id}: GPU {uuid} is {why}; new shares do not go "
-                               "there")
+            raise NotPermitted(
+                f"allocation {a.id}: GPU {uuid} is {why}; new shares do not go there"
+            )
 
 
 def _owned_by(pid: int, uid: int) -> bool:
@@ -439,8 +498,9 @@ def _owned_by(pid: int, uid: int) -> bool:
         return False
 
 
-def _check_capacity(result: Sequence[Allocation], inventory: Sequence[Gpu],
-                    touched: set[str]) -> None:
+def _check_capacity(
+    result: Sequence[Allocation], inventory: Sequence[Gpu], touched: set[str]
+) -> None:
     by_uuid = {g.uuid: g for g in inventory}
     for uuid in sorted(touched):
         gpu = by_uuid.get(uuid)

@@ -45,12 +45,15 @@ def check_dir(path: Path) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeDirectory(f"{path} is not a directory (a symlink or a file)")
     if st.st_uid not in (0, os.geteuid()):
-        raise UnsafeDirectory(f"{path} is owned by uid {st.st_uid}, not by uid {os.geteuid()} "
-                              "or root")
+        raise UnsafeDirectory(
+            f"{path} is owned by uid {st.st_uid}, not by uid {os.geteuid()} or root"
+        )
     if st.st_mode & 0o022:
-        raise UnsafeDirectory(f"{path} is writable by other users (mode "
-                              f"{stat.S_IMODE(st.st_mode):o}); the agent's socket needs a "
-                              "directory only its owner can write")
+        raise UnsafeDirectory(
+            f"{path} is writable by other users (mode "
+            f"{stat.S_IMODE(st.st_mode):o}); the agent's socket needs a "
+            "directory only its owner can write"
+        )
 
 
 def lock_path(socket_path: Path) -> Path:
@@ -61,8 +64,9 @@ def take(socket_path: Path) -> int | None:
     """Take the agent lock of ``socket_path``: the open descriptor (keep it for the life of the
     agent), or None when another agent holds it. Raises :class:`UnsafeDirectory`."""
     check_dir(socket_path.parent)
-    fd = os.open(lock_path(socket_path),
-                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = os.open(
+        lock_path(socket_path), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+    )
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()):

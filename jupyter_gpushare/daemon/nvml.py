@@ -34,9 +34,7 @@ def sample(library: str | None) -> dict[str, dict[str, Any]]:
                     "memory_total": int(memory.total),
                 }
                 try:
-                    entry["utilization_gpu"] = int(
-                        pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
-                    )
+                    entry["utilization_gpu"] = int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
                 except pynvml.NVMLError:
                     entry["utilization_gpu"] = None
                 entry.update(_thermal(pynvml, handle))

@@ -12,9 +12,15 @@ from collections.abc import Callable
 
 
 class RateLimitedLog:
-    def __init__(self, logger: logging.Logger, what: str, every: float = 60.0,
-                 level: int = logging.ERROR, first_traceback: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        what: str,
+        every: float = 60.0,
+        level: int = logging.ERROR,
+        first_traceback: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.logger = logger
         self.what = what
         self.every = every
@@ -32,16 +38,28 @@ class RateLimitedLog:
             self.failing = True
             self.since_line = 0
             self.last_line = now
-            self.logger.log(self.level, "%s: %s", self.what, reason,
-                            exc_info=exc if self.first_traceback
-                            or self.logger.isEnabledFor(logging.DEBUG) else None)
+            self.logger.log(
+                self.level,
+                "%s: %s",
+                self.what,
+                reason,
+                exc_info=exc
+                if self.first_traceback or self.logger.isEnabledFor(logging.DEBUG)
+                else None,
+            )
             return
         if exc is not None and self.logger.isEnabledFor(logging.DEBUG):
             self.logger.debug("%s: %s", self.what, reason, exc_info=exc)
         self.since_line += 1
         if now - self.last_line >= self.every:
-            self.logger.log(self.level, "%s: %s (%d times in the last %.0f s)", self.what,
-                            reason, self.since_line, now - self.last_line)
+            self.logger.log(
+                self.level,
+                "%s: %s (%d times in the last %.0f s)",
+                self.what,
+                reason,
+                self.since_line,
+                now - self.last_line,
+            )
             self.since_line = 0
             self.last_line = now
 

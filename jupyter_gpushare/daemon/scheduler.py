@@ -50,9 +50,7 @@ class Grant:
     below_request: bool
 
 
-def pick(
-    tenants: Sequence[TenantView], quantum_ns: int, window_ns: int
-) -> Grant | None:
+def pick(tenants: Sequence[TenantView], quantum_ns: int, window_ns: int) -> Grant | None:
     """The next lease, or None when no waiting tenant may run now."""
     best: tuple[tuple[int, float, int], TenantView] | None = None
     for t in tenants:

@@ -62,8 +62,9 @@ def default_state_dir(socket_path: Path) -> Path:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and Path(runtime).is_absolute() and is_private_dir(Path(runtime)):
         return Path(runtime) / "gpushare" / digest
-    return fallback_state_dir(Path("/dev/shm"), f"gpushare-{os.geteuid()}-{digest}",
-                              socket_path.parent / "state")
+    return fallback_state_dir(
+        Path("/dev/shm"), f"gpushare-{os.geteuid()}-{digest}", socket_path.parent / "state"
+    )
 
 
 @dataclass
@@ -129,13 +130,15 @@ class Daemon:
         self._read_done = 0
         self._stopping = asyncio.Event()
         self.admins = Admins(settings.admin_group)
-        self.admission = Admission(settings.max_connections_per_uid,
-                                   settings.max_connections_per_pod, settings.fd_reserve)
+        self.admission = Admission(
+            settings.max_connections_per_uid, settings.max_connections_per_pod, settings.fd_reserve
+        )
         self.ledger_log = RateLimitedLog(log, "reading the ledger failed")
         self.refused_log = RateLimitedLog(log, "refused a connection", level=logging.WARNING)
         self.request_log = RateLimitedLog(log, "a request failed", first_traceback=True)
-        self.refused_peer_log = RateLimitedLog(log, "refused a process", level=logging.WARNING,
-                                               every=10.0)
+        self.refused_peer_log = RateLimitedLog(
+            log, "refused a process", level=logging.WARNING, every=10.0
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -153,13 +156,23 @@ class Daemon:
         self._tasks.append(asyncio.create_task(self._tick()))
         if self.settings.nvml_library is not None or os.environ.get("GPUSHARE_SIMULATED"):
             self._tasks.append(asyncio.create_task(self._sample_nvml()))
-        log.info("gpushare daemon on %s (node %s, quantum %.0f ms, window %.0f ms, state %s)",
-                 path, self.settings.node, self.settings.quantum_ns / 1e6,
-                 self.settings.window_ns / 1e6, self.state_dir)
-        log.info("connections: at most %d per uid, %d per pod, idle timeout %g s, %d of %d "
-                 "descriptors kept for share holders", self.settings.max_connections_per_uid,
-                 self.settings.max_connections_per_pod, self.settings.idle_timeout_s,
-                 self.settings.fd_reserve, fd_limit)
+        log.info(
+            "gpushare daemon on %s (node %s, quantum %.0f ms, window %.0f ms, state %s)",
+            path,
+            self.settings.node,
+            self.settings.quantum_ns / 1e6,
+            self.settings.window_ns / 1e6,
+            self.state_dir,
+        )
+        log.info(
+            "connections: at most %d per uid, %d per pod, idle timeout %g s, %d of %d "
+            "descriptors kept for share holders",
+            self.settings.max_connections_per_uid,
+            self.settings.max_connections_per_pod,
+            self.settings.idle_timeout_s,
+            self.settings.fd_reserve,
+            fd_limit,
+        )
 
     async def serve_forever(self) -> None:
         await self._stopping.wait()
@@ -251,8 +264,13 @@ class Daemon:
         busy = self._busy_slots()
         for uuid in allocation.gpus:
             gpu = self._gpu(uuid)
-            gpu.upsert(allocation.id, allocation.request, allocation.limit, allocation.memory,
-                       busy.get(uuid, set()))
+            gpu.upsert(
+                allocation.id,
+                allocation.request,
+                allocation.limit,
+                allocation.memory,
+                busy.get(uuid, set()),
+            )
         for gpu in self.gpus.values():  # an allocation moved off a GPU (not expected)
             if gpu.uuid not in allocation.gpus:
                 gpu.forget(allocation.id)
@@ -321,8 +339,13 @@ class Daemon:
         if op == "ping":
             from .ledger_ops import access_of
 
-            return {"ok": True, "v": wire.VERSION, "epoch": self.epoch, "pid": os.getpid(),
-                    "system": access_of(self).system}
+            return {
+                "ok": True,
+                "v": wire.VERSION,
+                "epoch": self.epoch,
+                "pid": os.getpid(),
+                "system": access_of(self).system,
+            }
         return wire.refusal(wire.E_BAD_REQUEST, f"unknown op {op!r}")
 
     def _lease_event(self, client: Client, op: str, message: dict[str, Any]) -> None:
@@ -336,12 +359,15 @@ class Daemon:
 
     async def _hello(self, client: Client, message: dict[str, Any]) -> dict[str, Any]:
         if message.get("v") != wire.VERSION:
-            return wire.refusal(wire.E_BAD_VERSION,
-                                f"wire version {message.get('v')} (daemon speaks {wire.VERSION})")
+            return wire.refusal(
+                wire.E_BAD_VERSION,
+                f"wire version {message.get('v')} (daemon speaks {wire.VERSION})",
+            )
         if client.allocation is not None:
             return wire.refusal(wire.E_BAD_REQUEST, "hello was already sent")
         allocation, refusal = await self.peer_allocation(
-            client, str(message.get("allocation") or ""))
+            client, str(message.get("allocation") or "")
+        )
         if refusal is not None:
             return refusal
         assert allocation is not None
@@ -355,14 +381,16 @@ class Daemon:
             tenant = gpu.tenants[allocation.id]
             tenant.connections += 1
             client.tenants.append((gpu, tenant))
-            gpus.append({  # indexes into the descriptors sent with this reply
-                "uuid": uuid,
-                "board": len(fds),
-                "policy": len(fds) + 1,
-                "account": len(fds) + 2,
-                "slot": tenant.slot,
-                "generation": int(gpu.shm.policy[tenant.slot].generation),
-            })
+            gpus.append(
+                {  # indexes into the descriptors sent with this reply
+                    "uuid": uuid,
+                    "board": len(fds),
+                    "policy": len(fds) + 1,
+                    "account": len(fds) + 2,
+                    "slot": tenant.slot,
+                    "generation": int(gpu.shm.policy[tenant.slot].generation),
+                }
+            )
             fds.extend(gpu.shm.fds(tenant.slot))
         client.allocation = allocation.id
         client.send_fds = fds  # with the reply line, in one sendmsg (``shm.send_line``)
@@ -386,8 +414,9 @@ class Daemon:
         refusal = self._check_peer(client, allocation)
         deadline = monotonic_ns() + POD_RECORD_WAIT_NS
         looks = 0
-        while refusal is not None and (looks == 0 or (
-                _pod_pending(allocation) and monotonic_ns() < deadline)):
+        while refusal is not None and (
+            looks == 0 or (_pod_pending(allocation) and monotonic_ns() < deadline)
+        ):
             if looks:
                 await asyncio.sleep(0.2)
             looks += 1
@@ -396,26 +425,31 @@ class Daemon:
             refusal = self._check_peer(client, allocation)
         if refusal is not None:
             self.refused += 1
-            self.refused_peer_log.failed(f"pid {client.pid} for {allocation_id!r}: "
-                                         f"{refusal['message']}")
+            self.refused_peer_log.failed(
+                f"pid {client.pid} for {allocation_id!r}: {refusal['message']}"
+            )
         return allocation, refusal
 
     def _check_peer(self, client: Client, allocation: Allocation | None) -> dict[str, Any] | None:
         if allocation is None:
-            return wire.refusal(wire.E_UNKNOWN_ALLOCATION,
-                                "no GPU share with that id on this node (released or never made)")
+            return wire.refusal(
+                wire.E_UNKNOWN_ALLOCATION,
+                "no GPU share with that id on this node (released or never made)",
+            )
         if allocation.extra.get("k8s_pod"):
             return _check_pod_peer(client, allocation)
         if allocation.pid is None:
-            return wire.refusal(wire.E_NOT_PERMITTED,
-                                f"allocation {allocation.id} has no process yet")
+            return wire.refusal(
+                wire.E_NOT_PERMITTED, f"allocation {allocation.id} has no process yet"
+            )
         try:
             owner = psutil.Process(allocation.pid)
             if allocation.pid_start is not None and (
                 abs(owner.create_time() - allocation.pid_start) > PID_START_TOLERANCE
             ):
-                return wire.refusal(wire.E_NOT_PERMITTED,
-                                    f"allocation {allocation.id}: its process is gone")
+                return wire.refusal(
+                    wire.E_NOT_PERMITTED, f"allocation {allocation.id}: its process is gone"
+                )
             if client.pid == allocation.pid:
                 return None
             peer = psutil.Process(client.pid)
@@ -450,11 +484,15 @@ class Daemon:
         task = loop.create_task(loop.connect_accepted_socket(lambda: protocol, conn))
         task.add_done_callback(lambda t: self._connect_failed(t, protocol, conn))
 
-    def _connect_failed(self, task: asyncio.Task[Any], protocol: _Protocol,
-                        conn: socket.socket) -> None:
+    def _connect_failed(
+        self, task: asyncio.Task[Any], protocol: _Protocol, conn: socket.socket
+    ) -> None:
         if task.cancelled() or task.exception() is not None:
-            log.debug("could not serve pid %d: %r", protocol.peer.pid,
-                      None if task.cancelled() else task.exception())
+            log.debug(
+                "could not serve pid %d: %r",
+                protocol.peer.pid,
+                None if task.cancelled() else task.exception(),
+            )
             if protocol.client is None:  # else its connection_lost counts it out
                 self.admission.left(protocol.peer)
             conn.close()
@@ -469,8 +507,9 @@ class Daemon:
 
     # -- status -------------------------------------------------------------------------------
 
-    def status(self, allocation_id: str | None = None,
-               viewer: Peer | None = None) -> dict[str, Any]:
+    def status(
+        self, allocation_id: str | None = None, viewer: Peer | None = None
+    ) -> dict[str, Any]:
         """What the agent enforces. A ``viewer`` (a connected client) sees only its own shares
         (:meth:`caller_shares`) unless it is an admin; the GPU entries show every GPU's totals
         but name only the viewer's shares. No ``viewer``: the agent itself (metrics, the usage
@@ -490,30 +529,39 @@ class Daemon:
                 for uuid in allocation.gpus
                 if (gpu := self.gpus.get(uuid)) is not None and allocation.id in gpu.tenants
             ]
-            allocations.append({
-                "id": allocation.id,
-                "kernel_id": allocation.kernel_id,
-                "owner": allocation.owner,
-                "pid": allocation.pid,
-                "request": allocation.request,
-                "limit": allocation.limit,
-                "memory_cap": allocation.memory,
-                "achieved_share": round(sum(g["achieved_share"] for g in per_gpu), 4),
-                "memory_used": sum(g["memory_used"] for g in per_gpu),
-                "lease_waits": sum(g["lease_waits"] for g in per_gpu),
-                "lease_wait_seconds": sum(g["lease_wait_seconds"] for g in per_gpu),
-                "connected": sum(g["processes"] for g in per_gpu) > 0,
-                "idle_s": min((g["idle_s"] for g in per_gpu), default=None),
-                "last_launch_ago_s": min((g["last_launch_ago_s"] for g in per_gpu
-                                          if g["last_launch_ago_s"] is not None), default=None),
-                "reclaim_warning": allocation.extra.get("reclaim_warning"),
-                "gpus": per_gpu,
-            })
+            allocations.append(
+                {
+                    "id": allocation.id,
+                    "kernel_id": allocation.kernel_id,
+                    "owner": allocation.owner,
+                    "pid": allocation.pid,
+                    "request": allocation.request,
+                    "limit": allocation.limit,
+                    "memory_cap": allocation.memory,
+                    "achieved_share": round(sum(g["achieved_share"] for g in per_gpu), 4),
+                    "memory_used": sum(g["memory_used"] for g in per_gpu),
+                    "lease_waits": sum(g["lease_waits"] for g in per_gpu),
+                    "lease_wait_seconds": sum(g["lease_wait_seconds"] for g in per_gpu),
+                    "connected": sum(g["processes"] for g in per_gpu) > 0,
+                    "idle_s": min((g["idle_s"] for g in per_gpu), default=None),
+                    "last_launch_ago_s": min(
+                        (
+                            g["last_launch_ago_s"]
+                            for g in per_gpu
+                            if g["last_launch_ago_s"] is not None
+                        ),
+                        default=None,
+                    ),
+                    "reclaim_warning": allocation.extra.get("reclaim_warning"),
+                    "gpus": per_gpu,
+                }
+            )
         if allocation_id is not None and not allocations:
             refusal = wire.refusal(wire.E_UNKNOWN_ALLOCATION, f"no allocation {allocation_id!r}")
             gone = self.released.get(allocation_id)
             if allocation_id in self.reclaimed and (  # released by idle reclaim after a warning
-                    mine is None or (gone is not None and mine(gone))):
+                mine is None or (gone is not None and mine(gone))
+            ):
                 refusal["reclaimed"] = self.reclaimed[allocation_id]
             return refusal
         shown = {a["id"] for a in allocations} if mine is not None else None
@@ -589,8 +637,10 @@ class Daemon:
             if lineage is None:
                 lineage = _lineage(peer.pid)
             started = lineage.get(allocation.pid)
-            return started is not None and (allocation.pid_start is None or abs(
-                started - allocation.pid_start) <= PID_START_TOLERANCE)
+            return started is not None and (
+                allocation.pid_start is None
+                or abs(started - allocation.pid_start) <= PID_START_TOLERANCE
+            )
 
         return mine
 
@@ -624,8 +674,11 @@ _BOOT_TIME: float | None = None
 
 
 def _pod_pending(allocation: Allocation | None) -> bool:
-    return allocation is not None and bool(allocation.extra.get("k8s_pod")) and not (
-        allocation.extra.get("k8s_pod_uid"))
+    return (
+        allocation is not None
+        and bool(allocation.extra.get("k8s_pod"))
+        and not (allocation.extra.get("k8s_pod_uid"))
+    )
 
 
 def _check_pod_peer(client: Client, allocation: Allocation) -> dict[str, Any] | None:
@@ -634,8 +687,9 @@ def _check_pod_peer(client: Client, allocation: Allocation) -> dict[str, Any] | 
     pod = f"{allocation.extra.get('k8s_namespace', '')}/{allocation.extra['k8s_pod']}"
     expected = allocation.extra.get("k8s_pod_uid")
     if not expected:
-        return wire.refusal(wire.E_NOT_PERMITTED,
-                            f"allocation {allocation.id}: pod {pod} is not recorded yet")
+        return wire.refusal(
+            wire.E_NOT_PERMITTED, f"allocation {allocation.id}: pod {pod} is not recorded yet"
+        )
     found = pod_uid_of(client.pid)
     if found == expected:
         return None
@@ -727,8 +781,11 @@ class _Protocol(asyncio.Protocol):
                 if transport.is_closing():
                     return
         if len(self.buffer) > wire.MAX_LINE and b"\n" not in self.buffer:
-            log.debug("closing the connection of pid %d: a line over %d bytes", self.client.pid,
-                      wire.MAX_LINE)
+            log.debug(
+                "closing the connection of pid %d: a line over %d bytes",
+                self.client.pid,
+                wire.MAX_LINE,
+            )
             transport.abort()
             return
         if self._has_room():
@@ -760,21 +817,24 @@ class _Protocol(asyncio.Protocol):
         except ValueError:
             message = None
         if message is None or not isinstance(message.get("op"), str):
-            self._enqueue(None, wire.refusal(wire.E_BAD_REQUEST, "not a JSON object with an op"),
-                          len(line))
+            self._enqueue(
+                None, wire.refusal(wire.E_BAD_REQUEST, "not a JSON object with an op"), len(line)
+            )
             return
         if message["op"] in ("want", "done") and not self.queue and self.worker is None:
             # the hot messages: handled inline, no task switch (lease handoff latency)
             try:
                 self.daemon._lease_event(self.client, message["op"], message)
             except (TypeError, ValueError) as exc:
-                self._enqueue(None, wire.refusal(wire.E_BAD_REQUEST, f"{message['op']}: {exc}"),
-                              len(line))
+                self._enqueue(
+                    None, wire.refusal(wire.E_BAD_REQUEST, f"{message['op']}: {exc}"), len(line)
+                )
             return
         self._enqueue(message, None, len(line))
 
-    def _enqueue(self, message: dict[str, Any] | None, reply: dict[str, Any] | None,
-                 size: int) -> None:
+    def _enqueue(
+        self, message: dict[str, Any] | None, reply: dict[str, Any] | None, size: int
+    ) -> None:
         self.queue.append((message, reply, size))
         self.queued_bytes += size
         if self.worker is None:
@@ -804,8 +864,11 @@ class _Protocol(asyncio.Protocol):
                     fds, self.client.send_fds = self.client.send_fds, []
                     send_line(transport, wire.encode(reply), fds)
                     if self.bad_in_a_row >= MAX_BAD_IN_A_ROW:
-                        log.debug("closing the connection of pid %d: %d refused requests in a "
-                                  "row", self.client.pid, self.bad_in_a_row)
+                        log.debug(
+                            "closing the connection of pid %d: %d refused requests in a row",
+                            self.client.pid,
+                            self.bad_in_a_row,
+                        )
                         transport.close()
                         return
                 self._fill()

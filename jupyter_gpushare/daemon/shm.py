@@ -9,6 +9,7 @@ directory's descriptor with ``O_NOFOLLOW`` (``O_EXCL`` when created), mode 0600,
 ``fstat`` before it is reused. No path leaves the agent: clients get the memory as descriptors
 over the socket (``SCM_RIGHTS``, see :mod:`.wire`).
 """
+
 from __future__ import annotations
 
 import array
@@ -81,8 +82,10 @@ def check_private_dir(path: Path) -> os.stat_result:
     elif st.st_mode & 0o077:
         problem = f"has mode {stat.S_IMODE(st.st_mode):04o} (need 0700: no group/other access)"
     if problem:
-        raise StateDirError(f"refusing state directory {path}: it {problem}; owner "
-                            f"{_owner_name(st.st_uid)}. Remove it or pass another --state-dir.")
+        raise StateDirError(
+            f"refusing state directory {path}: it {problem}; owner "
+            f"{_owner_name(st.st_uid)}. Remove it or pass another --state-dir."
+        )
     return st
 
 
@@ -119,8 +122,9 @@ def fallback_state_dir(base: Path, name: str, alternative: Path) -> Path:
         return make_private_dir(candidate)
     except StateDirError as exc:
         fresh = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=base))
-        log.warning("%s Using %s instead (lease memory of an earlier agent is not reused).",
-                    exc, fresh)
+        log.warning(
+            "%s Using %s instead (lease memory of an earlier agent is not reused).", exc, fresh
+        )
         return fresh
 
 
@@ -134,9 +138,11 @@ class StateDir:
         st = os.fstat(fd)  # what we hold, whatever the path names now
         if st.st_uid != os.geteuid() or st.st_mode & 0o077:
             os.close(fd)
-            raise StateDirError(f"refusing state directory {path}: it changed while it was "
-                                f"opened (owner {_owner_name(st.st_uid)}, mode "
-                                f"{stat.S_IMODE(st.st_mode):04o})")
+            raise StateDirError(
+                f"refusing state directory {path}: it changed while it was "
+                f"opened (owner {_owner_name(st.st_uid)}, mode "
+                f"{stat.S_IMODE(st.st_mode):04o})"
+            )
         self.fd = fd
 
     def open_file(self, name: str, size: int, *, fresh: bool = False) -> tuple[int, bool]:
@@ -156,8 +162,12 @@ class StateDir:
                 fd = -1
             if fd >= 0:
                 st = os.fstat(fd)
-                if (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
-                        and st.st_size == size):
+                if (
+                    stat.S_ISREG(st.st_mode)
+                    and st.st_uid == os.geteuid()
+                    and st.st_nlink == 1
+                    and st.st_size == size
+                ):
                     if stat.S_IMODE(st.st_mode) != 0o600:
                         os.fchmod(fd, 0o600)  # our own file, through its descriptor
                     return fd, True
@@ -200,11 +210,13 @@ def send_line(transport: asyncio.Transport, line: bytes, fds: list[int]) -> None
         log.debug("closing a connection: replies unread before a reply with descriptors")
         transport.abort()
         return
-    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM,
-                        fileno=transport.get_extra_info("socket").fileno())
+    raw = socket.socket(
+        socket.AF_UNIX, socket.SOCK_STREAM, fileno=transport.get_extra_info("socket").fileno()
+    )
     try:
-        sent = raw.sendmsg([line], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                     array.array("i", fds).tobytes())])
+        sent = raw.sendmsg(
+            [line], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+        )
     except OSError as exc:  # EAGAIN: its buffer is full of unread replies; or it is gone
         log.debug("closing a connection: sending descriptors failed: %s", exc)
         transport.abort()
@@ -302,8 +314,9 @@ class GpuShm:
 
     def _open_account(self, index: int, fresh: bool) -> None:
         self._close_account(index)
-        fd, _reused = self.state.open_file(f"{self.uuid}.{index}.account", wire.ACCOUNT_SIZE,
-                                           fresh=fresh)
+        fd, _reused = self.state.open_file(
+            f"{self.uuid}.{index}.account", wire.ACCOUNT_SIZE, fresh=fresh
+        )
         mapping = mmap.mmap(fd, wire.ACCOUNT_SIZE, mmap.MAP_SHARED)
         self._accounts[index] = (fd, mapping, wire.Slot.from_buffer(mapping, 0))
 
@@ -326,8 +339,9 @@ class GpuShm:
                 return i
         return None
 
-    def claim(self, allocation_id: str, request: float, limit: float, memory: int,
-              busy: set[int]) -> int | None:
+    def claim(
+        self, allocation_id: str, request: float, limit: float, memory: int, busy: set[int]
+    ) -> int | None:
         """A slot for a new allocation: a free one, else a released one nobody maps. It gets a
         new account file (a former holder's processes keep only the old one)."""
         order = sorted(
@@ -370,8 +384,11 @@ class GpuShm:
     def discard(self) -> None:
         """Closes and unlinks this GPU's files (processes that still map them keep their
         copies); only when :meth:`idle`."""
-        names = [f"{self.uuid}.board", f"{self.uuid}.policy",
-                 *(f"{self.uuid}.{i}.account" for i in range(wire.SLOTS))]
+        names = [
+            f"{self.uuid}.board",
+            f"{self.uuid}.policy",
+            *(f"{self.uuid}.{i}.account" for i in range(wire.SLOTS)),
+        ]
         self.close()
         for name in names:
             self.state.unlink(name)
@@ -396,5 +413,7 @@ class GpuShm:
 
 
 def _slots(mapping: mmap.mmap) -> list[wire.Slot]:
-    return [wire.Slot.from_buffer(mapping, wire.HEADER_SIZE + i * wire.SLOT_SIZE)
-            for i in range(wire.SLOTS)]
+    return [
+        wire.Slot.from_buffer(mapping, wire.HEADER_SIZE + i * wire.SLOT_SIZE)
+        for i in range(wire.SLOTS)
+    ]

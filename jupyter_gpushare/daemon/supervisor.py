@@ -80,16 +80,33 @@ def ensure_daemon(
     if client.alive():
         return None
     socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the user's alone
-    cmd = [sys.executable, "-m", "jupyter_gpushare.daemon", "--socket", str(socket_path),
-           "--ledger", str(ledger_path), "--node", node, *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyter_gpushare.daemon",
+        "--socket",
+        str(socket_path),
+        "--ledger",
+        str(ledger_path),
+        "--node",
+        node,
+        *extra_args,
+    ]
     if simulate_devices:
         cmd += ["--simulate-devices", _simulate_arg(simulate_devices)]
     log_file = log_file or socket_path.parent / "daemon.log"
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)  # the daemon itself is never interposed
     with open(log_file, "ab") as out:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
-                                start_new_session=True, close_fds=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+        )
     _reap_when_done(proc)
     log.info("started gpushare daemon (pid %d) on %s, log %s", proc.pid, socket_path, log_file)
     deadline = time.monotonic() + timeout
@@ -121,22 +138,30 @@ def _system_socket(socket_path: Path) -> bool:
     return Path(socket_path) == paths.SYSTEM_SOCKET
 
 
-async def ensure_agent(settings: GpuShare, gpus: Sequence[Gpu],
-                       log: logging.Logger | logging.LoggerAdapter | Any = None) -> bool:
+async def ensure_agent(
+    settings: GpuShare,
+    gpus: Sequence[Gpu],
+    log: logging.Logger | logging.LoggerAdapter | Any = None,
+) -> bool:
     """Make sure this machine's node agent answers (start one unless one does; the blocking
     part in a thread, never on the event loop). False when enforcement is off (logged); raises
     ``RuntimeError`` when no agent comes up (shares then fall back to the interposer's fail-static
     mode)."""
     log = log or _log
     if not enforcing(settings):
-        log.warning("gpushare: enforcement is off (enforce=%s, interposer %s); shares are "
-                    "bookkeeping only", settings.enforce, interposer_path())
+        log.warning(
+            "gpushare: enforcement is off (enforce=%s, interposer %s); shares are bookkeeping only",
+            settings.enforce,
+            interposer_path(),
+        )
         return False
     socket_path = Path(settings.socket_path)
     if _system_socket(socket_path):
         if not await asyncio.to_thread(DaemonClient(socket_path, timeout=2.0).alive):
-            raise RuntimeError(f"the machine's gpushare agent does not answer on {socket_path} "
-                               "(it is a system service: systemctl status jupyter-gpushare-agent)")
+            raise RuntimeError(
+                f"the machine's gpushare agent does not answer on {socket_path} "
+                "(it is a system service: systemctl status jupyter-gpushare-agent)"
+            )
         return True
     await asyncio.to_thread(
         ensure_daemon,
@@ -164,8 +189,10 @@ class AgentSupervision(Configurable):
     def _valid_interval(self, proposal: Any) -> float:
         value = float(proposal["value"])
         if not (value == 0 or 0.1 <= value <= 3600):
-            raise TraitError(f"AgentSupervision.interval: {value!r} is not allowed; give 0 "
-                             "(no checks) or 0.1 to 3600 seconds")
+            raise TraitError(
+                f"AgentSupervision.interval: {value!r} is not allowed; give 0 "
+                "(no checks) or 0.1 to 3600 seconds"
+            )
         return value
 
 
@@ -201,8 +228,10 @@ class AgentWatch(PeriodicTask):
                 self._failed = None
                 return False
             if self._failed is None:  # once, not at every try while starting it fails
-                self.log.warning("gpushare: the node agent on %s does not answer; starting a "
-                                 "new one", self.settings.socket_path)
+                self.log.warning(
+                    "gpushare: the node agent on %s does not answer; starting a new one",
+                    self.settings.socket_path,
+                )
             try:
                 await ensure_agent(self.settings, await self.settings.local_gpus(), self.log)
             except (RuntimeError, OSError) as exc:
@@ -238,8 +267,12 @@ class NotApplied(RuntimeError):
     """The agent did not confirm a change in time (dead, or it does not see the ledger)."""
 
 
-def await_applied(socket_path: str | Path, allocation_id: str, expected: Allocation | None,
-                  timeout: float = APPLY_TIMEOUT_S) -> None:
+def await_applied(
+    socket_path: str | Path,
+    allocation_id: str,
+    expected: Allocation | None,
+    timeout: float = APPLY_TIMEOUT_S,
+) -> None:
     """Block until the agent on ``socket_path`` enforces ``expected`` for ``allocation_id``
     (its ``status`` shows the same request, limit and memory cap; ``None``: the allocation was
     released and the agent no longer holds it), asking it to re-read the ledger first. Raises
@@ -258,13 +291,18 @@ def await_applied(socket_path: str | Path, allocation_id: str, expected: Allocat
         except (DaemonUnavailable, OSError, ValueError) as exc:
             reason = f"it does not answer ({exc})"
         if time.monotonic() >= deadline:
-            raise NotApplied(f"the node agent on {socket_path} has not applied the change: "
-                             f"{reason}")
+            raise NotApplied(
+                f"the node agent on {socket_path} has not applied the change: {reason}"
+            )
         time.sleep(0.05)
 
 
-async def confirm_applied(settings: GpuShare, allocation_id: str, expected: Allocation | None,
-                          watch: AgentWatch | None = None) -> str | None:
+async def confirm_applied(
+    settings: GpuShare,
+    allocation_id: str,
+    expected: Allocation | None,
+    watch: AgentWatch | None = None,
+) -> str | None:
     """After a change of ``allocation_id`` in the ledger (``expected``: the record now, None
     when released): None once the local agent enforces it, or right away where nothing is to
     be confirmed here (enforcement off; Kubernetes, where the node's agent follows its
@@ -280,9 +318,11 @@ async def confirm_applied(settings: GpuShare, allocation_id: str, expected: Allo
         reason = str(exc)
     if watch is not None:
         watch.kick()
-    return (f"{reason}. The change is recorded and will be enforced as soon as the node agent "
-            "is back (the server is starting it again); until then the kernel runs under its "
-            "interposer's fail-static limits")
+    return (
+        f"{reason}. The change is recorded and will be enforced as soon as the node agent "
+        "is back (the server is starting it again); until then the kernel runs under its "
+        "interposer's fail-static limits"
+    )
 
 
 def _mismatch(status: dict[str, Any], expected: Allocation | None) -> str | None:
@@ -294,10 +334,15 @@ def _mismatch(status: dict[str, Any], expected: Allocation | None) -> str | None
         return str(status.get("message") or "it does not know the share")
     held = shown[0]
     if (held.get("request"), held.get("limit"), held.get("memory_cap")) != (
-            expected.request, expected.limit, expected.memory):
-        return (f"it enforces request {held.get('request')}, limit {held.get('limit')}, memory "
-                f"{held.get('memory_cap')} (the ledger: {expected.request}, {expected.limit}, "
-                f"{expected.memory})")
+        expected.request,
+        expected.limit,
+        expected.memory,
+    ):
+        return (
+            f"it enforces request {held.get('request')}, limit {held.get('limit')}, memory "
+            f"{held.get('memory_cap')} (the ledger: {expected.request}, {expected.limit}, "
+            f"{expected.memory})"
+        )
     return None
 
 

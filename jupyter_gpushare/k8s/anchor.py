@@ -27,7 +27,12 @@ log = logging.getLogger(__name__)
 
 class ServerAnchor:
     def __init__(
-        self, kube: Kube, namespace: str, server_id: str, duration: float, interval: float,
+        self,
+        kube: Kube,
+        namespace: str,
+        server_id: str,
+        duration: float,
+        interval: float,
         owner_pod: str = "",
     ) -> None:
         self.kube = kube

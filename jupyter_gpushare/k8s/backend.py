@@ -109,8 +109,14 @@ async def _kube_context(config: KubernetesBackendConfig, aliases: Any) -> KubeCo
                 kube=kube,
                 ledger=KubernetesLedger(kube, ns, aliases, inventory_ttl=config.inventory_ttl),
                 watcher=PodWatcher(kube, ns, f"{manifests.LABEL_SERVER}={config.server_id}"),
-                anchor=ServerAnchor(kube, ns, config.server_id, config.lease_duration,
-                                    config.lease_renew_interval, config.owner_pod),
+                anchor=ServerAnchor(
+                    kube,
+                    ns,
+                    config.server_id,
+                    config.lease_duration,
+                    config.lease_renew_interval,
+                    config.owner_pod,
+                ),
             )
             try:
                 await ctx.watcher.start(config.connect_timeout)
@@ -197,8 +203,12 @@ class KubernetesKernelBackend(KernelBackend):
         return kwargs
 
     def _record_pod(self, current: Allocation, _others: list[Allocation]) -> Allocation:
-        extra = {**current.extra, "k8s_namespace": self.namespace, "k8s_pod": self.pod_name,
-                 "k8s_server": self.config.server_id}
+        extra = {
+            **current.extra,
+            "k8s_namespace": self.namespace,
+            "k8s_pod": self.pod_name,
+            "k8s_server": self.config.server_id,
+        }
         extra.pop("k8s_pod_uid", None)  # a restart's new pod gets its own
         return replace(current, extra=extra)
 
@@ -245,8 +255,11 @@ class KubernetesKernelBackend(KernelBackend):
     def _forwarded_env(self, given: dict[str, str] | None) -> dict[str, str]:
         """Only what jupyter_client and the kernelspec add (JPY_SESSION_NAME, spec env …); the
         server's own environment (tokens, paths) stays out of the pod."""
-        env = {k: v for k, v in (given or {}).items()
-               if os.environ.get(k) != v and not k.startswith("GPUSHARE_")}
+        env = {
+            k: v
+            for k, v in (given or {}).items()
+            if os.environ.get(k) != v and not k.startswith("GPUSHARE_")
+        }
         spec_env = getattr(self.provisioner.kernel_spec, "env", None) or {}
         env.update({k: str(v) for k, v in spec_env.items()})
         for key in ("LD_PRELOAD", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "PATH"):
@@ -261,24 +274,38 @@ class KubernetesKernelBackend(KernelBackend):
         inventory = await self.inventory()
         node_gpus = [g for g in inventory if g.node == self.allocation.node]
         request = manifests.KernelPodRequest(
-            name=self.pod_name, namespace=ns, kernel_id=str(self.provisioner.kernel_id),
-            allocation_id=self.allocation.id, node=self.allocation.node,
-            gpus=self.allocation.gpus, command=cmd,
-            env=self._forwarded_env(kwargs.get("env")), server_id=self.config.server_id,
+            name=self.pod_name,
+            namespace=ns,
+            kernel_id=str(self.provisioner.kernel_id),
+            allocation_id=self.allocation.id,
+            node=self.allocation.node,
+            gpus=self.allocation.gpus,
+            command=cmd,
+            env=self._forwarded_env(kwargs.get("env")),
+            server_id=self.config.server_id,
             owner=owner,
             simulated_devices=simulator_device_list(node_gpus)
-            if node_gpus and all(g.simulated for g in node_gpus) else "",
-            gpu_request=self.allocation.request, gpu_memory=self.allocation.memory,
+            if node_gpus and all(g.simulated for g in node_gpus)
+            else "",
+            gpu_request=self.allocation.request,
+            gpu_memory=self.allocation.memory,
         )
         settings = manifests.PodSettings.from_config(self.config)
-        await ctx.kube.create_secret(ns, manifests.connection_secret(
-            self.pod_name, ns, self._connection, owner, request.kernel_id))
+        await ctx.kube.create_secret(
+            ns,
+            manifests.connection_secret(
+                self.pod_name, ns, self._connection, owner, request.kernel_id
+            ),
+        )
         try:
             pod = await ctx.kube.create_pod(ns, manifests.kernel_pod(request, settings))
             await ctx.watcher.note(pod)
             await self._record_pod_uid(ctx, pod)
-            await ctx.kube.set_secret_owners(ns, self.pod_name, [
-                manifests.owner_reference({**pod, "apiVersion": "v1", "kind": "Pod"})])
+            await ctx.kube.set_secret_owners(
+                ns,
+                self.pod_name,
+                [manifests.owner_reference({**pod, "apiVersion": "v1", "kind": "Pod"})],
+            )
             self._launched = True
             pod = await self._wait_running(ctx)
         except BaseException:
@@ -288,9 +315,14 @@ class KubernetesKernelBackend(KernelBackend):
         info = dict(self._connection)
         info["ip"] = pod["status"]["podIP"]
         info["key"] = str(info["key"]).encode()
-        self.log.info("gpushare: kernel %s runs in pod %s/%s on %s (%s)",
-                      self.provisioner.kernel_id, ns, self.pod_name, self.allocation.node,
-                      ",".join(self.allocation.gpus))
+        self.log.info(
+            "gpushare: kernel %s runs in pod %s/%s on %s (%s)",
+            self.provisioner.kernel_id,
+            ns,
+            self.pod_name,
+            self.allocation.node,
+            ",".join(self.allocation.gpus),
+        )
         return info  # type: ignore[return-value]
 
     async def _wait_running(self, ctx: KubeContext) -> dict[str, Any]:
@@ -307,14 +339,16 @@ class KubernetesKernelBackend(KernelBackend):
             phase = (pod.get("status") or {}).get("phase", "unknown")
             raise KernelPodFailed(
                 f"kernel pod {name} did not start within {self.config.start_timeout:g} s "
-                f"(phase {phase})") from None
+                f"(phase {phase})"
+            ) from None
         if pod is None:
             raise KernelPodFailed(f"kernel pod {name} was deleted while starting")
         failure = manifests.pod_failure(pod)
         if failure:
             self.failure = failure
-            self.log.error("gpushare: kernel %s could not start: %s",
-                           self.provisioner.kernel_id, failure)
+            self.log.error(
+                "gpushare: kernel %s could not start: %s", self.provisioner.kernel_id, failure
+            )
             raise KernelPodFailed(failure)
         return pod
 
@@ -347,15 +381,17 @@ class KubernetesKernelBackend(KernelBackend):
             if pod is None or deleting:
                 failure = f"pod {self.pod_name} was deleted" + (f" ({failure})" if failure else "")
             self.failure = failure or f"pod {self.pod_name} ended (exit code {code})"
-            self.log.warning("gpushare: kernel %s ended: %s", self.provisioner.kernel_id,
-                             self.failure)
+            self.log.warning(
+                "gpushare: kernel %s ended: %s", self.provisioner.kernel_id, self.failure
+            )
         return code
 
     async def wait(self) -> int | None:
         if not self._launched or self._ctx is None or self.pod_name is None:
             return None
         await self._ctx.watcher.wait_for(
-            self.pod_name, lambda p: manifests.pod_exit_code(p) is not None, None)
+            self.pod_name, lambda p: manifests.pod_exit_code(p) is not None, None
+        )
         return await self.poll()
 
     async def send_signal(self, signum: int) -> None:
@@ -419,8 +455,11 @@ class KubernetesKernelBackend(KernelBackend):
         return max(recommended, float(self.config.termination_grace))
 
     async def get_provisioner_info(self) -> dict[str, Any]:
-        return {"k8s_namespace": self.namespace, "k8s_pod": self.pod_name,
-                "k8s_server": self.config.server_id}
+        return {
+            "k8s_namespace": self.namespace,
+            "k8s_pod": self.pod_name,
+            "k8s_server": self.config.server_id,
+        }
 
     async def load_provisioner_info(self, info: dict[str, Any]) -> None:
         self.namespace = info.get("k8s_namespace", self.namespace)

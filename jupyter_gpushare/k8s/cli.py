@@ -23,21 +23,36 @@ def add_parser(sub: Any) -> None:
     k8s = sub.add_parser("k8s", help="Kubernetes: review what gpushare creates")
     actions = k8s.add_subparsers(dest="k8s_action", required=True)
     pod = actions.add_parser(
-        "kernel-pod", help="print the kernel pod (and Secret, without its key) a server with "
-        "this configuration would create, as YAML")
+        "kernel-pod",
+        help="print the kernel pod (and Secret, without its key) a server with "
+        "this configuration would create, as YAML",
+    )
     pod.add_argument("--gpu-request", metavar="R", help="guaranteed fraction of a GPU, (0, 1]")
     pod.add_argument("--gpu-limit", metavar="L", help="burst limit, a fraction in (0, 1]")
     pod.add_argument("--gpu-memory", metavar="M", help="memory cap, e.g. 10GiB")
     pod.add_argument("--gpu-type", metavar="T", help="GPU type, e.g. A100")
     pod.add_argument("--gpu-count", metavar="N", help="whole GPUs")
-    pod.add_argument("--config", action="append", default=[], type=Path, metavar="FILE",
-                     help="jupyter_server_config.py/.json with c.KubernetesBackendConfig and "
-                     "c.GpuShare settings (repeat; later files win); default: none")
+    pod.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="FILE",
+        help="jupyter_server_config.py/.json with c.KubernetesBackendConfig and "
+        "c.GpuShare settings (repeat; later files win); default: none",
+    )
     pod.add_argument("--node", default="NODE", help="node name shown (placeholder)")
-    pod.add_argument("--gpu", default="GPU-00000000-0000-0000-0000-000000000000",
-                     help="GPU UUID shown (placeholder)")
-    pod.add_argument("--simulated", metavar="N[xTYPE]", default=None,
-                     help="show the pod for a demo node with these simulated GPUs")
+    pod.add_argument(
+        "--gpu",
+        default="GPU-00000000-0000-0000-0000-000000000000",
+        help="GPU UUID shown (placeholder)",
+    )
+    pod.add_argument(
+        "--simulated",
+        metavar="N[xTYPE]",
+        default=None,
+        help="show the pod for a demo node with these simulated GPUs",
+    )
     pod.set_defaults(func=cmd_kernel_pod)
 
 
@@ -68,25 +83,45 @@ def kernel_objects(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
     config = load_config(list(args.config))
     share = GpuShare(config=config)
     kcfg = KubernetesBackendConfig(config=config)
-    spec = ShareSpec.from_args(args.gpu_request, args.gpu_limit, args.gpu_memory, args.gpu_type,
-                               args.gpu_count, defaults=share.default_spec())
+    spec = ShareSpec.from_args(
+        args.gpu_request,
+        args.gpu_limit,
+        args.gpu_memory,
+        args.gpu_type,
+        args.gpu_count,
+        defaults=share.default_spec(),
+    )
     settings = manifests.PodSettings.from_config(kcfg)
     gpus = [args.gpu] * max(1, spec.gpu_count)
     simulated = ""
     if args.simulated:
         sim = simulated_gpus(args.simulated, args.node)
-        gpus = [g.uuid for g in sim[:max(1, spec.gpu_count)]]
+        gpus = [g.uuid for g in sim[: max(1, spec.gpu_count)]]
         simulated = simulator_device_list(sim)
     name = f"gpushare-kernel-{PLACEHOLDER_KERNEL[:8]}"
-    owner = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-             "name": manifests.lease_name("SERVER-ID"), "uid": "LEASE-UID",
-             "controller": False, "blockOwnerDeletion": False}
+    owner = {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "name": manifests.lease_name("SERVER-ID"),
+        "uid": "LEASE-UID",
+        "controller": False,
+        "blockOwnerDeletion": False,
+    }
     request = manifests.KernelPodRequest(
-        name=name, namespace=kcfg.namespace, kernel_id=PLACEHOLDER_KERNEL,
-        allocation_id=PLACEHOLDER_ALLOCATION, node=args.node, gpus=gpus,
+        name=name,
+        namespace=kcfg.namespace,
+        kernel_id=PLACEHOLDER_KERNEL,
+        allocation_id=PLACEHOLDER_ALLOCATION,
+        node=args.node,
+        gpus=gpus,
         command=[kcfg.python, "-m", "ipykernel_launcher", "-f", settings.connection_file],
-        env={}, server_id="SERVER-ID", owner=owner, simulated_devices=simulated,
-        gpu_request=spec.gpu_request, gpu_memory=spec.gpu_memory or 0)
+        env={},
+        server_id="SERVER-ID",
+        owner=owner,
+        simulated_devices=simulated,
+        gpu_request=spec.gpu_request,
+        gpu_memory=spec.gpu_memory or 0,
+    )
     pod = manifests.kernel_pod(request, settings)
     secret = manifests.connection_secret(name, kcfg.namespace, {}, owner, PLACEHOLDER_KERNEL)
     secret.pop("data")  # the key and ports exist only per kernel, in the Secret alone
@@ -106,9 +141,11 @@ def cmd_kernel_pod(args: argparse.Namespace) -> int:
         print(f"gpushare: {exc}", file=sys.stderr)
         return 2
     found = restricted_violations(pod)
-    print("# The kernel pod and connection Secret (its data, the kernel's key and ports, left "
-          "out) a server\n# with this configuration creates. Placeholders: kernel and "
-          "allocation ids, node, GPU, owner Lease.")
+    print(
+        "# The kernel pod and connection Secret (its data, the kernel's key and ports, left "
+        "out) a server\n# with this configuration creates. Placeholders: kernel and "
+        "allocation ids, node, GPU, owner Lease."
+    )
     if found:
         print("# Pod Security 'restricted': FAILS:")
         for line in found:

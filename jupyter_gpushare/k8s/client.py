@@ -32,6 +32,7 @@ class ClusterError(HTTPError):
     def __str__(self) -> str:
         return self.message
 
+
 GROUP = "gpushare.jupyter.org"
 VERSION = "v1alpha1"
 LEDGER_PLURAL = "gpuledgers"
@@ -50,9 +51,7 @@ async def connect(kubeconfig: str = "", context: str = "") -> Kube:
     elif os.environ.get("KUBERNETES_SERVICE_HOST"):
         config.load_incluster_config(client_configuration=configuration)
     else:
-        await config.load_kube_config(
-            context=context or None, client_configuration=configuration
-        )
+        await config.load_kube_config(context=context or None, client_configuration=configuration)
     # Many kernels, reconcilers and placers share one client: allow enough connections.
     configuration.connection_pool_maxsize = 64
     return Kube(client.ApiClient(configuration))
@@ -98,9 +97,11 @@ class Kube:
             raise
 
     async def list_pods(self, namespace: str, label_selector: str = "") -> dict[str, Any]:
-        return await self._json(self.core.list_namespaced_pod(
-            namespace, label_selector=label_selector, _preload_content=False
-        ))
+        return await self._json(
+            self.core.list_namespaced_pod(
+                namespace, label_selector=label_selector, _preload_content=False
+            )
+        )
 
     async def read_node(self, name: str) -> dict[str, Any]:
         return await self._json(self.core.read_node(name, _preload_content=False))
@@ -109,24 +110,30 @@ class Kube:
         return (await self._json(self.core.list_node(_preload_content=False)))["items"]
 
     async def list_ledgers(self, namespace: str) -> dict[str, Any]:
-        return await self._json(self.custom.list_namespaced_custom_object(
-            GROUP, VERSION, namespace, LEDGER_PLURAL, _preload_content=False
-        ))
+        return await self._json(
+            self.custom.list_namespaced_custom_object(
+                GROUP, VERSION, namespace, LEDGER_PLURAL, _preload_content=False
+            )
+        )
 
     async def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return await self._json(self.coordination.read_namespaced_lease(
-                name, namespace, _preload_content=False
-            ))
+            return await self._json(
+                self.coordination.read_namespaced_lease(name, namespace, _preload_content=False)
+            )
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
 
     async def list_leases(self, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
-        return (await self._json(self.coordination.list_namespaced_lease(
-            namespace, label_selector=label_selector, _preload_content=False
-        )))["items"]
+        return (
+            await self._json(
+                self.coordination.list_namespaced_lease(
+                    namespace, label_selector=label_selector, _preload_content=False
+                )
+            )
+        )["items"]
 
     # -- writes (bodies are dicts) ---------------------------------------------------------------
 
@@ -138,9 +145,11 @@ class Kube:
     async def delete_pod(self, namespace: str, name: str, grace: int | None = None) -> bool:
         """Delete a pod; False when it was already gone."""
         try:
-            await self._json(self.core.delete_namespaced_pod(
-                name, namespace, grace_period_seconds=grace, _preload_content=False
-            ))
+            await self._json(
+                self.core.delete_namespaced_pod(
+                    name, namespace, grace_period_seconds=grace, _preload_content=False
+                )
+            )
             return True
         except ApiException as exc:
             if exc.status == 404:
@@ -173,20 +182,24 @@ class Kube:
             raise
 
     async def create_lease(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._json(self.coordination.create_namespaced_lease(
-            namespace, body, _preload_content=False
-        ))
+        return await self._json(
+            self.coordination.create_namespaced_lease(namespace, body, _preload_content=False)
+        )
 
     async def replace_lease(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._json(self.coordination.replace_namespaced_lease(
-            body["metadata"]["name"], namespace, body, _preload_content=False
-        ))
+        return await self._json(
+            self.coordination.replace_namespaced_lease(
+                body["metadata"]["name"], namespace, body, _preload_content=False
+            )
+        )
 
     async def delete_lease(self, namespace: str, name: str) -> bool:
         try:
-            await self._json(self.coordination.delete_namespaced_lease(
-                name, namespace, propagation_policy="Background", _preload_content=False
-            ))
+            await self._json(
+                self.coordination.delete_namespaced_lease(
+                    name, namespace, propagation_policy="Background", _preload_content=False
+                )
+            )
             return True
         except ApiException as exc:
             if exc.status == 404:
@@ -197,15 +210,24 @@ class Kube:
         await self._json(self.core.patch_node(name, patch, _preload_content=False))
 
     async def create_ledger(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._json(self.custom.create_namespaced_custom_object(
-            GROUP, VERSION, namespace, LEDGER_PLURAL, body, _preload_content=False
-        ))
+        return await self._json(
+            self.custom.create_namespaced_custom_object(
+                GROUP, VERSION, namespace, LEDGER_PLURAL, body, _preload_content=False
+            )
+        )
 
     async def replace_ledger(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._json(self.custom.replace_namespaced_custom_object(
-            GROUP, VERSION, namespace, LEDGER_PLURAL, body["metadata"]["name"], body,
-            _preload_content=False,
-        ))
+        return await self._json(
+            self.custom.replace_namespaced_custom_object(
+                GROUP,
+                VERSION,
+                namespace,
+                LEDGER_PLURAL,
+                body["metadata"]["name"],
+                body,
+                _preload_content=False,
+            )
+        )
 
     # -- watches ---------------------------------------------------------------------------------
 
@@ -232,8 +254,13 @@ class Kube:
         else:
             raise ValueError(kind)
         response = await func(
-            *args, watch=True, resource_version=resource_version, allow_watch_bookmarks=True,
-            timeout_seconds=timeout_seconds, _preload_content=False, **params
+            *args,
+            watch=True,
+            resource_version=resource_version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=timeout_seconds,
+            _preload_content=False,
+            **params,
         )
         if not 200 <= response.status <= 299:
             await self._json(_done(response))  # raises ApiException
@@ -261,6 +288,7 @@ def _event(line: bytes) -> dict[str, Any]:
     event = json.loads(line)
     if event.get("type") == "ERROR":
         status = event.get("object") or {}
-        raise ApiException(status=int(status.get("code", 500)),
-                           reason=str(status.get("message", "watch error")))
+        raise ApiException(
+            status=int(status.get("code", 500)), reason=str(status.get("message", "watch error"))
+        )
     return event

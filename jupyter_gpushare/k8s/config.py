@@ -45,8 +45,7 @@ class KubernetesBackendConfig(SingletonConfigurable):
         "command.",
     )
     resources = Dict(
-        default_value={"requests": {"cpu": "100m", "memory": "256Mi"},
-                       "limits": {"memory": "4Gi"}},
+        default_value={"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "4Gi"}},
         config=True,
         help="Container resources of kernel pods (requests/limits of cpu, memory, ...). GPUs "
         "are not requested here: the gpushare ledger assigns them.",
@@ -148,9 +147,7 @@ class KubernetesBackendConfig(SingletonConfigurable):
         "fails. Failures the cluster reports (Unschedulable, image pull errors, ...) fail at "
         "once, not after this timeout.",
     )
-    termination_grace = Int(
-        5, config=True, help="terminationGracePeriodSeconds of kernel pods."
-    )
+    termination_grace = Int(5, config=True, help="terminationGracePeriodSeconds of kernel pods.")
     connect_timeout = Float(
         15.0,
         config=True,
@@ -207,9 +204,11 @@ class KubernetesBackendConfig(SingletonConfigurable):
         name, value = proposal["trait"].name, proposal["value"]
         lowest = 1 if name == "run_as_user" else 0  # kernel pods run as non-root
         if not lowest <= value <= 2**31 - 1:
-            raise TraitError(f"KubernetesBackendConfig.{name}={value!r} is not allowed: an id "
-                             f"from {lowest} to 2147483647" + (" (kernel pods run as non-root)"
-                                                               if lowest else ""))
+            raise TraitError(
+                f"KubernetesBackendConfig.{name}={value!r} is not allowed: an id "
+                f"from {lowest} to 2147483647"
+                + (" (kernel pods run as non-root)" if lowest else "")
+            )
         return int(value)
 
     @default("namespace")

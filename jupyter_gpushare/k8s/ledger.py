@@ -33,7 +33,10 @@ from .client import ApiException, Kube
 
 class KubernetesLedger(Ledger):
     def __init__(
-        self, kube: Kube, namespace: str, aliases: TypeAliases | None = None,
+        self,
+        kube: Kube,
+        namespace: str,
+        aliases: TypeAliases | None = None,
         inventory_ttl: float = 0.0,
     ) -> None:
         self.kube = kube
@@ -64,12 +67,20 @@ class KubernetesLedger(Ledger):
         try:
             if expected_version == 0:
                 owner = await self._node_owner(node)
-                await self.kube.create_ledger(self.namespace, manifests.ledger_object(
-                    node, self.namespace, records, owner))
+                await self.kube.create_ledger(
+                    self.namespace, manifests.ledger_object(node, self.namespace, records, owner)
+                )
             else:
-                await self.kube.replace_ledger(self.namespace, manifests.ledger_object(
-                    node, self.namespace, records, await self._node_owner(node),
-                    resource_version=str(expected_version)))
+                await self.kube.replace_ledger(
+                    self.namespace,
+                    manifests.ledger_object(
+                        node,
+                        self.namespace,
+                        records,
+                        await self._node_owner(node),
+                        resource_version=str(expected_version),
+                    ),
+                )
         except ApiException as exc:
             if exc.status == 409 or (exc.status == 404 and expected_version):
                 # 409: Conflict (stale resourceVersion) or AlreadyExists; 404: the object went
@@ -114,8 +125,13 @@ class KubernetesLedger(Ledger):
         uid = self._node_uids.get(node)
         if uid is None:
             return None
-        return {"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid,
-                "blockOwnerDeletion": False}
+        return {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "name": node,
+            "uid": uid,
+            "blockOwnerDeletion": False,
+        }
 
     async def watch_node(self, node: str) -> AsyncIterator[list[Allocation]]:
         """The allocations on ``node``, now and after every change (for the node daemon: shares
@@ -131,7 +147,9 @@ class KubernetesLedger(Ledger):
             yield current
             try:
                 async for event in self.kube.watch(
-                    "gpuledgers", self.namespace, version,
+                    "gpuledgers",
+                    self.namespace,
+                    version,
                     field_selector=f"metadata.name={node}",
                 ):
                     if event["type"] == "BOOKMARK":

@@ -87,19 +87,32 @@ class PodSettings:
     @classmethod
     def from_config(cls, cfg: Any) -> PodSettings:
         return cls(
-            image=cfg.image, image_pull_policy=cfg.image_pull_policy,
-            resources=dict(cfg.resources), env=dict(cfg.env), volumes=list(cfg.volumes),
-            volume_mounts=list(cfg.volume_mounts), tolerations=list(cfg.tolerations),
-            node_selector=dict(cfg.node_selector), labels=dict(cfg.labels),
-            annotations=dict(cfg.annotations), service_account=cfg.service_account,
-            runtime_class=cfg.runtime_class, pod_template=dict(cfg.pod_template),
-            connection_dir=cfg.connection_dir, socket_host_path=cfg.daemon_socket_host_path,
-            socket_mount_path=cfg.daemon_socket_mount_path, socket_name=cfg.daemon_socket_name,
+            image=cfg.image,
+            image_pull_policy=cfg.image_pull_policy,
+            resources=dict(cfg.resources),
+            env=dict(cfg.env),
+            volumes=list(cfg.volumes),
+            volume_mounts=list(cfg.volume_mounts),
+            tolerations=list(cfg.tolerations),
+            node_selector=dict(cfg.node_selector),
+            labels=dict(cfg.labels),
+            annotations=dict(cfg.annotations),
+            service_account=cfg.service_account,
+            runtime_class=cfg.runtime_class,
+            pod_template=dict(cfg.pod_template),
+            connection_dir=cfg.connection_dir,
+            socket_host_path=cfg.daemon_socket_host_path,
+            socket_mount_path=cfg.daemon_socket_mount_path,
+            socket_name=cfg.daemon_socket_name,
             interposer_host_path=cfg.interposer_host_path,
             interposer_mount_path=cfg.interposer_mount_path,
-            preload_interposer=cfg.preload_interposer, termination_grace=cfg.termination_grace,
-            device_plugin=cfg.device_plugin, share_resource=cfg.share_resource,
-            run_as_user=cfg.run_as_user, run_as_group=cfg.run_as_group, fs_group=cfg.fs_group,
+            preload_interposer=cfg.preload_interposer,
+            termination_grace=cfg.termination_grace,
+            device_plugin=cfg.device_plugin,
+            share_resource=cfg.share_resource,
+            run_as_user=cfg.run_as_user,
+            run_as_group=cfg.run_as_group,
+            fs_group=cfg.fs_group,
         )
 
     @property
@@ -155,12 +168,14 @@ def kernel_environment(request: KernelPodRequest, settings: PodSettings) -> dict
         if not settings.preload_interposer:  # the spec's env overrides the plugin's
             env["LD_PRELOAD"] = ""
         return env
-    env.update({
-        "GPUSHARE_ALLOCATION_ID": request.allocation_id,
-        "GPUSHARE_SOCKET": settings.socket_path,
-        "GPUSHARE_NODE": request.node,
-        "NVIDIA_VISIBLE_DEVICES": visible_devices(request.gpus),
-    })
+    env.update(
+        {
+            "GPUSHARE_ALLOCATION_ID": request.allocation_id,
+            "GPUSHARE_SOCKET": settings.socket_path,
+            "GPUSHARE_NODE": request.node,
+            "NVIDIA_VISIBLE_DEVICES": visible_devices(request.gpus),
+        }
+    )
     if request.gpu_memory:  # fail static (see daemon.env.kernel_env)
         env["GPUSHARE_GPU_REQUEST"] = repr(float(request.gpu_request))
         env["GPUSHARE_GPU_MEMORY"] = str(int(request.gpu_memory))
@@ -198,8 +213,7 @@ def kernel_pod(request: KernelPodRequest, settings: PodSettings) -> dict[str, An
         "volumeMounts": [
             {"name": "connection", "mountPath": settings.connection_dir, "readOnly": True},
             {"name": "gpushare-socket", "mountPath": settings.socket_mount_path},
-            {"name": "gpushare-lib", "mountPath": settings.interposer_mount_path,
-             "readOnly": True},
+            {"name": "gpushare-lib", "mountPath": settings.interposer_mount_path, "readOnly": True},
             *copy.deepcopy(list(settings.volume_mounts)),
         ],
     }
@@ -212,10 +226,14 @@ def kernel_pod(request: KernelPodRequest, settings: PodSettings) -> dict[str, An
         "containers": [container],
         "volumes": [
             {"name": "connection", "secret": {"secretName": request.name, "defaultMode": 0o400}},
-            {"name": "gpushare-socket",
-             "hostPath": {"path": settings.socket_host_path, "type": "DirectoryOrCreate"}},
-            {"name": "gpushare-lib",
-             "hostPath": {"path": settings.interposer_host_path, "type": "DirectoryOrCreate"}},
+            {
+                "name": "gpushare-socket",
+                "hostPath": {"path": settings.socket_host_path, "type": "DirectoryOrCreate"},
+            },
+            {
+                "name": "gpushare-lib",
+                "hostPath": {"path": settings.interposer_host_path, "type": "DirectoryOrCreate"},
+            },
             *copy.deepcopy(list(settings.volumes)),
         ],
     }
@@ -223,8 +241,9 @@ def kernel_pod(request: KernelPodRequest, settings: PodSettings) -> dict[str, An
     return deep_merge(_pod_object(request, settings, spec), settings.pod_template)
 
 
-def _restricted_pod(request: KernelPodRequest, settings: PodSettings,
-                    env: Mapping[str, str]) -> dict[str, Any]:
+def _restricted_pod(
+    request: KernelPodRequest, settings: PodSettings, env: Mapping[str, str]
+) -> dict[str, Any]:
     units = str(share_units(request))
     resources = copy.deepcopy(dict(settings.resources))
     for kind in ("requests", "limits"):
@@ -273,15 +292,22 @@ def _restricted_pod(request: KernelPodRequest, settings: PodSettings,
 
 
 def _on_node(node: str) -> dict[str, Any]:
-    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-        "nodeSelectorTerms": [{"matchFields": [
-            {"key": "metadata.name", "operator": "In", "values": [node]},
-        ]}],
-    }}}
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {
+                        "matchFields": [
+                            {"key": "metadata.name", "operator": "In", "values": [node]},
+                        ]
+                    }
+                ],
+            }
+        }
+    }
 
 
-def _common_spec(spec: dict[str, Any], request: KernelPodRequest,
-                 settings: PodSettings) -> None:
+def _common_spec(spec: dict[str, Any], request: KernelPodRequest, settings: PodSettings) -> None:
     if settings.tolerations:
         spec["tolerations"] = copy.deepcopy(list(settings.tolerations))
     if settings.node_selector:
@@ -293,8 +319,9 @@ def _common_spec(spec: dict[str, Any], request: KernelPodRequest,
         spec["runtimeClassName"] = settings.runtime_class
 
 
-def _pod_object(request: KernelPodRequest, settings: PodSettings,
-                spec: dict[str, Any]) -> dict[str, Any]:
+def _pod_object(
+    request: KernelPodRequest, settings: PodSettings, spec: dict[str, Any]
+) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -327,7 +354,10 @@ def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def connection_secret(
-    name: str, namespace: str, connection: Mapping[str, Any], owner: Mapping[str, Any],
+    name: str,
+    namespace: str,
+    connection: Mapping[str, Any],
+    owner: Mapping[str, Any],
     kernel_id: str,
 ) -> dict[str, Any]:
     """The kernel's connection file (key, ports) as a Secret; the pod mounts it. The key is
@@ -367,8 +397,12 @@ def lease_name(server_id: str) -> str:
 
 
 def server_lease(
-    server_id: str, namespace: str, holder: str, duration: float,
-    owner: Mapping[str, Any] | None = None, now: datetime | None = None,
+    server_id: str,
+    namespace: str,
+    holder: str,
+    duration: float,
+    owner: Mapping[str, Any] | None = None,
+    now: datetime | None = None,
 ) -> dict[str, Any]:
     now = now or datetime.now(timezone.utc)
     metadata: dict[str, Any] = {
@@ -419,11 +453,17 @@ def lease_expired(lease: Mapping[str, Any], now: datetime, grace: float = 0.0) -
 
 
 def ledger_object(
-    node: str, namespace: str, allocations: Sequence[Mapping[str, Any]],
-    node_owner: Mapping[str, Any] | None = None, resource_version: str | None = None,
+    node: str,
+    namespace: str,
+    allocations: Sequence[Mapping[str, Any]],
+    node_owner: Mapping[str, Any] | None = None,
+    resource_version: str | None = None,
 ) -> dict[str, Any]:
-    metadata: dict[str, Any] = {"name": node, "namespace": namespace,
-                                "labels": {LABEL_COMPONENT: "gpushare-ledger"}}
+    metadata: dict[str, Any] = {
+        "name": node,
+        "namespace": namespace,
+        "labels": {LABEL_COMPONENT: "gpushare-ledger"},
+    }
     if node_owner:
         metadata["ownerReferences"] = [dict(node_owner)]
     if resource_version is not None:
@@ -442,11 +482,20 @@ def ledger_object(
 
 def gpus_annotation(gpus: Sequence[Gpu]) -> str:
     """The ``gpushare.jupyter.org/gpus`` annotation the node daemon publishes on its Node."""
-    return json.dumps([
-        {"uuid": g.uuid, "index": g.index, "name": g.name, "memory": g.memory,
-         "healthy": g.healthy, "simulated": g.simulated}
-        for g in sorted(gpus, key=lambda g: g.index)
-    ], separators=(",", ":"))
+    return json.dumps(
+        [
+            {
+                "uuid": g.uuid,
+                "index": g.index,
+                "name": g.name,
+                "memory": g.memory,
+                "healthy": g.healthy,
+                "simulated": g.simulated,
+            }
+            for g in sorted(gpus, key=lambda g: g.index)
+        ],
+        separators=(",", ":"),
+    )
 
 
 def node_gpu_patch(gpus: Sequence[Gpu]) -> dict[str, Any]:
@@ -457,8 +506,7 @@ def node_gpu_patch(gpus: Sequence[Gpu]) -> dict[str, Any]:
     }
     if gpus and all(g.simulated for g in gpus):
         labels[SIMULATED_LABEL] = "true"
-    return {"metadata": {"annotations": {GPUS_ANNOTATION: gpus_annotation(gpus)},
-                         "labels": labels}}
+    return {"metadata": {"annotations": {GPUS_ANNOTATION: gpus_annotation(gpus)}, "labels": labels}}
 
 
 def _label_value(text: str) -> str:
@@ -485,12 +533,19 @@ def gpus_from_node(node: Mapping[str, Any], aliases: TypeAliases) -> list[Gpu]:
             entries = []
         for e in entries:
             product = str(e.get("name", labels.get(PRODUCT_LABEL, "GPU")))
-            gpus.append(Gpu(
-                node=name, uuid=str(e["uuid"]), index=int(e.get("index", len(gpus))),
-                name=product, type=aliases.alias_for(product), memory=int(e.get("memory", 0)),
-                healthy=bool(e.get("healthy", True)) and ready, cordoned=cordoned,
-                simulated=bool(e.get("simulated", False)),
-            ))
+            gpus.append(
+                Gpu(
+                    node=name,
+                    uuid=str(e["uuid"]),
+                    index=int(e.get("index", len(gpus))),
+                    name=product,
+                    type=aliases.alias_for(product),
+                    memory=int(e.get("memory", 0)),
+                    healthy=bool(e.get("healthy", True)) and ready,
+                    cordoned=cordoned,
+                    simulated=bool(e.get("simulated", False)),
+                )
+            )
         return gpus
     label = labels.get(PRODUCT_LABEL)
     if not label:
@@ -502,9 +557,17 @@ def gpus_from_node(node: Mapping[str, Any], aliases: TypeAliases) -> list[Gpu]:
     except ValueError:
         return []
     return [
-        Gpu(node=name, uuid=f"{name}/{i}", index=i, name=product,
-            type=aliases.alias_for(product), memory=memory, healthy=ready, cordoned=cordoned,
-            simulated=labels.get(SIMULATED_LABEL) == "true")
+        Gpu(
+            node=name,
+            uuid=f"{name}/{i}",
+            index=i,
+            name=product,
+            type=aliases.alias_for(product),
+            memory=memory,
+            healthy=ready,
+            cordoned=cordoned,
+            simulated=labels.get(SIMULATED_LABEL) == "true",
+        )
         for i in range(count)
     ]
 
@@ -520,8 +583,13 @@ def _node_ready(node: Mapping[str, Any]) -> bool:
 
 #: Waiting reasons after which a container will not start without someone changing something.
 FATAL_WAITING = {
-    "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
-    "CreateContainerConfigError", "CreateContainerError", "RunContainerError",
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "ErrImageNeverPull",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "RunContainerError",
     "CrashLoopBackOff",
 }
 
@@ -546,8 +614,11 @@ def pod_failure(pod: Mapping[str, Any]) -> str | None:
             detail = reason or phase
         return f"pod {name} {phase}: {detail}" + (f": {message}" if message else "")
     for cond in status.get("conditions") or []:
-        if (cond.get("type") == "PodScheduled" and cond.get("status") == "False"
-                and cond.get("reason") == "Unschedulable"):
+        if (
+            cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == "Unschedulable"
+        ):
             return f"pod {name} is Unschedulable: {cond.get('message', '')}".rstrip(": ")
     for cs in status.get("containerStatuses") or []:
         waiting = (cs.get("state") or {}).get("waiting") or {}

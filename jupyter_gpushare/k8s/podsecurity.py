@@ -13,21 +13,53 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 #: capabilities the baseline level lets a container add
-BASELINE_CAPABILITIES = frozenset({
-    "AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
-    "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT",
-})
-SAFE_SYSCTLS = frozenset({
-    "kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
-    "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
-    "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
-    "net.ipv4.tcp_keepalive_probes",
-})
-SELINUX_TYPES = frozenset({"", "container_t", "container_init_t", "container_kvm_t",
-                           "container_engine_t"})
+BASELINE_CAPABILITIES = frozenset(
+    {
+        "AUDIT_WRITE",
+        "CHOWN",
+        "DAC_OVERRIDE",
+        "FOWNER",
+        "FSETID",
+        "KILL",
+        "MKNOD",
+        "NET_BIND_SERVICE",
+        "SETFCAP",
+        "SETGID",
+        "SETPCAP",
+        "SETUID",
+        "SYS_CHROOT",
+    }
+)
+SAFE_SYSCTLS = frozenset(
+    {
+        "kernel.shm_rmid_forced",
+        "net.ipv4.ip_local_port_range",
+        "net.ipv4.ip_unprivileged_port_start",
+        "net.ipv4.tcp_syncookies",
+        "net.ipv4.ping_group_range",
+        "net.ipv4.ip_local_reserved_ports",
+        "net.ipv4.tcp_keepalive_time",
+        "net.ipv4.tcp_fin_timeout",
+        "net.ipv4.tcp_keepalive_intvl",
+        "net.ipv4.tcp_keepalive_probes",
+    }
+)
+SELINUX_TYPES = frozenset(
+    {"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
+)
 #: volume types the restricted level allows
-RESTRICTED_VOLUMES = frozenset({"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
-                                "persistentVolumeClaim", "projected", "secret"})
+RESTRICTED_VOLUMES = frozenset(
+    {
+        "configMap",
+        "csi",
+        "downwardAPI",
+        "emptyDir",
+        "ephemeral",
+        "persistentVolumeClaim",
+        "projected",
+        "secret",
+    }
+)
 APPARMOR_PREFIX = "container.apparmor.security.beta.kubernetes.io/"
 
 
@@ -47,7 +79,8 @@ def baseline_violations(pod: Mapping[str, Any]) -> list[str]:
             out.append(f"host namespaces: spec.{field} must be unset or false")
     psc = spec.get("securityContext") or {}
     if (spec.get("os") or {}).get("name") != "windows" and (psc.get("windowsOptions") or {}).get(
-            "hostProcess"):
+        "hostProcess"
+    ):
         out.append("HostProcess: spec.securityContext.windowsOptions.hostProcess must be false")
     for vol in spec.get("volumes") or []:
         if "hostPath" in vol:
@@ -59,10 +92,12 @@ def baseline_violations(pod: Mapping[str, Any]) -> list[str]:
     out += _seccomp_baseline("spec.securityContext", psc)
     out += _apparmor("spec.securityContext", psc)
     for key, value in (meta.get("annotations") or {}).items():
-        if key.startswith(APPARMOR_PREFIX) and value not in ("runtime/default",) and not str(
-                value).startswith("localhost/"):
-            out.append(f"AppArmor: annotation {key}={value} must be runtime/default or "
-                       "localhost/*")
+        if (
+            key.startswith(APPARMOR_PREFIX)
+            and value not in ("runtime/default",)
+            and not str(value).startswith("localhost/")
+        ):
+            out.append(f"AppArmor: annotation {key}={value} must be runtime/default or localhost/*")
     for where, c in _containers(spec):
         sc = c.get("securityContext") or {}
         if sc.get("privileged"):
@@ -90,8 +125,10 @@ def restricted_violations(pod: Mapping[str, Any]) -> list[str]:
     for vol in spec.get("volumes") or []:
         bad = [k for k in vol if k != "name" and k not in RESTRICTED_VOLUMES]
         if bad:
-            out.append(f"volume types: volume {vol.get('name')!r} is {bad[0]} (allowed: "
-                       f"{', '.join(sorted(RESTRICTED_VOLUMES))})")
+            out.append(
+                f"volume types: volume {vol.get('name')!r} is {bad[0]} (allowed: "
+                f"{', '.join(sorted(RESTRICTED_VOLUMES))})"
+            )
     psc = spec.get("securityContext") or {}
     pod_non_root = psc.get("runAsNonRoot") is True
     pod_seccomp = (psc.get("seccompProfile") or {}).get("type")
@@ -100,26 +137,26 @@ def restricted_violations(pod: Mapping[str, Any]) -> list[str]:
     for where, c in _containers(spec):
         sc = c.get("securityContext") or {}
         if sc.get("allowPrivilegeEscalation") is not False:
-            out.append(f"privilege escalation: {where}.securityContext.allowPrivilegeEscalation "
-                       "must be false")
+            out.append(
+                f"privilege escalation: {where}.securityContext.allowPrivilegeEscalation "
+                "must be false"
+            )
         non_root = sc.get("runAsNonRoot")
         if non_root is False or (non_root is None and not pod_non_root):
             out.append(f"running as non-root: {where} must set runAsNonRoot: true (or the pod)")
         if sc.get("runAsUser") == 0:
-            out.append(f"running as non-root user: {where}.securityContext.runAsUser must not "
-                       "be 0")
+            out.append(f"running as non-root user: {where}.securityContext.runAsUser must not be 0")
         seccomp = (sc.get("seccompProfile") or {}).get("type") or pod_seccomp
         if seccomp not in ("RuntimeDefault", "Localhost"):
-            out.append(f"seccomp: {where} needs seccompProfile RuntimeDefault or Localhost (or "
-                       "the pod's)")
+            out.append(
+                f"seccomp: {where} needs seccompProfile RuntimeDefault or Localhost (or the pod's)"
+            )
         caps = sc.get("capabilities") or {}
         if "ALL" not in (caps.get("drop") or []):
-            out.append(f"capabilities: {where}.securityContext.capabilities.drop must include "
-                       "ALL")
+            out.append(f"capabilities: {where}.securityContext.capabilities.drop must include ALL")
         extra = set(caps.get("add") or []) - {"NET_BIND_SERVICE"}
         if extra:
-            out.append(f"capabilities: {where} may add only NET_BIND_SERVICE, adds "
-                       f"{sorted(extra)}")
+            out.append(f"capabilities: {where} may add only NET_BIND_SERVICE, adds {sorted(extra)}")
     return out
 
 

@@ -64,7 +64,11 @@ def stale_reason(
 
 class Reconciler:
     def __init__(
-        self, kube: Kube, namespace: str, node: str | None = None, grace: float = 10.0,
+        self,
+        kube: Kube,
+        namespace: str,
+        node: str | None = None,
+        grace: float = 10.0,
         aliases: TypeAliases | None = None,
     ) -> None:
         self.kube = kube
@@ -78,9 +82,15 @@ class Reconciler:
         """One pass; returns the records released."""
         now = datetime.now(timezone.utc)
         leases = await self._leases(now)
-        pods = {p["metadata"]["name"]: p for p in (await self.kube.list_pods(
-            self.namespace, f"{manifests.LABEL_COMPONENT}={manifests.KERNEL_COMPONENT}"
-        )).get("items") or []}
+        pods = {
+            p["metadata"]["name"]: p
+            for p in (
+                await self.kube.list_pods(
+                    self.namespace, f"{manifests.LABEL_COMPONENT}={manifests.KERNEL_COMPONENT}"
+                )
+            ).get("items")
+            or []
+        }
         clock = time.monotonic()
         released = []
         for allocation in await self.ledger.list(self.node):
@@ -90,13 +100,13 @@ class Reconciler:
                 self._missing.setdefault(key, clock)
             else:
                 self._missing.pop(key, None)
-            reason = stale_reason(allocation, leases, pods, now, self._missing.get(key),
-                                  self.grace, clock)
+            reason = stale_reason(
+                allocation, leases, pods, now, self._missing.get(key), self.grace, clock
+            )
             if reason is None:
                 continue
             if await self.ledger.release(allocation.id, if_unchanged=allocation) is not None:
-                log.info("gpushare: released %s on %s: %s", allocation.id, allocation.node,
-                         reason)
+                log.info("gpushare: released %s on %s: %s", allocation.id, allocation.node, reason)
                 released.append(allocation)
             self._missing.pop(key, None)
         return released
@@ -112,8 +122,9 @@ class Reconciler:
             if manifests.lease_expired(lease, now, self.grace):
                 with contextlib.suppress(ApiException):
                     if await self.kube.delete_lease(self.namespace, lease["metadata"]["name"]):
-                        log.info("gpushare: deleted expired server lease %s",
-                                 lease["metadata"]["name"])
+                        log.info(
+                            "gpushare: deleted expired server lease %s", lease["metadata"]["name"]
+                        )
                 continue
             live[server] = lease
         return live
@@ -139,7 +150,9 @@ class Reconciler:
             try:
                 listing = await self.kube.list_pods(self.namespace, selector)
                 async for event in self.kube.watch(
-                    "pods", self.namespace, listing["metadata"]["resourceVersion"],
+                    "pods",
+                    self.namespace,
+                    listing["metadata"]["resourceVersion"],
                     label_selector=selector,
                 ):
                     if event["type"] == "DELETED":
@@ -167,8 +180,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--node", default="", help="only this node's records (DaemonSet)")
     parser.add_argument("--kubeconfig", default="", help="default: in-cluster or $KUBECONFIG")
     parser.add_argument("--interval", type=float, default=5.0)
-    parser.add_argument("--grace", type=float, default=10.0,
-                        help="seconds a lease may be overdue or a pod missing before reclaiming")
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=10.0,
+        help="seconds a lease may be overdue or a pod missing before reclaiming",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     with contextlib.suppress(KeyboardInterrupt):

@@ -64,14 +64,19 @@ def configmap_name(node: str) -> str:
     if len(name) <= 253:
         return name
     digest = hashlib.sha1(node.encode()).hexdigest()[:10]
-    return f"{NAME_PREFIX}{node[:253 - len(NAME_PREFIX) - 11]}-{digest}"
+    return f"{NAME_PREFIX}{node[: 253 - len(NAME_PREFIX) - 11]}-{digest}"
 
 
 # -- the daemon side ---------------------------------------------------------------------------
 
 
-def usage_document(status: Mapping[str, Any], servers: Mapping[str, str | None], node: str,
-                   interval: float, now: float) -> dict[str, Any]:
+def usage_document(
+    status: Mapping[str, Any],
+    servers: Mapping[str, str | None],
+    node: str,
+    interval: float,
+    now: float,
+) -> dict[str, Any]:
     """The published form of a daemon's status (pure). ``servers``: allocation id -> the Jupyter
     server that holds it (``extra.k8s_server``), so a server can pick its own without reading
     the ledger."""
@@ -83,27 +88,29 @@ def usage_document(status: Mapping[str, Any], servers: Mapping[str, str | None],
     gpus = []
     for g in status.get("gpus") or []:
         nvml = g.get("nvml") or {}
-        gpus.append({
-            "uuid": g.get("uuid"),
-            "busy_share": g.get("busy_share"),
-            "allocations": len(g.get("allocations") or []),
-            "nvml": {k: nvml.get(k) for k in NVML_KEYS} if nvml else None,
-        })
+        gpus.append(
+            {
+                "uuid": g.get("uuid"),
+                "busy_share": g.get("busy_share"),
+                "allocations": len(g.get("allocations") or []),
+                "nvml": {k: nvml.get(k) for k in NVML_KEYS} if nvml else None,
+            }
+        )
     daemon = status.get("daemon") or {}
     return {
         "format": FORMAT,
         "node": node,
         "time": round(now, 3),
         "interval_s": interval,
-        "daemon": {k: daemon.get(k) for k in ("pid", "epoch", "uptime_s", "window_ms",
-                                              "clients")},
+        "daemon": {k: daemon.get(k) for k in ("pid", "epoch", "uptime_s", "window_ms", "clients")},
         "allocations": allocations,
         "gpus": gpus,
     }
 
 
-def usage_configmap(document: Mapping[str, Any], namespace: str,
-                    owner: Mapping[str, Any] | None) -> dict[str, Any]:
+def usage_configmap(
+    document: Mapping[str, Any], namespace: str, owner: Mapping[str, Any] | None
+) -> dict[str, Any]:
     """The ConfigMap holding ``document`` (pure)."""
     node = str(document["node"])
     meta: dict[str, Any] = {
@@ -113,8 +120,12 @@ def usage_configmap(document: Mapping[str, Any], namespace: str,
     }
     if owner is not None:
         meta["ownerReferences"] = [dict(owner)]
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
-            "data": {DATA_KEY: json.dumps(document, separators=(",", ":"))}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta,
+        "data": {DATA_KEY: json.dumps(document, separators=(",", ":"))},
+    }
 
 
 class UsagePublisher(PeriodicTask):
@@ -125,11 +136,16 @@ class UsagePublisher(PeriodicTask):
 
     what = "usage report"
 
-    def __init__(self, kube: Kube, namespace: str, node: str,
-                 status: Callable[[], Mapping[str, Any]],
-                 servers: Callable[[], Mapping[str, str | None]],
-                 interval: float = DEFAULT_INTERVAL, clock: Callable[[], float] = time.time
-                 ) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        namespace: str,
+        node: str,
+        status: Callable[[], Mapping[str, Any]],
+        servers: Callable[[], Mapping[str, str | None]],
+        interval: float = DEFAULT_INTERVAL,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         super().__init__(log)
         self.kube = kube
         self.namespace = namespace
@@ -147,8 +163,7 @@ class UsagePublisher(PeriodicTask):
         return self.every
 
     def document(self) -> dict[str, Any]:
-        return usage_document(self.status(), self.servers(), self.node, self.every,
-                              self.clock())
+        return usage_document(self.status(), self.servers(), self.node, self.every, self.clock())
 
     async def publish_once(self) -> None:
         document = self.document()
@@ -162,9 +177,13 @@ class UsagePublisher(PeriodicTask):
                 self._exists = False
         core: Any = self.kube.core  # plain dicts in, JSON out (as in .client)
         try:
-            await self.kube._json(core.create_namespaced_config_map(
-                self.namespace, usage_configmap(document, self.namespace, await self._owner()),
-                _preload_content=False))
+            await self.kube._json(
+                core.create_namespaced_config_map(
+                    self.namespace,
+                    usage_configmap(document, self.namespace, await self._owner()),
+                    _preload_content=False,
+                )
+            )
         except ApiException as exc:
             if exc.status != 409:  # AlreadyExists: a previous run of this daemon made it
                 raise
@@ -174,9 +193,15 @@ class UsagePublisher(PeriodicTask):
     async def _patch(self, document: Mapping[str, Any]) -> None:
         body = {"data": {DATA_KEY: json.dumps(document, separators=(",", ":"))}}
         core: Any = self.kube.core
-        await self.kube._json(core.patch_namespaced_config_map(
-            self.name, self.namespace, body, _content_type="application/merge-patch+json",
-            _preload_content=False))
+        await self.kube._json(
+            core.patch_namespaced_config_map(
+                self.name,
+                self.namespace,
+                body,
+                _content_type="application/merge-patch+json",
+                _preload_content=False,
+            )
+        )
 
     async def _owner(self) -> dict[str, Any] | None:
         """The Node, so that the ConfigMap goes with it; None when it cannot be read."""
@@ -184,8 +209,13 @@ class UsagePublisher(PeriodicTask):
             node = await self.kube.read_node(self.node)
         except ApiException:
             return None
-        return {"apiVersion": "v1", "kind": "Node", "name": self.node,
-                "uid": node["metadata"]["uid"], "blockOwnerDeletion": False}
+        return {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "name": self.node,
+            "uid": node["metadata"]["uid"],
+            "blockOwnerDeletion": False,
+        }
 
     async def run_once(self) -> None:
         try:
@@ -195,8 +225,13 @@ class UsagePublisher(PeriodicTask):
         except Exception as exc:  # never stop the daemon over its usage report
             text = f"{type(exc).__name__}: {getattr(exc, 'reason', None) or exc}"
             if text != self._last_error:
-                log.warning("writing usage ConfigMap %s/%s failed (retrying every %g s): %s",
-                            self.namespace, self.name, self.every, text)
+                log.warning(
+                    "writing usage ConfigMap %s/%s failed (retrying every %g s): %s",
+                    self.namespace,
+                    self.name,
+                    self.every,
+                    text,
+                )
             self._last_error = text
             return
         self.published += 1
@@ -205,8 +240,9 @@ class UsagePublisher(PeriodicTask):
         self._last_error = None
 
 
-def start_publisher(daemon: Any, ledger: Any, interval: float = DEFAULT_INTERVAL
-                    ) -> UsagePublisher | None:
+def start_publisher(
+    daemon: Any, ledger: Any, interval: float = DEFAULT_INTERVAL
+) -> UsagePublisher | None:
     """Start publishing ``daemon``'s usage when it follows a Kubernetes ledger (else None)."""
     from .ledger import KubernetesLedger
 
@@ -216,10 +252,15 @@ def start_publisher(daemon: Any, ledger: Any, interval: float = DEFAULT_INTERVAL
     def servers() -> dict[str, str | None]:
         return {a.id: a.extra.get("k8s_server") for a in daemon.allocations.values()}
 
-    log.info("publishing usage to ConfigMap %s/%s every %g s", ledger.namespace,
-             configmap_name(daemon.settings.node), interval)
-    publisher = UsagePublisher(ledger.kube, ledger.namespace, daemon.settings.node,
-                               daemon.status, servers, interval)
+    log.info(
+        "publishing usage to ConfigMap %s/%s every %g s",
+        ledger.namespace,
+        configmap_name(daemon.settings.node),
+        interval,
+    )
+    publisher = UsagePublisher(
+        ledger.kube, ledger.namespace, daemon.settings.node, daemon.status, servers, interval
+    )
     publisher.start()
     return publisher
 
@@ -283,12 +324,16 @@ def view_of(reports: Sequence[NodeUsage]) -> UsageView:
             continue
         fresh.add(report.node)
         for entry in report.allocations:
-            allocations[str(entry["id"])] = {**entry, "node": report.node,
-                                             "age_s": round(report.age, 1)}
+            allocations[str(entry["id"])] = {
+                **entry,
+                "node": report.node,
+                "age_s": round(report.age, 1),
+            }
     message = None
     if stale:
         message = "no current usage from node(s) " + ", ".join(
-            f"{n} (last report {age:.0f} s ago)" for n, age in sorted(stale.items()))
+            f"{n} (last report {age:.0f} s ago)" for n, age in sorted(stale.items())
+        )
     elif not reports:
         message = "no node daemon has published usage (ConfigMaps " + SELECTOR + ")"
     return UsageView("kubernetes", allocations, frozenset(fresh), stale, message)
@@ -297,8 +342,9 @@ def view_of(reports: Sequence[NodeUsage]) -> UsageView:
 class UsageReader:
     """The usage ConfigMaps of a namespace, listed at most once per ``ttl`` seconds."""
 
-    def __init__(self, kube: Kube, namespace: str, ttl: float = 1.0,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, kube: Kube, namespace: str, ttl: float = 1.0, clock: Callable[[], float] = time.time
+    ) -> None:
         self.kube = kube
         self.namespace = namespace
         self.ttl = ttl
@@ -311,8 +357,11 @@ class UsageReader:
             now = time.monotonic()
             if not fresh and self._cached is not None and now - self._cached[0] < self.ttl:
                 return self._cached[1]
-            listing = await self.kube._json(self.kube.core.list_namespaced_config_map(
-                self.namespace, label_selector=SELECTOR, _preload_content=False))
+            listing = await self.kube._json(
+                self.kube.core.list_namespaced_config_map(
+                    self.namespace, label_selector=SELECTOR, _preload_content=False
+                )
+            )
             reports = read_configmaps(listing.get("items") or [], self.clock())
             self._cached = (now, reports)
             return reports
@@ -342,15 +391,19 @@ class ControllerModeUsage:
     through the controller is not built yet; every reading says so."""
 
     async def read(self, fresh: bool = False) -> UsageView:
-        return UsageView("kubernetes", message="live usage is not available in controller mode "
-                         "yet (the server holds no Kubernetes rights to read usage reports)")
+        return UsageView(
+            "kubernetes",
+            message="live usage is not available in controller mode "
+            "yet (the server holds no Kubernetes rights to read usage reports)",
+        )
 
     async def changed(self) -> None:
         """Nothing to do: node daemons watch their GpuLedger."""
 
 
 _sources: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, KubernetesUsage] = (
-    weakref.WeakKeyDictionary())
+    weakref.WeakKeyDictionary()
+)
 
 
 async def server_usage(settings: Any) -> KubernetesUsage:
@@ -369,6 +422,16 @@ async def server_usage(settings: Any) -> KubernetesUsage:
     return source
 
 
-__all__ = ["KubernetesUsage", "NodeUsage", "UsagePublisher", "UsageReader", "configmap_name",
-           "read_configmaps", "server_usage", "start_publisher", "usage_configmap",
-           "usage_document", "view_of"]
+__all__ = [
+    "KubernetesUsage",
+    "NodeUsage",
+    "UsagePublisher",
+    "UsageReader",
+    "configmap_name",
+    "read_configmaps",
+    "server_usage",
+    "start_publisher",
+    "usage_configmap",
+    "usage_document",
+    "view_of",
+]

@@ -51,7 +51,8 @@ class PodWatcher:
             await self.stop()
             raise ClusterUnavailable(
                 f"the Kubernetes API server did not answer within {timeout:g} s "
-                f"({self.last_error or 'no reply'})") from None
+                f"({self.last_error or 'no reply'})"
+            ) from None
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -83,6 +84,7 @@ class PodWatcher:
     ) -> Pod | None:
         """Wait until ``done(pod)`` (pod None once deleted); returns the pod. Raises
         :class:`TimeoutError` after ``timeout`` seconds."""
+
         async def waiting() -> Pod | None:
             async with self._changed:
                 while True:

@@ -50,8 +50,12 @@ class LedgerUnavailable(RuntimeError):
         self.reason = reason
 
     def to_json(self) -> dict[str, str]:
-        return {"error": "ledger_unavailable", "message": str(self), "ledger": self.where,
-                "reason": self.reason}
+        return {
+            "error": "ledger_unavailable",
+            "message": str(self),
+            "ledger": self.where,
+            "reason": self.reason,
+        }
 
 
 class AllocationNotFound(KeyError):

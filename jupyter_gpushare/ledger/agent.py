@@ -69,25 +69,36 @@ class AgentLedger(Ledger):
     async def request(self, message: dict[str, Any]) -> dict[str, Any]:
         try:
             reply = await asyncio.wait_for(self._request(message), TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError,
-                asyncio.LimitOverrunError, ValueError) as exc:
+        except (
+            OSError,
+            asyncio.TimeoutError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ValueError,
+        ) as exc:
             reason = str(exc) or type(exc).__name__
-            raise LedgerUnavailable(f"served by the agent on {self.socket_path}",
-                                    reason) from None
+            raise LedgerUnavailable(f"served by the agent on {self.socket_path}", reason) from None
         if not reply.get("ok"):
             if reply.get("error") == "ledger_unavailable":  # the agent's file, in its words
-                raise LedgerUnavailable(str(reply.get("ledger", self.socket_path)),
-                                        str(reply.get("reason", reply.get("message", ""))))
+                raise LedgerUnavailable(
+                    str(reply.get("ledger", self.socket_path)),
+                    str(reply.get("reason", reply.get("message", ""))),
+                )
             if reply.get("field"):
-                raise ShareError(str(reply["field"]), reply.get("value"),
-                                 str(reply.get("allowed", reply.get("message", ""))))
-            raise AgentRefused(str(reply.get("error", "refused")),
-                               str(reply.get("message", "the gpushare agent refused")), reply)
+                raise ShareError(
+                    str(reply["field"]),
+                    reply.get("value"),
+                    str(reply.get("allowed", reply.get("message", ""))),
+                )
+            raise AgentRefused(
+                str(reply.get("error", "refused")),
+                str(reply.get("message", "the gpushare agent refused")),
+                reply,
+            )
         return reply
 
     async def _request(self, message: dict[str, Any]) -> dict[str, Any]:
-        reader, writer = await asyncio.open_unix_connection(str(self.socket_path),
-                                                            limit=MAX_REPLY)
+        reader, writer = await asyncio.open_unix_connection(str(self.socket_path), limit=MAX_REPLY)
         try:
             writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
             await writer.drain()
@@ -99,8 +110,9 @@ class AgentLedger(Ledger):
             raise ValueError("the agent's reply is not a JSON object")
         return reply
 
-    async def allocate(self, spec: ShareSpec, inventory: Sequence[Gpu], place: Placer,
-                       **fields: Any) -> Allocation:
+    async def allocate(
+        self, spec: ShareSpec, inventory: Sequence[Gpu], place: Placer, **fields: Any
+    ) -> Allocation:
         """As :meth:`Ledger.allocate`; returns the allocation as the agent recorded it (owner
         uid and user name, the bound that applies)."""
         import os
@@ -134,12 +146,18 @@ class AgentLedger(Ledger):
     ) -> bool:
         from ..bound import to_json
 
-        reply = await self.request({
-            "op": "ledger.cas", "node": node, "version": expected_version,
-            "allocations": [{"id": a.id, "keep": True} if self._seen.get(a.id) == a
-                            else a.to_json() for a in allocations],
-            "bound": to_json(self.bound) if self.bound is not None else None,
-        })
+        reply = await self.request(
+            {
+                "op": "ledger.cas",
+                "node": node,
+                "version": expected_version,
+                "allocations": [
+                    {"id": a.id, "keep": True} if self._seen.get(a.id) == a else a.to_json()
+                    for a in allocations
+                ],
+                "bound": to_json(self.bound) if self.bound is not None else None,
+            }
+        )
         for data in reply.get("added") or []:  # the agent's stamped copies of new records
             added = Allocation.from_json(data)
             self._recorded[added.id] = added
@@ -148,8 +166,9 @@ class AgentLedger(Ledger):
         return bool(reply.get("swapped"))
 
     async def put_gpus(self, node: str, gpus: Sequence[Gpu]) -> None:
-        await self.request({"op": "ledger.put_gpus", "node": node,
-                            "gpus": [g.to_json() for g in gpus]})
+        await self.request(
+            {"op": "ledger.put_gpus", "node": node, "gpus": [g.to_json() for g in gpus]}
+        )
 
     async def gpus(self) -> list[Gpu]:
         reply = await self.request({"op": "ledger.gpus"})

@@ -62,25 +62,30 @@ class CachedSQLiteLedger(SQLiteLedger):
         upserts = [a for a in allocations if old.get(a.id) is not a and old.get(a.id) != a]
         gone = [i for i in old if i not in new_ids] + [a.id for a in upserts]
         self._writes += 1
-        swapped = await asyncio.to_thread(self._write_changes_sync, node, expected_version,
-                                          gone, upserts)
+        swapped = await asyncio.to_thread(
+            self._write_changes_sync, node, expected_version, gone, upserts
+        )
         self._writes += 1
         if swapped and self._snap is base:
             kept = tuple(a for a in base.allocations if a.node != node)
-            self._snap = Snapshot(allocations=kept + tuple(allocations),
-                                  versions={**base.versions, node: expected_version + 1})
+            self._snap = Snapshot(
+                allocations=kept + tuple(allocations),
+                versions={**base.versions, node: expected_version + 1},
+            )
         else:
             self._snap = None
         return swapped
 
     @_unavailable
-    def _write_changes_sync(self, node: str, expected_version: int, gone: Sequence[str],
-                            upserts: Sequence[Allocation]) -> bool:
+    def _write_changes_sync(
+        self, node: str, expected_version: int, gone: Sequence[str], upserts: Sequence[Allocation]
+    ) -> bool:
         with self._db_lock:
             if self._db is None:
                 self._connect().close()  # the file, its schema and WAL mode, as the base makes
-                db = sqlite3.connect(self.path, timeout=30, isolation_level=None,
-                                     check_same_thread=False)  # used under _db_lock only
+                db = sqlite3.connect(
+                    self.path, timeout=30, isolation_level=None, check_same_thread=False
+                )  # used under _db_lock only
                 db.execute("PRAGMA busy_timeout=30000")
                 db.execute("PRAGMA synchronous=NORMAL")
                 self._db = db
@@ -91,19 +96,30 @@ class CachedSQLiteLedger(SQLiteLedger):
                 self._db = None
                 raise
 
-    def _write_changes(self, db: sqlite3.Connection, node: str, expected_version: int,
-                       gone: Sequence[str], upserts: Sequence[Allocation]) -> bool:
+    def _write_changes(
+        self,
+        db: sqlite3.Connection,
+        node: str,
+        expected_version: int,
+        gone: Sequence[str],
+        upserts: Sequence[Allocation],
+    ) -> bool:
         with self._transaction(db, "IMMEDIATE"):
             row = db.execute("SELECT version FROM nodes WHERE node=?", (node,)).fetchone()
             if (row[0] if row else 0) != expected_version:
                 return False
-            db.executemany("DELETE FROM allocations WHERE node=? AND id=?",
-                           [(node, i) for i in gone])
-            db.executemany("INSERT INTO allocations (id, node, body) VALUES (?, ?, ?)",
-                           [(a.id, node, json.dumps(a.to_json())) for a in upserts])
-            db.execute("INSERT INTO nodes (node, version) VALUES (?, ?) "
-                       "ON CONFLICT(node) DO UPDATE SET version=excluded.version",
-                       (node, expected_version + 1))
+            db.executemany(
+                "DELETE FROM allocations WHERE node=? AND id=?", [(node, i) for i in gone]
+            )
+            db.executemany(
+                "INSERT INTO allocations (id, node, body) VALUES (?, ?, ?)",
+                [(a.id, node, json.dumps(a.to_json())) for a in upserts],
+            )
+            db.execute(
+                "INSERT INTO nodes (node, version) VALUES (?, ?) "
+                "ON CONFLICT(node) DO UPDATE SET version=excluded.version",
+                (node, expected_version + 1),
+            )
             return True
 
     async def put_gpus(self, node: str, gpus: Sequence[Gpu]) -> None:

@@ -62,8 +62,11 @@ def _unavailable(method: Callable[P, T]) -> Callable[P, T]:
         except (sqlite3.Error, OSError) as exc:  # OSError: the directory cannot be made
             ledger = args[0]
             assert isinstance(ledger, SQLiteLedger)
-            reason = (_reason(exc, ledger.path) if isinstance(exc, sqlite3.Error)
-                      else exc.strerror or str(exc))
+            reason = (
+                _reason(exc, ledger.path)
+                if isinstance(exc, sqlite3.Error)
+                else exc.strerror or str(exc)
+            )
             _log_unavailable(str(ledger.path), reason)
             raise LedgerUnavailable(str(ledger.path), reason) from None
 
@@ -181,8 +184,14 @@ class SQLiteLedger(Ledger):
             if key in self._warned:
                 return
             self._warned.add(key)
-        log.warning("gpushare: the ledger %s: skipping %s that cannot be read (%s: %s); it is "
-                    "kept in the file as it is", self.path, what, type(exc).__name__, exc)
+        log.warning(
+            "gpushare: the ledger %s: skipping %s that cannot be read (%s: %s); it is "
+            "kept in the file as it is",
+            self.path,
+            what,
+            type(exc).__name__,
+            exc,
+        )
 
     def _allocation(self, row_id: str, body: str) -> Allocation | None:
         try:
@@ -200,8 +209,9 @@ class SQLiteLedger(Ledger):
                 versions = dict(db.execute("SELECT node, version FROM nodes").fetchall())
                 rows = db.execute("SELECT id, body FROM allocations ORDER BY rowid").fetchall()
         allocations = (self._allocation(row_id, body) for row_id, body in rows)
-        return Snapshot(allocations=tuple(a for a in allocations if a is not None),
-                        versions=versions)
+        return Snapshot(
+            allocations=tuple(a for a in allocations if a is not None), versions=versions
+        )
 
     @_unavailable
     def compare_and_swap_sync(
@@ -213,10 +223,16 @@ class SQLiteLedger(Ledger):
                 return False
             rows = db.execute("SELECT id, body FROM allocations WHERE node=?", (node,))
             new = {a.id for a in allocations}
-            unreadable = [row_id for row_id, body in rows.fetchall()
-                          if row_id not in new and self._allocation(row_id, body) is None]
-            db.execute("DELETE FROM allocations WHERE node=? AND id NOT IN "
-                       f"({','.join('?' * len(unreadable))})", (node, *unreadable))
+            unreadable = [
+                row_id
+                for row_id, body in rows.fetchall()
+                if row_id not in new and self._allocation(row_id, body) is None
+            ]
+            db.execute(
+                "DELETE FROM allocations WHERE node=? AND id NOT IN "
+                f"({','.join('?' * len(unreadable))})",
+                (node, *unreadable),
+            )
             db.executemany(
                 "INSERT INTO allocations (id, node, body) VALUES (?, ?, ?)",
                 [(a.id, node, json.dumps(a.to_json())) for a in allocations],

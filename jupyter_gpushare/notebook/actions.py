@@ -83,8 +83,11 @@ def released() -> dict[str, Any] | None:
 def _client(timeout: float = 5.0) -> DaemonClient:
     path = os.environ.get("GPUSHARE_SOCKET")
     if not path:
-        raise NoShare("This kernel was not started with a GPU share (GPUSHARE_SOCKET is not "
-                      "set): pick a 'GPU share' kernel.", "no_share")
+        raise NoShare(
+            "This kernel was not started with a GPU share (GPUSHARE_SOCKET is not "
+            "set): pick a 'GPU share' kernel.",
+            "no_share",
+        )
     return DaemonClient(path, timeout=timeout)
 
 
@@ -137,15 +140,27 @@ def status() -> dict[str, Any]:
     answers; ``message`` says why) or ``unenforced`` (no daemon and no interposer: enforcement
     is off, the share is bookkeeping only). Never raises for these states: the panel shows them."""
     simulated = os.environ.get("GPUSHARE_SIMULATED") == "1"
-    base: dict[str, Any] = {"simulated": simulated, "allocation": None, "gpu": None,
-                            "reserved": _state.reserved, "memory_freed": _state.memory_freed}
+    base: dict[str, Any] = {
+        "simulated": simulated,
+        "allocation": None,
+        "gpu": None,
+        "reserved": _state.reserved,
+        "memory_freed": _state.memory_freed,
+    }
     if _state.released is not None:
-        return {**base, "state": "released", "released": _state.released,
-                "message": RELEASED_MESSAGE}
+        return {
+            **base,
+            "state": "released",
+            "released": _state.released,
+            "message": RELEASED_MESSAGE,
+        }
     current = allocation_id()
     if current is None or not os.environ.get("GPUSHARE_SOCKET"):
-        return {**base, "state": "none",
-                "message": "This kernel holds no GPU share: it was not started with one."}
+        return {
+            **base,
+            "state": "none",
+            "message": "This kernel holds no GPU share: it was not started with one.",
+        }
     try:
         reply = _client(timeout=2.0).status(current)
         if reply.get("error") == "unknown_allocation":  # the daemon may not have polled yet
@@ -153,11 +168,19 @@ def status() -> dict[str, Any]:
             reply = _client(timeout=2.0).status(current)
     except (DaemonUnavailable, OSError) as exc:
         if not _interposed():
-            return {**base, "state": "unenforced", "allocation_id": current,
-                    "message": f"This kernel holds the share {current}, but shares are not "
-                               "enforced here (no gpushare daemon), so there is no live usage."}
-        return {**base, "state": "unreachable", "allocation_id": current,
-                "message": f"The gpushare daemon is unreachable ({exc}); retrying."}
+            return {
+                **base,
+                "state": "unenforced",
+                "allocation_id": current,
+                "message": f"This kernel holds the share {current}, but shares are not "
+                "enforced here (no gpushare daemon), so there is no live usage.",
+            }
+        return {
+            **base,
+            "state": "unreachable",
+            "allocation_id": current,
+            "message": f"The gpushare daemon is unreachable ({exc}); retrying.",
+        }
     gone = reply.get("error") == "unknown_allocation"
     freed = _free_process_memory() if gone else None
     if gone and ((freed is not None and freed >= 0) or _state.seen_active):
@@ -167,11 +190,20 @@ def status() -> dict[str, Any]:
         with _state.lock:
             _state.released = {"id": current}
             _state.memory_freed = freed
-        return {**base, "state": "released", "released": _state.released, "memory_freed": freed,
-                "message": "It was released from outside this kernel. " + RELEASED_MESSAGE}
+        return {
+            **base,
+            "state": "released",
+            "released": _state.released,
+            "memory_freed": freed,
+            "message": "It was released from outside this kernel. " + RELEASED_MESSAGE,
+        }
     if not reply.get("ok"):
-        return {**base, "state": "unreachable", "allocation_id": current,
-                "message": f"The daemon refused the status of {current}: {reply.get('message')}"}
+        return {
+            **base,
+            "state": "unreachable",
+            "allocation_id": current,
+            "message": f"The daemon refused the status of {current}: {reply.get('message')}",
+        }
     _state.seen_active = True
     allocation = reply["allocations"][0]
     uuid = allocation["gpus"][0]["gpu"] if allocation.get("gpus") else None
@@ -180,8 +212,15 @@ def status() -> dict[str, Any]:
         if entry.get("uuid") == uuid:
             kernels = entry.get("shares", len(entry.get("allocations") or []))  # others unnamed
             gpu = {**_gpu_facts(uuid), **entry, "kernels": kernels}
-    return {**base, "state": "active", "allocation_id": current, "allocation": allocation,
-            "gpu": gpu, "daemon": reply.get("daemon"), "message": ""}
+    return {
+        **base,
+        "state": "active",
+        "allocation_id": current,
+        "allocation": allocation,
+        "gpu": gpu,
+        "daemon": reply.get("daemon"),
+        "message": "",
+    }
 
 
 # -- changing ------------------------------------------------------------------------------------
@@ -205,8 +244,9 @@ def release() -> dict[str, Any]:
     current = allocation_id()
     if current is None:
         if _state.released is not None:
-            raise NoShare("This kernel's GPU share was already released. " + RELEASED_MESSAGE,
-                          "released")
+            raise NoShare(
+                "This kernel's GPU share was already released. " + RELEASED_MESSAGE, "released"
+            )
         raise NoShare("This kernel holds no GPU share.", "no_share")
     try:
         reply = _ask(_client().release, current)
@@ -222,8 +262,11 @@ def release() -> dict[str, Any]:
     text = f"Released {describe(reply['released'])}."
     if freed:
         text += f" {format_bytes(freed)} of GPU memory freed."
-    return {"released": reply["released"], "memory_freed": freed,
-            "message": f"{text} {RELEASED_MESSAGE}"}
+    return {
+        "released": reply["released"],
+        "memory_freed": freed,
+        "message": f"{text} {RELEASED_MESSAGE}",
+    }
 
 
 def _release_without_daemon(current: str) -> dict[str, Any]:
@@ -234,7 +277,9 @@ def _release_without_daemon(current: str) -> dict[str, Any]:
     if not path or _interposed():
         raise DaemonUnreachable(
             "The gpushare daemon is unreachable, so the share cannot be released now; try again "
-            "in a moment, or shut the kernel down to give the GPU back.", "daemon")
+            "in a moment, or shut the kernel down to give the GPU back.",
+            "daemon",
+        )
     from ..ledger.sqlite import SQLiteLedger
 
     async def run() -> dict[str, Any]:
@@ -242,11 +287,17 @@ def _release_without_daemon(current: str) -> dict[str, Any]:
         try:
             found = (await ledger.snapshot()).find(current)
             if found is None:
-                return {"ok": False, "error": "unknown_allocation",
-                        "message": f"no allocation {current!r} in the ledger"}
+                return {
+                    "ok": False,
+                    "error": "unknown_allocation",
+                    "message": f"no allocation {current!r} in the ledger",
+                }
             if found.pid != os.getpid():
-                return {"ok": False, "error": "not_permitted",
-                        "message": f"allocation {current} is held by process {found.pid}"}
+                return {
+                    "ok": False,
+                    "error": "not_permitted",
+                    "message": f"allocation {current} is held by process {found.pid}",
+                }
             released = await ledger.release(current)
             return {"ok": True, "released": (released or found).to_json()}
         finally:
@@ -271,10 +322,13 @@ def _interposed() -> bool:
     return hasattr(ctypes.CDLL(None), "gpushare_release_memory")
 
 
-def _share_args(gpu_request: Any, gpu_limit: Any, gpu_memory: Any, gpu_type: Any
-                ) -> dict[str, Any]:
-    given = {"gpu_request": gpu_request, "gpu_limit": gpu_limit, "gpu_memory": gpu_memory,
-             "gpu_type": gpu_type}
+def _share_args(gpu_request: Any, gpu_limit: Any, gpu_memory: Any, gpu_type: Any) -> dict[str, Any]:
+    given = {
+        "gpu_request": gpu_request,
+        "gpu_limit": gpu_limit,
+        "gpu_memory": gpu_memory,
+        "gpu_type": gpu_type,
+    }
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -299,11 +353,16 @@ def request(
     current = allocation_id()
     if current is not None:
         if not share:
-            raise GpushareError("Nothing to change: give --gpu-request, --gpu-limit or "
-                                "--gpu-memory.", "invalid_share")
+            raise GpushareError(
+                "Nothing to change: give --gpu-request, --gpu-limit or --gpu-memory.",
+                "invalid_share",
+            )
         if gpu_type is not None:
-            raise GpushareError("A live change keeps the GPU: another GPU type needs a new "
-                                "share (release this one, then request).", "invalid_share")
+            raise GpushareError(
+                "A live change keeps the GPU: another GPU type needs a new "
+                "share (release this one, then request).",
+                "invalid_share",
+            )
         share, auto_memory = _live_change(current, share)
         reply = _ask(_client().resize, current, share)
         kept = ""
@@ -313,25 +372,37 @@ def request(
             kept = " The memory cap stays: the kernel uses more than request × GPU memory."
         if not reply.get("ok"):
             raise _refused(reply)
-        return {"allocation": reply["allocation"], "live": True,
-                "message": f"This kernel now holds {describe(reply['allocation'])} "
-                           f"(changed live).{kept}"}
+        return {
+            "allocation": reply["allocation"],
+            "live": True,
+            "message": f"This kernel now holds {describe(reply['allocation'])} "
+            f"(changed live).{kept}",
+        }
     if _state.released is None:
-        raise NoShare("This kernel holds no GPU share and released none: it was not started "
-                      "with one; pick a 'GPU share' kernel.", "no_share")
+        raise NoShare(
+            "This kernel holds no GPU share and released none: it was not started "
+            "with one; pick a 'GPU share' kernel.",
+            "no_share",
+        )
     if _state.reserved is not None:
-        raise GpushareError(f"A new share is already reserved ({describe(_state.reserved)}): "
-                            "restart the kernel to use it.", "reserved")
+        raise GpushareError(
+            f"A new share is already reserved ({describe(_state.reserved)}): "
+            "restart the kernel to use it.",
+            "reserved",
+        )
     reply = _ask(_client().reserve, share)
     if not reply.get("ok"):
         raise _refused(reply)
     with _state.lock:
         _state.reserved = reply["allocation"]
-    return {"allocation": reply["allocation"], "live": False,
-            "message": f"Reserved {describe(reply['allocation'])} for this kernel. This process "
-                       "released its GPU and cannot create a CUDA context again: restart the "
-                       "kernel (Kernel > Restart Kernel) to use the new share; the restart keeps "
-                       "it."}
+    return {
+        "allocation": reply["allocation"],
+        "live": False,
+        "message": f"Reserved {describe(reply['allocation'])} for this kernel. This process "
+        "released its GPU and cannot create a CUDA context again: restart the "
+        "kernel (Kernel > Restart Kernel) to use the new share; the restart keeps "
+        "it.",
+    }
 
 
 def _live_change(current: str, share: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -339,8 +410,7 @@ def _live_change(current: str, share: dict[str, Any]) -> tuple[dict[str, Any], b
     limit pinned (a request above it is refused here) and an auto memory cap following the
     request. Returns the change and whether the memory in it is that auto cap."""
     try:
-        asked = ShareSpec.from_mapping(share, defaults=ShareSpec(gpu_request=0.01,
-                                                                 gpu_limit=1.0))
+        asked = ShareSpec.from_mapping(share, defaults=ShareSpec(gpu_request=0.01, gpu_limit=1.0))
     except ShareError as exc:
         raise GpushareError(str(exc), "invalid_share", exc.to_json()) from None
     if "gpu_request" not in share:
@@ -357,13 +427,19 @@ def _live_change(current: str, share: dict[str, Any]) -> tuple[dict[str, Any], b
                 f"gpu_request {asked.gpu_request:g} is above this kernel's limit "
                 f"{limit:g} (the most it may use), and a request cannot exceed its limit: "
                 f"give the limit too, e.g. --gpu-request {asked.gpu_request:g} --gpu-limit "
-                f"{asked.gpu_request:g} (gpu_limit= in Python)", "invalid_share",
-                {"field": "gpu_request", "value": asked.gpu_request, "limit": limit})
+                f"{asked.gpu_request:g} (gpu_limit= in Python)",
+                "invalid_share",
+                {"field": "gpu_request", "value": asked.gpu_request, "limit": limit},
+            )
         change["gpu_limit"] = limit  # unchanged: never lifted with the request
     total = int((held.get("gpu") or {}).get("memory") or 0)
     cap = int(allocation.get("memory_cap") or 0)
-    auto = ("gpu_memory" not in share and total > 0 and asked.gpu_request != request
-            and abs(cap - int(total * request)) <= 1)
+    auto = (
+        "gpu_memory" not in share
+        and total > 0
+        and asked.gpu_request != request
+        and abs(cap - int(total * request)) <= 1
+    )
     if auto:
         change["gpu_memory"] = int(total * asked.gpu_request)
     return change, auto
@@ -378,8 +454,10 @@ def describe(allocation: dict[str, Any]) -> str:
     part = f"{request:g}" if request == limit else f"{request:g}–{limit:g}"
     article = "an" if kind[:1].upper() in "AEFHILMNORSX" else "a"
     gpus = ",".join(allocation.get("gpus") or [])
-    return (f"{part} of {article} {kind} ({allocation.get('id')}, "
-            f"{format_bytes(int(allocation.get('gpu_memory') or 0))}, {gpus})")
+    return (
+        f"{part} of {article} {kind} ({allocation.get('id')}, "
+        f"{format_bytes(int(allocation.get('gpu_memory') or 0))}, {gpus})"
+    )
 
 
 __all__ = [

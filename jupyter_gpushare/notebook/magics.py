@@ -61,9 +61,11 @@ def _gpus_text(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'node':<16} {'type':<6} {'uuid':<42} {'free':>5} {'free memory':>12}  shares"]
     for r in rows:
         sim = " (simulated)" if r.get("simulated") else ""
-        lines.append(f"{r['node']:<16} {r['type']:<6} {r['uuid']:<42} {r['free_request']:>5g} "
-                     f"{format_bytes(int(r['free_memory'])):>12}  "
-                     f"{r.get('shares', len(r.get('allocations') or []))}{sim}")
+        lines.append(
+            f"{r['node']:<16} {r['type']:<6} {r['uuid']:<42} {r['free_request']:>5g} "
+            f"{format_bytes(int(r['free_memory'])):>12}  "
+            f"{r.get('shares', len(r.get('allocations') or []))}{sim}"
+        )
     return "\n".join(lines)
 
 
@@ -71,9 +73,12 @@ def _gpus_text(rows: list[dict[str, Any]]) -> str:
 class GpushareMagics(Magics):
     @magic_arguments()
     @argument("action", help="status | gpus | release | request")
-    @argument("--gpu-request", default=None,
-              help="guaranteed fraction of the GPU, (0, 1] in steps of 0.01; above the "
-                   "current limit only with --gpu-limit")
+    @argument(
+        "--gpu-request",
+        default=None,
+        help="guaranteed fraction of the GPU, (0, 1] in steps of 0.01; above the "
+        "current limit only with --gpu-limit",
+    )
     @argument("--gpu-limit", default=None, help="the most the kernel may use, (0, 1]")
     @argument("--gpu-memory", default=None, help="memory cap, e.g. 10GiB (at least 1MiB)")
     @argument("--gpu-type", default=None, help="GPU type (new shares only), e.g. A100")
@@ -89,20 +94,27 @@ class GpushareMagics(Magics):
             print(f"{usage}%gpushare: error: {exc}", file=sys.stderr)
             return
         if args.action not in ACTIONS:
-            print(f"{usage}%gpushare: error: unknown action {args.action!r} (choose from "
-                  f"{', '.join(ACTIONS)})", file=sys.stderr)
+            print(
+                f"{usage}%gpushare: error: unknown action {args.action!r} (choose from "
+                f"{', '.join(ACTIONS)})",
+                file=sys.stderr,
+            )
             return
-        share = {"gpu_request": args.gpu_request, "gpu_limit": args.gpu_limit,
-                 "gpu_memory": args.gpu_memory, "gpu_type": args.gpu_type}
+        share = {
+            "gpu_request": args.gpu_request,
+            "gpu_limit": args.gpu_limit,
+            "gpu_memory": args.gpu_memory,
+            "gpu_type": args.gpu_type,
+        }
         given = {k: v for k, v in share.items() if v is not None}
         if given and args.action != "request":
-            print(f"{usage}%gpushare: error: --gpu-* options go with 'request' only",
-                  file=sys.stderr)
+            print(
+                f"{usage}%gpushare: error: --gpu-* options go with 'request' only", file=sys.stderr
+            )
             return
         if args.action == "request":
             try:  # refuse bad values here, before anything is asked of the daemon
-                ShareSpec.from_mapping(given, defaults=ShareSpec(gpu_request=0.01,
-                                                                 gpu_limit=1.0))
+                ShareSpec.from_mapping(given, defaults=ShareSpec(gpu_request=0.01, gpu_limit=1.0))
             except ShareError as exc:
                 print(f"{usage}%gpushare: error: {exc}", file=sys.stderr)
                 return
@@ -133,8 +145,16 @@ def explain_released(result: Any) -> None:
         print(f"gpushare: {actions.RELEASED_MESSAGE}", file=sys.stderr)
 
 
-GPU_ERROR_WORDS = ("cuda", "gpu", "not permitted", "not_permitted", "cublas", "cudnn", "nvml",
-                   "device")
+GPU_ERROR_WORDS = (
+    "cuda",
+    "gpu",
+    "not permitted",
+    "not_permitted",
+    "cublas",
+    "cudnn",
+    "nvml",
+    "device",
+)
 
 
 def load_ipython_extension(ipython: Any) -> None:

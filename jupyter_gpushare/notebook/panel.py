@@ -73,26 +73,49 @@ def share_table(status: dict[str, Any]) -> str:
     rows = [
         ("GPU", ("gpu_type", kind), ("gpu_uuid", uuid)),
         ("request / limit", ("request", f"{a['request']:g}"), ("limit", f"{a['limit']:g}")),
-        ("achieved share", ("achieved_share", _pct(a.get("achieved_share"))),
-         ("window", f"over the last {window:g} s")),
-        ("memory used / cap", ("memory_used", size(a.get("memory_used") or 0)),
-         ("memory_cap", size(a.get("memory_cap") or 0))),
-        ("waiting for leases",
-         ("lease_wait_seconds", f"{float(a.get('lease_wait_seconds') or 0):.3f} s"),
-         ("lease_waits", f"{a.get('lease_waits', 0)} waits")),
-        ("GPU utilisation", ("gpu_utilization", maybe(nvml.get("utilization_gpu"), "{}%")),
-         ("kernels", f"{g.get('kernels', 0)} share(s) on this GPU")),
-        ("GPU memory used / total", ("gpu_memory_used", size(nvml.get("memory_used"))),
-         ("gpu_memory_total", size(nvml.get("memory_total")))),
-        ("temperature / power", ("temperature", maybe(nvml.get("temperature_c"), "{} °C")),
-         ("power", maybe(nvml.get("power_w"), "{:g} W"))),
+        (
+            "achieved share",
+            ("achieved_share", _pct(a.get("achieved_share"))),
+            ("window", f"over the last {window:g} s"),
+        ),
+        (
+            "memory used / cap",
+            ("memory_used", size(a.get("memory_used") or 0)),
+            ("memory_cap", size(a.get("memory_cap") or 0)),
+        ),
+        (
+            "waiting for leases",
+            ("lease_wait_seconds", f"{float(a.get('lease_wait_seconds') or 0):.3f} s"),
+            ("lease_waits", f"{a.get('lease_waits', 0)} waits"),
+        ),
+        (
+            "GPU utilisation",
+            ("gpu_utilization", maybe(nvml.get("utilization_gpu"), "{}%")),
+            ("kernels", f"{g.get('kernels', 0)} share(s) on this GPU"),
+        ),
+        (
+            "GPU memory used / total",
+            ("gpu_memory_used", size(nvml.get("memory_used"))),
+            ("gpu_memory_total", size(nvml.get("memory_total"))),
+        ),
+        (
+            "temperature / power",
+            ("temperature", maybe(nvml.get("temperature_c"), "{} °C")),
+            ("power", maybe(nvml.get("power_w"), "{:g} W")),
+        ),
     ]
     body = "".join(_row(label, *(_cell(f, v) for f, v in cells)) for label, *cells in rows)
     return f"<table>{body}</table>"
 
 
-def sparkline(points: list[tuple[float, float, float]], request: float, limit: float,
-              width: int = 360, height: int = 70, span: float = HISTORY_SECONDS) -> str:
+def sparkline(
+    points: list[tuple[float, float, float]],
+    request: float,
+    limit: float,
+    width: int = 360,
+    height: int = 70,
+    span: float = HISTORY_SECONDS,
+) -> str:
     """An SVG of ``(t, share, memory fraction)`` points over the last ``span`` seconds: share
     (blue) and memory (green) on 0–1, request and limit as dashed lines."""
     if not points:
@@ -119,7 +142,7 @@ def sparkline(points: list[tuple[float, float, float]], request: float, limit: f
         f'<polyline fill="none" stroke="#188038" stroke-width="1.5" points="{memory}"/></svg>'
         f'<div style="font-size:11px;color:#666">last {_span_text(span)}: '
         f'<span style="color:#1a73e8">share</span>, <span style="color:#188038">memory / cap'
-        f'</span>, dashed: request / limit</div>'
+        f"</span>, dashed: request / limit</div>"
     )
 
 
@@ -135,21 +158,36 @@ class GpuPanel(widgets.VBox):
         self.info = widgets.HTML()
         self.plot = widgets.HTML()
         self.message = widgets.HTML()
-        self.release_button = widgets.Button(description="Release", button_style="warning",
-                                             icon="eject", tooltip="Give this kernel's GPU back")
+        self.release_button = widgets.Button(
+            description="Release",
+            button_style="warning",
+            icon="eject",
+            tooltip="Give this kernel's GPU back",
+        )
         self.confirm_button = widgets.Button(description="Yes, release", button_style="danger")
         self.cancel_button = widgets.Button(description="Cancel")
         self.confirm_text = widgets.HTML(
             "Release the GPU? Its memory is freed and other kernels can use it; this kernel "
-            "keeps running but cannot use a GPU again until it is restarted.")
+            "keeps running but cannot use a GPU again until it is restarted."
+        )
         self.confirm = widgets.HBox([self.confirm_text, self.confirm_button, self.cancel_button])
         self.confirm.layout.display = "none"
-        super().__init__([widgets.HTML(_STYLE), self.title, self.info, self.plot, self.message,
-                          widgets.HBox([self.release_button]), self.confirm])
+        super().__init__(
+            [
+                widgets.HTML(_STYLE),
+                self.title,
+                self.info,
+                self.plot,
+                self.message,
+                widgets.HBox([self.release_button]),
+                self.confirm,
+            ]
+        )
         self.add_class("gpushare-panel")
         self.interval = interval
         self.history: deque[tuple[float, float, float]] = deque(
-            maxlen=int(HISTORY_SECONDS / interval) + 1)
+            maxlen=int(HISTORY_SECONDS / interval) + 1
+        )
         self.last_status: dict[str, Any] = {}
         self.updates = 0
         self.note = ""  # the outcome of a failed Release, shown until the next one
@@ -165,8 +203,9 @@ class GpuPanel(widgets.VBox):
     def start(self) -> GpuPanel:
         ref = weakref.ref(self)  # the thread must not keep a closed panel alive
         stop = self._stop
-        thread = threading.Thread(target=_run, args=(ref, stop, self.interval),
-                                  name="gpushare-panel", daemon=True)
+        thread = threading.Thread(
+            target=_run, args=(ref, stop, self.interval), name="gpushare-panel", daemon=True
+        )
         thread.start()
         return self
 
@@ -181,8 +220,13 @@ class GpuPanel(widgets.VBox):
             self.last_status = status
             self._record(status)
             views = self._render(status)
-            with self.title.hold_sync(), self.info.hold_sync(), self.plot.hold_sync(), \
-                    self.message.hold_sync(), self.release_button.hold_sync():
+            with (
+                self.title.hold_sync(),
+                self.info.hold_sync(),
+                self.plot.hold_sync(),
+                self.message.hold_sync(),
+                self.release_button.hold_sync(),
+            ):
                 self.title.value, self.info.value, self.plot.value, self.message.value = views
                 self.release_button.disabled = status["state"] not in ("active", "unenforced")
             self.updates += 1
@@ -195,37 +239,48 @@ class GpuPanel(widgets.VBox):
             self.history.append((time.time(), float(a.get("achieved_share") or 0.0), memory))
 
     def _render(self, status: dict[str, Any]) -> tuple[str, str, str, str]:
-        sim = ('<span class="gpushare-sim" data-field="simulated">simulated GPU</span>'
-               if status.get("simulated") else "")
+        sim = (
+            '<span class="gpushare-sim" data-field="simulated">simulated GPU</span>'
+            if status.get("simulated")
+            else ""
+        )
         title = f"<b>GPU share</b>{sim}"
         stamp = time.strftime("%H:%M:%S")
         state = status["state"]
         if state == "active":
             a = status["allocation"]
             plot = sparkline(list(self.history), a["request"], a["limit"])
-            msg = (f'<span class="gpushare-msg" data-field="state">active</span> '
-                   f'<span class="gpushare-msg">· {html.escape(status["allocation_id"])} · '
-                   f"updated {stamp}</span>")
+            msg = (
+                f'<span class="gpushare-msg" data-field="state">active</span> '
+                f'<span class="gpushare-msg">· {html.escape(status["allocation_id"])} · '
+                f"updated {stamp}</span>"
+            )
             if a.get("reclaim_warning"):  # idle reclaim (jupyter_gpushare.reclaim)
-                msg += (' <span class="gpushare-msg" data-field="reclaim_warning" '
-                        'style="color:#b06000">'
-                        f'{html.escape(str(a["reclaim_warning"].get("message")))}</span>')
+                msg += (
+                    ' <span class="gpushare-msg" data-field="reclaim_warning" '
+                    'style="color:#b06000">'
+                    f"{html.escape(str(a['reclaim_warning'].get('message')))}</span>"
+                )
             return title, share_table(status), plot, msg
         text = html.escape(status.get("message") or state)
         if state == "released":
             freed = status.get("memory_freed")
             gone = f" {format_bytes(freed)} of GPU memory freed." if freed else ""
-            text = (f"Released {html.escape(actions.describe(status['released']))}.{gone} "
-                    + text)
+            text = f"Released {html.escape(actions.describe(status['released']))}.{gone} " + text
         if self.note:
             text += " " + html.escape(self.note)
         if state == "released" and status.get("reserved"):
-            text += (" Reserved for the restart: "
-                     + html.escape(actions.describe(status["reserved"])) + ".")
+            text += (
+                " Reserved for the restart: "
+                + html.escape(actions.describe(status["reserved"]))
+                + "."
+            )
         color = "#b06000" if state == "unreachable" else "#555"
-        msg = (f'<span class="gpushare-msg" data-field="state">{state}</span> '
-               f'<span class="gpushare-msg" style="color:{color}">{text} '
-               f"(checked {stamp})</span>")
+        msg = (
+            f'<span class="gpushare-msg" data-field="state">{state}</span> '
+            f'<span class="gpushare-msg" style="color:{color}">{text} '
+            f"(checked {stamp})</span>"
+        )
         return title, "", "", msg
 
     # -- Release --------------------------------------------------------------------------------
@@ -253,8 +308,10 @@ def _run(ref: weakref.ref[GpuPanel], stop: threading.Event, interval: float) -> 
             panel.refresh()
         except Exception as exc:  # keep trying; show why
             try:
-                panel.message.value = (f'<span class="gpushare-msg" data-field="state">error'
-                                       f"</span> {html.escape(repr(exc))} (retrying)")
+                panel.message.value = (
+                    f'<span class="gpushare-msg" data-field="state">error'
+                    f"</span> {html.escape(repr(exc))} (retrying)"
+                )
             except Exception:
                 return  # the widget is gone (closed comm)
         del panel

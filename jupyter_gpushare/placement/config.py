@@ -54,7 +54,6 @@ class GpusharePlacement(Configurable):
         help="GPU UUIDs that take no new shares; shares already running there keep running.",
     ).tag(config=True)
 
-
     def policy(self, aliases: TypeAliases | None = None) -> Policy:
         """The deployment's policy; ``aliases`` are the server's GPU type aliases
         (``GpuShare.type_aliases``), the one place they are configured."""

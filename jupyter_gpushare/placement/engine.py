@@ -86,8 +86,19 @@ class PlacementRefused(Exception):
 class GpuState:
     """One GPU and what its holders use (mutable; owned by a :class:`Placer`)."""
 
-    __slots__ = ("exclusive", "free", "gpu", "holders", "index", "kind", "mem_free", "node",
-                 "type", "usable", "uuid")
+    __slots__ = (
+        "exclusive",
+        "free",
+        "gpu",
+        "holders",
+        "index",
+        "kind",
+        "mem_free",
+        "node",
+        "type",
+        "usable",
+        "uuid",
+    )
 
     def __init__(self, gpu: Gpu) -> None:
         self.gpu = gpu
@@ -387,7 +398,6 @@ class Placer:
         return None
 
 
-
 @dataclass(frozen=True)
 class Limits:
     """What the admitted GPUs of an inventory allow at most, whatever is running on them."""
@@ -415,13 +425,15 @@ class Limits:
         check_labels(spec)
         if spec.gpu_count > self.most_on_one_node and spec.gpu_count > 1:
             raise ShareError(
-                "gpu_count", spec.gpu_count,
+                "gpu_count",
+                spec.gpu_count,
                 f"at most {self.most_on_one_node} (the most {types.label}s of one type on one "
                 "node)",
             )
         if spec.gpu_memory is not None and spec.gpu_memory > self.largest_memory:
             raise ShareError(
-                "gpu_memory", format_bytes(spec.gpu_memory),
+                "gpu_memory",
+                format_bytes(spec.gpu_memory),
                 f"at most {format_bytes(self.largest_memory)} (the memory of the largest "
                 f"{types.label})",
             )
@@ -441,13 +453,15 @@ def check_labels(spec: ShareSpec) -> None:
     labels = spec.gpu_labels
     if labels.affinity and labels.affinity == labels.anti_affinity:
         raise ShareError(
-            "gpu_labels.anti_affinity", labels.anti_affinity,
+            "gpu_labels.anti_affinity",
+            labels.anti_affinity,
             "a label other than the affinity label (a share cannot be with and apart from the "
             "same group)",
         )
     if spec.gpu_count > 1 and labels.affinity:
         raise ShareError(
-            "gpu_labels.affinity", labels.affinity,
+            "gpu_labels.affinity",
+            labels.affinity,
             f"no affinity label with gpu_count={spec.gpu_count}: whole GPUs are shared with "
             "nobody, so they cannot join a group on one GPU",
         )

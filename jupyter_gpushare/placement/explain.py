@@ -43,9 +43,7 @@ def refusal(placer: Placer, spec: ShareSpec, policy: Policy, types: TypeFilter) 
 
 
 def _open(g: GpuState, policy: Policy) -> bool:
-    return (
-        g.usable and g.uuid not in policy.cordoned_gpus and g.node not in policy.cordoned_nodes
-    )
+    return g.usable and g.uuid not in policy.cordoned_gpus and g.node not in policy.cordoned_nodes
 
 
 def _share_reason(placer: Placer, spec: ShareSpec, policy: Policy, types: TypeFilter) -> str:

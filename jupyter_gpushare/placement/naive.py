@@ -67,8 +67,9 @@ def naive_place(
 
     labels = spec.gpu_labels
     request = to_units(spec.gpu_request)
-    members = [a for a in allocations if labels.affinity and a.spec.gpu_labels.affinity ==
-               labels.affinity]
+    members = [
+        a for a in allocations if labels.affinity and a.spec.gpu_labels.affinity == labels.affinity
+    ]
     anchor = min(members, key=anchor_order).gpus[0] if members else None
 
     def fits(g: Gpu) -> bool:
@@ -108,8 +109,11 @@ def _whole(
     for g in sorted(gpus, key=lambda g: (g.index, g.uuid)):
         if usable(g) and not holders[g.uuid] and spec.resolved_memory(g.memory) <= g.memory:
             free.setdefault((g.node, g.type), []).append(g)
-    options = [(node_key(node), gpu_type, found[: spec.gpu_count])
-               for (node, gpu_type), found in free.items() if len(found) >= spec.gpu_count]
+    options = [
+        (node_key(node), gpu_type, found[: spec.gpu_count])
+        for (node, gpu_type), found in free.items()
+        if len(found) >= spec.gpu_count
+    ]
     if not options:
         raise PlacementRefused(f"no node has {spec.gpu_count} whole GPUs free")
     _, _, chosen = min(options, key=lambda o: (o[0], o[1]))

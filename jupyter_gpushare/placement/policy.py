@@ -160,12 +160,14 @@ def resolve_types(spec: ShareSpec, policy: Policy, known: Iterable[Kind]) -> Typ
         names = [_spelled(name, found, aliases) for name in group]
     if wanted is not None and not wanted:
         raise ShareError(
-            "gpu_type", spec.gpu_type,
+            "gpu_type",
+            spec.gpu_type,
             "one of the deployment's types: " + ", ".join(policy.gpu_types),
         )
     if wanted is not None and not wanted - excluded:
         raise ShareError(
-            "gpu_type", spec.gpu_type or ",".join(names),
+            "gpu_type",
+            spec.gpu_type or ",".join(names),
             "a type that is not excluded (excluded: " + ", ".join(policy.exclude_types) + ")",
         )
     if wanted is None:

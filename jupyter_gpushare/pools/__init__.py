@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from .config import PoolConfigError, PoolProfile, ScheduleWindow, parse_pools
 
-__all__ = ["PoolConfigError", "PoolKernelManager", "PoolProfile", "ScheduleWindow",
-           "parse_pools"]
+__all__ = ["PoolConfigError", "PoolKernelManager", "PoolProfile", "ScheduleWindow", "parse_pools"]
 
 
 def __getattr__(name: str) -> object:

@@ -18,19 +18,26 @@ from queue import Empty
 from typing import Any
 
 #: Variables the kernel's share set at launch; a session's environment does not replace them.
-SHARE_VARIABLES = frozenset({
-    "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "LD_PRELOAD", "LD_LIBRARY_PATH",
-})
+SHARE_VARIABLES = frozenset(
+    {
+        "CUDA_VISIBLE_DEVICES",
+        "NVIDIA_VISIBLE_DEVICES",
+        "LD_PRELOAD",
+        "LD_LIBRARY_PATH",
+    }
+)
 BIND_TIMEOUT_S = 10.0
 
 
-def session_changes(launch_env: Mapping[str, str] | None, session_env: Mapping[str, str]
-                    ) -> dict[str, str]:
+def session_changes(
+    launch_env: Mapping[str, str] | None, session_env: Mapping[str, str]
+) -> dict[str, str]:
     """The variables of ``session_env`` that differ from what the warm kernel was started with,
     leaving the share's own variables alone."""
     launch_env = launch_env or {}
     return {
-        k: str(v) for k, v in session_env.items()
+        k: str(v)
+        for k, v in session_env.items()
         if launch_env.get(k) != v and k not in SHARE_VARIABLES and not k.startswith("GPUSHARE_")
     }
 
@@ -49,14 +56,16 @@ def bind_code(cwd: str, env: Mapping[str, str], session_name: str | None) -> str
     return "\n".join(lines)
 
 
-async def bind_session(client: Any, km: Any, cwd: str, session_env: Mapping[str, str],
-                       session_name: str | None) -> dict[str, str]:
+async def bind_session(
+    client: Any, km: Any, cwd: str, session_env: Mapping[str, str], session_name: str | None
+) -> dict[str, str]:
     """Run :func:`bind_code` in the warm kernel through ``client`` (connected, ready); returns
     the variables it set. Raises when the kernel does not answer ``ok`` in time."""
     launch = getattr(km, "_launch_args", None) or {}
     changes = session_changes(launch.get("env"), session_env)
-    msg_id = client.execute(bind_code(cwd, changes, session_name), silent=True,
-                            store_history=False, allow_stdin=False)
+    msg_id = client.execute(
+        bind_code(cwd, changes, session_name), silent=True, store_history=False, allow_stdin=False
+    )
     deadline = time.monotonic() + BIND_TIMEOUT_S
     while True:
         left = deadline - time.monotonic()
@@ -70,8 +79,9 @@ async def bind_session(client: Any, km: Any, cwd: str, session_env: Mapping[str,
             break
     content = reply["content"]
     if content.get("status") != "ok":
-        raise RuntimeError(f"binding the session failed: {content.get('ename')}: "
-                           f"{content.get('evalue')}")
+        raise RuntimeError(
+            f"binding the session failed: {content.get('ename')}: {content.get('evalue')}"
+        )
     await _until_idle(client, msg_id, deadline)
     return changes
 
@@ -84,7 +94,9 @@ async def _until_idle(client: Any, msg_id: str, deadline: float) -> None:
             msg = await client.get_iopub_msg(timeout=left)
         except Empty:
             return
-        if (msg.get("msg_type") == "status"
-                and msg.get("parent_header", {}).get("msg_id") == msg_id
-                and msg.get("content", {}).get("execution_state") == "idle"):
+        if (
+            msg.get("msg_type") == "status"
+            and msg.get("parent_header", {}).get("msg_id") == msg_id
+            and msg.get("content", {}).get("execution_state") == "idle"
+        ):
             return

@@ -89,8 +89,11 @@ class PoolProfile:
             "backend": self.backend,
             "size": self.size,
             "schedule": [
-                {"days": sorted(w.days), "hours": f"{_hhmm(w.start)}-{_hhmm(w.end)}",
-                 "size": w.size}
+                {
+                    "days": sorted(w.days),
+                    "hours": f"{_hhmm(w.start)}-{_hhmm(w.end)}",
+                    "size": w.size,
+                }
                 for w in self.schedule
             ],
         }
@@ -104,8 +107,9 @@ def parse_pools(value: Sequence[Mapping[str, Any]]) -> list[PoolProfile]:
     seen: set[str] = set()
     for profile in profiles:
         if profile.name in seen:
-            raise PoolConfigError(f"GpuShare.pools: two pools are named {profile.name!r}; "
-                                  "names must be unique")
+            raise PoolConfigError(
+                f"GpuShare.pools: two pools are named {profile.name!r}; names must be unique"
+            )
         seen.add(profile.name)
     return profiles
 
@@ -120,8 +124,9 @@ def parse_profile(index: int, item: Mapping[str, Any]) -> PoolProfile:
     where = f"pool {name!r} ({where})"
     unknown = sorted(set(item) - set(PROFILE_KEYS))
     if unknown:
-        raise PoolConfigError(f"{where}: unknown key {unknown[0]!r}; known keys are "
-                              + ", ".join(PROFILE_KEYS))
+        raise PoolConfigError(
+            f"{where}: unknown key {unknown[0]!r}; known keys are " + ", ".join(PROFILE_KEYS)
+        )
     kernelspec = item.get("kernelspec")
     if not isinstance(kernelspec, str) or not kernelspec:
         raise PoolConfigError(f"{where}.kernelspec: {kernelspec!r} is not a kernelspec name")
@@ -134,27 +139,33 @@ def parse_profile(index: int, item: Mapping[str, Any]) -> PoolProfile:
         share=_parse_share(where, item.get("share") or {}),
         size=_parse_size(f"{where}.size", item.get("size", 1)),
         backend=backend,
-        schedule=tuple(_parse_window(f"{where}.schedule[{i}]", w)
-                       for i, w in enumerate(item.get("schedule") or ())),
+        schedule=tuple(
+            _parse_window(f"{where}.schedule[{i}]", w)
+            for i, w in enumerate(item.get("schedule") or ())
+        ),
     )
 
 
 def _parse_share(where: str, share: Any) -> dict[str, Any]:
     if not isinstance(share, Mapping):
-        raise PoolConfigError(f"{where}.share must be an object of share keys "
-                              f"({', '.join(SHARE_FIELDS)}), not {share!r}")
+        raise PoolConfigError(
+            f"{where}.share must be an object of share keys "
+            f"({', '.join(SHARE_FIELDS)}), not {share!r}"
+        )
     try:
         ShareSpec.from_mapping(share)  # the field-by-field check, refusals named
     except ShareError as exc:
-        raise PoolConfigError(f"{where}.share.{exc.field}: {exc.value!r} is not allowed "
-                              f"(allowed: {exc.allowed})") from None
+        raise PoolConfigError(
+            f"{where}.share.{exc.field}: {exc.value!r} is not allowed (allowed: {exc.allowed})"
+        ) from None
     return dict(share)
 
 
 def _parse_size(where: str, size: Any) -> int:
     if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_POOL_SIZE:
-        raise PoolConfigError(f"{where}: {size!r}; allowed: a whole number from 0 to "
-                              f"{MAX_POOL_SIZE}")
+        raise PoolConfigError(
+            f"{where}: {size!r}; allowed: a whole number from 0 to {MAX_POOL_SIZE}"
+        )
     return size
 
 
@@ -163,8 +174,9 @@ def _parse_window(where: str, window: Any) -> ScheduleWindow:
         raise PoolConfigError(f"{where} must be an object with keys {', '.join(WINDOW_KEYS)}")
     unknown = sorted(set(window) - set(WINDOW_KEYS))
     if unknown:
-        raise PoolConfigError(f"{where}: unknown key {unknown[0]!r}; known keys are "
-                              + ", ".join(WINDOW_KEYS))
+        raise PoolConfigError(
+            f"{where}: unknown key {unknown[0]!r}; known keys are " + ", ".join(WINDOW_KEYS)
+        )
     if "size" not in window:
         raise PoolConfigError(f"{where}.size is missing (warm kernels in this window)")
     start, end = _parse_hours(f"{where}.hours", window.get("hours", "00:00-24:00"))
@@ -183,8 +195,10 @@ def _parse_days(where: str, days: Any) -> frozenset[int]:
     for part in parts:
         first, _, last = str(part).strip().lower().partition("-")
         if first not in _DAYS or (last and last not in _DAYS):
-            raise PoolConfigError(f"{where}: {days!r}; allowed: day names {', '.join(_DAYS)} "
-                                  "and ranges such as 'mon-fri', separated by commas")
+            raise PoolConfigError(
+                f"{where}: {days!r}; allowed: day names {', '.join(_DAYS)} "
+                "and ranges such as 'mon-fri', separated by commas"
+            )
         lo, hi = _DAYS.index(first), _DAYS.index(last or first)
         chosen.update(range(lo, hi + 1) if lo <= hi else [*range(lo, 7), *range(0, hi + 1)])
     return frozenset(chosen)
@@ -196,8 +210,9 @@ def _parse_hours(where: str, hours: Any) -> tuple[int, int]:
         first, last = str(hours).split("-")
         start, end = _minutes(first), _minutes(last)
     except ValueError:
-        raise PoolConfigError(f"{where}: {hours!r}; allowed: 'HH:MM-HH:MM', e.g. "
-                              "'08:00-18:00'") from None
+        raise PoolConfigError(
+            f"{where}: {hours!r}; allowed: 'HH:MM-HH:MM', e.g. '08:00-18:00'"
+        ) from None
     if start == end or start >= 24 * 60:
         raise PoolConfigError(f"{where}: {hours!r} is an empty window")
     return start, end

@@ -44,14 +44,20 @@ class PoolKernelManager(AsyncMappingKernelManager):
         pools = [self._pool(p) for p in parse_pools(self.gpushare.pools)]
         self.pools = PoolManager(self, pools)
         for pool in pools:
-            self.log.info("gpushare: pool %s: %d warm %s kernel(s) holding %s (%s)",
-                          pool.profile.name, pool.profile.target(), pool.profile.kernelspec,
-                          pool.spec.describe(), pool.backend)
+            self.log.info(
+                "gpushare: pool %s: %d warm %s kernel(s) holding %s (%s)",
+                pool.profile.name,
+                pool.profile.target(),
+                pool.profile.kernelspec,
+                pool.spec.describe(),
+                pool.backend,
+            )
 
     # -- share resolution (the provisioner's rule, without a provisioner) ------------------------
 
-    def resolve(self, kernel_name: str, user_share: dict[str, Any] | None
-                ) -> tuple[ShareSpec, str] | None:
+    def resolve(
+        self, kernel_name: str, user_share: dict[str, Any] | None
+    ) -> tuple[ShareSpec, str] | None:
         """``(spec, backend)`` a start of ``kernel_name`` with ``user_share`` will hold, or None
         for a kernelspec that is not a gpushare one. Raises ShareError / NoSuchKernel."""
         if self.kernel_spec_manager is None:
@@ -72,19 +78,27 @@ class PoolKernelManager(AsyncMappingKernelManager):
         try:
             resolved = self.resolve(profile.kernelspec, dict(profile.share))
         except NoSuchKernel:
-            raise PoolConfigError(f"{where}: no kernelspec named {profile.kernelspec!r} (see "
-                                  "`jupyter kernelspec list`)") from None
+            raise PoolConfigError(
+                f"{where}: no kernelspec named {profile.kernelspec!r} (see "
+                "`jupyter kernelspec list`)"
+            ) from None
         except ShareError as exc:
-            raise PoolConfigError(f"{where}.share.{exc.field}: {exc.value!r} is not allowed "
-                                  f"with kernelspec {profile.kernelspec!r} (allowed: "
-                                  f"{exc.allowed})") from None
+            raise PoolConfigError(
+                f"{where}.share.{exc.field}: {exc.value!r} is not allowed "
+                f"with kernelspec {profile.kernelspec!r} (allowed: "
+                f"{exc.allowed})"
+            ) from None
         if resolved is None:
-            raise PoolConfigError(f"{where}: kernelspec {profile.kernelspec!r} does not use the "
-                                  f"{PROVISIONER}; pool kernels must hold a GPU share")
+            raise PoolConfigError(
+                f"{where}: kernelspec {profile.kernelspec!r} does not use the "
+                f"{PROVISIONER}; pool kernels must hold a GPU share"
+            )
         spec, backend = resolved
         if profile.backend is not None and profile.backend != backend:
-            raise PoolConfigError(f"{where}.backend: {profile.backend!r}, but kernelspec "
-                                  f"{profile.kernelspec!r} starts kernels on {backend!r}")
+            raise PoolConfigError(
+                f"{where}.backend: {profile.backend!r}, but kernelspec "
+                f"{profile.kernelspec!r} starts kernels on {backend!r}"
+            )
         return Pool(profile=profile, spec=spec, backend=backend)
 
     # -- starting ------------------------------------------------------------------------------
@@ -97,8 +111,7 @@ class PoolKernelManager(AsyncMappingKernelManager):
             if claimed is not None:
                 return claimed
         try:
-            return await super().start_kernel(kernel_id=kernel_id, path=cast(Any, path),
-                                              **kwargs)
+            return await super().start_kernel(kernel_id=kernel_id, path=cast(Any, path), **kwargs)
         except BaseException:
             self.forget_failed_starts()
             raise
@@ -143,8 +156,12 @@ class PoolKernelManager(AsyncMappingKernelManager):
         zmq sockets closed, and nothing is left pending in jupyter_client's map."""
         try:
             await super().start_kernel(
-                kernel_id=kernel_id, path=cast(Any, ""), kernel_name=profile.kernelspec,
-                env=dict(os.environ), gpushare_share=dict(profile.share), gpushare_owner="pool",
+                kernel_id=kernel_id,
+                path=cast(Any, ""),
+                kernel_name=profile.kernelspec,
+                env=dict(os.environ),
+                gpushare_share=dict(profile.share),
+                gpushare_owner="pool",
                 gpushare_pool=profile.name,
             )
             # with use_pending_kernels the start returns before the kernel runs (no ports yet)

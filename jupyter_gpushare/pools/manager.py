@@ -78,9 +78,7 @@ class Pool:
             "starting": self.starting,
             "claimed": self.claimed,
             "started": self.started,
-            "kernels": [
-                {"kernel_id": w.kernel_id, "ready_since": w.ready_at} for w in self.ready
-            ],
+            "kernels": [{"kernel_id": w.kernel_id, "ready_since": w.ready_at} for w in self.ready],
             "refill_errors": list(self.errors),
             "retry_in_s": round(max(0.0, self.retry_at - now), 1) if self.failures else None,
         }
@@ -162,8 +160,9 @@ class PoolManager:
             pool.ready.remove(warm)
             _close_client(warm)
             pool.error(f"warm kernel {warm.kernel_id} died before it was claimed")
-            self.log.warning("gpushare: pool %s: warm kernel %s died", pool.profile.name,
-                             warm.kernel_id)
+            self.log.warning(
+                "gpushare: pool %s: warm kernel %s died", pool.profile.name, warm.kernel_id
+            )
             if warm.kernel_id in self.km:
                 await self._shutdown(warm.kernel_id)
 
@@ -173,8 +172,12 @@ class PoolManager:
             del pool.ready[target:]
         for warm in extra:
             _close_client(warm)
-            self.log.info("gpushare: pool %s: shrinking to %d, stopping %s", pool.profile.name,
-                          target, warm.kernel_id)
+            self.log.info(
+                "gpushare: pool %s: shrinking to %d, stopping %s",
+                pool.profile.name,
+                target,
+                warm.kernel_id,
+            )
             await self._shutdown(warm.kernel_id)
 
     async def _start_one(self, pool: Pool) -> None:
@@ -195,12 +198,16 @@ class PoolManager:
             raise
         except Exception as exc:
             pool.failures += 1
-            delay = min(MAX_BACKOFF_S, 2.0 ** pool.failures)
+            delay = min(MAX_BACKOFF_S, 2.0**pool.failures)
             pool.retry_at = time.monotonic() + delay
             message = getattr(exc, "log_message", None) or str(exc) or type(exc).__name__
             pool.error(message)
-            self.log.warning("gpushare: pool %s could not start a warm kernel (retry in %.0f "
-                             "s): %s", pool.profile.name, delay, message)
+            self.log.warning(
+                "gpushare: pool %s could not start a warm kernel (retry in %.0f s): %s",
+                pool.profile.name,
+                delay,
+                message,
+            )
             if kernel_id in self.km:
                 await self._shutdown(kernel_id)
             return
@@ -210,9 +217,14 @@ class PoolManager:
         pool.failures = 0
         pool.started += 1
         pool.ready.append(WarmKernel(kernel_id, pool.profile.name, began, time.time(), client))
-        self.log.info("gpushare: pool %s: warm kernel %s ready in %.2f s (%d/%d)",
-                      pool.profile.name, kernel_id, time.monotonic() - began, len(pool.ready),
-                      pool.profile.target(self.clock()))
+        self.log.info(
+            "gpushare: pool %s: warm kernel %s ready in %.2f s (%d/%d)",
+            pool.profile.name,
+            kernel_id,
+            time.monotonic() - began,
+            len(pool.ready),
+            pool.profile.target(self.clock()),
+        )
 
     async def _shutdown(self, kernel_id: str) -> None:
         with contextlib.suppress(Exception):
@@ -221,12 +233,15 @@ class PoolManager:
     # -- hand-over -------------------------------------------------------------------------------
 
     def matching(self, kernel_name: str, spec: ShareSpec, backend: str) -> list[Pool]:
-        return [p for p in self.pools.values()
-                if p.profile.kernelspec == kernel_name and p.spec == spec
-                and p.backend == backend]
+        return [
+            p
+            for p in self.pools.values()
+            if p.profile.kernelspec == kernel_name and p.spec == spec and p.backend == backend
+        ]
 
-    async def claim(self, pools: list[Pool], cwd: str, env: Mapping[str, str],
-                    session_name: str | None) -> str | None:
+    async def claim(
+        self, pools: list[Pool], cwd: str, env: Mapping[str, str], session_name: str | None
+    ) -> str | None:
         """A ready warm kernel of one of ``pools`` bound to the session, or None."""
         for pool in pools:
             while True:
@@ -238,9 +253,13 @@ class PoolManager:
                     await self._hand_over(warm, cwd, env, session_name)
                 except Exception as exc:
                     pool.error(f"claim of {warm.kernel_id} failed: {exc}")
-                    self.log.warning("gpushare: pool %s: warm kernel %s could not be handed "
-                                     "over (%s); trying another", pool.profile.name,
-                                     warm.kernel_id, exc)
+                    self.log.warning(
+                        "gpushare: pool %s: warm kernel %s could not be handed "
+                        "over (%s); trying another",
+                        pool.profile.name,
+                        warm.kernel_id,
+                        exc,
+                    )
                     await self._shutdown(warm.kernel_id)
                     self.wake()
                     continue
@@ -250,13 +269,18 @@ class PoolManager:
                 # refill in the background, a moment later: starting a kernel blocks this event
                 # loop for a few ms and loads the CPU, which the user's first reply should not see
                 asyncio.get_running_loop().call_later(REFILL_DELAY_S, self.wake)
-                self.log.info("gpushare: pool %s: kernel %s handed out warm (cwd %s)",
-                              pool.profile.name, warm.kernel_id, cwd)
+                self.log.info(
+                    "gpushare: pool %s: kernel %s handed out warm (cwd %s)",
+                    pool.profile.name,
+                    warm.kernel_id,
+                    cwd,
+                )
                 return warm.kernel_id
         return None
 
-    async def _hand_over(self, warm: WarmKernel, cwd: str, env: Mapping[str, str],
-                         session_name: str | None) -> None:
+    async def _hand_over(
+        self, warm: WarmKernel, cwd: str, env: Mapping[str, str], session_name: str | None
+    ) -> None:
         km = self.km.get_kernel(warm.kernel_id)
         provisioner = km.provisioner
         if not isinstance(provisioner, GpushareProvisioner) or provisioner.allocation is None:

@@ -138,8 +138,9 @@ class GpushareProvisioner(KernelProvisionerBase):
         allocation, self.allocation = self.allocation, None
         released = await (await self._ledger()).release(allocation.id)
         if released is not None:
-            self.log.info("gpushare: released %s of kernel %s (%s)", allocation.id,
-                          self.kernel_id, why)
+            self.log.info(
+                "gpushare: released %s of kernel %s (%s)", allocation.id, self.kernel_id, why
+            )
 
     async def _reserve(self, spec: ShareSpec) -> Allocation:
         backend = self.kernel_backend
@@ -159,12 +160,19 @@ class GpushareProvisioner(KernelProvisionerBase):
             backend=backend.name,
             server_pid=os.getpid(),
             user=getpass.getuser(),
-            extra={"server_start": process_start_time(os.getpid()),
-                   **({"uid": os.getuid()} if backend.name == "local" else {}),  # status: own
-                   **({"pool": self._pool} if self._pool else {})},
+            extra={
+                "server_start": process_start_time(os.getpid()),
+                **({"uid": os.getuid()} if backend.name == "local" else {}),  # status: own
+                **({"pool": self._pool} if self._pool else {}),
+            },
         )
-        self.log.info("gpushare: kernel %s holds %s on %s %s", self.kernel_id, spec.describe(),
-                      allocation.node, ",".join(allocation.gpus))
+        self.log.info(
+            "gpushare: kernel %s holds %s on %s %s",
+            self.kernel_id,
+            spec.describe(),
+            allocation.node,
+            ",".join(allocation.gpus),
+        )
         return allocation
 
     # -- KernelProvisionerBase -------------------------------------------------------------------
@@ -281,8 +289,9 @@ class GpushareProvisioner(KernelProvisionerBase):
         for leftover in await ledger.list():
             if leftover.kernel_id == self.kernel_id and leftover.state == "reserved":
                 if await ledger.release(leftover.id, if_unchanged=leftover) is not None:
-                    self.log.info("gpushare: released %s of kernel %s (%s)", leftover.id,
-                                  self.kernel_id, why)
+                    self.log.info(
+                        "gpushare: released %s of kernel %s (%s)", leftover.id, self.kernel_id, why
+                    )
 
     async def claim_from_pool(self, pool: str) -> Allocation:
         """A warm pool kernel is handed to a user (:mod:`jupyter_gpushare.pools`): its share is

@@ -66,14 +66,20 @@ class Reconciler(PeriodicTask):
             return []
         released = []
         for allocation in await ledger.list(self.settings.node_name):
-            if (allocation.owner == "pool" and allocation.state == "reserved"
-                    and allocation.server_pid == os.getpid()
-                    and allocation.kernel_id not in pools.unclaimed()
-                    and allocation.kernel_id not in self.kernel_manager):
+            if (
+                allocation.owner == "pool"
+                and allocation.state == "reserved"
+                and allocation.server_pid == os.getpid()
+                and allocation.kernel_id not in pools.unclaimed()
+                and allocation.kernel_id not in self.kernel_manager
+            ):
                 if await ledger.release(allocation.id, if_unchanged=allocation) is not None:
-                    self.log.info("gpushare: released %s of pool %s: its start (kernel %s) "
-                                  "was abandoned", allocation.id,
-                                  allocation.extra.get("pool"), allocation.kernel_id)
+                    self.log.info(
+                        "gpushare: released %s of pool %s: its start (kernel %s) was abandoned",
+                        allocation.id,
+                        allocation.extra.get("pool"),
+                        allocation.kernel_id,
+                    )
                     released.append(allocation)
         return released
 
@@ -90,8 +96,11 @@ def agent_check_interval(serverapp: Any) -> float:
     try:
         return float(AgentSupervision(parent=serverapp).interval)
     except TraitError as exc:
-        serverapp.log.error("gpushare: %s; checking the node agent every %g s", exc,
-                            AgentSupervision.interval.default_value)
+        serverapp.log.error(
+            "gpushare: %s; checking the node agent every %g s",
+            exc,
+            AgentSupervision.interval.default_value,
+        )
         return float(AgentSupervision.interval.default_value)
 
 
@@ -101,8 +110,13 @@ async def _start(serverapp: Any, settings: GpuShare) -> None:
         gpus = await settings.local_gpus()
         has_gpus = True
         kind = "simulated " if settings.simulated else ""
-        serverapp.log.info("gpushare: %d %sGPU(s) on %s: %s", len(gpus), kind,
-                           settings.node_name, ", ".join(f"{g.index}:{g.type}" for g in gpus))
+        serverapp.log.info(
+            "gpushare: %d %sGPU(s) on %s: %s",
+            len(gpus),
+            kind,
+            settings.node_name,
+            ", ".join(f"{g.index}:{g.type}" for g in gpus),
+        )
         await start_node_daemon(settings, gpus, serverapp.log)
     except NoGpuError as exc:
         serverapp.log.warning("gpushare: %s", exc)
@@ -159,13 +173,13 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
     web_app = serverapp.web_app
     web_app.settings["gpushare"] = settings
     base_url = web_app.settings["base_url"]
-    web_app.add_handlers(".*$", admin_handlers(base_url) + handlers(base_url)
-                         + ui_handlers(base_url))
+    web_app.add_handlers(
+        ".*$", admin_handlers(base_url) + handlers(base_url) + ui_handlers(base_url)
+    )
 
     def begin() -> None:
         web_app.settings.pop("gpushare_start_handle", None)
-        web_app.settings["gpushare_start_task"] = asyncio.ensure_future(
-            _start(serverapp, settings))
+        web_app.settings["gpushare_start_task"] = asyncio.ensure_future(_start(serverapp, settings))
 
     web_app.settings["gpushare_start_handle"] = serverapp.io_loop.call_later(0, begin)
     _close_after_kernels(serverapp)

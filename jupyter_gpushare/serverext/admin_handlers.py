@@ -30,11 +30,16 @@ class PoolsHandler(GpushareHandler):
     async def get(self) -> None:
         pools = getattr(self.kernel_manager, "pools", None)
         if pools is None:
-            self.finish(json.dumps({
-                "enabled": False, "pools": [],
-                "message": "kernel pools need ServerApp.kernel_manager_class = "
-                           "jupyter_gpushare.pools.PoolKernelManager",
-            }))
+            self.finish(
+                json.dumps(
+                    {
+                        "enabled": False,
+                        "pools": [],
+                        "message": "kernel pools need ServerApp.kernel_manager_class = "
+                        "jupyter_gpushare.pools.PoolKernelManager",
+                    }
+                )
+            )
             return
         self.finish(json.dumps({"enabled": True, "pools": pools.model()}, default=str))
 
@@ -45,16 +50,23 @@ class ReclaimHandler(GpushareHandler):
     async def get(self) -> None:
         s = self.gpushare
         mine = served_here(s)
-        warned = [a.to_json() for a in await (await s.ledger()).list()
-                  if a.extra.get("reclaim_warning") and mine(a.extra.get("k8s_server"))]
-        self.finish(json.dumps({
-            "enabled": s.reclaim_idle_after > 0,
-            "idle_after": s.reclaim_idle_after,
-            "grace": s.reclaim_grace,
-            "exempt_users": list(s.reclaim_exempt_users),
-            "exempt_profiles": list(s.reclaim_exempt_profiles),
-            "warned": warned,
-        }))
+        warned = [
+            a.to_json()
+            for a in await (await s.ledger()).list()
+            if a.extra.get("reclaim_warning") and mine(a.extra.get("k8s_server"))
+        ]
+        self.finish(
+            json.dumps(
+                {
+                    "enabled": s.reclaim_idle_after > 0,
+                    "idle_after": s.reclaim_idle_after,
+                    "grace": s.reclaim_grace,
+                    "exempt_users": list(s.reclaim_exempt_users),
+                    "exempt_profiles": list(s.reclaim_exempt_profiles),
+                    "warned": warned,
+                }
+            )
+        )
 
 
 def admin_handlers(base_url: str) -> list[tuple[str, type]]:
@@ -88,13 +100,19 @@ def start_admin_tasks(serverapp: Any, settings: Any) -> None:
     if pools is not None:
         pools.start()
     elif settings.pools:
-        serverapp.log.error("gpushare: %d pool(s) configured, but ServerApp.kernel_manager_class"
-                            " is %s; set it to jupyter_gpushare.pools.PoolKernelManager",
-                            len(settings.pools), type(km).__name__)
+        serverapp.log.error(
+            "gpushare: %d pool(s) configured, but ServerApp.kernel_manager_class"
+            " is %s; set it to jupyter_gpushare.pools.PoolKernelManager",
+            len(settings.pools),
+            type(km).__name__,
+        )
     reclaimer = IdleReclaimer(settings, settings.ledger, _profiles_of(km), serverapp.log)
     serverapp.web_app.settings["gpushare_reclaimer"] = reclaimer
     reclaimer.start()
     policy = ReclaimPolicy.from_settings(settings)
     if policy.idle_after > 0:
-        serverapp.log.info("gpushare: idle reclaim: warn after %.0f s idle, release %.0f s "
-                           "later", policy.idle_after, policy.grace)
+        serverapp.log.info(
+            "gpushare: idle reclaim: warn after %.0f s idle, release %.0f s later",
+            policy.idle_after,
+            policy.grace,
+        )

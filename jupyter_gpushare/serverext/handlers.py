@@ -43,14 +43,16 @@ def gpu_usage(gpus: Sequence[Gpu], allocations: Sequence[Allocation]) -> list[di
         mine = held.get(g.uuid, [])
         used_compute = sum(a.spec.gpu_request for a in mine)
         used_memory = sum(a.memory for a in mine)
-        rows.append({
-            **g.to_json(),
-            "allocated_request": round(used_compute, 6),
-            "allocated_memory": used_memory,
-            "free_request": round(max(0.0, 1.0 - used_compute), 6),
-            "free_memory": max(0, g.memory - used_memory),
-            "allocations": [a.id for a in mine],
-        })
+        rows.append(
+            {
+                **g.to_json(),
+                "allocated_request": round(used_compute, 6),
+                "allocated_memory": used_memory,
+                "free_request": round(max(0.0, 1.0 - used_compute), 6),
+                "free_memory": max(0, g.memory - used_memory),
+                "allocations": [a.id for a in mine],
+            }
+        )
     return rows
 
 
@@ -97,12 +99,19 @@ class GpushareHandler(APIHandler):
             body = json.loads(self.request.body or b"{}", parse_int=_json_int)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError too
             reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
-            self.fail(400, {"error": "bad_json",
-                            "message": f"the request body is not valid JSON: {reason}"})
+            self.fail(
+                400,
+                {"error": "bad_json", "message": f"the request body is not valid JSON: {reason}"},
+            )
             return None
         if not isinstance(body, dict):
-            self.fail(400, {"error": "bad_json", "message": "the request body must be a JSON "
-                            f"object, not {_json_kind(body)}"})
+            self.fail(
+                400,
+                {
+                    "error": "bad_json",
+                    "message": f"the request body must be a JSON object, not {_json_kind(body)}",
+                },
+            )
             return None
         return body
 
@@ -122,8 +131,14 @@ class GpushareHandler(APIHandler):
             detail = f"{status} {reason}" if status else str(reason)
             self.set_status(503)
             self.set_header("Content-Type", "application/json")
-            self.finish(json.dumps({"error": "cluster_unavailable",
-                                    "message": f"the Kubernetes API server: {detail}"}))
+            self.finish(
+                json.dumps(
+                    {
+                        "error": "cluster_unavailable",
+                        "message": f"the Kubernetes API server: {detail}",
+                    }
+                )
+            )
             return
         super().write_error(status_code, **kwargs)
 
@@ -147,14 +162,22 @@ class GpushareHandler(APIHandler):
         answering 400 with the field ``name`` and the gpushare kernelspecs there are."""
         ksm = self.kernel_spec_manager
         specs = await _maybe_await(ksm.get_all_specs())
-        ours = sorted(n for n, s in specs.items()
-                      if ((s.get("spec") or {}).get("metadata") or {})
-                      .get("kernel_provisioner", {}).get("provisioner_name") == PROVISIONER)
+        ours = sorted(
+            n
+            for n, s in specs.items()
+            if ((s.get("spec") or {}).get("metadata") or {})
+            .get("kernel_provisioner", {})
+            .get("provisioner_name")
+            == PROVISIONER
+        )
         if isinstance(name, str) and name in ours:
             return True
-        allowed = ("the name of a gpushare kernelspec: " + ", ".join(ours) if ours
-                   else "a gpushare kernelspec, and none is installed (jupyter gpushare "
-                        "kernelspec install)")
+        allowed = (
+            "the name of a gpushare kernelspec: " + ", ".join(ours)
+            if ours
+            else "a gpushare kernelspec, and none is installed (jupyter gpushare "
+            "kernelspec install)"
+        )
         self.fail(400, _field_error("name", name, allowed))
         return False
 
@@ -165,7 +188,8 @@ class GpushareHandler(APIHandler):
             gpus = await ledger.gpus()
             return gpus, None if gpus else (
                 "no GPU nodes in the cluster (no Node publishes gpushare GPUs: is the node "
-                "daemon's DaemonSet running?)")
+                "daemon's DaemonSet running?)"
+            )
         try:
             await self.gpushare.local_gpus()
         except NoGpuError as exc:
@@ -180,8 +204,14 @@ class GpushareHandler(APIHandler):
             self.fail(404, _not_found(allocation_id))
             return None
         if not served_here(self.gpushare)(found.extra.get("k8s_server")):
-            self.fail(403, {"error": "not_permitted", "message": f"allocation {allocation_id!r} "
-                            "belongs to a kernel of another Jupyter server"})
+            self.fail(
+                403,
+                {
+                    "error": "not_permitted",
+                    "message": f"allocation {allocation_id!r} "
+                    "belongs to a kernel of another Jupyter server",
+                },
+            )
             return None
         return found
 
@@ -208,8 +238,9 @@ class AllocationsHandler(GpushareHandler):
     @authorized
     async def get(self) -> None:
         mine = served_here(self.gpushare)
-        allocations = [a for a in await (await self.ledger()).list()
-                       if mine(a.extra.get("k8s_server"))]
+        allocations = [
+            a for a in await (await self.ledger()).list() if mine(a.extra.get("k8s_server"))
+        ]
         self.finish(json.dumps({"allocations": [a.to_json() for a in allocations]}))
 
 
@@ -233,10 +264,15 @@ class AllocationHandler(GpushareHandler):
         if released is None:
             return self.fail(404, _not_found(allocation_id))
         actor = getattr(self.current_user, "username", None) or "REST"
-        self.log.info("gpushare: allocation %s (kernel %s) released over REST by %s",
-                      allocation_id, released.kernel_id, actor)
-        problem = await confirm_applied(self.gpushare, allocation_id, None,
-                                        self.settings.get("gpushare_agent_watch"))
+        self.log.info(
+            "gpushare: allocation %s (kernel %s) released over REST by %s",
+            allocation_id,
+            released.kernel_id,
+            actor,
+        )
+        problem = await confirm_applied(
+            self.gpushare, allocation_id, None, self.settings.get("gpushare_agent_watch")
+        )
         if problem is not None:  # released in the ledger; the agent is not there to see it
             return self.fail(503, {"error": "not_applied", "message": problem})
         self.set_status(204)
@@ -255,14 +291,22 @@ class AllocationHandler(GpushareHandler):
         if change is None:
             return None
         if not change:
-            return self.fail(400, {"error": "bad_json", "message": "give gpu_request, "
-                                   "gpu_limit and/or gpu_memory"})
+            return self.fail(
+                400,
+                {"error": "bad_json", "message": "give gpu_request, gpu_limit and/or gpu_memory"},
+            )
         actor = getattr(self.current_user, "username", None) or "REST"
         if await self.own_allocation(allocation_id) is None:
             return None
         try:
-            _before, after = await resize(await self.ledger(), allocation_id, change,
-                                          await usage_source(self.gpushare), actor, self.log)
+            _before, after = await resize(
+                await self.ledger(),
+                allocation_id,
+                change,
+                await usage_source(self.gpushare),
+                actor,
+                self.log,
+            )
         except AllocationNotFound:
             return self.fail(404, _not_found(allocation_id))
         except ShareError as exc:
@@ -273,8 +317,9 @@ class AllocationHandler(GpushareHandler):
             return self.fail(503, exc.to_json())
         except LedgerConflict as exc:
             return self.fail(503, {"error": "busy", "message": str(exc)})
-        problem = await confirm_applied(self.gpushare, allocation_id, after,
-                                        self.settings.get("gpushare_agent_watch"))
+        problem = await confirm_applied(
+            self.gpushare, allocation_id, after, self.settings.get("gpushare_agent_watch")
+        )
         if problem is not None:  # 200 only for a share the node agent enforces
             return self.fail(503, {"error": "not_applied", "message": problem})
         self.finish(json.dumps(after.to_json()))
@@ -284,11 +329,15 @@ class PresetsHandler(GpushareHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        self.finish(json.dumps({
-            "default": self.gpushare.default_spec().to_json(),
-            "presets": self.gpushare.presets,
-            "simulated": self.gpushare.simulated,
-        }))
+        self.finish(
+            json.dumps(
+                {
+                    "default": self.gpushare.default_spec().to_json(),
+                    "presets": self.gpushare.presets,
+                    "simulated": self.gpushare.simulated,
+                }
+            )
+        )
 
 
 class KernelsHandler(GpushareHandler):
@@ -305,14 +354,20 @@ class KernelsHandler(GpushareHandler):
             return None
         unknown = sorted(set(body) - {"name", "path", "share"})
         if unknown:
-            return self.fail(400, _field_error(key_name(unknown[0]), body[unknown[0]],
-                                               "known keys are name, path, share"))
+            return self.fail(
+                400,
+                _field_error(
+                    key_name(unknown[0]), body[unknown[0]], "known keys are name, path, share"
+                ),
+            )
         if not await self.check_kernel_name(body.get("name")):
             return None
         path = body.get("path")
         if path is not None and not isinstance(path, str):
-            return self.fail(400, _field_error("path", path, "a path under the server's root "
-                                               "(a string), or absent"))
+            return self.fail(
+                400,
+                _field_error("path", path, "a path under the server's root (a string), or absent"),
+            )
         share = body.get("share")
         if share is None:
             share = {}
@@ -362,8 +417,13 @@ PROVISIONER = "gpushare-provisioner"
 def _field_error(field: str, value: object, allowed: str) -> dict[str, Any]:
     """A 400 body for a request field outside the share (same shape as ShareError's)."""
     shown = shown_value(value)
-    return {"error": "invalid_request", "field": field, "value": shown, "allowed": allowed,
-            "message": f"{field}={shown!r} is not allowed: {allowed}"}
+    return {
+        "error": "invalid_request",
+        "field": field,
+        "value": shown,
+        "allowed": allowed,
+        "message": f"{field}={shown!r} is not allowed: {allowed}",
+    }
 
 
 def _json_int(text: str) -> int | str:
@@ -373,8 +433,14 @@ def _json_int(text: str) -> int | str:
 
 
 def _json_kind(value: object) -> str:
-    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null",
-            int: "a number", float: "a number"}.get(type(value), type(value).__name__)
+    return {
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        type(None): "null",
+        int: "a number",
+        float: "a number",
+    }.get(type(value), type(value).__name__)
 
 
 def _not_found(allocation_id: str) -> dict[str, str]:
@@ -386,8 +452,10 @@ def handlers(base_url: str) -> list[tuple[str, type]]:
     return [
         (url_path_join(api, "gpus"), GpusHandler),
         (url_path_join(api, "allocations"), AllocationsHandler),
-        (url_path_join(api, "allocations", r"(?P<allocation_id>[A-Za-z0-9_.-]+)"),
-         AllocationHandler),
+        (
+            url_path_join(api, "allocations", r"(?P<allocation_id>[A-Za-z0-9_.-]+)"),
+            AllocationHandler,
+        ),
         (url_path_join(api, "presets"), PresetsHandler),
         (url_path_join(api, "kernels"), KernelsHandler),
     ]

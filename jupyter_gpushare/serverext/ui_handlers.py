@@ -42,8 +42,9 @@ class UsageHandler(GpushareHandler):
         body: dict[str, Any] = {
             "daemon": bool(view.nodes),
             "source": view.source,
-            "allocations": [dict(u) for u in view.allocations.values()
-                            if mine(u.get("k8s_server"))],
+            "allocations": [
+                dict(u) for u in view.allocations.values() if mine(u.get("k8s_server"))
+            ],
         }
         if view.stale:
             body["stale"] = dict(view.stale)

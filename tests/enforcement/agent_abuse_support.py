@@ -60,7 +60,9 @@ def round_trip(s, message):
 #: an honest kernel: reads its allocation id on stdin (once the ledger records this process as
 #: the allocation's), says hello on a kept connection, then for ``seconds``: a status of its own
 #: allocation on a new connection (as the panel does) and a ping on the kept one
-HONEST = _ROUND_TRIP + r"""
+HONEST = (
+    _ROUND_TRIP
+    + r"""
 path, seconds = sys.argv[1], float(sys.argv[2])
 allocation = sys.stdin.readline().strip()
 kept = connect(path)
@@ -92,10 +94,13 @@ print(json.dumps({"hello": hello.get("ok"), "hello_ms": hello_ms,
                   "status_ms": status_ms, "ping_ms": ping_ms,
                   "errors": errors[:5], "n_errors": len(errors)}), flush=True)
 """
+)
 
 #: opens ``n`` connections and sends nothing; says how many opened, then (stdin closed) how many
 #: the agent has not closed
-IDLE = _ROUND_TRIP + r"""
+IDLE = (
+    _ROUND_TRIP
+    + r"""
 path, n = sys.argv[1], int(sys.argv[2])
 held, failed = [], 0
 for _ in range(n):
@@ -120,10 +125,13 @@ def open_(s):  # not closed by the agent (it may have said why first)
         return False
 print(json.dumps({"still_open": sum(open_(s) for s in held)}), flush=True)
 """
+)
 
 #: a ping flood that never reads a reply: writes up to ``n`` pings until the agent stops reading
 #: (a send blocks for 2 s), holds the connection until stdin closes
-FLOOD = _ROUND_TRIP + r"""
+FLOOD = (
+    _ROUND_TRIP
+    + r"""
 path, n = sys.argv[1], int(sys.argv[2])
 s = connect(path)
 s.settimeout(2.0)
@@ -140,10 +148,13 @@ except OSError as exc:
 print(json.dumps({"sent_requests": sent // len(line), "asked": n}), flush=True)
 sys.stdin.read()
 """
+)
 
 #: a process holding a share: hello (allocation id on stdin), then on another connection one
 #: ping; sleeps ``argv[2]`` s; then: is the hello connection still served, is the other closed?
-HOLD = _ROUND_TRIP + r"""
+HOLD = (
+    _ROUND_TRIP
+    + r"""
 path, wait = sys.argv[1], float(sys.argv[2])
 allocation = sys.stdin.readline().strip()
 kept = connect(path)
@@ -163,10 +174,13 @@ except OSError:
 print(json.dumps({"hello": hello.get("ok") or hello, "pinged": pinged, "kept_served": kept_served,
                   "other_closed": other_closed}), flush=True)
 """
+)
 
 #: garbage frames until stdin closes: on each connection 100 unreadable lines, then reads what the
 #: agent answers until it closes the connection
-GARBAGE = _ROUND_TRIP + r"""
+GARBAGE = (
+    _ROUND_TRIP
+    + r"""
 import threading
 path = sys.argv[1]
 stop = threading.Event()
@@ -192,10 +206,13 @@ while not stop.is_set():
 print(json.dumps({"connections": connections, "max_answers": max(answers, default=0),
                   "unclosed": unclosed}), flush=True)
 """
+)
 
 #: ``hello`` for allocations that are not its own, on ``argv[2]`` connections at once (16 each,
 #: then the agent closes it and it connects again), until stdin closes
-HELLO_FLOOD = _ROUND_TRIP + r"""
+HELLO_FLOOD = (
+    _ROUND_TRIP
+    + r"""
 import selectors, threading
 path, n = sys.argv[1], int(sys.argv[2])
 stop = threading.Event()
@@ -223,10 +240,13 @@ for t in threads:
 stop.wait()
 print(json.dumps({"answered": answered}), flush=True)
 """
+)
 
 #: one request when a line comes on stdin, its reply as JSON: the line is the request (JSON), or
 #: ``status`` of an allocation id, or of all when it is empty
-STATUS = _ROUND_TRIP + r"""
+STATUS = (
+    _ROUND_TRIP
+    + r"""
 path = sys.argv[1]
 line = sys.stdin.readline().strip()
 with connect(path) as s:
@@ -238,6 +258,7 @@ with connect(path) as s:
             message["allocation"] = line
     print(json.dumps(round_trip(s, message)), flush=True)
 """
+)
 
 
 def unix_user(name: str, groups: tuple[str, ...] = ()) -> pwd.struct_passwd:
@@ -248,14 +269,23 @@ def unix_user(name: str, groups: tuple[str, ...] = ()) -> pwd.struct_passwd:
         try:
             grp.getgrnam(group)
         except KeyError:
-            subprocess.run(["groupadd", "--system", group], check=False,
-                           stderr=subprocess.DEVNULL)
+            subprocess.run(["groupadd", "--system", group], check=False, stderr=subprocess.DEVNULL)
     try:
         pwd.getpwnam(name)
     except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                        *(["--groups", ",".join(groups)] if groups else []), name],
-                       check=False, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                "useradd",
+                "--system",
+                "--no-create-home",
+                "--shell",
+                "/usr/sbin/nologin",
+                *(["--groups", ",".join(groups)] if groups else []),
+                name,
+            ],
+            check=False,
+            stderr=subprocess.DEVNULL,
+        )
     try:
         return pwd.getpwnam(name)
     except KeyError:
@@ -266,9 +296,15 @@ def _python_for(user: pwd.struct_passwd) -> str:
     """A Python another user can run (stdlib only is needed)."""
     for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
         try:
-            done = subprocess.run([candidate, "-c", "pass"], user=user.pw_uid,
-                                  group=user.pw_gid, extra_groups=[], cwd="/", timeout=30,
-                                  capture_output=True)
+            done = subprocess.run(
+                [candidate, "-c", "pass"],
+                user=user.pw_uid,
+                group=user.pw_gid,
+                extra_groups=[],
+                cwd="/",
+                timeout=30,
+                capture_output=True,
+            )
         except (OSError, subprocess.SubprocessError):
             continue
         if done.returncode == 0:
@@ -278,10 +314,17 @@ def _python_for(user: pwd.struct_passwd) -> str:
 
 def run_as(user: pwd.struct_passwd, program: str, *args: str) -> subprocess.Popen[str]:
     groups = os.getgrouplist(user.pw_name, user.pw_gid)
-    return subprocess.Popen([_python_for(user), "-c", program, *args], user=user.pw_uid,
-                            group=user.pw_gid, extra_groups=groups, cwd="/",
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env={"PATH": "/usr/bin:/bin", "GS_WIRE_VERSION": str(wire.VERSION)})
+    return subprocess.Popen(
+        [_python_for(user), "-c", program, *args],
+        user=user.pw_uid,
+        group=user.pw_gid,
+        extra_groups=groups,
+        cwd="/",
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "GS_WIRE_VERSION": str(wire.VERSION)},
+    )
 
 
 def read_json(proc: subprocess.Popen[str], timeout: float = 60) -> dict[str, Any]:
@@ -317,28 +360,60 @@ def start_agent(directory: Path, *extra: str, nofile: int | None = None) -> Daem
     socket_path = directory / "daemon.sock"
     ledger_path = directory / "ledger.sqlite"
     state_dir = directory / "shm"
-    args = [sys.executable, "-m", "jupyter_gpushare.daemon", "--socket", str(socket_path),
-            "--ledger", str(ledger_path), "--node", NODE, "--simulate-devices", "1xA100",
-            "--state-dir", str(state_dir), "--poll-ms", "100", *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "jupyter_gpushare.daemon",
+        "--socket",
+        str(socket_path),
+        "--ledger",
+        str(ledger_path),
+        "--node",
+        NODE,
+        "--simulate-devices",
+        "1xA100",
+        "--state-dir",
+        str(state_dir),
+        "--poll-ms",
+        "100",
+        *extra,
+    ]
     if nofile is not None:
         args = ["prlimit", f"--nofile={nofile}:{nofile}", "--", *args]
     return _spawn_daemon(args, socket_path, ledger_path, state_dir, directory / "daemon.log")
 
 
-def record(ledger: SQLiteLedger, gpu: Gpu, *, pid: int | None, uid: int | None = None,
-           user: str | None = None, kernel_id: str | None = None,
-           request: float = 0.2) -> Allocation:
+def record(
+    ledger: SQLiteLedger,
+    gpu: Gpu,
+    *,
+    pid: int | None,
+    uid: int | None = None,
+    user: str | None = None,
+    kernel_id: str | None = None,
+    request: float = 0.2,
+) -> Allocation:
     """An allocation on ``gpu`` in the ledger, as a local server would write it."""
     spec = ShareSpec(gpu_request=request, gpu_limit=request, gpu_memory=GiB, gpu_type=gpu.type)
     extra: dict[str, Any] = {} if uid is None else {"uid": uid}
-    allocation = Allocation(id=Allocation.new_id(), node=NODE, gpus=(gpu.uuid,), spec=spec,
-                            memory=GiB, pid=pid, kernel_id=kernel_id, user=user or "", extra=extra,
-                            state="active",
-                            pid_start=psutil.Process(pid).create_time() if pid else None)
+    allocation = Allocation(
+        id=Allocation.new_id(),
+        node=NODE,
+        gpus=(gpu.uuid,),
+        spec=spec,
+        memory=GiB,
+        pid=pid,
+        kernel_id=kernel_id,
+        user=user or "",
+        extra=extra,
+        state="active",
+        pid_start=psutil.Process(pid).create_time() if pid else None,
+    )
     for _ in range(200):
         snap = ledger.snapshot_sync()
-        if ledger.compare_and_swap_sync(NODE, snap.versions.get(NODE, 0),
-                                        [*snap.on_node(NODE), replace(allocation)]):
+        if ledger.compare_and_swap_sync(
+            NODE, snap.versions.get(NODE, 0), [*snap.on_node(NODE), replace(allocation)]
+        ):
             return allocation
     raise RuntimeError("ledger contention")
 

@@ -37,8 +37,7 @@ GiB = 2**30
 def build_c(targets: tuple[str, ...] = ("all", "interposer-tests")) -> None:
     if shutil.which("make") is None or shutil.which("cc") is None:
         pytest.skip("needs make and a C compiler")
-    subprocess.run(["make", "-s", "-C", str(CSRC), *targets], check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(["make", "-s", "-C", str(CSRC), *targets], check=True, stdout=subprocess.DEVNULL)
     if not (LIB / "sim" / "libcuda.so.1").exists():
         pytest.skip("the GPU simulator (_lib/sim/libcuda.so.1) is not built")
 
@@ -70,20 +69,44 @@ class DaemonProc:
                 self.proc.wait(10)
 
 
-def start_daemon(tmp: Path, simulate: str = "1xA100", quantum_ms: float = 20,
-                 window_ms: float = 1000, extra: tuple[str, ...] = ()) -> DaemonProc:
+def start_daemon(
+    tmp: Path,
+    simulate: str = "1xA100",
+    quantum_ms: float = 20,
+    window_ms: float = 1000,
+    extra: tuple[str, ...] = (),
+) -> DaemonProc:
     socket = tmp / "daemon.sock"
     ledger_path = tmp / "ledger.sqlite"
     state_dir = tmp / "shm"
-    args = [sys.executable, "-m", "jupyter_gpushare.daemon", "--socket", str(socket),
-            "--ledger", str(ledger_path), "--node", NODE, "--simulate-devices", simulate,
-            "--state-dir", str(state_dir), "--quantum-ms", str(quantum_ms),
-            "--window-ms", str(window_ms), "--poll-ms", "100", *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "jupyter_gpushare.daemon",
+        "--socket",
+        str(socket),
+        "--ledger",
+        str(ledger_path),
+        "--node",
+        NODE,
+        "--simulate-devices",
+        simulate,
+        "--state-dir",
+        str(state_dir),
+        "--quantum-ms",
+        str(quantum_ms),
+        "--window-ms",
+        str(window_ms),
+        "--poll-ms",
+        "100",
+        *extra,
+    ]
     return _spawn_daemon(args, socket, ledger_path, state_dir, tmp / "daemon.log")
 
 
-def _spawn_daemon(args: list[str], socket: Path, ledger_path: Path, state_dir: Path,
-                  log: Path) -> DaemonProc:
+def _spawn_daemon(
+    args: list[str], socket: Path, ledger_path: Path, state_dir: Path, log: Path
+) -> DaemonProc:
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     env["GPUSHARE_SIM_STATE"] = str(socket.parent / "sim.state")
@@ -105,17 +128,29 @@ def restart_daemon(old: DaemonProc) -> DaemonProc:
     return _spawn_daemon(old.args, old.socket, old.ledger_path, old.state_dir, old.log)
 
 
-def add_allocation(ledger: SQLiteLedger, gpu: Gpu, request: float, limit: float,
-                   memory: int = 8 * GiB, pid: int | None = None) -> Allocation:
-    spec = ShareSpec(gpu_request=request, gpu_limit=limit, gpu_memory=memory,
-                     gpu_type=gpu.type)
-    allocation = Allocation(id=Allocation.new_id(), node=NODE, gpus=(gpu.uuid,), spec=spec,
-                            memory=memory, pid=pid,
-                            pid_start=psutil.Process(pid).create_time() if pid else None)
+def add_allocation(
+    ledger: SQLiteLedger,
+    gpu: Gpu,
+    request: float,
+    limit: float,
+    memory: int = 8 * GiB,
+    pid: int | None = None,
+) -> Allocation:
+    spec = ShareSpec(gpu_request=request, gpu_limit=limit, gpu_memory=memory, gpu_type=gpu.type)
+    allocation = Allocation(
+        id=Allocation.new_id(),
+        node=NODE,
+        gpus=(gpu.uuid,),
+        spec=spec,
+        memory=memory,
+        pid=pid,
+        pid_start=psutil.Process(pid).create_time() if pid else None,
+    )
     for _ in range(200):
         snap = ledger.snapshot_sync()
-        if ledger.compare_and_swap_sync(NODE, snap.versions.get(NODE, 0),
-                                        [*snap.on_node(NODE), allocation]):
+        if ledger.compare_and_swap_sync(
+            NODE, snap.versions.get(NODE, 0), [*snap.on_node(NODE), allocation]
+        ):
             return allocation
     raise RuntimeError("ledger contention")
 
@@ -127,9 +162,11 @@ def set_pid(ledger: SQLiteLedger, allocation_id: str, pid: int) -> None:
         rest = [a for a in snap.on_node(NODE) if a.id != allocation_id]
         mine = snap.find(allocation_id)
         assert mine is not None
-        if ledger.compare_and_swap_sync(NODE, snap.versions.get(NODE, 0),
-                                        [*rest, replace(mine, pid=pid, pid_start=start,
-                                                        state="active")]):
+        if ledger.compare_and_swap_sync(
+            NODE,
+            snap.versions.get(NODE, 0),
+            [*rest, replace(mine, pid=pid, pid_start=start, state="active")],
+        ):
             return
     raise RuntimeError("ledger contention")
 
@@ -155,10 +192,19 @@ class Tenant:
         return self.lines
 
 
-def spawn_tenant(daemon: DaemonProc, ledger: SQLiteLedger, allocation: Allocation | None,
-                 gpus: list[Gpu], argv: list[str], tmp: Path, *, register: bool = True,
-                 binary: Path = TENANT, preload: str | None = None,
-                 extra_env: dict[str, str] | None = None) -> Tenant:
+def spawn_tenant(
+    daemon: DaemonProc,
+    ledger: SQLiteLedger,
+    allocation: Allocation | None,
+    gpus: list[Gpu],
+    argv: list[str],
+    tmp: Path,
+    *,
+    register: bool = True,
+    binary: Path = TENANT,
+    preload: str | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> Tenant:
     """Start gs_tenant under `allocation`; it waits until its pid is in the ledger."""
     gate = tmp / f"gate-{time.monotonic_ns()}"
     env = dict(os.environ)
@@ -175,8 +221,9 @@ def spawn_tenant(daemon: DaemonProc, ledger: SQLiteLedger, allocation: Allocatio
     if os.environ.get("GS_DEBUG_TENANTS"):
         env["GPUSHARE_DEBUG"] = "1"
     env.update(extra_env or {})
-    proc = subprocess.Popen([str(binary), *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [str(binary), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     if allocation is not None and register:
         set_pid(ledger, allocation.id, proc.pid)
     gate.touch()

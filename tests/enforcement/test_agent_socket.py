@@ -70,8 +70,9 @@ def test_abuse_leaves_the_agent_small_and_an_honest_kernel_served(built, gpus):
     frames, all at once, while an honest kernel of a third user says hello and keeps asking for
     its own status, and an interposed tenant keeps launching at its 0.5 share."""
     raise_own_fd_limit()
-    honest_user, idle_user, rough_user = (unix_user(n) for n in
-                                          ("gsagent-a", "gsagent-b", "gsagent-c"))
+    honest_user, idle_user, rough_user = (
+        unix_user(n) for n in ("gsagent-a", "gsagent-b", "gsagent-c")
+    )
     directory = shared_dir()
     agent = start_agent(directory)
     sampler = _Sampler(agent.proc.pid)
@@ -80,8 +81,14 @@ def test_abuse_leaves_the_agent_small_and_an_honest_kernel_served(built, gpus):
         base_fds = psutil.Process(agent.proc.pid).num_fds()
         sampler.start()
         honest = run_as(honest_user, HONEST, str(agent.socket), "6")
-        mine = record(ledger, gpus[0], pid=honest.pid, uid=honest_user.pw_uid,
-                      user=honest_user.pw_name, kernel_id="k-honest")
+        mine = record(
+            ledger,
+            gpus[0],
+            pid=honest.pid,
+            uid=honest_user.pw_uid,
+            user=honest_user.pw_name,
+            kernel_id="k-honest",
+        )
         share = add_allocation(ledger, gpus[0], 0.5, 0.5)
         agent.client.refresh()
 
@@ -148,8 +155,14 @@ def test_status_shows_each_user_only_their_own_shares(built, gpus):
         ask_b_for_a = run_as(user_b, STATUS, str(agent.socket))
         ask_b_gpus = run_as(user_b, STATUS, str(agent.socket))
         ask_admin = run_as(admin, STATUS, str(agent.socket))
-        a = record(ledger, gpus[0], pid=ask_a.pid, uid=user_a.pw_uid, user=user_a.pw_name,
-                   kernel_id="k-of-user-a")
+        a = record(
+            ledger,
+            gpus[0],
+            pid=ask_a.pid,
+            uid=user_a.pw_uid,
+            user=user_a.pw_name,
+            kernel_id="k-of-user-a",
+        )
         b_uid = record(ledger, gpus[0], pid=None, uid=user_b.pw_uid, user=user_a.pw_name)
         b_name = record(ledger, gpus[0], pid=None, user=user_b.pw_name)
         b_process = record(ledger, gpus[0], pid=ask_b.pid, user="somebody-else")
@@ -220,8 +233,9 @@ def test_descriptors_are_kept_for_share_holders(built, gpus):
     raise_own_fd_limit()
     user_a, user_b = unix_user("gsagent-a"), unix_user("gsagent-b")
     directory = shared_dir()
-    agent = start_agent(directory, "--fd-reserve", "150", "--max-connections-per-uid", "1000",
-                        nofile=400)
+    agent = start_agent(
+        directory, "--fd-reserve", "150", "--max-connections-per-uid", "1000", nofile=400
+    )
     try:
         ledger = SQLiteLedger(agent.ledger_path)
         honest = run_as(user_a, HONEST, str(agent.socket), "1")
@@ -270,8 +284,12 @@ def test_a_broken_ledger_is_logged_once_a_minute_not_every_poll(built, tmp_path)
 
 def test_rate_limited_log_counts_what_it_did_not_write(caplog):
     now = [0.0]
-    log = RateLimitedLog(logging.getLogger("test.ratelog"), "reading the ledger failed",
-                         every=60.0, clock=lambda: now[0])
+    log = RateLimitedLog(
+        logging.getLogger("test.ratelog"),
+        "reading the ledger failed",
+        every=60.0,
+        clock=lambda: now[0],
+    )
     with caplog.at_level(logging.INFO, logger="test.ratelog"):
         for _ in range(4 * 60 * 4):  # four minutes of failures every 250 ms
             log.failed("database is locked", ValueError("x"))
@@ -288,12 +306,14 @@ def test_rate_limited_log_counts_what_it_did_not_write(caplog):
 
 def test_admission_caps_per_uid_and_pod_and_keeps_the_reserve():
     opened = [20]
-    admission = Admission(per_uid=2, per_pod=1, reserve=10, fd_limit=lambda: 1000,
-                          open_fds=lambda: opened[0])
+    admission = Admission(
+        per_uid=2, per_pod=1, reserve=10, fd_limit=lambda: 1000, open_fds=lambda: opened[0]
+    )
     user = Peer(pid=10, uid=1234, gid=1234, pod=None, admin=False)
     root = Peer(pid=11, uid=0, gid=0, pod=None, admin=True)
-    in_pod = Peer(pid=12, uid=1234, gid=1234, pod="0f0e0d0c-0b0a-0908-0706-050403020100",
-                  admin=False)
+    in_pod = Peer(
+        pid=12, uid=1234, gid=1234, pod="0f0e0d0c-0b0a-0908-0706-050403020100", admin=False
+    )
     other_pod = replace(in_pod, pod="10101010-2020-3030-4040-505050505050")
     never = lambda: False  # noqa: E731
     assert admission.admit(user, never) is None and admission.admit(user, never) is None
@@ -308,8 +328,9 @@ def test_admission_caps_per_uid_and_pod_and_keeps_the_reserve():
     assert admission.refused == 2
 
     near_full = [995]
-    tight = Admission(per_uid=100, per_pod=100, reserve=10, fd_limit=lambda: 1000,
-                      open_fds=lambda: near_full[0])
+    tight = Admission(
+        per_uid=100, per_pod=100, reserve=10, fd_limit=lambda: 1000, open_fds=lambda: near_full[0]
+    )
     refusal = tight.admit(user, never)
     assert refusal is not None and "short of file descriptors" in refusal
     assert tight.admit(user, lambda: True) is None  # holds a share here
@@ -381,8 +402,9 @@ def test_whose_shares_a_caller_sees(tmp_path):
     assert parent is not None
 
     def rec(**fields):
-        return Allocation(id=Allocation.new_id(), node="n", gpus=("GPU-x",), spec=spec,
-                          memory=2**30, **fields)
+        return Allocation(
+            id=Allocation.new_id(), node="n", gpus=("GPU-x",), spec=spec, memory=2**30, **fields
+        )
 
     pod_uid = "0f0e0d0c-0b0a-0908-0706-050403020100"
     pod_record = rec(extra={"k8s_pod": "k", "k8s_pod_uid": pod_uid, "uid": 1234})
@@ -397,7 +419,13 @@ def test_whose_shares_a_caller_sees(tmp_path):
 
     seen = daemon.caller_shares(local)
     assert [seen(a) for a in (pod_record, by_uid, by_name, mine, parents, reused)] == [
-        False, True, False, True, True, False]
+        False,
+        True,
+        False,
+        True,
+        True,
+        False,
+    ]
     seen = daemon.caller_shares(in_pod)
     assert [seen(a) for a in (pod_record, by_uid, mine)] == [True, False, False]
     named = unix_user("gsagent-named")

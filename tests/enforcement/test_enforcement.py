@@ -103,8 +103,9 @@ def test_memory_cap_under_concurrency(daemon, ledger, gpus, tmp_path):
     cap = 64 * 2**20
     allocations = [add_allocation(ledger, gpus[0], 0.2, 1.0, memory=cap) for _ in range(4)]
     tenants = [
-        spawn_tenant(daemon, ledger, a, gpus, ["mem", "8", "400", str(16 * 2**20), str(i)],
-                     tmp_path)
+        spawn_tenant(
+            daemon, ledger, a, gpus, ["mem", "8", "400", str(16 * 2**20), str(i)], tmp_path
+        )
         for i, a in enumerate(allocations)
     ]
     results = [t.finish()[-1] for t in tenants]
@@ -161,8 +162,9 @@ def test_daemon_kill9_fail_static_and_takeover(daemon, ledger, gpus, tmp_path):
     held = {"GS_TENANT_HOLD_BYTES": str(3 * 2**20)}
     # long enough that the measured stretch after the takeover fits in the run even when the new
     # daemon is slow to start on a loaded host
-    ta = spawn_tenant(daemon, ledger, a, gpus, ["spin", "13", "1000", "8"], tmp_path,
-                      extra_env=held)
+    ta = spawn_tenant(
+        daemon, ledger, a, gpus, ["spin", "13", "1000", "8"], tmp_path, extra_env=held
+    )
     tb = spawn_tenant(daemon, ledger, b, gpus, ["spin", "13", "1000", "8"], tmp_path)
     time.sleep(2.0)
     daemon.kill9()
@@ -218,8 +220,9 @@ def test_live_resize(daemon, ledger, gpus, tmp_path):
     current = snap.find(a.id)
     spec = replace(current.spec, gpu_request=0.6, gpu_limit=0.6)
     rest = [x for x in snap.on_node(current.node) if x.id != a.id]
-    assert ledger.compare_and_swap_sync(current.node, snap.versions[current.node],
-                                        [*rest, replace(current, spec=spec)])
+    assert ledger.compare_and_swap_sync(
+        current.node, snap.versions[current.node], [*rest, replace(current, spec=spec)]
+    )
     t.finish()
     start = t.lines[0]["start"]
     (before,) = shares([t], start + int(0.8e9), changed_at)
@@ -246,10 +249,22 @@ def test_metrics_and_status(built, tmp_path: Path, gpus):
         d.stop()
 
 
-LAUNCHES = ["cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx",
-            "cuLaunchCooperativeKernel", "cuGraphLaunch"]
-ALLOCATIONS = ["cuMemAlloc_v2", "cuMemAllocPitch_v2", "cuMemAllocManaged", "cuMemAllocAsync",
-               "cuMemAllocFromPoolAsync", "cuMemCreate", "cuArrayCreate_v2"]
+LAUNCHES = [
+    "cuLaunchKernel",
+    "cuLaunchKernel_ptsz",
+    "cuLaunchKernelEx",
+    "cuLaunchCooperativeKernel",
+    "cuGraphLaunch",
+]
+ALLOCATIONS = [
+    "cuMemAlloc_v2",
+    "cuMemAllocPitch_v2",
+    "cuMemAllocManaged",
+    "cuMemAllocAsync",
+    "cuMemAllocFromPoolAsync",
+    "cuMemCreate",
+    "cuArrayCreate_v2",
+]
 
 
 def test_every_path_is_enforced(daemon, ledger, gpus, tmp_path):
@@ -268,8 +283,9 @@ def test_every_path_is_enforced(daemon, ledger, gpus, tmp_path):
     # a share released while the process runs: every path is refused from then on
     b = add_allocation(ledger, gpus[0], 0.5, 1.0, memory=GiB)
     gate = tmp_path / "release-gate"
-    t = spawn_tenant(daemon, ledger, b, gpus, ["paths"], tmp_path,
-                     extra_env={"GS_TENANT_GATE2": str(gate)})
+    t = spawn_tenant(
+        daemon, ledger, b, gpus, ["paths"], tmp_path, extra_env={"GS_TENANT_GATE2": str(gate)}
+    )
     assert t.proc.stdout.readline().startswith('{"ready"')
     remove_allocation(ledger, b.id)
     daemon.client.refresh()

@@ -23,8 +23,9 @@ def _objdump(*flags: str) -> str:
     if shutil.which("objdump") is None:
         pytest.fail("objdump (binutils) is needed to read the interposer's symbol versions")
     library = lib_dir() / "libgpushare.so"
-    return subprocess.run(["objdump", *flags, str(library)], check=True, capture_output=True,
-                          text=True).stdout
+    return subprocess.run(
+        ["objdump", *flags, str(library)], check=True, capture_output=True, text=True
+    ).stdout
 
 
 def test_no_glibc_symbol_version_above_the_baseline() -> None:

@@ -53,8 +53,11 @@ def unix_user(name: str) -> pwd.struct_passwd:
     try:
         return pwd.getpwnam(name)
     except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                        name], check=False, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+            check=False,
+            stderr=subprocess.DEVNULL,
+        )
     try:
         return pwd.getpwnam(name)
     except KeyError:
@@ -65,8 +68,15 @@ def python_for(user: pwd.struct_passwd) -> str:
     """A Python interpreter ``user`` may run (the co-tenant needs only the standard library)."""
     for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
         try:
-            done = subprocess.run([candidate, "-c", "pass"], user=user.pw_uid, group=user.pw_gid,
-                                  extra_groups=[], cwd="/", timeout=30, capture_output=True)
+            done = subprocess.run(
+                [candidate, "-c", "pass"],
+                user=user.pw_uid,
+                group=user.pw_gid,
+                extra_groups=[],
+                cwd="/",
+                timeout=30,
+                capture_output=True,
+            )
         except (OSError, subprocess.SubprocessError):
             continue
         if done.returncode == 0:
@@ -85,16 +95,36 @@ def work() -> Iterator[Path]:
 
 
 def daemon_args(work: Path, state_dir: Path | None) -> list[str]:
-    return [sys.executable, "-m", "jupyter_gpushare.daemon", "--socket", str(work / "daemon.sock"),
-            "--ledger", str(work / "ledger.sqlite"), "--node", NODE, "--simulate-devices",
-            "1xA100", "--quantum-ms", "20", "--window-ms", "1000", "--poll-ms", "100",
-            *(["--state-dir", str(state_dir)] if state_dir is not None else [])]
+    return [
+        sys.executable,
+        "-m",
+        "jupyter_gpushare.daemon",
+        "--socket",
+        str(work / "daemon.sock"),
+        "--ledger",
+        str(work / "ledger.sqlite"),
+        "--node",
+        NODE,
+        "--simulate-devices",
+        "1xA100",
+        "--quantum-ms",
+        "20",
+        "--window-ms",
+        "1000",
+        "--poll-ms",
+        "100",
+        *(["--state-dir", str(state_dir)] if state_dir is not None else []),
+    ]
 
 
 def start(work: Path, state_dir: Path | None) -> DaemonProc:
-    return _spawn_daemon(daemon_args(work, state_dir), work / "daemon.sock",
-                         work / "ledger.sqlite", state_dir or work / "unused",
-                         work / "daemon.log")
+    return _spawn_daemon(
+        daemon_args(work, state_dir),
+        work / "daemon.sock",
+        work / "ledger.sqlite",
+        state_dir or work / "unused",
+        work / "daemon.log",
+    )
 
 
 def wait_for_share(daemon: DaemonProc, allocation_id: str) -> dict:
@@ -180,8 +210,13 @@ def test_a_prepared_state_dir_option_is_refused_by_name(built, gpus, work):
     victim = victim_file(work)
     planted = work / "state"
     plant(planted, victim, gpus[0].uuid, mallory)
-    done = subprocess.run(daemon_args(work, planted), capture_output=True, text=True, timeout=60,
-                          env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+    done = subprocess.run(
+        daemon_args(work, planted),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
+    )
     assert done.returncode == 2, done.stderr
     assert f"refusing state directory {planted}" in done.stderr, done.stderr
     assert "gs-mallory" in done.stderr and "Traceback" not in done.stderr, done.stderr
@@ -242,8 +277,9 @@ def test_no_agent_file_is_group_or_world_writable(built, gpus, work):
         ledger = SQLiteLedger(daemon.ledger_path)
         share = add_allocation(ledger, gpus[0], 0.5, 0.5, memory=GiB)
         wait_for_share(daemon, share.id)
-        tenant = spawn_tenant(daemon, ledger, share, gpus, ["mem", "2", "50", str(2**20), "1"],
-                              work)
+        tenant = spawn_tenant(
+            daemon, ledger, share, gpus, ["mem", "2", "50", str(2**20), "1"], work
+        )
         tenant.finish()
         assert tenant.proc.returncode == 0, tenant.stderr
         st = os.lstat(state_dir)
@@ -337,12 +373,29 @@ def test_a_cotenant_cannot_write_another_share(built, gpus, work):
         wait_for_share(daemon, second.id)
         honest = spawn_tenant(daemon, ledger, first, gpus, ["spin", "3", "1000", "8"], work)
         cotenant = subprocess.Popen(
-            [python_for(mallory), "-c", COTENANT, str(daemon.socket), second.id, first.id,
-             str(state_dir), str(wire.VERSION), str(wire.FILE_SIZE), str(wire.HEADER_SIZE),
-             str(wire.SLOT_SIZE)],
-            user=mallory.pw_uid, group=mallory.pw_gid, extra_groups=[], cwd="/",
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={"PATH": "/usr/bin:/bin"})
+            [
+                python_for(mallory),
+                "-c",
+                COTENANT,
+                str(daemon.socket),
+                second.id,
+                first.id,
+                str(state_dir),
+                str(wire.VERSION),
+                str(wire.FILE_SIZE),
+                str(wire.HEADER_SIZE),
+                str(wire.SLOT_SIZE),
+            ],
+            user=mallory.pw_uid,
+            group=mallory.pw_gid,
+            extra_groups=[],
+            cwd="/",
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={"PATH": "/usr/bin:/bin"},
+        )
         set_pid(ledger, second.id, cotenant.pid)
         assert cotenant.stdin is not None and cotenant.stdout is not None
         cotenant.stdin.write("go\n")
@@ -352,8 +405,7 @@ def test_a_cotenant_cannot_write_another_share(built, gpus, work):
         seen = json.loads(line)
 
         assert seen["reply_ok"] is True and seen["fds"] == 3
-        assert seen["access"] == {"board": os.O_RDWR, "policy": os.O_RDONLY,
-                                  "account": os.O_RDWR}
+        assert seen["access"] == {"board": os.O_RDWR, "policy": os.O_RDONLY, "account": os.O_RDWR}
         assert seen["policy_map_writable"] == "EACCES"
         assert seen["policy_reopen_rw"] == "EACCES"
         assert seen["state_dir_list"] == "EACCES"

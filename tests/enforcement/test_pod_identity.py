@@ -14,28 +14,35 @@ from jupyter_gpushare.daemon.identity import pod_uid_from_cgroups, pod_uid_of
 UID = "0d3a5e9c-1b2f-4c6d-8e7f-9a0b1c2d3e4f"
 
 
-@pytest.mark.parametrize("text", [
-    # cgroup v1, cgroupfs driver
-    f"12:pids:/kubepods/burstable/pod{UID}/4f2c0a\n11:memory:/kubepods/burstable/pod{UID}/4f2c0a",
-    # cgroup v1, systemd driver (dashes of the UID become underscores)
-    "5:cpu,cpuacct:/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod"
-    f"{UID.replace('-', '_')}.slice/cri-containerd-4f2c0a.scope",
-    # cgroup v2, systemd driver, read from the host
-    f"0::/kubepods.slice/kubepods-pod{UID.replace('-', '_')}.slice/crio-4f2c0a.scope",
-    # cgroup v2 read from a daemon in its own cgroup namespace (path relative to it)
-    f"0::/../../kubepods-burstable-pod{UID.replace('-', '_')}.slice/cri-containerd-4f2c0a.scope",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        # cgroup v1, cgroupfs driver
+        f"12:pids:/kubepods/burstable/pod{UID}/4f2c0a\n11:memory:/kubepods/burstable/pod{UID}/4f2c0a",
+        # cgroup v1, systemd driver (dashes of the UID become underscores)
+        "5:cpu,cpuacct:/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod"
+        f"{UID.replace('-', '_')}.slice/cri-containerd-4f2c0a.scope",
+        # cgroup v2, systemd driver, read from the host
+        f"0::/kubepods.slice/kubepods-pod{UID.replace('-', '_')}.slice/crio-4f2c0a.scope",
+        # cgroup v2 read from a daemon in its own cgroup namespace (path relative to it)
+        f"0::/../../kubepods-burstable-pod{UID.replace('-', '_')}.slice/"
+        "cri-containerd-4f2c0a.scope",
+    ],
+)
 def test_pod_uid_is_read_with_either_driver_and_cgroup_version(text: str) -> None:
     assert pod_uid_from_cgroups(text) == UID
 
 
-@pytest.mark.parametrize("text", [
-    "0::/",
-    "0::/user.slice/user-1000.slice/session-3.scope",
-    "8:pids:/system.slice/docker-4f2c0a.scope",
-    "0::/kubepods.slice/kubepods-burstable.slice",  # the QoS level, no pod
-    "",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0::/",
+        "0::/user.slice/user-1000.slice/session-3.scope",
+        "8:pids:/system.slice/docker-4f2c0a.scope",
+        "0::/kubepods.slice/kubepods-burstable.slice",  # the QoS level, no pod
+        "",
+    ],
+)
 def test_no_pod_uid_outside_a_pod(text: str) -> None:
     assert pod_uid_from_cgroups(text) is None
 

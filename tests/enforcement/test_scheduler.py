@@ -93,9 +93,15 @@ def simulate(specs, seconds=10.0, quantum=Q, window=W, idle_after=None):
     end = int(seconds * 1e9)
     while now < end:
         views = [
-            TenantView(k, r, lim, windows[k].used(now, window),
-                       waiting=idle_after is None or k not in idle_after or now < idle_after[k],
-                       last_grant_ns=last[k], credit_ns=credits[k].value(now, lim))
+            TenantView(
+                k,
+                r,
+                lim,
+                windows[k].used(now, window),
+                waiting=idle_after is None or k not in idle_after or now < idle_after[k],
+                last_grant_ns=last[k],
+                credit_ns=credits[k].value(now, lim),
+            )
             for k, (r, lim) in specs.items()
         ]
         grant = pick(views, quantum, window)

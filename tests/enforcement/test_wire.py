@@ -42,10 +42,13 @@ def c_layout(tmp_path_factory):
         pytest.skip("no C compiler")
     d = tmp_path_factory.mktemp("wire")
     (d / "w.c").write_text(PROGRAM)
-    subprocess.run([cc, "-std=gnu11", "-Wall", "-Werror", f"-I{INCLUDE}", "-o", str(d / "w"),
-                    str(d / "w.c")], check=True)
-    return json.loads(subprocess.run([str(d / "w")], check=True, capture_output=True,
-                                     text=True).stdout)
+    subprocess.run(
+        [cc, "-std=gnu11", "-Wall", "-Werror", f"-I{INCLUDE}", "-o", str(d / "w"), str(d / "w.c")],
+        check=True,
+    )
+    return json.loads(
+        subprocess.run([str(d / "w")], check=True, capture_output=True, text=True).stdout
+    )
 
 
 def test_constants_match(c_layout):

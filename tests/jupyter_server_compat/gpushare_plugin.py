@@ -94,15 +94,20 @@ class _Report:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if not self.path:
             return
-        Path(self.path).write_text(json.dumps({
-            "mode": MODE,
-            "failed": sorted(self.failed),
-            "failed_when": self.failed,
-            "passed": self.passed,
-            "destroyed_pending": self.destroyed.messages,
-            **COUNTS,
-            "seconds_by_file": {k: round(v, 1) for k, v in sorted(self.seconds.items())},
-        }, indent=1))
+        Path(self.path).write_text(
+            json.dumps(
+                {
+                    "mode": MODE,
+                    "failed": sorted(self.failed),
+                    "failed_when": self.failed,
+                    "passed": self.passed,
+                    "destroyed_pending": self.destroyed.messages,
+                    **COUNTS,
+                    "seconds_by_file": {k: round(v, 1) for k, v in sorted(self.seconds.items())},
+                },
+                indent=1,
+            )
+        )
 
 
 def _swap_in_gpushare() -> None:
@@ -157,8 +162,9 @@ def _swap_in_gpushare() -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.pluginmanager.register(_Report(os.environ.get("GPUSHARE_JSTESTS_REPORT")),
-                                  "gpushare_report")
+    config.pluginmanager.register(
+        _Report(os.environ.get("GPUSHARE_JSTESTS_REPORT")), "gpushare_report"
+    )
     if MODE != "plain":
         _swap_in_gpushare()
 
@@ -176,8 +182,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(autouse=True)
-def gpushare_kernels(request: pytest.FixtureRequest, tmp_path: Path,
-                     monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def gpushare_kernels(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
     """The default kernelspec is a gpushare one; this test's own ledger and daemon socket."""
     if MODE == "plain":
         yield

@@ -44,12 +44,18 @@ USERS = {
     # The controller manager runs every controller (garbage collector included) under its own
     # user here (no per-controller service-account credentials), so it needs full rights.
     "controller-manager": ("system:kube-controller-manager", "system:masters"),
-    "server": (f"system:serviceaccount:{NAMESPACE}:jupyter-gpushare",
-               f"system:serviceaccounts,system:serviceaccounts:{NAMESPACE}"),
-    "daemon": (f"system:serviceaccount:{NAMESPACE}:gpushare-daemon",
-               f"system:serviceaccounts,system:serviceaccounts:{NAMESPACE}"),
-    "controller": (f"system:serviceaccount:{NAMESPACE}:gpushare-controller",
-                   f"system:serviceaccounts,system:serviceaccounts:{NAMESPACE}"),
+    "server": (
+        f"system:serviceaccount:{NAMESPACE}:jupyter-gpushare",
+        f"system:serviceaccounts,system:serviceaccounts:{NAMESPACE}",
+    ),
+    "daemon": (
+        f"system:serviceaccount:{NAMESPACE}:gpushare-daemon",
+        f"system:serviceaccounts,system:serviceaccounts:{NAMESPACE}",
+    ),
+    "controller": (
+        f"system:serviceaccount:{NAMESPACE}:gpushare-controller",
+        f"system:serviceaccounts,system:serviceaccounts:{NAMESPACE}",
+    ),
 }
 
 
@@ -106,21 +112,34 @@ class ControlPlane:
             self._start_apiserver(deadline)
             for user in USERS:
                 self._write_kubeconfig(user)
-            self._start_component("kube-scheduler", "scheduler", [
-                "--leader-elect=false", "--port=0", f"--secure-port={free_port()}",
-                f"--authentication-kubeconfig={self.kubeconfig('scheduler')}",
-                f"--authorization-kubeconfig={self.kubeconfig('scheduler')}",
-            ])
-            self._start_component("kube-controller-manager", "controller-manager", [
-                "--leader-elect=false", "--port=0", f"--secure-port={free_port()}",
-                f"--authentication-kubeconfig={self.kubeconfig('controller-manager')}",
-                f"--authorization-kubeconfig={self.kubeconfig('controller-manager')}",
-                "--controllers=*,-serviceaccount-token,-csrsigning,-bootstrapsigner,"
-                "-tokencleaner,-nodeipam,-route,-service,-cloud-node-lifecycle",
-                "--use-service-account-credentials=false",
-                "--node-monitor-period=2s", "--node-monitor-grace-period=40s",
-                "--concurrent-gc-syncs=5",
-            ])
+            self._start_component(
+                "kube-scheduler",
+                "scheduler",
+                [
+                    "--leader-elect=false",
+                    "--port=0",
+                    f"--secure-port={free_port()}",
+                    f"--authentication-kubeconfig={self.kubeconfig('scheduler')}",
+                    f"--authorization-kubeconfig={self.kubeconfig('scheduler')}",
+                ],
+            )
+            self._start_component(
+                "kube-controller-manager",
+                "controller-manager",
+                [
+                    "--leader-elect=false",
+                    "--port=0",
+                    f"--secure-port={free_port()}",
+                    f"--authentication-kubeconfig={self.kubeconfig('controller-manager')}",
+                    f"--authorization-kubeconfig={self.kubeconfig('controller-manager')}",
+                    "--controllers=*,-serviceaccount-token,-csrsigning,-bootstrapsigner,"
+                    "-tokencleaner,-nodeipam,-route,-service,-cloud-node-lifecycle",
+                    "--use-service-account-credentials=false",
+                    "--node-monitor-period=2s",
+                    "--node-monitor-grace-period=40s",
+                    "--concurrent-gc-syncs=5",
+                ],
+            )
             self._wait_components(deadline)
         except BaseException:
             self.stop()
@@ -154,16 +173,33 @@ class ControlPlane:
         (self.workdir / "tokens.csv").write_text("\n".join(rows) + "\n")
         key = self.workdir / "sa.key"
         if not key.exists():
-            subprocess.run(["openssl", "genrsa", "-out", str(key), "2048"], check=True,
-                           capture_output=True)
-            subprocess.run(["openssl", "rsa", "-in", str(key), "-pubout", "-out",
-                            str(self.workdir / "sa.pub")], check=True, capture_output=True)
+            subprocess.run(
+                ["openssl", "genrsa", "-out", str(key), "2048"], check=True, capture_output=True
+            )
+            subprocess.run(
+                [
+                    "openssl",
+                    "rsa",
+                    "-in",
+                    str(key),
+                    "-pubout",
+                    "-out",
+                    str(self.workdir / "sa.pub"),
+                ],
+                check=True,
+                capture_output=True,
+            )
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "ab")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_unblock_signals)
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_unblock_signals,
+        )
         log.close()
         self.processes[name] = proc
         return proc
@@ -171,40 +207,59 @@ class ControlPlane:
     def _start_etcd(self) -> None:
         self.etcd_port = free_port()
         peer = free_port()
-        self._spawn("etcd", [
-            shutil.which("etcd") or "etcd", "--data-dir", str(self.workdir / "etcd"),
-            "--listen-client-urls", f"http://127.0.0.1:{self.etcd_port}",
-            "--advertise-client-urls", f"http://127.0.0.1:{self.etcd_port}",
-            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-            "--initial-cluster", f"default=http://127.0.0.1:{peer}",
-            "--unsafe-no-fsync", "--quota-backend-bytes", str(2 * 2**30),
-        ])
+        self._spawn(
+            "etcd",
+            [
+                shutil.which("etcd") or "etcd",
+                "--data-dir",
+                str(self.workdir / "etcd"),
+                "--listen-client-urls",
+                f"http://127.0.0.1:{self.etcd_port}",
+                "--advertise-client-urls",
+                f"http://127.0.0.1:{self.etcd_port}",
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-cluster",
+                f"default=http://127.0.0.1:{peer}",
+                "--unsafe-no-fsync",
+                "--quota-backend-bytes",
+                str(2 * 2**30),
+            ],
+        )
 
     def _start_apiserver(self, deadline: float) -> None:
         self.port = free_port()
-        self._spawn("kube-apiserver", [
-            str(CACHE_BIN / "kube-apiserver"),
-            f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
-            f"--secure-port={self.port}", "--insecure-port=0",
-            f"--cert-dir={self.workdir / 'certs'}",
-            f"--token-auth-file={self.workdir / 'tokens.csv'}",
-            "--authorization-mode=RBAC",
-            "--disable-admission-plugins=ServiceAccount",
-            f"--service-account-key-file={self.workdir / 'sa.pub'}",
-            f"--service-account-signing-key-file={self.workdir / 'sa.key'}",
-            "--service-account-issuer=https://kubernetes.default.svc",
-            "--service-cluster-ip-range=10.96.0.0/24",
-            "--api-audiences=https://kubernetes.default.svc",
-            "--max-requests-inflight=800", "--max-mutating-requests-inflight=400",
-            "--endpoint-reconciler-type=none",
-        ])
+        self._spawn(
+            "kube-apiserver",
+            [
+                str(CACHE_BIN / "kube-apiserver"),
+                f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={self.port}",
+                "--insecure-port=0",
+                f"--cert-dir={self.workdir / 'certs'}",
+                f"--token-auth-file={self.workdir / 'tokens.csv'}",
+                "--authorization-mode=RBAC",
+                "--disable-admission-plugins=ServiceAccount",
+                f"--service-account-key-file={self.workdir / 'sa.pub'}",
+                f"--service-account-signing-key-file={self.workdir / 'sa.key'}",
+                "--service-account-issuer=https://kubernetes.default.svc",
+                "--service-cluster-ip-range=10.96.0.0/24",
+                "--api-audiences=https://kubernetes.default.svc",
+                "--max-requests-inflight=800",
+                "--max-mutating-requests-inflight=400",
+                "--endpoint-reconciler-type=none",
+            ],
+        )
         self._wait_http("/readyz", "kube-apiserver", deadline)
 
     def _start_component(self, binary: str, user: str, args: list[str]) -> None:
-        self._spawn(binary, [str(CACHE_BIN / binary), f"--kubeconfig={self.kubeconfig(user)}",
-                             *args])
+        self._spawn(
+            binary, [str(CACHE_BIN / binary), f"--kubeconfig={self.kubeconfig(user)}", *args]
+        )
 
     def _wait_http(self, path: str, name: str, deadline: float) -> None:
         ctx = ssl.create_default_context()
@@ -214,11 +269,12 @@ class ControlPlane:
         while time.monotonic() < deadline:
             proc = self.processes[name]
             if proc.poll() is not None:
-                raise ControlPlaneUnavailable(f"{name} exited ({proc.returncode}):\n"
-                                              + self.log_tail(name))
+                raise ControlPlaneUnavailable(
+                    f"{name} exited ({proc.returncode}):\n" + self.log_tail(name)
+                )
             request = urllib.request.Request(
-                self.server_url + path,
-                headers={"Authorization": f"Bearer {self.tokens['admin']}"})
+                self.server_url + path, headers={"Authorization": f"Bearer {self.tokens['admin']}"}
+            )
             try:
                 with urllib.request.urlopen(request, context=ctx, timeout=2) as reply:
                     if reply.status == 200:
@@ -233,8 +289,9 @@ class ControlPlane:
         for name in ("kube-scheduler", "kube-controller-manager"):
             proc = self.processes[name]
             if proc.poll() is not None:
-                raise ControlPlaneUnavailable(f"{name} exited ({proc.returncode}):\n"
-                                              + self.log_tail(name))
+                raise ControlPlaneUnavailable(
+                    f"{name} exited ({proc.returncode}):\n" + self.log_tail(name)
+                )
         # The API server may still be creating its bootstrap RBAC; wait for /healthz too.
         self._wait_http("/healthz", "kube-apiserver", deadline)
 
@@ -261,8 +318,11 @@ def apply_deploy(kubeconfig: Path, namespace: str = NAMESPACE) -> None:
     core = client.CoreV1Api(api)
     with contextlib.suppress(client.ApiException):
         core.create_namespace({"metadata": {"name": namespace}})
-    files = [*sorted((DEPLOY / "crds").glob("*.yaml")), DEPLOY / "rbac.yaml",
-             DEPLOY / "daemonset.yaml"]
+    files = [
+        *sorted((DEPLOY / "crds").glob("*.yaml")),
+        DEPLOY / "rbac.yaml",
+        DEPLOY / "daemonset.yaml",
+    ]
     for path in files:
         try:
             utils.create_from_yaml(api, str(path), namespace=namespace)
@@ -275,11 +335,20 @@ def apply_deploy(kubeconfig: Path, namespace: str = NAMESPACE) -> None:
 def node_agent_argv(plane: ControlPlane, workdir: Path, nodes: dict[str, str]) -> list[str]:
     """The node agent for ``nodes`` (name -> simulated GPUs); the node daemon's pods get the
     ``daemon`` identity (its service account)."""
-    return [sys.executable, str(Path(__file__).with_name("node_agent.py")),
-            "--kubeconfig", str(plane.kubeconfig("admin")), "--workdir", str(workdir),
-            "--cpu", "4", "--memory", "16Gi",
-            f"--service-account={NAMESPACE}/gpushare-daemon={plane.kubeconfig('daemon')}",
-            *[f"--node={name}={simulate}" for name, simulate in nodes.items()]]
+    return [
+        sys.executable,
+        str(Path(__file__).with_name("node_agent.py")),
+        "--kubeconfig",
+        str(plane.kubeconfig("admin")),
+        "--workdir",
+        str(workdir),
+        "--cpu",
+        "4",
+        "--memory",
+        "16Gi",
+        f"--service-account={NAMESPACE}/gpushare-daemon={plane.kubeconfig('daemon')}",
+        *[f"--node={name}={simulate}" for name, simulate in nodes.items()],
+    ]
 
 
 def node_daemon_socket(workdir: Path, node: str) -> Path:
@@ -295,8 +364,10 @@ def _wait_crds(api: object, timeout: float = 30.0) -> None:
     while time.monotonic() < deadline:
         crds = ext.list_custom_resource_definition().items
         if crds and all(
-            any(c.type == "Established" and c.status == "True"
-                for c in (crd.status.conditions or []))
+            any(
+                c.type == "Established" and c.status == "True"
+                for c in (crd.status.conditions or [])
+            )
             for crd in crds
         ):
             return
@@ -320,8 +391,11 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="/tmp/gpushare-k8s")
-    parser.add_argument("--nodes", default="gpu-node-1=2xA100,gpu-node-2=1xT4",
-                        help="fake GPU nodes for the node agent: NAME=SIMULATE,…; '' for none")
+    parser.add_argument(
+        "--nodes",
+        default="gpu-node-1=2xA100,gpu-node-2=1xT4",
+        help="fake GPU nodes for the node agent: NAME=SIMULATE,…; '' for none",
+    )
     args = parser.parse_args()
     workdir = Path(args.workdir)
     # Block the stop signals so that sigwait() below receives them and the components (each in
@@ -334,8 +408,9 @@ def main() -> None:
     agent = None
     if args.nodes:
         nodes = dict(n.split("=", 1) for n in args.nodes.split(","))
-        agent = subprocess.Popen(preexec_fn=_unblock_signals,
-                                 args=node_agent_argv(plane, workdir / "nodes", nodes))
+        agent = subprocess.Popen(
+            preexec_fn=_unblock_signals, args=node_agent_argv(plane, workdir / "nodes", nodes)
+        )
     print(f"control plane up at {plane.server_url}")
     print(f"export KUBECONFIG={plane.kubeconfig('admin')}")
     for user in USERS:

@@ -67,11 +67,19 @@ def node_agent(control_plane: ControlPlane) -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.skip("the node agent runs kernel pods as their user (setuid): run as root")
     probe = subprocess.run(
-        [sys.executable, "-c", "import jupyter_gpushare, ipykernel"], capture_output=True,
-        text=True, user=1000, group=100, extra_groups=[], cwd="/")
+        [sys.executable, "-c", "import jupyter_gpushare, ipykernel"],
+        capture_output=True,
+        text=True,
+        user=1000,
+        group=100,
+        extra_groups=[],
+        cwd="/",
+    )
     if probe.returncode != 0:
-        reason = ("kernel pods run as uid 1000, which cannot run this Python and checkout "
-                  f"(run .ci/setup.d/k8s_pod_user.sh as root): {probe.stderr[-500:]}")
+        reason = (
+            "kernel pods run as uid 1000, which cannot run this Python and checkout "
+            f"(run .ci/setup.d/k8s_pod_user.sh as root): {probe.stderr[-500:]}"
+        )
         if IN_CI:
             pytest.fail(reason)
         pytest.skip(reason)
@@ -83,11 +91,14 @@ def node_agent(control_plane: ControlPlane) -> Iterator[Path]:
     sockets = [node_daemon_socket(workdir, node) for node in NODES]
     # ready: the agent registered the nodes and the DaemonSet's node daemon answers on each
     while "node agent ready" not in log.read_text(errors="replace") or not all(
-            DaemonClient(s, timeout=1.0).alive() for s in sockets):
+        DaemonClient(s, timeout=1.0).alive() for s in sockets
+    ):
         if proc.poll() is not None or time.monotonic() > deadline:
             stop_process(proc)
-            pytest.fail("node agent or node daemons did not start:\n"
-                        + log.read_text(errors="replace")[-6000:])
+            pytest.fail(
+                "node agent or node daemons did not start:\n"
+                + log.read_text(errors="replace")[-6000:]
+            )
         time.sleep(0.3)
     yield workdir
     stop_process(proc)
@@ -98,9 +109,22 @@ def node_agent(control_plane: ControlPlane) -> Iterator[Path]:
 def reconciler(control_plane: ControlPlane) -> Iterator[subprocess.Popen]:
     """The node daemon's reconciler, with the daemon's least-privilege identity."""
     log = control_plane.workdir / "reconciler.log"
-    proc = spawn([sys.executable, "-m", "jupyter_gpushare.k8s.reconcile",
-                   "--kubeconfig", str(control_plane.kubeconfig("daemon")),
-                   "--namespace", NAMESPACE, "--interval", "2", "--grace", "2"], log)
+    proc = spawn(
+        [
+            sys.executable,
+            "-m",
+            "jupyter_gpushare.k8s.reconcile",
+            "--kubeconfig",
+            str(control_plane.kubeconfig("daemon")),
+            "--namespace",
+            NAMESPACE,
+            "--interval",
+            "2",
+            "--grace",
+            "2",
+        ],
+        log,
+    )
     yield proc
     stop_process(proc)
 
@@ -113,8 +137,13 @@ def jupyter_server_factory(
     servers: list[JupyterServer] = []
 
     def start(lease_duration: float = 30.0, extra: str = "", **share: Any) -> JupyterServer:
-        server = start_jupyter_server(tmp_path / f"server{len(servers)}", control_plane,
-                                      lease_duration=lease_duration, extra=extra, **share)
+        server = start_jupyter_server(
+            tmp_path / f"server{len(servers)}",
+            control_plane,
+            lease_duration=lease_duration,
+            extra=extra,
+            **share,
+        )
         servers.append(server)
         return server
 

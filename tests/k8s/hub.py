@@ -66,23 +66,31 @@ class Hub:
 
     def user_token(self, user: str) -> str:
         """A new token of ``user`` with the scopes of a user's server."""
-        reply = requests.post(f"{self.url}/hub/api/users/{user}/tokens",
-                              headers={"Authorization": f"token {self.service_token}"},
-                              json={"scopes": SERVER_SCOPES, "note": "gpushare test server"},
-                              timeout=30)
+        reply = requests.post(
+            f"{self.url}/hub/api/users/{user}/tokens",
+            headers={"Authorization": f"token {self.service_token}"},
+            json={"scopes": SERVER_SCOPES, "note": "gpushare test server"},
+            timeout=30,
+        )
         reply.raise_for_status()
         return str(reply.json()["token"])
 
 
-def start_hub(root: Path, users: set[str], admins: set[str],
-              groups: dict[str, list[str]]) -> Hub:
+def start_hub(root: Path, users: set[str], admins: set[str], groups: dict[str, list[str]]) -> Hub:
     root.mkdir(parents=True, exist_ok=True)
     port, service_token = free_port(), secrets.token_hex(16)
     config = root / "jupyterhub_config.py"
-    config.write_text(CONFIG.format(
-        users=users | admins, admins=admins, port=port, proxy_port=free_port(), root=root,
-        service_token=service_token,
-        groups={g: {"users": members} for g, members in groups.items()}))
+    config.write_text(
+        CONFIG.format(
+            users=users | admins,
+            admins=admins,
+            port=port,
+            proxy_port=free_port(),
+            root=root,
+            service_token=service_token,
+            groups={g: {"users": members} for g, members in groups.items()},
+        )
+    )
     log = root / "hub.log"
     proc = spawn([sys.executable, "-m", "jupyterhub", "-f", str(config)], log)
     hub = Hub(proc, f"http://127.0.0.1:{port}", service_token, log)

@@ -135,10 +135,10 @@ class _Registration(api_pb2_grpc.RegistrationServicer):
 
     async def Register(self, request: Any, context: Any) -> Any:
         if request.version != "v1beta1":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"unsupported API version {request.version!r}")
-        await self.manager.connect(request.resource_name, request.endpoint,
-                                   request.options)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"unsupported API version {request.version!r}"
+            )
+        await self.manager.connect(request.resource_name, request.endpoint, request.options)
         return api_pb2.Empty()
 
 
@@ -204,8 +204,13 @@ class DeviceManager:
                 healthy = sum(1 for h in plugin.devices.values() if h == "Healthy")
                 self.agent.extended[self.node][plugin.resource] = str(healthy)
                 await self.agent.node_status(self.node)
-                log.info("%s: %s: %d healthy of %d devices", self.node, plugin.resource,
-                         healthy, len(plugin.devices))
+                log.info(
+                    "%s: %s: %d healthy of %d devices",
+                    self.node,
+                    plugin.resource,
+                    healthy,
+                    len(plugin.devices),
+                )
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -224,44 +229,72 @@ class DeviceManager:
 
     async def allocate(self, pod_uid: str, container: dict[str, Any]) -> dict[str, Any]:
         """Devices for one container, and what the plugins answered (merged)."""
-        result: dict[str, Any] = {"envs": {}, "mounts": [], "devices": [], "cdi_devices": [],
-                                  "device_ids": {}}
+        result: dict[str, Any] = {
+            "envs": {},
+            "mounts": [],
+            "devices": [],
+            "cdi_devices": [],
+            "device_ids": {},
+        }
         for resource, count in self.requests(container).items():
             plugin = self.plugins[resource]
-            taken = {i for per_pod in self.allocated.values()
-                     for i in per_pod.get(resource, [])}
+            taken = {i for per_pod in self.allocated.values() for i in per_pod.get(resource, [])}
             free = [i for i, h in plugin.devices.items() if h == "Healthy" and i not in taken]
             if len(free) < count:
-                raise AdmissionError(f"Allocate failed due to requested number of devices "
-                                     f"unavailable for {resource}. Requested: {count}, "
-                                     f"Available: {len(free)}, which is unexpected")
+                raise AdmissionError(
+                    f"Allocate failed due to requested number of devices "
+                    f"unavailable for {resource}. Requested: {count}, "
+                    f"Available: {len(free)}, which is unexpected"
+                )
             ids = free[:count]
             if plugin.options.get_preferred_allocation_available:
                 preferred = await plugin.stub.GetPreferredAllocation(
-                    api_pb2.PreferredAllocationRequest(container_requests=[
-                        api_pb2.ContainerPreferredAllocationRequest(
-                            available_deviceIDs=free, allocation_size=count)]), timeout=10)
+                    api_pb2.PreferredAllocationRequest(
+                        container_requests=[
+                            api_pb2.ContainerPreferredAllocationRequest(
+                                available_deviceIDs=free, allocation_size=count
+                            )
+                        ]
+                    ),
+                    timeout=10,
+                )
                 chosen = list(preferred.container_responses[0].deviceIDs)
                 if len(chosen) == count and set(chosen) <= set(free):
                     ids = chosen
             try:
-                reply = await plugin.stub.Allocate(api_pb2.AllocateRequest(container_requests=[
-                    api_pb2.ContainerAllocateRequest(devices_ids=ids)]), timeout=30)
+                reply = await plugin.stub.Allocate(
+                    api_pb2.AllocateRequest(
+                        container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids)]
+                    ),
+                    timeout=30,
+                )
             except grpc.aio.AioRpcError as exc:
-                raise AdmissionError(f"Allocate failed due to {exc.details()}, which is "
-                                     "unexpected") from None
+                raise AdmissionError(
+                    f"Allocate failed due to {exc.details()}, which is unexpected"
+                ) from None
             if plugin.options.pre_start_required:
                 await plugin.stub.PreStartContainer(
-                    api_pb2.PreStartContainerRequest(devices_ids=ids), timeout=30)
+                    api_pb2.PreStartContainerRequest(devices_ids=ids), timeout=30
+                )
             self.allocated.setdefault(pod_uid, {})[resource] = ids
             answer = reply.container_responses[0]
             result["envs"].update(dict(answer.envs))
-            result["mounts"] += [{"container_path": m.container_path,
-                                  "host_path": m.host_path, "read_only": m.read_only}
-                                 for m in answer.mounts]
-            result["devices"] += [{"container_path": d.container_path,
-                                   "host_path": d.host_path, "permissions": d.permissions}
-                                  for d in answer.devices]
+            result["mounts"] += [
+                {
+                    "container_path": m.container_path,
+                    "host_path": m.host_path,
+                    "read_only": m.read_only,
+                }
+                for m in answer.mounts
+            ]
+            result["devices"] += [
+                {
+                    "container_path": d.container_path,
+                    "host_path": d.host_path,
+                    "permissions": d.permissions,
+                }
+                for d in answer.devices
+            ]
             result["cdi_devices"] += [d.name for d in answer.cdi_devices]
             result["device_ids"][resource] = ids
         return result
@@ -286,8 +319,16 @@ class RunningPod:
 
 
 class NodeAgent:
-    def __init__(self, kube: Kube, namespace: str, workdir: Path, nodes: dict[str, str],
-                 cpu: str, memory: str, accounts: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        namespace: str,
+        workdir: Path,
+        nodes: dict[str, str],
+        cpu: str,
+        memory: str,
+        accounts: dict[str, str] | None = None,
+    ) -> None:
         self.kube = kube
         self.accounts = accounts or {}  # "namespace/name" -> kubeconfig of that identity
         self.cgroups = Cgroups()
@@ -301,7 +342,8 @@ class NodeAgent:
         #: extended resources on each node's capacity, from its device plugins
         self.extended: dict[str, dict[str, str]] = {n: {} for n in nodes}
         self.device_managers = {
-            n: DeviceManager(self, n, self.host_path(n, DEVICE_PLUGIN_DIR)) for n in nodes}
+            n: DeviceManager(self, n, self.host_path(n, DEVICE_PLUGIN_DIR)) for n in nodes
+        }
 
     def host_path(self, node: str, host: str) -> Path:
         """Where a host path of ``node`` is on this machine: per node for the node's own
@@ -319,12 +361,18 @@ class NodeAgent:
             log.warning("no writable cgroup hierarchy: pod processes cannot be identified")
         for name, simulate in self.nodes.items():
             (self.workdir / name / "run" / "gpushare").mkdir(parents=True, exist_ok=True)
-            labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
-                      "kubernetes.io/arch": "amd64"}
+            labels = {
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+            }
             if simulate:
                 labels[SIMULATE_LABEL] = simulate
-            body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name,
-                                                                     "labels": labels}}
+            body = {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": name, "labels": labels},
+            }
             with contextlib.suppress(ApiException):
                 await self.kube.core.create_node(body)
             await self.kube.core.patch_node(name, {"metadata": {"labels": labels}})
@@ -334,24 +382,54 @@ class NodeAgent:
 
     async def node_status(self, name: str) -> None:
         stamp = now()
-        capacity = {"cpu": self.cpu, "memory": self.memory, "pods": "110",
-                    **self.extended[name]}
-        conditions = [{"type": t, "status": "False", "reason": "AgentOK", "message": "ok",
-                       "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}
-                      for t in ("MemoryPressure", "DiskPressure", "PIDPressure")]
-        conditions.append({"type": "Ready", "status": "True", "reason": "KubeletReady",
-                           "message": "node agent (test double of the kubelet) is ready",
-                           "lastHeartbeatTime": stamp, "lastTransitionTime": stamp})
-        await self.kube.core.patch_node_status(name, {"status": {
-            "capacity": capacity, "allocatable": capacity, "conditions": conditions,
-            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
-                          {"type": "Hostname", "address": name}],
-            "nodeInfo": {"kubeletVersion": "v1.20.2-gpushare-node-agent", "osImage": "test",
-                         "operatingSystem": "linux", "architecture": "amd64",
-                         "containerRuntimeVersion": "local-process://0", "kernelVersion": "",
-                         "kubeProxyVersion": "", "machineID": "", "systemUUID": "",
-                         "bootID": ""},
-        }})
+        capacity = {"cpu": self.cpu, "memory": self.memory, "pods": "110", **self.extended[name]}
+        conditions = [
+            {
+                "type": t,
+                "status": "False",
+                "reason": "AgentOK",
+                "message": "ok",
+                "lastHeartbeatTime": stamp,
+                "lastTransitionTime": stamp,
+            }
+            for t in ("MemoryPressure", "DiskPressure", "PIDPressure")
+        ]
+        conditions.append(
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "KubeletReady",
+                "message": "node agent (test double of the kubelet) is ready",
+                "lastHeartbeatTime": stamp,
+                "lastTransitionTime": stamp,
+            }
+        )
+        await self.kube.core.patch_node_status(
+            name,
+            {
+                "status": {
+                    "capacity": capacity,
+                    "allocatable": capacity,
+                    "conditions": conditions,
+                    "addresses": [
+                        {"type": "InternalIP", "address": "127.0.0.1"},
+                        {"type": "Hostname", "address": name},
+                    ],
+                    "nodeInfo": {
+                        "kubeletVersion": "v1.20.2-gpushare-node-agent",
+                        "osImage": "test",
+                        "operatingSystem": "linux",
+                        "architecture": "amd64",
+                        "containerRuntimeVersion": "local-process://0",
+                        "kernelVersion": "",
+                        "kubeProxyVersion": "",
+                        "machineID": "",
+                        "systemUUID": "",
+                        "bootID": "",
+                    },
+                }
+            },
+        )
 
     async def _untaint(self, name: str) -> None:
         """Drop the ``not-ready`` taint that nodes created through the API start with."""
@@ -360,7 +438,8 @@ class NodeAgent:
         kept = [t for t in taints if t["key"] != "node.kubernetes.io/not-ready"]
         if kept != taints:
             await self.kube.core.patch_node(
-                name, [{"op": "replace", "path": "/spec/taints", "value": kept}])
+                name, [{"op": "replace", "path": "/spec/taints", "value": kept}]
+            )
 
     async def heartbeat(self, interval: float = 10.0) -> None:
         while True:
@@ -441,13 +520,16 @@ class NodeAgent:
         meta = pod["metadata"]
         try:
             await self.kube.core.delete_namespaced_pod(
-                meta["name"], meta["namespace"],
-                body={"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}})
+                meta["name"],
+                meta["namespace"],
+                body={"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}},
+            )
             log.info("pod %s: deleted", meta["name"])
         except ApiException as exc:
             if exc.status != 404:
-                log.warning("pod %s: final delete failed: %s %s", meta["name"], exc.status,
-                            exc.reason)
+                log.warning(
+                    "pod %s: final delete failed: %s %s", meta["name"], exc.status, exc.reason
+                )
         self.device_managers[pod["spec"]["nodeName"]].release(meta["uid"])
         root = self.workdir / "pods" / meta["uid"]
         for log_file in root.glob("*.log"):
@@ -476,10 +558,23 @@ class NodeAgent:
         inits, containers = spec.get("initContainers") or [], spec["containers"]
         missing = [c for c in [*inits, *containers] if "does-not-exist" in c.get("image", "")]
         if missing:
-            await self._status(pod, "Pending", [self._cstatus(missing[0], {"waiting": {
-                "reason": "ErrImagePull",
-                "message": f'rpc error: code = NotFound desc = failed to pull and unpack '
-                           f'image "{missing[0]["image"]}": not found'}})])
+            await self._status(
+                pod,
+                "Pending",
+                [
+                    self._cstatus(
+                        missing[0],
+                        {
+                            "waiting": {
+                                "reason": "ErrImagePull",
+                                "message": "rpc error: code = NotFound desc = "
+                                "failed to pull and unpack "
+                                f'image "{missing[0]["image"]}": not found',
+                            }
+                        },
+                    )
+                ],
+            )
             running.finished = True
             return
         try:
@@ -487,11 +582,13 @@ class NodeAgent:
             for container in [*inits, *containers]:
                 if manager.requests(container):
                     running.devices[container["name"]] = await manager.allocate(
-                        running.uid, container)
+                        running.uid, container
+                    )
         except AdmissionError as exc:  # the kubelet rejects the pod at admission
             log.warning("pod %s: %s", running.name, exc)
-            await self._status(pod, "Failed", [], reason="UnexpectedAdmissionError",
-                               message=str(exc))
+            await self._status(
+                pod, "Failed", [], reason="UnexpectedAdmissionError", message=str(exc)
+            )
             running.finished = True
             return
         try:
@@ -501,23 +598,50 @@ class NodeAgent:
             for init in inits:
                 code = await (await self._start(running, pod, init, node, root, mounts)).wait()
                 if code != 0:
-                    await self._status(pod, "Pending", [self._cstatus(init, {"waiting": {
-                        "reason": "Init:Error", "message": f"exit code {code}"}})])
+                    await self._status(
+                        pod,
+                        "Pending",
+                        [
+                            self._cstatus(
+                                init,
+                                {
+                                    "waiting": {
+                                        "reason": "Init:Error",
+                                        "message": f"exit code {code}",
+                                    }
+                                },
+                            )
+                        ],
+                    )
                     running.finished = True
                     return
             for container in containers:
                 await self._start(running, pod, container, node, root, mounts)
         except Exception as exc:
             log.exception("pod %s could not run", running.name)
-            reason = ("CreateContainerConfigError" if isinstance(exc, ContainerConfigError)
-                      else "CreateContainerError")
-            await self._status(pod, "Pending", [self._cstatus(containers[0], {"waiting": {
-                "reason": reason, "message": str(exc)}})])
+            reason = (
+                "CreateContainerConfigError"
+                if isinstance(exc, ContainerConfigError)
+                else "CreateContainerError"
+            )
+            await self._status(
+                pod,
+                "Pending",
+                [
+                    self._cstatus(
+                        containers[0], {"waiting": {"reason": reason, "message": str(exc)}}
+                    )
+                ],
+            )
             running.finished = True
             return
         started = now()
-        await self._status(pod, "Running", [self._cstatus(
-            c, {"running": {"startedAt": started}}, ready=True) for c in containers], ready=True)
+        await self._status(
+            pod,
+            "Running",
+            [self._cstatus(c, {"running": {"startedAt": started}}, ready=True) for c in containers],
+            ready=True,
+        )
         if spec.get("restartPolicy", "Always") == "Always":
             await self._keep_running(running, pod, node, root, mounts)
         code = await running.processes[containers[0]["name"]].wait()
@@ -525,8 +649,14 @@ class NodeAgent:
             await running.processes[container["name"]].wait()
         await self._terminated(running, pod, containers[0], code, started)
 
-    async def _keep_running(self, running: RunningPod, pod: dict[str, Any], node: str,
-                            root: Path, mounts: dict[str, str]) -> None:
+    async def _keep_running(
+        self,
+        running: RunningPod,
+        pod: dict[str, Any],
+        node: str,
+        root: Path,
+        mounts: dict[str, str],
+    ) -> None:
         """``restartPolicy: Always``: a container that exits is started again (after 1 s)."""
         containers = {c["name"]: c for c in pod["spec"]["containers"]}  # not the init ones
         restarts = dict.fromkeys(containers, 0)
@@ -542,18 +672,35 @@ class NodeAgent:
                 name = waits[task]
                 container = containers[name]
                 restarts[name] += 1
-                log.info("pod %s: container %s exited (%s); restart %d", running.name, name,
-                         task.result(), restarts[name])
+                log.info(
+                    "pod %s: container %s exited (%s); restart %d",
+                    running.name,
+                    name,
+                    task.result(),
+                    restarts[name],
+                )
                 await self._start(running, pod, container, node, root, mounts)
 
-    async def _terminated(self, running: RunningPod, pod: dict[str, Any],
-                          container: dict[str, Any], code: int, started: str) -> None:
+    async def _terminated(
+        self,
+        running: RunningPod,
+        pod: dict[str, Any],
+        container: dict[str, Any],
+        code: int,
+        started: str,
+    ) -> None:
         code = 128 - code if code < 0 else code
         reason = running.reason or ("Completed" if code == 0 else "Error")
         if running.reason == "OOMKilled":
             code = 137
-        term = {"terminated": {"exitCode": code, "reason": reason, "startedAt": started,
-                               "finishedAt": now()}}
+        term = {
+            "terminated": {
+                "exitCode": code,
+                "reason": reason,
+                "startedAt": started,
+                "finishedAt": now(),
+            }
+        }
         phase = "Succeeded" if code == 0 and running.reason is None else "Failed"
         extra = {}
         if running.reason == "Evicted":
@@ -565,13 +712,22 @@ class NodeAgent:
         except ApiException as exc:
             log.info("pod %s: final status not written (%s)", running.name, exc.status)
 
-    async def _start(self, running: RunningPod, pod: dict[str, Any], container: dict[str, Any],
-                     node: str, root: Path, mounts: dict[str, str]) -> asyncio.subprocess.Process:
+    async def _start(
+        self,
+        running: RunningPod,
+        pod: dict[str, Any],
+        container: dict[str, Any],
+        node: str,
+        root: Path,
+        mounts: dict[str, str],
+    ) -> asyncio.subprocess.Process:
         name = container["name"]
         device = running.devices.get(name) or {}
         for m in device.get("mounts") or []:  # the device plugin's mounts are host paths
-            mounts = {**mounts, f"device:{m['container_path']}": str(
-                self.host_path(node, m["host_path"]))}
+            mounts = {
+                **mounts,
+                f"device:{m['container_path']}": str(self.host_path(node, m["host_path"])),
+            }
         argv, env = self._command(pod, container, mounts, device)
         _check_executable(argv[0], env)
         user = run_as(pod, container)
@@ -583,12 +739,18 @@ class NodeAgent:
         cgroup = self.cgroups.path(running.uid, name)
         with open(root / f"{name}.log", "ab") as log_file:
             proc = await asyncio.create_subprocess_exec(
-                *user.wrap(argv, cgroup), env=env, cwd=str(root),
-                stdout=log_file, stderr=subprocess_stdout(), stdin=asyncio.subprocess.DEVNULL,
-                start_new_session=True)
+                *user.wrap(argv, cgroup),
+                env=env,
+                cwd=str(root),
+                stdout=log_file,
+                stderr=subprocess_stdout(),
+                stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True,
+            )
         running.processes[name] = proc
-        log.info("pod %s on %s: %s runs pid %d: %s", running.name, node, name, proc.pid,
-                 " ".join(argv))
+        log.info(
+            "pod %s on %s: %s runs pid %d: %s", running.name, node, name, proc.pid, " ".join(argv)
+        )
         return proc
 
     async def _volumes(self, pod: dict[str, Any], node: str) -> tuple[Path, dict[str, str]]:
@@ -600,33 +762,53 @@ class NodeAgent:
             volumes[vol["name"]] = str(await self._volume(vol, root, node, pod))
         return root, volumes
 
-    def _command(self, pod: dict[str, Any], container: dict[str, Any],
-                 volumes: dict[str, str], device: dict[str, Any] | None = None,
-                 ) -> tuple[list[str], dict[str, str]]:
-        mounts = {m["mountPath"].rstrip("/"): volumes[m["name"]]
-                  for m in container.get("volumeMounts") or [] if m["name"] in volumes}
+    def _command(
+        self,
+        pod: dict[str, Any],
+        container: dict[str, Any],
+        volumes: dict[str, str],
+        device: dict[str, Any] | None = None,
+    ) -> tuple[list[str], dict[str, str]]:
+        mounts = {
+            m["mountPath"].rstrip("/"): volumes[m["name"]]
+            for m in container.get("volumeMounts") or []
+            if m["name"] in volumes
+        }
         for m in (device or {}).get("mounts") or []:
             mounts[m["container_path"].rstrip("/")] = volumes[f"device:{m['container_path']}"]
 
         # one pass, longest mount path first, each followed by "/" or the end of a path
-        pattern = re.compile("|".join(
-            re.escape(m) + r"(?=/|$|[:;,\s])" for m in sorted(mounts, key=len, reverse=True)
-            if m)) if any(mounts) else None
+        pattern = (
+            re.compile(
+                "|".join(
+                    re.escape(m) + r"(?=/|$|[:;,\s])"
+                    for m in sorted(mounts, key=len, reverse=True)
+                    if m
+                )
+            )
+            if any(mounts)
+            else None
+        )
 
         def translate(text: str) -> str:
             if pattern is None:
                 return text
             return pattern.sub(lambda m: mounts[m.group(0)], text)
 
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("KUBECONFIG", "GPUSHARE_", "JPY_", "JUPYTER_"))}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("KUBECONFIG", "GPUSHARE_", "JPY_", "JUPYTER_"))
+        }
         account = f"{pod['metadata']['namespace']}/{pod['spec'].get('serviceAccountName')}"
         if pod["spec"].get("automountServiceAccountToken") is not False and (
-                account in self.accounts):
+            account in self.accounts
+        ):
             env["KUBECONFIG"] = self.accounts[account]
         # the device plugins' envs first: the spec's env has the last word (as in the kubelet)
-        declared: dict[str, str] = {k: translate(v)
-                                    for k, v in ((device or {}).get("envs") or {}).items()}
+        declared: dict[str, str] = {
+            k: translate(v) for k, v in ((device or {}).get("envs") or {}).items()
+        }
         for item in container.get("env") or []:
             value = item.get("value")
             if value is None and "valueFrom" in item:
@@ -637,24 +819,28 @@ class NodeAgent:
             env["CUDA_VISIBLE_DEVICES"] = env["NVIDIA_VISIBLE_DEVICES"]
         if env.get("LD_PRELOAD") and not Path(env["LD_PRELOAD"]).exists():
             env.pop("LD_PRELOAD")  # no interposer installed on this node
-        argv = [translate(VAR_REF.sub(lambda m: declared.get(m.group(1), m.group(0)), a))
-                for a in [*(container.get("command") or []), *(container.get("args") or [])]]
+        argv = [
+            translate(VAR_REF.sub(lambda m: declared.get(m.group(1), m.group(0)), a))
+            for a in [*(container.get("command") or []), *(container.get("args") or [])]
+        ]
         if argv and argv[0] == "python":
             argv[0] = sys.executable
         elif argv and shutil.which(argv[0], path=str(Path(sys.executable).parent)):
             argv[0] = str(Path(sys.executable).parent / argv[0])  # the image's entry points
         return argv, env
 
-    async def _volume(self, vol: dict[str, Any], root: Path, node: str,
-                      pod: dict[str, Any]) -> Path:
+    async def _volume(
+        self, vol: dict[str, Any], root: Path, node: str, pod: dict[str, Any]
+    ) -> Path:
         if "secret" in vol:
             path = root / "volumes" / vol["name"]
             path.mkdir(parents=True, exist_ok=True)
             secret = await self.kube.core.read_namespaced_secret(
-                vol["secret"]["secretName"], pod["metadata"]["namespace"])
+                vol["secret"]["secretName"], pod["metadata"]["namespace"]
+            )
             # as the kubelet writes them: root's files, mode defaultMode; with an fsGroup, the
             # group is fsGroup and read-only volumes get group read (volume ownership)
-            fs_group = ((pod["spec"].get("securityContext") or {}).get("fsGroup"))
+            fs_group = (pod["spec"].get("securityContext") or {}).get("fsGroup")
             mode = int(vol["secret"].get("defaultMode", 0o644))
             if fs_group is not None:
                 mode |= 0o440
@@ -679,24 +865,41 @@ class NodeAgent:
             "metadata.namespace": pod["metadata"]["namespace"],
             "metadata.uid": pod["metadata"]["uid"],
             "spec.nodeName": pod["spec"].get("nodeName", ""),
-            "status.podIP": "127.0.0.1", "status.hostIP": "127.0.0.1",
+            "status.podIP": "127.0.0.1",
+            "status.hostIP": "127.0.0.1",
         }.get(path or "", "")
 
     @staticmethod
-    def _cstatus(container: dict[str, Any], state: dict[str, Any],
-                 ready: bool = False) -> dict[str, Any]:
-        return {"name": container["name"], "image": container.get("image", ""),
-                "imageID": "", "ready": ready, "started": "running" in state,
-                "restartCount": 0, "state": state}
+    def _cstatus(
+        container: dict[str, Any], state: dict[str, Any], ready: bool = False
+    ) -> dict[str, Any]:
+        return {
+            "name": container["name"],
+            "image": container.get("image", ""),
+            "imageID": "",
+            "ready": ready,
+            "started": "running" in state,
+            "restartCount": 0,
+            "state": state,
+        }
 
-    async def _status(self, pod: dict[str, Any], phase: str, containers: list[dict[str, Any]],
-                      ready: bool = False, reason: str | None = None,
-                      message: str | None = None) -> None:
+    async def _status(
+        self,
+        pod: dict[str, Any],
+        phase: str,
+        containers: list[dict[str, Any]],
+        ready: bool = False,
+        reason: str | None = None,
+        message: str | None = None,
+    ) -> None:
         stamp = now()
         flag = "True" if ready else "False"
         status: dict[str, Any] = {
-            "phase": phase, "hostIP": "127.0.0.1", "podIP": "127.0.0.1",
-            "podIPs": [{"ip": "127.0.0.1"}], "startTime": stamp,
+            "phase": phase,
+            "hostIP": "127.0.0.1",
+            "podIP": "127.0.0.1",
+            "podIPs": [{"ip": "127.0.0.1"}],
+            "startTime": stamp,
             "conditions": [
                 {"type": "Initialized", "status": "True", "lastTransitionTime": stamp},
                 {"type": "Ready", "status": flag, "lastTransitionTime": stamp},
@@ -710,20 +913,26 @@ class NodeAgent:
         if message:
             status["message"] = message
         await self.kube.core.patch_namespaced_pod_status(
-            pod["metadata"]["name"], pod["metadata"]["namespace"], {"status": status})
-
+            pod["metadata"]["name"], pod["metadata"]["namespace"], {"status": status}
+        )
 
 
 def _check_executable(program: str, env: dict[str, str]) -> None:
     """The runtime resolves the command before the container starts (runc's exec check): a
     missing one never runs, it is a CreateContainerError with runc's words."""
-    found = (program if "/" in program and os.access(program, os.X_OK)
-             else shutil.which(program, path=env.get("PATH", os.defpath)) if "/" not in program
-             else None)
+    found = (
+        program
+        if "/" in program and os.access(program, os.X_OK)
+        else shutil.which(program, path=env.get("PATH", os.defpath))
+        if "/" not in program
+        else None
+    )
     if found is None:
-        raise FileNotFoundError(f'exec: "{program}": executable file not found in $PATH'
-                                if "/" not in program else
-                                f'exec: "{program}": stat {program}: no such file or directory')
+        raise FileNotFoundError(
+            f'exec: "{program}": executable file not found in $PATH'
+            if "/" not in program
+            else f'exec: "{program}": stat {program}: no such file or directory'
+        )
 
 
 #: util-linux's setpriv (drops to a user, no_new_privs) by absolute path: containers' PATH varies
@@ -733,8 +942,9 @@ SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
 class RunAs:
     """The identity a container runs as (None: the image's, which is root here)."""
 
-    def __init__(self, uid: int | None, gid: int | None, groups: list[int],
-                 no_new_privs: bool) -> None:
+    def __init__(
+        self, uid: int | None, gid: int | None, groups: list[int], no_new_privs: bool
+    ) -> None:
         self.uid, self.gid, self.groups, self.no_new_privs = uid, gid, groups, no_new_privs
 
     def wrap(self, argv: list[str], cgroup: Path | None) -> list[str]:
@@ -743,16 +953,30 @@ class RunAs:
         this agent has gRPC threads, and Python code in a forked child of a threaded process
         (a preexec_fn) aborted kernel pods now and then (exit 134)."""
         if self.uid is not None:
-            groups = ["--groups", ",".join(map(str, self.groups))] if self.groups else [
-                "--clear-groups"]
-            argv = [SETPRIV, "--reuid", str(self.uid), "--regid",
-                    str(self.gid if self.gid is not None else 0), *groups,
-                    *(["--no-new-privs"] if self.no_new_privs else []), "--", *argv]
+            groups = (
+                ["--groups", ",".join(map(str, self.groups))] if self.groups else ["--clear-groups"]
+            )
+            argv = [
+                SETPRIV,
+                "--reuid",
+                str(self.uid),
+                "--regid",
+                str(self.gid if self.gid is not None else 0),
+                *groups,
+                *(["--no-new-privs"] if self.no_new_privs else []),
+                "--",
+                *argv,
+            ]
         elif self.no_new_privs:
             argv = [SETPRIV, "--no-new-privs", "--", *argv]
         if cgroup is not None:
-            argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"),
-                    *argv]
+            argv = [
+                "/bin/sh",
+                "-c",
+                'echo $$ > "$0" && exec "$@"',
+                str(cgroup / "cgroup.procs"),
+                *argv,
+            ]
         return argv
 
 
@@ -766,13 +990,14 @@ def run_as(pod: dict[str, Any], container: dict[str, Any]) -> RunAs:
     if csc.get("runAsNonRoot", psc.get("runAsNonRoot")) and not uid:
         raise ContainerConfigError(
             "container has runAsNonRoot and image will run as root "
-            f"(pod: {pod['metadata']['name']!r}, container: {container['name']})")
-    groups = [g for g in (psc.get("fsGroup"), *(psc.get("supplementalGroups") or []))
-              if g is not None]
+            f"(pod: {pod['metadata']['name']!r}, container: {container['name']})"
+        )
+    groups = [
+        g for g in (psc.get("fsGroup"), *(psc.get("supplementalGroups") or [])) if g is not None
+    ]
     if gid is not None:
         groups.append(gid)
-    return RunAs(uid, gid, sorted(set(groups)),
-                 csc.get("allowPrivilegeEscalation") is False)
+    return RunAs(uid, gid, sorted(set(groups)), csc.get("allowPrivilegeEscalation") is False)
 
 
 class ContainerConfigError(Exception):
@@ -787,8 +1012,9 @@ async def amain(args: argparse.Namespace) -> None:
     kube = await connect(args.kubeconfig)
     nodes = dict(n.split("=", 1) if "=" in n else (n, "") for n in args.node)
     accounts = dict(a.split("=", 1) for a in args.service_account)
-    agent = NodeAgent(kube, args.namespace, Path(args.workdir), nodes, args.cpu, args.memory,
-                      accounts)
+    agent = NodeAgent(
+        kube, args.namespace, Path(args.workdir), nodes, args.cpu, args.memory, accounts
+    )
     await agent.register()
     print("node agent ready", flush=True)
     try:
@@ -804,11 +1030,16 @@ def main() -> None:
     parser.add_argument("--kubeconfig", required=True)
     parser.add_argument("--namespace", default="gpushare")
     parser.add_argument("--workdir", required=True)
-    parser.add_argument("--node", action="append", default=[], help="NAME=SIMULATE, e.g. "
-                        "gpu-node-1=2xA100 (repeat)")
-    parser.add_argument("--service-account", action="append", default=[],
-                        metavar="NS/NAME=KUBECONFIG",
-                        help="credentials given to pods of that service account (repeat)")
+    parser.add_argument(
+        "--node", action="append", default=[], help="NAME=SIMULATE, e.g. gpu-node-1=2xA100 (repeat)"
+    )
+    parser.add_argument(
+        "--service-account",
+        action="append",
+        default=[],
+        metavar="NS/NAME=KUBECONFIG",
+        help="credentials given to pods of that service account (repeat)",
+    )
     parser.add_argument("--cpu", default="4")
     parser.add_argument("--memory", default="16Gi")
     args = parser.parse_args()

@@ -18,8 +18,9 @@ from cluster import NAMESPACE, ControlPlane, free_port
 
 def spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     with open(log, "ab") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        return subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
 
 def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
@@ -36,13 +37,21 @@ def kernelspec(root: Path, name: str = "gpushare-k8s", **share: Any) -> Path:
     spec_dir = root / "kernels" / name
     spec_dir.mkdir(parents=True, exist_ok=True)
     config = {"backend": "kubernetes", "gpu_request": 0.25, "gpu_limit": 0.5, **share}
-    (spec_dir / "kernel.json").write_text(json.dumps({
-        "argv": ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": f"Python (gpushare, {name})",
-        "language": "python",
-        "metadata": {"kernel_provisioner": {"provisioner_name": "gpushare-provisioner",
-                                            "config": config}},
-    }))
+    (spec_dir / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": f"Python (gpushare, {name})",
+                "language": "python",
+                "metadata": {
+                    "kernel_provisioner": {
+                        "provisioner_name": "gpushare-provisioner",
+                        "config": config,
+                    }
+                },
+            }
+        )
+    )
     return spec_dir
 
 
@@ -55,17 +64,20 @@ class JupyterServer:
 
     def request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
         headers = {"Authorization": f"token {self.token}"}
-        return requests.request(method, self.url + path, headers=headers, timeout=120,
-                                **kwargs)
+        return requests.request(method, self.url + path, headers=headers, timeout=120, **kwargs)
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
 
-
 def start_jupyter_server(
-    root: Path, plane: ControlPlane | None, backend: str = "kubernetes",
-    lease_duration: float = 30.0, extra: str = "", simulate: str = "", **share: Any,
+    root: Path,
+    plane: ControlPlane | None,
+    backend: str = "kubernetes",
+    lease_duration: float = 30.0,
+    extra: str = "",
+    simulate: str = "",
+    **share: Any,
 ) -> JupyterServer:
     """A ``jupyter server`` subprocess with kernelspecs ``gpushare-k8s`` (the default share plus
     ``share``), ``gpushare-k8s-t4`` and ``gpushare-k8s-h100``; with ``backend='local'`` the same
@@ -103,9 +115,15 @@ c.GpuShare.simulate = {simulate!r}
 {k8s}
 {extra}
 """)
-    env = {**os.environ, "JUPYTER_DATA_DIR": str(data), "JUPYTER_PATH": str(data),
-           "JUPYTER_RUNTIME_DIR": str(root / "runtime"), "JUPYTER_CONFIG_DIR": str(root),
-           "GPUSHARE_LEDGER": str(root / "ledger.sqlite"), "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "JUPYTER_DATA_DIR": str(data),
+        "JUPYTER_PATH": str(data),
+        "JUPYTER_RUNTIME_DIR": str(root / "runtime"),
+        "JUPYTER_CONFIG_DIR": str(root),
+        "GPUSHARE_LEDGER": str(root / "ledger.sqlite"),
+        "PYTHONUNBUFFERED": "1",
+    }
     env.pop("GPUSHARE_SIMULATE", None)
     log = root / "server.log"
     proc = spawn([sys.executable, "-m", "jupyter_server", f"--config={config}"], log, env)

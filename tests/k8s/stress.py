@@ -31,9 +31,16 @@ REQUESTS = (0.1, 0.2, 0.25, 0.3, 0.5)
 
 def stress_inventory(nodes: int = 4, gpus_per_node: int = 2) -> list[Gpu]:
     return [
-        Gpu(node=f"stress-{n}", uuid=f"GPU-stress-{n}-{i}", index=i, name="NVIDIA A100",
-            type="A100", memory=40 * GiB)
-        for n in range(nodes) for i in range(gpus_per_node)
+        Gpu(
+            node=f"stress-{n}",
+            uuid=f"GPU-stress-{n}-{i}",
+            index=i,
+            name="NVIDIA A100",
+            type="A100",
+            memory=40 * GiB,
+        )
+        for n in range(nodes)
+        for i in range(gpus_per_node)
     ]
 
 
@@ -53,9 +60,13 @@ class StressResult:
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies) or [0.0]
         return {
-            "placers": self.placers, "requests_per_placer": self.requests,
-            "allocated": self.allocated, "refused": self.refused, "released": self.released,
-            "cas_conflicts": self.conflicts, "seconds": round(self.seconds, 2),
+            "placers": self.placers,
+            "requests_per_placer": self.requests,
+            "allocated": self.allocated,
+            "refused": self.refused,
+            "released": self.released,
+            "cas_conflicts": self.conflicts,
+            "seconds": round(self.seconds, 2),
             "allocations_per_s": round(self.allocated / self.seconds, 1) if self.seconds else 0,
             "allocate_p50_ms": round(1000 * lat[len(lat) // 2], 2),
             "allocate_p99_ms": round(1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))], 2),
@@ -69,8 +80,7 @@ class CountingLedger(KubernetesLedger):
 
     conflicts = 0
 
-    async def compare_and_swap(self, node: str, expected_version: int,
-                               allocations: Any) -> bool:
+    async def compare_and_swap(self, node: str, expected_version: int, allocations: Any) -> bool:
         ok = await super().compare_and_swap(node, expected_version, allocations)
         if not ok:
             CountingLedger.conflicts += 1
@@ -86,11 +96,18 @@ def violations(obj: dict[str, Any], memory: dict[str, int]) -> int:
             compute[g] = compute.get(g, 0.0) + a.request
             used[g] = used.get(g, 0) + a.memory
     return sum(1 for g, c in compute.items() if c > 1.0 + 1e-9) + sum(
-        1 for g, m in used.items() if m > memory.get(g, 0))
+        1 for g, m in used.items() if m > memory.get(g, 0)
+    )
 
 
-async def audit(kube: Kube, namespace: str, memory: dict[str, int], result: StressResult,
-                ready: asyncio.Event, stop: asyncio.Event) -> None:
+async def audit(
+    kube: Kube,
+    namespace: str,
+    memory: dict[str, int],
+    result: StressResult,
+    ready: asyncio.Event,
+    stop: asyncio.Event,
+) -> None:
     listing = await kube.list_ledgers(namespace)
     for obj in listing.get("items") or []:
         result.over_allocations += violations(obj, memory)
@@ -112,21 +129,36 @@ async def audit(kube: Kube, namespace: str, memory: dict[str, int], result: Stre
             raise
 
 
-async def placer(kubeconfig: str, namespace: str, inventory: list[Gpu], requests: int,
-                 result: StressResult, seed: int) -> None:
+async def placer(
+    kubeconfig: str,
+    namespace: str,
+    inventory: list[Gpu],
+    requests: int,
+    result: StressResult,
+    seed: int,
+) -> None:
     rng = random.Random(seed)
     kube = await connect(kubeconfig)
     ledger = CountingLedger(kube, namespace)
     held: list[str] = []
     try:
         for _ in range(requests):
-            spec = ShareSpec(gpu_request=rng.choice(REQUESTS), gpu_limit=1.0,
-                             gpu_memory=rng.choice((None, 4 * GiB, 10 * GiB)))
+            spec = ShareSpec(
+                gpu_request=rng.choice(REQUESTS),
+                gpu_limit=1.0,
+                gpu_memory=rng.choice((None, 4 * GiB, 10 * GiB)),
+            )
             start = time.perf_counter()
             try:
                 allocation = await ledger.allocate(
-                    spec, inventory, place, owner="run", kernel_id=uuid.uuid4().hex,
-                    backend="kubernetes", extra={"k8s_server": "stress"})
+                    spec,
+                    inventory,
+                    place,
+                    owner="run",
+                    kernel_id=uuid.uuid4().hex,
+                    backend="kubernetes",
+                    extra={"k8s_server": "stress"},
+                )
                 result.latencies.append(time.perf_counter() - start)
                 result.allocated += 1
                 held.append(allocation.id)
@@ -143,8 +175,9 @@ async def placer(kubeconfig: str, namespace: str, inventory: list[Gpu], requests
         await kube.close()
 
 
-async def run_stress(kubeconfig: str, namespace: str, placers: int, requests: int,
-                     inventory: list[Gpu] | None = None) -> StressResult:
+async def run_stress(
+    kubeconfig: str, namespace: str, placers: int, requests: int, inventory: list[Gpu] | None = None
+) -> StressResult:
     inventory = inventory or stress_inventory()
     result = StressResult(placers, requests)
     CountingLedger.conflicts = 0
@@ -155,10 +188,12 @@ async def run_stress(kubeconfig: str, namespace: str, placers: int, requests: in
     await ready.wait()
     start = time.perf_counter()
     try:
-        await asyncio.gather(*[
-            placer(kubeconfig, namespace, inventory, requests, result, seed)
-            for seed in range(placers)
-        ])
+        await asyncio.gather(
+            *[
+                placer(kubeconfig, namespace, inventory, requests, result, seed)
+                for seed in range(placers)
+            ]
+        )
         result.seconds = time.perf_counter() - start
         await asyncio.sleep(1.0)  # let the auditor see the last versions
     finally:

@@ -44,8 +44,12 @@ STUDENT_BOUND = {"gpu_request": 0.25, "gpu_limit": 0.5}
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    hub = start_hub(tmp_path_factory.mktemp("hub"), users={"alice", "bob"}, admins={"carol"},
-                    groups={"students": ["bob"]})
+    hub = start_hub(
+        tmp_path_factory.mktemp("hub"),
+        users={"alice", "bob"},
+        admins={"carol"},
+        groups={"students": ["bob"]},
+    )
     yield hub
     stop_process(hub.proc)
 
@@ -64,8 +68,12 @@ class Controller:
 
 
 @pytest.fixture(scope="module")
-def controllers(control_plane: ControlPlane, node_agent: Path, hub: Hub,
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Controller]]:
+def controllers(
+    control_plane: ControlPlane,
+    node_agent: Path,
+    hub: Hub,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[list[Controller]]:
     """Two replicas on one leader Lease (3 s, renewed every 1 s)."""
     root = tmp_path_factory.mktemp("controller")
     config = root / "controller_config.py"
@@ -90,9 +98,18 @@ c.KubernetesBackendConfig.resources = {{"requests": {{"cpu": "100m", "memory": "
     def start(index: int) -> Controller:
         port = free_port()
         log = root / f"controller-{index}-{len(started)}.log"
-        proc = spawn([sys.executable, "-m", "jupyter_gpushare.controller", f"--config={config}",
-                      f"--port={port}", "--ip=127.0.0.1"],
-                     log, {**os.environ, "POD_NAME": f"controller-{index}-{len(started)}"})
+        proc = spawn(
+            [
+                sys.executable,
+                "-m",
+                "jupyter_gpushare.controller",
+                f"--config={config}",
+                f"--port={port}",
+                "--ip=127.0.0.1",
+            ],
+            log,
+            {**os.environ, "POD_NAME": f"controller-{index}-{len(started)}"},
+        )
         controller = Controller(proc, f"http://127.0.0.1:{port}", log)
         started.append(controller)
         return controller
@@ -101,8 +118,10 @@ c.KubernetesBackendConfig.resources = {{"requests": {{"cpu": "100m", "memory": "
     deadline = time.monotonic() + 60
     while sorted(c.health() for c in replicas) != [200, 503]:
         if time.monotonic() > deadline or any(c.proc.poll() is not None for c in replicas):
-            pytest.fail("no controller became leader:\n" + "\n".join(
-                c.log.read_text()[-3000:] for c in replicas))
+            pytest.fail(
+                "no controller became leader:\n"
+                + "\n".join(c.log.read_text()[-3000:] for c in replicas)
+            )
         time.sleep(0.3)
     replicas.append(start(2))  # spare for the failover test (after the standby takes over)
     yield replicas
@@ -114,17 +133,35 @@ def leader(replicas: list[Controller]) -> Controller:
     return next(c for c in replicas if c.proc.poll() is None and c.health() == 200)
 
 
-def call(replicas: list[Controller], token: str, method: str, path: str,
-         body: Any = None) -> requests.Response:
-    return requests.request(method, leader(replicas).url + path, json=body, timeout=120,
-                            headers={"Authorization": f"token {token}"})
+def call(
+    replicas: list[Controller], token: str, method: str, path: str, body: Any = None
+) -> requests.Response:
+    return requests.request(
+        method,
+        leader(replicas).url + path,
+        json=body,
+        timeout=120,
+        headers={"Authorization": f"token {token}"},
+    )
 
 
 def start_body(kernel: str, server: str, share: dict[str, Any]) -> dict[str, Any]:
-    return {"kernel_id": kernel, "server_id": server, "share": share,
-            "launch_id": uuid.uuid4().hex[:10], "command": SLEEPER, "env": {"A": "1"},
-            "connection": {"shell_port": 1, "iopub_port": 2, "stdin_port": 3,
-                           "control_port": 4, "hb_port": 5, "key": uuid.uuid4().hex}}
+    return {
+        "kernel_id": kernel,
+        "server_id": server,
+        "share": share,
+        "launch_id": uuid.uuid4().hex[:10],
+        "command": SLEEPER,
+        "env": {"A": "1"},
+        "connection": {
+            "shell_port": 1,
+            "iopub_port": 2,
+            "stdin_port": 3,
+            "control_port": 4,
+            "hb_port": 5,
+            "key": uuid.uuid4().hex,
+        },
+    }
 
 
 def kernel_name() -> str:
@@ -134,15 +171,25 @@ def kernel_name() -> str:
 # -- RBAC: users' servers hold no rights ---------------------------------------------------------
 
 
-def review(api: Any, user: str, groups: list[str], group: str, resource: str,
-           verb: str) -> bool:
+def review(api: Any, user: str, groups: list[str], group: str, resource: str, verb: str) -> bool:
     from kubernetes import client
 
-    answer = client.AuthorizationV1Api(api).create_subject_access_review({
-        "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
-        "spec": {"user": user, "groups": groups,
-                 "resourceAttributes": {"namespace": NAMESPACE, "group": group,
-                                        "resource": resource, "verb": verb}}})
+    answer = client.AuthorizationV1Api(api).create_subject_access_review(
+        {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SubjectAccessReview",
+            "spec": {
+                "user": user,
+                "groups": groups,
+                "resourceAttributes": {
+                    "namespace": NAMESPACE,
+                    "group": group,
+                    "resource": resource,
+                    "verb": verb,
+                },
+            },
+        }
+    )
     return bool(answer.status.allowed)
 
 
@@ -153,23 +200,35 @@ def test_user_servers_hold_no_rights_the_controller_does(control_plane: ControlP
     from kubernetes import config
 
     api = config.new_client_from_config(str(control_plane.kubeconfig("admin")))
-    sa_groups = ["system:serviceaccounts", f"system:serviceaccounts:{NAMESPACE}",
-                 "system:authenticated"]
+    sa_groups = [
+        "system:serviceaccounts",
+        f"system:serviceaccounts:{NAMESPACE}",
+        "system:authenticated",
+    ]
     user_server = f"system:serviceaccount:{NAMESPACE}:default"
     controller = f"system:serviceaccount:{NAMESPACE}:gpushare-controller"
-    denied = [("", "pods", "create"), ("", "pods", "delete"), ("", "secrets", "get"),
-              ("", "secrets", "list"), ("", "secrets", "create"), ("", "secrets", "patch"),
-              ("gpushare.jupyter.org", "gpuledgers", "update"),
-              ("gpushare.jupyter.org", "gpuledgers", "create"),
-              ("gpushare.jupyter.org", "gpuledgers", "patch"),
-              ("coordination.k8s.io", "leases", "update")]
+    denied = [
+        ("", "pods", "create"),
+        ("", "pods", "delete"),
+        ("", "secrets", "get"),
+        ("", "secrets", "list"),
+        ("", "secrets", "create"),
+        ("", "secrets", "patch"),
+        ("gpushare.jupyter.org", "gpuledgers", "update"),
+        ("gpushare.jupyter.org", "gpuledgers", "create"),
+        ("gpushare.jupyter.org", "gpuledgers", "patch"),
+        ("coordination.k8s.io", "leases", "update"),
+    ]
     for group, resource, verb in denied:
         assert not review(api, user_server, sa_groups, group, resource, verb), (resource, verb)
-    for group, resource, verb in [("", "pods", "create"), ("", "secrets", "create"),
-                                  ("", "secrets", "patch"),
-                                  ("gpushare.jupyter.org", "gpuledgers", "update"),
-                                  ("gpushare.jupyter.org", "gpuledgers", "create"),
-                                  ("coordination.k8s.io", "leases", "update")]:
+    for group, resource, verb in [
+        ("", "pods", "create"),
+        ("", "secrets", "create"),
+        ("", "secrets", "patch"),
+        ("gpushare.jupyter.org", "gpuledgers", "update"),
+        ("gpushare.jupyter.org", "gpuledgers", "create"),
+        ("coordination.k8s.io", "leases", "update"),
+    ]:
         assert review(api, controller, sa_groups, group, resource, verb), (resource, verb)
     # nor does the controller read Secrets back (it writes connection files only)
     assert not review(api, controller, sa_groups, "", "secrets", "get")
@@ -187,25 +246,40 @@ def test_user_servers_hold_no_rights_the_controller_does(control_plane: ControlP
 
 
 def test_two_users_see_and_change_only_their_own_kernels(
-        controllers: list[Controller], hub: Hub, control_plane: ControlPlane) -> None:
+    controllers: list[Controller], hub: Hub, control_plane: ControlPlane
+) -> None:
     alice, bob, carol = (hub.tokens[u] for u in ("alice", "bob", "carol"))
     a_kernel, b_kernel = kernel_name(), kernel_name()
     a_server, b_server = "srv-" + uuid.uuid4().hex[:8], "srv-" + uuid.uuid4().hex[:8]
 
-    reply = call(controllers, alice, "POST", "/api/kernels",
-                 start_body(a_kernel, a_server, {"gpu_request": 0.5, "gpu_limit": 1.0,
-                                                 "gpu_type": "A100"}))
+    reply = call(
+        controllers,
+        alice,
+        "POST",
+        "/api/kernels",
+        start_body(a_kernel, a_server, {"gpu_request": 0.5, "gpu_limit": 1.0, "gpu_type": "A100"}),
+    )
     assert reply.status_code == 201, reply.text
     a_alloc = reply.json()["allocation"]
     assert reply.json()["connection"]["ip"] == "127.0.0.1"  # the pod's IP (the node agent's)
     assert a_alloc["user"] == "alice" and a_alloc["state"] == "active"
 
     # bob's bound (group students) holds on start: refused by name, nothing placed
-    reply = call(controllers, bob, "POST", "/api/kernels",
-                 start_body(b_kernel, b_server, {"gpu_request": 0.5, "gpu_limit": 0.5}))
+    reply = call(
+        controllers,
+        bob,
+        "POST",
+        "/api/kernels",
+        start_body(b_kernel, b_server, {"gpu_request": 0.5, "gpu_limit": 0.5}),
+    )
     assert reply.status_code == 400 and reply.json()["field"] == "gpu_request", reply.text
-    reply = call(controllers, bob, "POST", "/api/kernels",
-                 start_body(b_kernel, b_server, {"gpu_request": 0.25, "gpu_limit": 0.5}))
+    reply = call(
+        controllers,
+        bob,
+        "POST",
+        "/api/kernels",
+        start_body(b_kernel, b_server, {"gpu_request": 0.25, "gpu_limit": 0.5}),
+    )
     assert reply.status_code == 201, reply.text
     b_alloc = reply.json()["allocation"]
     assert b_alloc["user"] == "bob"
@@ -222,64 +296,92 @@ def test_two_users_see_and_change_only_their_own_kernels(
     assert ids(alice, "kernels") == {a_alloc["id"]}
 
     # the other's kernel: 403 for every verb, and it is untouched
-    for method, path, body in [("GET", f"/api/allocations/{a_alloc['id']}", None),
-                               ("PATCH", f"/api/allocations/{a_alloc['id']}",
-                                {"gpu_request": 0.1}),
-                               ("DELETE", f"/api/allocations/{a_alloc['id']}", None),
-                               ("GET", f"/api/kernels/{a_alloc['id']}", None),
-                               ("DELETE", f"/api/kernels/{a_alloc['id']}", None),
-                               ("PUT", f"/api/servers/{a_server}", None)]:
+    for method, path, body in [
+        ("GET", f"/api/allocations/{a_alloc['id']}", None),
+        ("PATCH", f"/api/allocations/{a_alloc['id']}", {"gpu_request": 0.1}),
+        ("DELETE", f"/api/allocations/{a_alloc['id']}", None),
+        ("GET", f"/api/kernels/{a_alloc['id']}", None),
+        ("DELETE", f"/api/kernels/{a_alloc['id']}", None),
+        ("PUT", f"/api/servers/{a_server}", None),
+    ]:
         reply = call(controllers, bob, method, path, body)
         assert reply.status_code == 403, (method, path, reply.text)
         assert reply.json()["error"] == "forbidden"
     # nor can bob start a kernel under alice's server (its Lease would own the pod)
-    reply = call(controllers, bob, "POST", "/api/kernels",
-                 start_body(kernel_name(), a_server, {"gpu_request": 0.1, "gpu_limit": 0.1}))
+    reply = call(
+        controllers,
+        bob,
+        "POST",
+        "/api/kernels",
+        start_body(kernel_name(), a_server, {"gpu_request": 0.1, "gpu_limit": 0.1}),
+    )
     assert reply.status_code == 403, reply.text
     status = call(controllers, alice, "GET", f"/api/kernels/{a_alloc['id']}").json()
     assert status["phase"] == "Running" and status["exit_code"] is None
 
     # resize: the bound holds (recorded on the allocation), within it works
-    reply = call(controllers, bob, "PATCH", f"/api/allocations/{b_alloc['id']}",
-                 {"gpu_limit": 0.75})
+    reply = call(
+        controllers, bob, "PATCH", f"/api/allocations/{b_alloc['id']}", {"gpu_limit": 0.75}
+    )
     assert reply.status_code == 400 and reply.json()["field"] == "gpu_limit", reply.text
-    reply = call(controllers, bob, "PATCH", f"/api/allocations/{b_alloc['id']}",
-                 {"gpu_request": 0.2})
+    reply = call(
+        controllers, bob, "PATCH", f"/api/allocations/{b_alloc['id']}", {"gpu_request": 0.2}
+    )
     assert reply.status_code == 200 and reply.json()["gpu_request"] == 0.2, reply.text
-    reply = call(controllers, alice, "PATCH", f"/api/allocations/{a_alloc['id']}",
-                 {"gpu_request": 0.75})
+    reply = call(
+        controllers, alice, "PATCH", f"/api/allocations/{a_alloc['id']}", {"gpu_request": 0.75}
+    )
     assert reply.status_code == 200, reply.text
 
     # bob's quota (group students: 0.5 GPU in all) holds on placing and on resizing
-    share = {"kernel_id": kernel_name(), "server_id": b_server,
-             "share": {"gpu_request": 0.25, "gpu_limit": 0.25}}
+    share = {
+        "kernel_id": kernel_name(),
+        "server_id": b_server,
+        "share": {"gpu_request": 0.25, "gpu_limit": 0.25},
+    }
     second = call(controllers, bob, "POST", "/api/allocations", share)
     assert second.status_code == 201, second.text  # 0.2 + 0.25
-    reply = call(controllers, bob, "POST", "/api/allocations",
-                 {**share, "kernel_id": kernel_name(), "share": {"gpu_request": 0.1}})
+    reply = call(
+        controllers,
+        bob,
+        "POST",
+        "/api/allocations",
+        {**share, "kernel_id": kernel_name(), "share": {"gpu_request": 0.1}},
+    )
     assert reply.status_code == 409 and reply.json()["error"] == "over_quota", reply.text
     assert reply.json()["quota"] == 0.5 and reply.json()["held"] == 0.45
-    third = call(controllers, bob, "POST", "/api/allocations",
-                 {**share, "kernel_id": kernel_name(), "share": {"gpu_request": 0.05}})
+    third = call(
+        controllers,
+        bob,
+        "POST",
+        "/api/allocations",
+        {**share, "kernel_id": kernel_name(), "share": {"gpu_request": 0.05}},
+    )
     assert third.status_code == 201, third.text  # exactly the quota
-    reply = call(controllers, bob, "PATCH", f"/api/allocations/{b_alloc['id']}",
-                 {"gpu_request": 0.25})
+    reply = call(
+        controllers, bob, "PATCH", f"/api/allocations/{b_alloc['id']}", {"gpu_request": 0.25}
+    )
     assert reply.status_code == 409 and reply.json()["error"] == "over_quota", reply.text
-    assert call(controllers, bob, "DELETE",
-                f"/api/allocations/{third.json()['id']}").status_code == 200
-    reply = call(controllers, bob, "PATCH", f"/api/allocations/{b_alloc['id']}",
-                 {"gpu_request": 0.25})
+    assert (
+        call(controllers, bob, "DELETE", f"/api/allocations/{third.json()['id']}").status_code
+        == 200
+    )
+    reply = call(
+        controllers, bob, "PATCH", f"/api/allocations/{b_alloc['id']}", {"gpu_request": 0.25}
+    )
     assert reply.status_code == 200, reply.text  # 0.25 + 0.25: exactly the quota again
-    assert call(controllers, bob, "DELETE",
-                f"/api/allocations/{second.json()['id']}").status_code == 200
+    assert (
+        call(controllers, bob, "DELETE", f"/api/allocations/{second.json()['id']}").status_code
+        == 200
+    )
 
     # bad and missing tokens: 401 with the reason; a standby: 503 naming the leader
     assert call(controllers, "not-a-token", "GET", "/api/allocations").status_code == 401
-    assert requests.get(leader(controllers).url + "/api/allocations",
-                        timeout=10).status_code == 401
+    assert requests.get(leader(controllers).url + "/api/allocations", timeout=10).status_code == 401
     standby = next(c for c in controllers[:2] if c.health() == 503)
-    reply = requests.get(standby.url + "/api/gpus", timeout=10,
-                         headers={"Authorization": f"token {alice}"})
+    reply = requests.get(
+        standby.url + "/api/gpus", timeout=10, headers={"Authorization": f"token {alice}"}
+    )
     assert reply.status_code == 503 and reply.json()["error"] == "not_leader"
     assert reply.json()["leader"], reply.text
 
@@ -287,8 +389,7 @@ def test_two_users_see_and_change_only_their_own_kernels(
     for token, alloc in ((bob, b_alloc), (alice, a_alloc)):
         reply = call(controllers, token, "DELETE", f"/api/allocations/{alloc['id']}")
         assert reply.status_code == 200, reply.text
-        assert call(controllers, token, "GET",
-                    f"/api/allocations/{alloc['id']}").status_code == 404
+        assert call(controllers, token, "GET", f"/api/allocations/{alloc['id']}").status_code == 404
 
     async def pods_gone() -> None:
         kube = await connect(str(control_plane.kubeconfig("admin")))
@@ -324,10 +425,14 @@ def test_hostile_requests_are_refused_by_name(controllers: list[Controller], hub
         ({**good, "command": ["x"] * 1000}, "command"),
         ({**good, "env": {"BAD NAME": "1"}}, "env"),
         ({**good, "env": {"A": 1}}, "env"),
-        ({**good, "connection": {**good["connection"], "shell_port": 70000}},
-         "connection.shell_port"),
-        ({**good, "connection": {**good["connection"], "transport": "ipc"}},
-         "connection.transport"),
+        (
+            {**good, "connection": {**good["connection"], "shell_port": 70000}},
+            "connection.shell_port",
+        ),
+        (
+            {**good, "connection": {**good["connection"], "transport": "ipc"}},
+            "connection.transport",
+        ),
         ({**good, "share": {"gpu_request": "lots"}}, "gpu_request"),
         ({**good, "share": {"gpu_request": 0.1, "gpu_owner": "alice"}}, "gpu_owner"),
         ({**good, "owner": "root"}, "owner"),
@@ -338,8 +443,12 @@ def test_hostile_requests_are_refused_by_name(controllers: list[Controller], hub
         assert reply.status_code == 400, (field, reply.status_code, reply.text)
         assert reply.json()["field"] == field, (field, reply.text)
     for raw in (b"not json", b"[1, 2]", b"{" * 5000, "\u00ff".encode("latin-1")):
-        reply = requests.post(leader(controllers).url + "/api/kernels", data=raw, timeout=30,
-                              headers={"Authorization": f"token {bob}"})
+        reply = requests.post(
+            leader(controllers).url + "/api/kernels",
+            data=raw,
+            timeout=30,
+            headers={"Authorization": f"token {bob}"},
+        )
         assert reply.status_code == 400 and reply.json()["field"] == "body", reply.text
     reply = call(controllers, bob, "PATCH", "/api/allocations/nonexistent", {"gpu_request": 0.1})
     assert reply.status_code == 404, reply.text
@@ -361,8 +470,8 @@ def test_hostile_requests_are_refused_by_name(controllers: list[Controller], hub
 
 
 async def test_jupyter_server_without_credentials_runs_kernels_through_the_controller(
-        controllers: list[Controller], hub: Hub, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    controllers: list[Controller], hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from test_kernels import execute
 
     monkeypatch.setenv("JUPYTERHUB_API_TOKEN", hub.tokens["alice"])
@@ -370,15 +479,20 @@ async def test_jupyter_server_without_credentials_runs_kernels_through_the_contr
     monkeypatch.delenv("GPUSHARE_KUBECONFIG", raising=False)
     urls = ",".join(c.url for c in controllers)
     server = await asyncio.to_thread(
-        start_jupyter_server, tmp_path / "server", None, "kubernetes",
+        start_jupyter_server,
+        tmp_path / "server",
+        None,
+        "kubernetes",
         extra=f"""
 c.KubernetesBackendConfig.controller_url = {urls!r}
 c.KubernetesBackendConfig.kubeconfig = "/nonexistent/kubeconfig"
 c.KubernetesBackendConfig.lease_renew_interval = 2
-""")
+""",
+    )
     try:
-        reply = await asyncio.to_thread(server.request, "POST", "/api/kernels",
-                                        json={"name": "gpushare-k8s"})
+        reply = await asyncio.to_thread(
+            server.request, "POST", "/api/kernels", json={"name": "gpushare-k8s"}
+        )
         assert reply.status_code == 201, reply.text + server.log_text()[-3000:]
         kernel_id = reply.json()["id"]
         assert (await execute(server, kernel_id, "print(6 * 7)")).strip() == "42"
@@ -386,38 +500,59 @@ c.KubernetesBackendConfig.lease_renew_interval = 2
         assert mine.status_code == 200, mine.text
         records = [a for a in mine.json()["allocations"] if a["kernel_id"] == kernel_id]
         assert len(records) == 1 and records[0]["user"] == "alice"
-        seen = (await asyncio.to_thread(call, controllers, hub.tokens["alice"], "GET",
-                                         "/api/allocations")).json()
+        seen = (
+            await asyncio.to_thread(
+                call, controllers, hub.tokens["alice"], "GET", "/api/allocations"
+            )
+        ).json()
         assert [a["id"] for a in seen["allocations"] if a["kernel_id"] == kernel_id] == [
-            records[0]["id"]]
+            records[0]["id"]
+        ]
         # a live resize through the server's REST goes to the controller
-        reply = await asyncio.to_thread(server.request, "PATCH",
-                                        f"/gpushare/api/allocations/{records[0]['id']}",
-                                        json={"gpu_request": 0.3})
+        reply = await asyncio.to_thread(
+            server.request,
+            "PATCH",
+            f"/gpushare/api/allocations/{records[0]['id']}",
+            json={"gpu_request": 0.3},
+        )
         assert reply.status_code == 200, reply.text
-        seen = (await asyncio.to_thread(call, controllers, hub.tokens["alice"], "GET",
-                                         f"/api/allocations/{records[0]['id']}")).json()
+        seen = (
+            await asyncio.to_thread(
+                call,
+                controllers,
+                hub.tokens["alice"],
+                "GET",
+                f"/api/allocations/{records[0]['id']}",
+            )
+        ).json()
         assert seen["gpu_request"] == 0.3, seen
         # shutdown releases through the controller: pod, Secret and record go
         reply = await asyncio.to_thread(server.request, "DELETE", f"/api/kernels/{kernel_id}")
         assert reply.status_code == 204, reply.text
-        seen = (await asyncio.to_thread(call, controllers, hub.tokens["alice"], "GET",
-                                         "/api/allocations")).json()
+        seen = (
+            await asyncio.to_thread(
+                call, controllers, hub.tokens["alice"], "GET", "/api/allocations"
+            )
+        ).json()
         assert not [a for a in seen["allocations"] if a["kernel_id"] == kernel_id]
         assert "Traceback" not in server.log_text()
 
         # a server that dies (kill -9) stops its heartbeats: once its Lease expires the
         # controller's reconciler deletes it and releases its kernel's share (the garbage
         # collector then removes the pod, owned by that Lease, as in direct mode)
-        reply = await asyncio.to_thread(server.request, "POST", "/api/kernels",
-                                        json={"name": "gpushare-k8s"})
+        reply = await asyncio.to_thread(
+            server.request, "POST", "/api/kernels", json={"name": "gpushare-k8s"}
+        )
         assert reply.status_code == 201, reply.text
         orphan = reply.json()["id"]
         stop_process(server.proc, signal.SIGKILL)
         deadline = time.monotonic() + 60
         while True:
-            seen = (await asyncio.to_thread(call, controllers, hub.tokens["alice"], "GET",
-                                             "/api/kernels")).json()
+            seen = (
+                await asyncio.to_thread(
+                    call, controllers, hub.tokens["alice"], "GET", "/api/kernels"
+                )
+            ).json()
             if not [k for k in seen["kernels"] if k["kernel_id"] == orphan]:
                 break
             assert time.monotonic() < deadline, seen
@@ -430,15 +565,17 @@ c.KubernetesBackendConfig.lease_renew_interval = 2
 
 
 async def test_kill_9_of_the_leader_during_starts_loses_and_doubles_nothing(
-        controllers: list[Controller], hub: Hub, control_plane: ControlPlane) -> None:
+    controllers: list[Controller], hub: Hub, control_plane: ControlPlane
+) -> None:
     kube = await connect(str(control_plane.kubeconfig("admin")))
     versions: list[dict[str, Any]] = []
     listing = await kube.list_ledgers(NAMESPACE)
     versions.extend(listing.get("items") or [])
 
     async def follow() -> None:  # every version of every GpuLedger from now on
-        async for event in kube.watch("gpuledgers", NAMESPACE,
-                                      listing["metadata"]["resourceVersion"]):
+        async for event in kube.watch(
+            "gpuledgers", NAMESPACE, listing["metadata"]["resourceVersion"]
+        ):
             if event["type"] in ("ADDED", "MODIFIED"):
                 versions.append(event["object"])
 
@@ -451,15 +588,21 @@ async def test_kill_9_of_the_leader_during_starts_loses_and_doubles_nothing(
 
     async def start(kernel: str, delay: float) -> dict[str, Any]:
         await asyncio.sleep(delay)
-        return await client.request("POST", "/api/kernels", start_body(
-            kernel, server, {"gpu_request": 0.1, "gpu_limit": 0.2}))
+        return await client.request(
+            "POST",
+            "/api/kernels",
+            start_body(kernel, server, {"gpu_request": 0.1, "gpu_limit": 0.2}),
+        )
 
     try:
         starts = [asyncio.create_task(start(k, 0.1 * i)) for i, k in enumerate(kernels)]
 
         def placed() -> set[str]:
-            return {a["kernel_id"] for obj in versions
-                    for a in (obj.get("spec") or {}).get("allocations") or []} & set(kernels)
+            return {
+                a["kernel_id"]
+                for obj in versions
+                for a in (obj.get("spec") or {}).get("allocations") or []
+            } & set(kernels)
 
         deadline = time.monotonic() + 60
         while not placed():  # kill as soon as the first share is recorded: the others are
@@ -474,8 +617,11 @@ async def test_kill_9_of_the_leader_during_starts_loses_and_doubles_nothing(
         assert placed_before and len(placed_before) < len(kernels)
         assert {a["allocation"]["kernel_id"] for a in answers} == set(kernels)
         await asyncio.sleep(1.0)  # the watch catches up
-        final = [Allocation.from_json(a) for obj in (await kube.list_ledgers(NAMESPACE))["items"]
-                 for a in (obj.get("spec") or {}).get("allocations") or []]
+        final = [
+            Allocation.from_json(a)
+            for obj in (await kube.list_ledgers(NAMESPACE))["items"]
+            for a in (obj.get("spec") or {}).get("allocations") or []
+        ]
         ours = [a for a in final if a.kernel_id in kernels]
         # nothing lost, nothing doubled: one share per kernel, the one each start was answered
         assert sorted(a.kernel_id or "" for a in ours) == sorted(kernels)
@@ -483,8 +629,9 @@ async def test_kill_9_of_the_leader_during_starts_loses_and_doubles_nothing(
         # every version of every ledger the API server published: no kernel ever held two
         # shares on a node, no GPU was ever over-committed
         for obj in versions:
-            records = [Allocation.from_json(a)
-                       for a in (obj.get("spec") or {}).get("allocations") or []]
+            records = [
+                Allocation.from_json(a) for a in (obj.get("spec") or {}).get("allocations") or []
+            ]
             held = [a.kernel_id for a in records if a.kernel_id in kernels]
             assert len(held) == len(set(held)), (obj["metadata"]["resourceVersion"], held)
             per_gpu: dict[str, float] = {}
@@ -497,16 +644,23 @@ async def test_kill_9_of_the_leader_during_starts_loses_and_doubles_nothing(
         # one running pod per kernel (within a window: a status update may trail the answer)
         deadline = time.monotonic() + 15
         while True:
-            pods = [p for p in (await kube.list_pods(NAMESPACE, manifests.LABEL_KERNEL))["items"]
-                    if p["metadata"]["labels"][manifests.LABEL_KERNEL] in kernels]
-            running = sorted(p["metadata"]["labels"][manifests.LABEL_KERNEL] for p in pods
-                             if manifests.pod_running(p))
+            pods = [
+                p
+                for p in (await kube.list_pods(NAMESPACE, manifests.LABEL_KERNEL))["items"]
+                if p["metadata"]["labels"][manifests.LABEL_KERNEL] in kernels
+            ]
+            running = sorted(
+                p["metadata"]["labels"][manifests.LABEL_KERNEL]
+                for p in pods
+                if manifests.pod_running(p)
+            )
             if running == sorted(kernels) or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
         assert running == sorted(kernels), [
-            (p["metadata"]["name"], (p.get("status") or {}).get("phase"),
-             manifests.pod_failure(p)) for p in pods]
+            (p["metadata"]["name"], (p.get("status") or {}).get("phase"), manifests.pod_failure(p))
+            for p in pods
+        ]
         for answer in answers:
             await client.request("DELETE", f"/api/allocations/{answer['allocation']['id']}")
     finally:
@@ -558,13 +712,34 @@ def test_chart_controller_config_is_what_the_controller_reads(tmp_path: Path) ->
     if binary is None:
         pytest.skip("no helm binary (.ci/setup.d/helm.sh)")
     values = tmp_path / "values.yaml"
-    values.write_text(yaml.safe_dump({"controller": {
-        "enabled": True, "hubUrl": "http://hub.jhub.svc:8081",
-        "groupBounds": {"students": STUDENT_BOUND}, "groupQuotas": {"students": 0.5},
-        "kernelPods": {"image": "img:2", "preload_interposer": False}}}))
-    out = subprocess.run([binary, "template", "x", str(ROOT / "deploy/helm/jupyter-gpushare"),
-                          "--namespace", "gpushare", "-f", str(values)],
-                         capture_output=True, text=True, check=True).stdout
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "controller": {
+                    "enabled": True,
+                    "hubUrl": "http://hub.jhub.svc:8081",
+                    "groupBounds": {"students": STUDENT_BOUND},
+                    "groupQuotas": {"students": 0.5},
+                    "kernelPods": {"image": "img:2", "preload_interposer": False},
+                }
+            }
+        )
+    )
+    out = subprocess.run(
+        [
+            binary,
+            "template",
+            "x",
+            str(ROOT / "deploy/helm/jupyter-gpushare"),
+            "--namespace",
+            "gpushare",
+            "-f",
+            str(values),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     objs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
     config = tmp_path / "controller_config.json"
     config.write_text(objs[("ConfigMap", "gpushare-controller")]["data"][config.name])
@@ -594,23 +769,28 @@ def test_chart_controller_config_is_what_the_controller_reads(tmp_path: Path) ->
 
 
 async def test_controller_away_kernels_keep_running_starts_fail_with_the_reason(
-        controllers: list[Controller], hub: Hub, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    controllers: list[Controller], hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from test_kernels import execute
 
     monkeypatch.setenv("JUPYTERHUB_API_TOKEN", hub.tokens["alice"])
     monkeypatch.delenv("KUBECONFIG", raising=False)
     urls = ",".join(c.url for c in controllers)
     server = await asyncio.to_thread(
-        start_jupyter_server, tmp_path / "server", None, "kubernetes",
+        start_jupyter_server,
+        tmp_path / "server",
+        None,
+        "kubernetes",
         extra=f"""
 c.KubernetesBackendConfig.controller_url = {urls!r}
 c.KubernetesBackendConfig.controller_retry_for = 3
 c.KubernetesBackendConfig.lease_renew_interval = 2
-""")
+""",
+    )
     try:
-        reply = await asyncio.to_thread(server.request, "POST", "/api/kernels",
-                                        json={"name": "gpushare-k8s"})
+        reply = await asyncio.to_thread(
+            server.request, "POST", "/api/kernels", json={"name": "gpushare-k8s"}
+        )
         assert reply.status_code == 201, reply.text + server.log_text()[-3000:]
         kernel_id = reply.json()["id"]
         for c in controllers:
@@ -622,11 +802,14 @@ c.KubernetesBackendConfig.lease_renew_interval = 2
         assert (await execute(server, kernel_id, "print(2 + 3)")).strip() == "5"
         # ... and a new start fails within controller_retry_for, with the reason
         started = time.monotonic()
-        reply = await asyncio.to_thread(server.request, "POST", "/api/kernels",
-                                        json={"name": "gpushare-k8s"})
+        reply = await asyncio.to_thread(
+            server.request, "POST", "/api/kernels", json={"name": "gpushare-k8s"}
+        )
         assert reply.status_code == 503, reply.text
-        assert "controller" in reply.json()["message"] and "cannot be reached" in \
-            reply.json()["message"], reply.text
+        assert (
+            "controller" in reply.json()["message"]
+            and "cannot be reached" in reply.json()["message"]
+        ), reply.text
         assert time.monotonic() - started < 30
         status = await asyncio.to_thread(server.request, "GET", f"/api/kernels/{kernel_id}")
         assert status.status_code == 200 and status.json()["execution_state"] != "dead"

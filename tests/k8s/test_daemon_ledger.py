@@ -44,11 +44,28 @@ def _mine(client: DaemonClient, allocation_id: str) -> dict | None:
 def _start_daemon(workdir: Path, socket: Path, kubeconfig: str) -> subprocess.Popen[bytes]:
     with open(workdir / "daemon.log", "wb") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "jupyter_gpushare.daemon", "--socket", str(socket),
-             "--node", NODE, "--simulate-devices", "1xA100", "--poll-ms", "100",
-             "--kubernetes-namespace", NAMESPACE, "--kubeconfig", kubeconfig,
-             "--state-dir", str(workdir)],
-            stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "jupyter_gpushare.daemon",
+                "--socket",
+                str(socket),
+                "--node",
+                NODE,
+                "--simulate-devices",
+                "1xA100",
+                "--poll-ms",
+                "100",
+                "--kubernetes-namespace",
+                NAMESPACE,
+                "--kubeconfig",
+                kubeconfig,
+                "--state-dir",
+                str(workdir),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 async def test_daemon_follows_the_kubernetes_ledger(control_plane: ControlPlane) -> None:
@@ -65,11 +82,18 @@ async def test_daemon_follows_the_kubernetes_ledger(control_plane: ControlPlane)
         await _until(client.alive)
         gpu = simulated_gpus("1xA100", NODE)[0]
         spec = ShareSpec(gpu_request=0.25, gpu_limit=0.5, gpu_memory=2**30, gpu_type="A100")
-        allocation = Allocation(id=Allocation.new_id(), node=NODE, gpus=(gpu.uuid,), spec=spec,
-                                memory=2**30, backend="kubernetes")
+        allocation = Allocation(
+            id=Allocation.new_id(),
+            node=NODE,
+            gpus=(gpu.uuid,),
+            spec=spec,
+            memory=2**30,
+            backend="kubernetes",
+        )
         snap = await ledger.snapshot()
-        assert await ledger.compare_and_swap(NODE, snap.versions.get(NODE, 0),
-                                             [*snap.on_node(NODE), allocation])
+        assert await ledger.compare_and_swap(
+            NODE, snap.versions.get(NODE, 0), [*snap.on_node(NODE), allocation]
+        )
         seen = await _until(lambda: _mine(client, allocation.id))
         assert (seen["request"], seen["limit"], seen["memory_cap"]) == (0.25, 0.5, 2**30)
 

@@ -12,7 +12,8 @@ CHART = DEPLOY / "helm" / "jupyter-gpushare"
 
 def test_chart_ships_the_tested_crd() -> None:
     assert (CHART / "crds" / "gpuledgers.yaml").read_text() == (
-        DEPLOY / "crds" / "gpuledgers.yaml").read_text()
+        DEPLOY / "crds" / "gpuledgers.yaml"
+    ).read_text()
 
 
 def test_rbac_is_least_privilege() -> None:
@@ -23,8 +24,9 @@ def test_rbac_is_least_privilege() -> None:
             assert "escalate" not in rule["verbs"] and "bind" not in rule["verbs"]
         ref = doc.get("roleRef", {})
         assert ref.get("name") not in ("cluster-admin", "admin", "edit")
-    server_rules = next(d for d in docs if d["kind"] == "Role"
-                        and d["metadata"]["name"] == "jupyter-gpushare")["rules"]
+    server_rules = next(
+        d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "jupyter-gpushare"
+    )["rules"]
     secrets = next(r for r in server_rules if r["resources"] == ["secrets"])
     # The server writes connection Secrets but can never read any Secret back.
     assert not {"get", "list", "watch"} & set(secrets["verbs"])

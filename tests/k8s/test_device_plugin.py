@@ -32,17 +32,44 @@ NVIDIA_PLUGIN_OFF = "nvidia.com/gpu.deploy.device-plugin"
 
 
 def gpu(uuid_: str, index: int, healthy: bool = True) -> Gpu:
-    return Gpu(node="n1", uuid=uuid_, index=index, name="A100", type="A100", memory=1 << 30,
-               healthy=healthy)
+    return Gpu(
+        node="n1",
+        uuid=uuid_,
+        index=index,
+        name="A100",
+        type="A100",
+        memory=1 << 30,
+        healthy=healthy,
+    )
 
 
-def pod(name: str, units: int, created: str, node: str = "n1", allocation: str = "a-" + "0" * 16,
-        **meta: Any) -> dict[str, Any]:
-    return {"metadata": {"name": name, "uid": name, "creationTimestamp": created,
-                         "labels": {manifests.LABEL_ALLOCATION: allocation}, **meta},
-            "spec": {"nodeName": node, "containers": [{"name": "kernel", "resources": {
-                "limits": {RES: str(units)}, "requests": {RES: str(units)}}}]},
-            "status": {"phase": "Pending"}}
+def pod(
+    name: str,
+    units: int,
+    created: str,
+    node: str = "n1",
+    allocation: str = "a-" + "0" * 16,
+    **meta: Any,
+) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name,
+            "uid": name,
+            "creationTimestamp": created,
+            "labels": {manifests.LABEL_ALLOCATION: allocation},
+            **meta,
+        },
+        "spec": {
+            "nodeName": node,
+            "containers": [
+                {
+                    "name": "kernel",
+                    "resources": {"limits": {RES: str(units)}, "requests": {RES: str(units)}},
+                }
+            ],
+        },
+        "status": {"phase": "Pending"},
+    }
 
 
 def test_devices_are_100_units_per_gpu_and_follow_health() -> None:
@@ -54,9 +81,11 @@ def test_devices_are_100_units_per_gpu_and_follow_health() -> None:
 def test_allocate_finds_the_oldest_unmarked_kernel_pod_of_that_size() -> None:
     t0, t1, t2 = "2026-01-01T00:00:00Z", "2026-01-01T00:00:01Z", "2026-01-01T00:00:02Z"
     pods = [
-        pod("newer", 25, t2), pod("older", 25, t1),
+        pod("newer", 25, t2),
+        pod("older", 25, t1),
         pod("marked", 25, t0, annotations={manifests.ALLOCATED_ANNOTATION: "n1"}),
-        pod("elsewhere", 25, t0, node="n2"), pod("other-size", 30, t0),
+        pod("elsewhere", 25, t0, node="n2"),
+        pod("other-size", 30, t0),
         pod("deleting", 25, t0, deletionTimestamp=t1),
         pod("forged-label", 25, t0, allocation="../../etc"),
     ]
@@ -75,9 +104,14 @@ def test_a_pod_copying_another_kernels_allocation_label_is_not_its_pod() -> None
     theirs["metadata"]["namespace"] = "gpushare"
     forged = pod("attacker", 25, "2026-01-01T00:00:00Z")  # older: matched first by size
     forged["metadata"]["namespace"] = "gpushare"
-    record = Allocation(id="a-" + "0" * 16, node="n1", gpus=("GPU-a",), spec=ShareSpec(),
-                        memory=1, extra={"k8s_pod": "gpushare-kernel-victim",
-                                         "k8s_namespace": "gpushare"})
+    record = Allocation(
+        id="a-" + "0" * 16,
+        node="n1",
+        gpus=("GPU-a",),
+        spec=ShareSpec(),
+        memory=1,
+        extra={"k8s_pod": "gpushare-kernel-victim", "k8s_namespace": "gpushare"},
+    )
     order = plugin.pending_pods([theirs, forged], "n1", RES, 25)
     assert [p["metadata"]["name"] for p in order] == ["attacker", "gpushare-kernel-victim"]
     assert not plugin.allocation_is_the_pods(record, forged)
@@ -89,21 +123,36 @@ def test_a_pod_copying_another_kernels_allocation_label_is_not_its_pod() -> None
 
 
 def test_allocate_response_gives_gpu_socket_and_interposer() -> None:
-    allocation = Allocation(id="a-" + "1" * 16, node="n1", gpus=("GPU-a",),
-                            spec=ShareSpec(gpu_request=0.25, gpu_limit=0.5), memory=1 << 30)
-    real = plugin.container_response(allocation, plugin.PluginSettings(node="n1", namespace="x"),
-                                     Path("/run/gpushare/pods/a-1111111111111111"))
+    allocation = Allocation(
+        id="a-" + "1" * 16,
+        node="n1",
+        gpus=("GPU-a",),
+        spec=ShareSpec(gpu_request=0.25, gpu_limit=0.5),
+        memory=1 << 30,
+    )
+    real = plugin.container_response(
+        allocation,
+        plugin.PluginSettings(node="n1", namespace="x"),
+        Path("/run/gpushare/pods/a-1111111111111111"),
+    )
     assert real["envs"]["GPUSHARE_ALLOCATION_ID"] == allocation.id
     assert real["envs"]["GPUSHARE_SOCKET"] == "/run/gpushare/daemon.sock"
     assert real["envs"]["NVIDIA_VISIBLE_DEVICES"] == "GPU-a"
     assert real["cdi_devices"] == ["nvidia.com/gpu=GPU-a"]
     mounts = {m["container_path"]: m for m in real["mounts"]}
-    assert mounts["/opt/gpushare/lib"] == {"container_path": "/opt/gpushare/lib",
-                                           "host_path": "/opt/gpushare/lib", "read_only": True}
+    assert mounts["/opt/gpushare/lib"] == {
+        "container_path": "/opt/gpushare/lib",
+        "host_path": "/opt/gpushare/lib",
+        "read_only": True,
+    }
     assert mounts["/run/gpushare"]["host_path"] == "/run/gpushare/pods/a-1111111111111111"
-    sim = plugin.container_response(allocation, plugin.PluginSettings(
-        node="n1", namespace="x", simulated_devices="A100|GPU-a|1|108", sim_state="/s/sim.state"),
-        Path("/p"))
+    sim = plugin.container_response(
+        allocation,
+        plugin.PluginSettings(
+            node="n1", namespace="x", simulated_devices="A100|GPU-a|1|108", sim_state="/s/sim.state"
+        ),
+        Path("/p"),
+    )
     assert sim["cdi_devices"] == [] and sim["envs"]["GPUSHARE_SIMULATED"] == "1"
     assert {m["host_path"] for m in sim["mounts"]} == {"/opt/gpushare/lib", "/p", "/s/sim.state"}
 
@@ -123,9 +172,19 @@ def test_generated_modules_match_the_proto(tmp_path: Path) -> None:
     rel = Path("jupyter_gpushare/k8s/device_plugin")
     (tmp_path / rel).mkdir(parents=True)
     (tmp_path / rel / "api.proto").write_text((here / "api.proto").read_text())
-    assert protoc.main(["protoc", f"-I{tmp_path}", f"--python_out={tmp_path}",
-                        f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}",
-                        str(tmp_path / rel / "api.proto")]) == 0
+    assert (
+        protoc.main(
+            [
+                "protoc",
+                f"-I{tmp_path}",
+                f"--python_out={tmp_path}",
+                f"--pyi_out={tmp_path}",
+                f"--grpc_python_out={tmp_path}",
+                str(tmp_path / rel / "api.proto"),
+            ]
+        )
+        == 0
+    )
     for name in ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py"):
         assert (tmp_path / rel / name).read_text() == (here / name).read_text(), name
 
@@ -134,11 +193,23 @@ def test_generated_modules_match_the_proto(tmp_path: Path) -> None:
 
 
 def raw_pod(name: str, resources: dict[str, str], node: str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-            "spec": {"restartPolicy": "Never", "nodeSelector": {"kubernetes.io/hostname": node},
-                     "containers": [{"name": "c", "image": "busybox",
-                                     "command": ["python", "-c", "import time; time.sleep(60)"],
-                                     "resources": {"limits": resources}}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "restartPolicy": "Never",
+            "nodeSelector": {"kubernetes.io/hostname": node},
+            "containers": [
+                {
+                    "name": "c",
+                    "image": "busybox",
+                    "command": ["python", "-c", "import time; time.sleep(60)"],
+                    "resources": {"limits": resources},
+                }
+            ],
+        },
+    }
 
 
 async def pod_state(kube: Any, name: str) -> dict[str, Any]:
@@ -180,8 +251,11 @@ async def test_kernel_pod_gets_its_share_through_the_kubelet_and_the_scheduler_c
     assert "nvidia.com/gpu" not in node["status"]["allocatable"]
 
     server = jupyter_server_factory()
-    reply = server.request("POST", "/gpushare/api/kernels", json={
-        "name": "gpushare-k8s-t4", "share": {"gpu_request": 0.6, "gpu_limit": 0.6}})
+    reply = server.request(
+        "POST",
+        "/gpushare/api/kernels",
+        json={"name": "gpushare-k8s-t4", "share": {"gpu_request": 0.6, "gpu_limit": 0.6}},
+    )
     assert reply.status_code == 201, reply.text
     kernel = reply.json()["id"]
     suffix = uuid.uuid4().hex[:6]
@@ -203,24 +277,30 @@ async def test_kernel_pod_gets_its_share_through_the_kubelet_and_the_scheduler_c
 
         # the scheduler: nvidia.com/gpu has no room on a gpushare node, 50 units are more
         # than the 40 left, 40 fit (and are then refused at admission: not the kernel's pod)
-        await kube.create_pod(NAMESPACE, raw_pod(names["nvidia"], {"nvidia.com/gpu": "1"},
-                                                 "gpu-node-2"))
+        await kube.create_pod(
+            NAMESPACE, raw_pod(names["nvidia"], {"nvidia.com/gpu": "1"}, "gpu-node-2")
+        )
         await kube.create_pod(NAMESPACE, raw_pod(names["too-many"], {RES: "50"}, "gpu-node-2"))
         # the pod that fits forges the kernel's labels (as anyone who may create pods can)
         forged = raw_pod(names["fits"], {RES: "40"}, "gpu-node-2")
-        forged["metadata"]["labels"] = {k: v for k, v in kpod["metadata"]["labels"].items()
-                                        if k != manifests.LABEL_KERNEL}
+        forged["metadata"]["labels"] = {
+            k: v for k, v in kpod["metadata"]["labels"].items() if k != manifests.LABEL_KERNEL
+        }
         await kube.create_pod(NAMESPACE, forged)
 
         async def refused(name: str, words: str) -> str | None:
             message = unschedulable(await pod_state(kube, name))
             return message if message and words in message else None
 
-        message = await eventually(lambda: refused(names["nvidia"], "nvidia.com/gpu"), 30,
-                                   "the nvidia.com/gpu pod to be Unschedulable")
+        message = await eventually(
+            lambda: refused(names["nvidia"], "nvidia.com/gpu"),
+            30,
+            "the nvidia.com/gpu pod to be Unschedulable",
+        )
         assert "Insufficient nvidia.com/gpu" in message, message
-        message = await eventually(lambda: refused(names["too-many"], RES), 30,
-                                   "the 50-unit pod to be Unschedulable")
+        message = await eventually(
+            lambda: refused(names["too-many"], RES), 30, "the 50-unit pod to be Unschedulable"
+        )
         assert f"Insufficient {RES}" in message, message
 
         async def admission_refused() -> dict[str, Any] | None:
@@ -241,7 +321,6 @@ async def test_kernel_pod_gets_its_share_through_the_kubelet_and_the_scheduler_c
         await shut_down(server, kube, kernel)
 
 
-
 async def test_plugin_registers_again_when_the_kubelet_restarts(
     control_plane: ControlPlane, node_agent: Any
 ) -> None:
@@ -255,8 +334,7 @@ async def test_plugin_registers_again_when_the_kubelet_restarts(
     (directory / "gpushare.sock").unlink()
 
     async def again() -> bool:
-        return log.read_text().count(registered) > before and (
-            directory / "gpushare.sock").exists()
+        return log.read_text().count(registered) > before and (directory / "gpushare.sock").exists()
 
     await eventually(again, 30, "the plugin to register again")
     kube = await admin(control_plane)
@@ -276,9 +354,9 @@ async def test_a_resource_quota_bounds_share_units(control_plane: ControlPlane) 
     namespace = f"h7-quota-{uuid.uuid4().hex[:6]}"
     try:
         await kube.core.create_namespace({"metadata": {"name": namespace}})
-        await kube.core.create_namespaced_resource_quota(namespace, {
-            "metadata": {"name": "shares"},
-            "spec": {"hard": {f"requests.{RES}": "30"}}})
+        await kube.core.create_namespaced_resource_quota(
+            namespace, {"metadata": {"name": "shares"}, "spec": {"hard": {f"requests.{RES}": "30"}}}
+        )
 
         async def counted() -> bool:
             quota = await kube.core.read_namespaced_resource_quota("shares", namespace)

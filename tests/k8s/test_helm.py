@@ -55,14 +55,16 @@ def helm() -> str:
         if IN_CI:
             pytest.fail(f"{reason} (CI)")
         pytest.skip(reason)
-    version = subprocess.run([binary, "version", "--short"], capture_output=True, text=True,
-                             check=True).stdout
+    version = subprocess.run(
+        [binary, "version", "--short"], capture_output=True, text=True, check=True
+    ).stdout
     assert version.startswith("v3."), version
     return binary
 
 
-def render(helm: str, tmp_path: Path, values: dict[str, Any] | None = None,
-           namespace: str = "gpushare") -> list[Obj]:
+def render(
+    helm: str, tmp_path: Path, values: dict[str, Any] | None = None, namespace: str = "gpushare"
+) -> list[Obj]:
     """``helm template`` (CRDs included) with ``values`` as a values file; parsed objects."""
     args = [helm, "template", "gs", str(CHART), "--namespace", namespace, "--include-crds"]
     if values is not None:
@@ -95,8 +97,11 @@ def one(objs: list[Obj], kind: str) -> Obj:
 
 
 def container(pod_spec: Obj, name: str) -> Obj:
-    return next(c for c in [*pod_spec.get("initContainers", []), *pod_spec["containers"]]
-                if c["name"] == name)
+    return next(
+        c
+        for c in [*pod_spec.get("initContainers", []), *pod_spec["containers"]]
+        if c["name"] == name
+    )
 
 
 def daemon_args(ds: Obj) -> argparse.Namespace:
@@ -109,8 +114,9 @@ def daemon_args(ds: Obj) -> argparse.Namespace:
 
 def flags(command: list[str]) -> list[str]:
     """``--flag=value`` and ``--flag value`` as one form."""
-    return [part for arg in command for part in (arg.split("=", 1) if arg.startswith("--")
-                                                  else [arg])]
+    return [
+        part for arg in command for part in (arg.split("=", 1) if arg.startswith("--") else [arg])
+    ]
 
 
 def substance(obj: Obj) -> Obj:
@@ -139,8 +145,9 @@ def substance(obj: Obj) -> Obj:
 
 def test_helm_lint(helm: str, tmp_path: Path) -> None:
     for extra in ([], ["--set", "daemon.simulate=2xA100,namespace=demo,daemon.metrics.port=9400"]):
-        out = subprocess.run([helm, "lint", "--strict", str(CHART), *extra],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [helm, "lint", "--strict", str(CHART), *extra], capture_output=True, text=True
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout
 
@@ -175,8 +182,9 @@ def test_kernel_pods_and_daemon_agree_on_paths(helm: str, tmp_path: Path) -> Non
     volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in container(pod, "daemon")["volumeMounts"]}
     # the hostPath mode (device_plugin=False) mounts these directories itself
-    settings = PodSettings.from_config(KubernetesBackendConfig(namespace="gpushare",
-                                                               device_plugin=False))
+    settings = PodSettings.from_config(
+        KubernetesBackendConfig(namespace="gpushare", device_plugin=False)
+    )
     # the device plugin (default): the kubelet's directory mounted, the interposer directory
     # it hands kernel pods is the one the init container fills
     assert args.device_plugin and args.share_resource == "gpushare.jupyter.org/gpu-share"
@@ -194,13 +202,22 @@ def test_kernel_pods_and_daemon_agree_on_paths(helm: str, tmp_path: Path) -> Non
     assert not state_host.is_relative_to(settings.socket_host_path)
     assert not Path(settings.socket_host_path).is_relative_to(state_host)
     installer = container(pod, "install-interposer")
-    lib_volume = next(m["name"] for m in installer["volumeMounts"]
-                      if m["mountPath"] == installer["command"][-1])
+    lib_volume = next(
+        m["name"] for m in installer["volumeMounts"] if m["mountPath"] == installer["command"][-1]
+    )
     assert volumes[lib_volume] == settings.interposer_host_path
 
     request = KernelPodRequest(
-        name="k", namespace="gpushare", kernel_id="k", allocation_id="a-0", node="n",
-        gpus=["GPU-0"], command=["python"], env={}, server_id="s", owner={},
+        name="k",
+        namespace="gpushare",
+        kernel_id="k",
+        allocation_id="a-0",
+        node="n",
+        gpus=["GPU-0"],
+        command=["python"],
+        env={},
+        server_id="s",
+        owner={},
         simulated_devices="A100|GPU-0|1|1",
     )
     kernel_env = kernel_environment(request, settings)
@@ -217,10 +234,19 @@ def test_values_change_what_they_should(helm: str, tmp_path: Path) -> None:
     default = render(helm, tmp_path)
     values = {
         "namespace": "science",
-        "image": {"repository": "registry.example.org/gpushare", "tag": "9.9.9",
-                  "pullPolicy": "Always"},
-        "daemon": {"simulate": "2xT4", "nodeSelector": {"pool": "demo"}, "quantumMs": 10,
-                   "windowMs": 2000, "metrics": {"port": 9500}, "socketHostPath": "/var/gs"},
+        "image": {
+            "repository": "registry.example.org/gpushare",
+            "tag": "9.9.9",
+            "pullPolicy": "Always",
+        },
+        "daemon": {
+            "simulate": "2xT4",
+            "nodeSelector": {"pool": "demo"},
+            "quantumMs": 10,
+            "windowMs": 2000,
+            "metrics": {"port": 9500},
+            "socketHostPath": "/var/gs",
+        },
     }
     objs = render(helm, tmp_path, values, namespace="ignored-release-ns")
 
@@ -232,10 +258,12 @@ def test_values_change_what_they_should(helm: str, tmp_path: Path) -> None:
     accounts = {o["metadata"]["name"] for o in objs if o["kind"] == "ServiceAccount"}
     for binding in (o for o in objs if o["kind"].endswith("Binding")):
         assert (binding["roleRef"]["kind"], binding["roleRef"]["name"]) in rendered
-        assert all(s["namespace"] == "science" and s["name"] in accounts
-                   for s in binding["subjects"])
-    rules = {o["metadata"]["name"].removeprefix("science-"): o["rules"]
-             for o in objs if "rules" in o}
+        assert all(
+            s["namespace"] == "science" and s["name"] in accounts for s in binding["subjects"]
+        )
+    rules = {
+        o["metadata"]["name"].removeprefix("science-"): o["rules"] for o in objs if "rules" in o
+    }
     assert rules == {o["metadata"]["name"]: o["rules"] for o in default if "rules" in o}
 
     ds = one(objs, "DaemonSet")
@@ -260,30 +288,45 @@ def test_values_change_what_they_should(helm: str, tmp_path: Path) -> None:
     assert default_args.simulate is None and default_args.simulate_from_node_label
     assert default_args.metrics_port == 0 and "ports" not in container(default_pod, "daemon")
     assert "nodeSelector" not in default_pod and "affinity" in default_pod
-    assert one(default, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["image"] \
-        .endswith(":" + yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"])
+    assert one(default, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["image"].endswith(
+        ":" + yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    )
 
 
 def test_placement_values(helm: str, tmp_path: Path) -> None:
     """affinity: null keeps the GPU-node default, {} removes it, anything else replaces it;
     without simulateFromNodeLabel the demo-node term and flag are gone."""
-    own = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-        "nodeSelectorTerms": [{"matchExpressions": [
-            {"key": "gpu", "operator": "In", "values": ["yes"]}]}]}}}
+    own = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["yes"]}]}
+                ]
+            }
+        }
+    }
     replaced = one(render(helm, tmp_path, {"daemon": {"affinity": own}}), "DaemonSet")
     assert replaced["spec"]["template"]["spec"]["affinity"] == own
     removed = one(render(helm, tmp_path, {"daemon": {"affinity": {}}}), "DaemonSet")
     assert "affinity" not in removed["spec"]["template"]["spec"]
-    real_only = one(render(helm, tmp_path, {"daemon": {"simulateFromNodeLabel": False}}),
-                    "DaemonSet")
+    real_only = one(
+        render(helm, tmp_path, {"daemon": {"simulateFromNodeLabel": False}}), "DaemonSet"
+    )
     terms = real_only["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
-        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert terms == [{"matchExpressions": [
-        {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}]}]
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert terms == [
+        {
+            "matchExpressions": [
+                {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}
+            ]
+        }
+    ]
     assert not daemon_args(real_only).simulate_from_node_label
     no_reconciler = render(helm, tmp_path, {"reconciler": {"enabled": False}})
-    names = [c["name"] for c in one(no_reconciler, "DaemonSet")["spec"]["template"]["spec"][
-        "containers"]]
+    names = [
+        c["name"] for c in one(no_reconciler, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    ]
     assert names == ["daemon"]
 
 
@@ -294,8 +337,9 @@ VERBS = ("get", "list", "watch", "create", "update", "patch", "delete")
 
 
 @pytest.fixture(scope="module")
-def installed(helm: str, tmp_path_factory: pytest.TempPathFactory,
-              control_plane: Any) -> Iterator[tuple[Any, list[Obj]]]:
+def installed(
+    helm: str, tmp_path_factory: pytest.TempPathFactory, control_plane: Any
+) -> Iterator[tuple[Any, list[Obj]]]:
     """The chart rendered for namespace gpushare-helm, created through the admin's client. The
     DaemonSet is created with dryRun=All (validated and admitted, never stored): the test that
     runs the daemon creates its own, pinned to its own node."""
@@ -313,7 +357,8 @@ def installed(helm: str, tmp_path_factory: pytest.TempPathFactory,
             except utils.FailToCreateError as exc:
                 # the CRD is cluster-wide and deploy/ created it already
                 if obj["kind"] != "CustomResourceDefinition" or any(
-                        e.status != 409 for e in exc.api_exceptions):
+                    e.status != 409 for e in exc.api_exceptions
+                ):
                     raise
         yield api, objs
     finally:
@@ -333,10 +378,16 @@ def test_api_server_accepts_the_chart(installed: tuple[Any, list[Obj]]) -> None:
     api, objs = installed
     ds = one(objs, "DaemonSet")
     # the daemon's pod as the DaemonSet controller would create it, through pod admission
-    pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"generateName": "gpushare-node-", "namespace": NAMESPACE,
-                        "labels": ds["spec"]["template"]["metadata"]["labels"]},
-           "spec": ds["spec"]["template"]["spec"]}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "generateName": "gpushare-node-",
+            "namespace": NAMESPACE,
+            "labels": ds["spec"]["template"]["metadata"]["labels"],
+        },
+        "spec": ds["spec"]["template"]["spec"],
+    }
     with pytest.raises(client.ApiException) as stored_ds:  # dry run: validated, not stored
         client.AppsV1Api(api).read_namespaced_daemon_set("gpushare-node", NAMESPACE)
     assert stored_ds.value.status == 404
@@ -346,22 +397,33 @@ def test_api_server_accepts_the_chart(installed: tuple[Any, list[Obj]]) -> None:
     rbac = client.RbacAuthorizationV1Api(api)
     stored = rbac.read_namespaced_role("jupyter-gpushare", NAMESPACE)
     assert [sorted(r.verbs) for r in stored.rules] == [
-        sorted(r["verbs"]) for r in by_key(objs)[("Role", NAMESPACE, "jupyter-gpushare")]["rules"]]
+        sorted(r["verbs"]) for r in by_key(objs)[("Role", NAMESPACE, "jupyter-gpushare")]["rules"]
+    ]
 
 
 def allowed(api: Any, account: str, namespace: str, group: str, resource: str, verb: str) -> bool:
     from kubernetes import client
 
-    review = client.AuthorizationV1Api(api).create_subject_access_review({
-        "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
-        "spec": {
-            "user": f"system:serviceaccount:{NAMESPACE}:{account}",
-            "groups": ["system:serviceaccounts", f"system:serviceaccounts:{NAMESPACE}",
-                       "system:authenticated"],
-            "resourceAttributes": {"namespace": namespace, "group": group,
-                                   "resource": resource, "verb": verb},
-        },
-    })
+    review = client.AuthorizationV1Api(api).create_subject_access_review(
+        {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SubjectAccessReview",
+            "spec": {
+                "user": f"system:serviceaccount:{NAMESPACE}:{account}",
+                "groups": [
+                    "system:serviceaccounts",
+                    f"system:serviceaccounts:{NAMESPACE}",
+                    "system:authenticated",
+                ],
+                "resourceAttributes": {
+                    "namespace": namespace,
+                    "group": group,
+                    "resource": resource,
+                    "verb": verb,
+                },
+            },
+        }
+    )
     return bool(review.status.allowed)
 
 
@@ -386,16 +448,22 @@ def test_installed_rbac_grants_exactly_deploys_rules(installed: tuple[Any, list[
     deadline = time.monotonic() + 10  # the RBAC authorizer's cache follows the new objects
     for account in ("jupyter-gpushare", "gpushare-daemon"):
         rules = granted(plain, account)
-        resources = {("", "pods"), ("", "secrets"), ("", "nodes"),
-                     ("coordination.k8s.io", "leases"), ("gpushare.jupyter.org", "gpuledgers"),
-                     ("", "configmaps")}
+        resources = {
+            ("", "pods"),
+            ("", "secrets"),
+            ("", "nodes"),
+            ("coordination.k8s.io", "leases"),
+            ("gpushare.jupyter.org", "gpuledgers"),
+            ("", "configmaps"),
+        }
         assert set(rules) <= resources
         for group, resource in sorted(resources):
             scope = "" if resource == "nodes" else NAMESPACE
             for verb in VERBS:
                 want = verb in rules.get((group, resource), set())
-                while (got := allowed(api, account, scope, group, resource, verb)) != want \
-                        and time.monotonic() < deadline:
+                while (
+                    got := allowed(api, account, scope, group, resource, verb)
+                ) != want and time.monotonic() < deadline:
                     time.sleep(0.2)
                 assert got == want, (account, group, resource, verb)
             if scope and rules.get((group, resource)):
@@ -412,25 +480,49 @@ def test_helm_install_and_uninstall(helm: str, control_plane: Any) -> None:
 
     namespace = "gpushare-helm-install"
     home = control_plane.workdir / "helm"
-    env = {**os.environ, "KUBECONFIG": str(control_plane.kubeconfig("admin")),
-           **{f"HELM_{d}_HOME": str(home / d.lower()) for d in ("CACHE", "CONFIG", "DATA")}}
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(control_plane.kubeconfig("admin")),
+        **{f"HELM_{d}_HOME": str(home / d.lower()) for d in ("CACHE", "CONFIG", "DATA")},
+    }
     api = config.new_client_from_config(str(control_plane.kubeconfig("admin")))
     rbac = client.RbacAuthorizationV1Api(api)
     try:
         install = subprocess.run(
-            [helm, "install", "gs", str(CHART), "--namespace", namespace, "--create-namespace",
-             "--set", "daemon.nodeSelector.gpushare-test/no-such-node=true"],
-            capture_output=True, text=True, env=env, timeout=120)
+            [
+                helm,
+                "install",
+                "gs",
+                str(CHART),
+                "--namespace",
+                namespace,
+                "--create-namespace",
+                "--set",
+                "daemon.nodeSelector.gpushare-test/no-such-node=true",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert install.returncode == 0, install.stdout + install.stderr
         assert f'c.KubernetesBackendConfig.namespace = "{namespace}"' in install.stdout
         ds = client.AppsV1Api(api).read_namespaced_daemon_set("gpushare-node", namespace)
         assert ds.spec.template.spec.host_pid is True
         assert ds.spec.template.spec.node_selector == {"gpushare-test/no-such-node": "true"}
         assert rbac.read_cluster_role(f"{namespace}-gpushare-node-reader").rules[0].verbs == [
-            "get", "list", "watch"]
+            "get",
+            "list",
+            "watch",
+        ]
     finally:
-        uninstall = subprocess.run([helm, "uninstall", "gs", "--namespace", namespace],
-                                   capture_output=True, text=True, env=env, timeout=120)
+        uninstall = subprocess.run(
+            [helm, "uninstall", "gs", "--namespace", namespace],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         with contextlib.suppress(client.ApiException):
             client.CoreV1Api(api).delete_namespace(namespace)
     assert uninstall.returncode == 0, uninstall.stdout + uninstall.stderr
@@ -450,16 +542,30 @@ def daemon_kubeconfig(api: Any, control_plane: Any, path: Path) -> Path:
     from kubernetes import client
 
     request = client.CoreV1Api(api).create_namespaced_service_account_token(
-        "gpushare-daemon", NAMESPACE,
-        {"spec": {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": 3600}})
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "daemon",
-        "clusters": [{"name": "local", "cluster": {
-            "server": control_plane.server_url,
-            "certificate-authority": str(control_plane.ca_file)}}],
-        "users": [{"name": "daemon", "user": {"token": request.status.token}}],
-        "contexts": [{"name": "daemon", "context": {"cluster": "local", "user": "daemon"}}],
-    }))
+        "gpushare-daemon",
+        NAMESPACE,
+        {"spec": {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": 3600}},
+    )
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "daemon",
+                "clusters": [
+                    {
+                        "name": "local",
+                        "cluster": {
+                            "server": control_plane.server_url,
+                            "certificate-authority": str(control_plane.ca_file),
+                        },
+                    }
+                ],
+                "users": [{"name": "daemon", "user": {"token": request.status.token}}],
+                "contexts": [{"name": "daemon", "context": {"cluster": "local", "user": "daemon"}}],
+            }
+        )
+    )
     path.chmod(0o600)
     return path
 
@@ -468,15 +574,18 @@ def until(what: str, predicate: Any, log: Path, timeout: float = 60.0) -> Any:
     deadline = time.monotonic() + timeout
     while not (value := predicate()):
         if time.monotonic() > deadline:
-            pytest.fail(f"{what} not within {timeout:.0f} s; node agent log:\n"
-                        + log.read_text(errors="replace")[-4000:])
+            pytest.fail(
+                f"{what} not within {timeout:.0f} s; node agent log:\n"
+                + log.read_text(errors="replace")[-4000:]
+            )
         time.sleep(0.2)
     return value
 
 
 @pytest.mark.timeout(180)
-def test_chart_daemon_runs_on_a_node(helm: str, tmp_path: Path, control_plane: Any,
-                                     installed: tuple[Any, list[Obj]]) -> None:
+def test_chart_daemon_runs_on_a_node(
+    helm: str, tmp_path: Path, control_plane: Any, installed: tuple[Any, list[Obj]]
+) -> None:
     """The chart's DaemonSet (simulate 1xT4, pinned to a node of its own) run by the node
     agent under the chart's daemon service account: the init container installs the interposer
     into the host path, the daemon serves its socket in the socket host path, publishes the
@@ -497,18 +606,35 @@ def test_chart_daemon_runs_on_a_node(helm: str, tmp_path: Path, control_plane: A
 
     api, _ = installed
     core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
-    ds = one(render(helm, tmp_path, {"daemon": {
-        "simulate": "1xT4", "nodeSelector": {"kubernetes.io/hostname": NODE}}},
-        namespace=NAMESPACE), "DaemonSet")
+    ds = one(
+        render(
+            helm,
+            tmp_path,
+            {"daemon": {"simulate": "1xT4", "nodeSelector": {"kubernetes.io/hostname": NODE}}},
+            namespace=NAMESPACE,
+        ),
+        "DaemonSet",
+    )
     kubeconfig = daemon_kubeconfig(api, control_plane, tmp_path / "kubeconfig-daemon")
     # short: the socket's path must fit a sockaddr_un (108 bytes)
     workdir = Path(tempfile.mkdtemp(prefix="gs-helm-", dir="/tmp"))
     log = tmp_path / "node-agent.log"
     lib_on_host = not Path("/opt/gpushare/lib").exists()
-    agent = spawn([sys.executable, str(Path(__file__).with_name("node_agent.py")),
-                   "--kubeconfig", str(control_plane.kubeconfig("admin")),
-                   "--namespace", NAMESPACE, "--workdir", str(workdir), f"--node={NODE}",
-                   f"--service-account={NAMESPACE}/gpushare-daemon={kubeconfig}"], log)
+    agent = spawn(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("node_agent.py")),
+            "--kubeconfig",
+            str(control_plane.kubeconfig("admin")),
+            "--namespace",
+            NAMESPACE,
+            "--workdir",
+            str(workdir),
+            f"--node={NODE}",
+            f"--service-account={NAMESPACE}/gpushare-daemon={kubeconfig}",
+        ],
+        log,
+    )
     try:
         until("node agent", lambda: "node agent ready" in log.read_text(errors="replace"), log)
         client.AppsV1Api(api).create_namespaced_daemon_set(NAMESPACE, ds)
@@ -522,33 +648,45 @@ def test_chart_daemon_runs_on_a_node(helm: str, tmp_path: Path, control_plane: A
         def published() -> list[Any]:
             node = api.sanitize_for_serialization(core.read_node(NODE))
             return gpus_from_node(node, TypeAliases())
+
         gpus = until("the node's GPUs", published, log)
         assert [(g.type, g.simulated) for g in gpus] == [("T4", True)]
 
         def running() -> bool:
             pods = core.list_namespaced_pod(NAMESPACE, field_selector=f"spec.nodeName={NODE}")
-            return any(p.status.phase == "Running" and all(
-                c.state.running for c in p.status.container_statuses or [])
-                and len(p.status.container_statuses or []) == 2 for p in pods.items)
+            return any(
+                p.status.phase == "Running"
+                and all(c.state.running for c in p.status.container_statuses or [])
+                and len(p.status.container_statuses or []) == 2
+                for p in pods.items
+            )
+
         until("the daemon pod running", running, log)
 
         allocation = Allocation(
-            id=Allocation.new_id(), node=NODE, gpus=(gpus[0].uuid,), memory=2**30,
+            id=Allocation.new_id(),
+            node=NODE,
+            gpus=(gpus[0].uuid,),
+            memory=2**30,
             spec=ShareSpec(gpu_request=0.25, gpu_limit=0.5, gpu_memory=2**30, gpu_type="T4"),
-            backend="kubernetes")
+            backend="kubernetes",
+        )
 
         async def record() -> None:
             kube = await connect(str(control_plane.kubeconfig("admin")))
             try:
                 ledger = KubernetesLedger(kube, NAMESPACE)
                 snap = await ledger.snapshot()
-                assert await ledger.compare_and_swap(NODE, snap.versions.get(NODE, 0),
-                                                     [*snap.on_node(NODE), allocation])
+                assert await ledger.compare_and_swap(
+                    NODE, snap.versions.get(NODE, 0), [*snap.on_node(NODE), allocation]
+                )
             finally:
                 await kube.close()
+
         asyncio.run(record())
-        seen = until("the record at the daemon", lambda: daemon.status(allocation.id).get("ok"),
-                     log)
+        seen = until(
+            "the record at the daemon", lambda: daemon.status(allocation.id).get("ok"), log
+        )
         assert seen
         assert daemon.status(allocation.id)["allocations"][0]["limit"] == 0.5
     finally:

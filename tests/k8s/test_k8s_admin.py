@@ -59,15 +59,38 @@ USAGE_NODE = "usage-test-node"
 def _status(idle_s: float = 3.0) -> dict[str, Any]:
     return {
         "daemon": {"pid": 7, "epoch": 1, "uptime_s": 9.0, "window_ms": 1000.0, "clients": 1},
-        "allocations": [{"id": "a-1", "kernel_id": "k-1", "request": 0.25, "limit": 0.5,
-                         "achieved_share": 0.4, "memory_used": 256 * MIB,
-                         "memory_cap": GIB, "idle_s": idle_s, "last_launch_ago_s": idle_s,
-                         "lease_waits": 3, "lease_wait_seconds": 0.01, "connected": True,
-                         "gpus": [{"slot": 0}]}],
-        "gpus": [{"uuid": "GPU-1", "busy_share": 0.4, "allocations": ["a-1"],
-                  "nvml": {"memory_used": 300 * MIB, "memory_total": 40 * GIB,
-                           "utilization_gpu": 40, "temperature_c": 50, "power_w": 90.0,
-                           "extra": "dropped"}}],
+        "allocations": [
+            {
+                "id": "a-1",
+                "kernel_id": "k-1",
+                "request": 0.25,
+                "limit": 0.5,
+                "achieved_share": 0.4,
+                "memory_used": 256 * MIB,
+                "memory_cap": GIB,
+                "idle_s": idle_s,
+                "last_launch_ago_s": idle_s,
+                "lease_waits": 3,
+                "lease_wait_seconds": 0.01,
+                "connected": True,
+                "gpus": [{"slot": 0}],
+            }
+        ],
+        "gpus": [
+            {
+                "uuid": "GPU-1",
+                "busy_share": 0.4,
+                "allocations": ["a-1"],
+                "nvml": {
+                    "memory_used": 300 * MIB,
+                    "memory_total": 40 * GIB,
+                    "utilization_gpu": 40,
+                    "temperature_c": 50,
+                    "power_w": 90.0,
+                    "extra": "dropped",
+                },
+            }
+        ],
     }
 
 
@@ -106,8 +129,7 @@ def test_reader_drops_stale_reports_and_says_so() -> None:
 # -- helpers -------------------------------------------------------------------------------------
 
 
-async def until(check: Callable[[], Any], timeout: float, what: str,
-                interval: float = 0.1) -> Any:
+async def until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
     """Poll ``check`` (sync or async) until it returns something truthy."""
     deadline = time.monotonic() + timeout
     while True:
@@ -143,8 +165,11 @@ async def usage_namespace(control_plane: ControlPlane) -> AsyncIterator[Kube]:
         await kube.core.create_namespace({"metadata": {"name": USAGE_NS}})
     roles = RbacAuthorizationV1Api(kube.api)
     for doc in rbac_copy(USAGE_NS):
-        create = (roles.create_namespaced_role if doc["kind"] == "Role"
-                  else roles.create_namespaced_role_binding)
+        create = (
+            roles.create_namespaced_role
+            if doc["kind"] == "Role"
+            else roles.create_namespaced_role_binding
+        )
         with contextlib.suppress(ApiException):
             await create(USAGE_NS, doc)
     with contextlib.suppress(ApiException):
@@ -161,21 +186,44 @@ def start_daemon(plane: ControlPlane, workdir: Path, interval: float) -> subproc
     """A node daemon for USAGE_NODE with the daemon's own identity (service account)."""
     with open(workdir / "daemon.log", "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "jupyter_gpushare.daemon", "--socket",
-             str(workdir / "d.sock"), "--node", USAGE_NODE, "--simulate-devices", "1xA100",
-             "--kubernetes-namespace", USAGE_NS, "--kubeconfig",
-             str(plane.kubeconfig("daemon")), "--state-dir", str(workdir),
-             "--usage-interval", str(interval)],
-            stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "jupyter_gpushare.daemon",
+                "--socket",
+                str(workdir / "d.sock"),
+                "--node",
+                USAGE_NODE,
+                "--simulate-devices",
+                "1xA100",
+                "--kubernetes-namespace",
+                USAGE_NS,
+                "--kubeconfig",
+                str(plane.kubeconfig("daemon")),
+                "--state-dir",
+                str(workdir),
+                "--usage-interval",
+                str(interval),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def start_worker(env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", WORKER], env=env, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-c", WORKER],
+        env=env,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
 
 
 #: holds 256 MiB and saturates its share until told to stop (a line on stdin), then idles
-WORKER = BUSY + """
+WORKER = (
+    BUSY
+    + """
 import sys
 ptr = ctypes.c_uint64()
 assert cu.cuMemAlloc_v2(ctypes.byref(ptr), 256 << 20) == 0
@@ -186,6 +234,7 @@ spinner.join()
 print("idle", flush=True)
 sys.stdin.readline()
 """
+)
 
 
 # -- (a) the usage ConfigMap ----------------------------------------------------------------------
@@ -208,8 +257,9 @@ async def test_usage_configmap_tracks_a_daemons_allocation(
         # owned by its Node, and the server's identity can read it
         view = await until(lambda: _covers(usage, USAGE_NODE), 30, "the first usage report")
         assert view.allocations == {} and view.stale == {}
-        cm = await kube._json(kube.core.read_namespaced_config_map(
-            name, USAGE_NS, _preload_content=False))
+        cm = await kube._json(
+            kube.core.read_namespaced_config_map(name, USAGE_NS, _preload_content=False)
+        )
         node = await kube._json(kube.core.read_node(USAGE_NODE, _preload_content=False))
         [owner] = cm["metadata"]["ownerReferences"]
         assert (owner["kind"], owner["uid"]) == ("Node", node["metadata"]["uid"])
@@ -218,26 +268,42 @@ async def test_usage_configmap_tracks_a_daemons_allocation(
         [gpu] = simulated_gpus("1xA100", USAGE_NODE)
         spec = ShareSpec(gpu_request=0.25, gpu_limit=0.5, gpu_memory=GIB, gpu_type="A100")
         me = psutil.Process()
-        allocation = Allocation(id=Allocation.new_id(), node=USAGE_NODE, gpus=(gpu.uuid,),
-                                spec=spec, memory=GIB, backend="kubernetes",
-                                kernel_id="k-usage", pid=me.pid, pid_start=me.create_time(),
-                                extra={"k8s_server": "usage-test-server"})
+        allocation = Allocation(
+            id=Allocation.new_id(),
+            node=USAGE_NODE,
+            gpus=(gpu.uuid,),
+            spec=spec,
+            memory=GIB,
+            backend="kubernetes",
+            kernel_id="k-usage",
+            pid=me.pid,
+            pid_start=me.create_time(),
+            extra={"k8s_server": "usage-test-server"},
+        )
         snap = await ledger.snapshot()
-        assert await ledger.compare_and_swap(USAGE_NODE, snap.versions.get(USAGE_NODE, 0),
-                                             [*snap.on_node(USAGE_NODE), allocation])
+        assert await ledger.compare_and_swap(
+            USAGE_NODE, snap.versions.get(USAGE_NODE, 0), [*snap.on_node(USAGE_NODE), allocation]
+        )
         entry = await until(lambda: _entry(usage, allocation.id), 15, "the record's usage")
         assert (entry["request"], entry["limit"], entry["memory_cap"]) == (0.25, 0.5, GIB)
         assert (entry["connected"], entry["memory_used"], entry["kernel_id"]) == (
-            False, 0, "k-usage")
+            False,
+            0,
+            "k-usage",
+        )
         assert entry["k8s_server"] == "usage-test-server" and entry["node"] == USAGE_NODE
 
         # a process under the interposer: its memory and share show up, then its idleness
-        worker = start_worker({**os.environ, **kernel_env(allocation, workdir / "d.sock",
-                                                           [gpu])})
+        worker = start_worker({**os.environ, **kernel_env(allocation, workdir / "d.sock", [gpu])})
         assert worker.stdout is not None and worker.stdin is not None
         assert worker.stdout.readline().strip() == "busy"
-        busy = await until(lambda: _entry(usage, allocation.id, lambda e: e["connected"] and (
-            e["achieved_share"] >= 0.4)), 15, "the busy process's share in the report")
+        busy = await until(
+            lambda: _entry(
+                usage, allocation.id, lambda e: e["connected"] and (e["achieved_share"] >= 0.4)
+            ),
+            15,
+            "the busy process's share in the report",
+        )
         assert busy["memory_used"] == 256 * MIB and busy["idle_s"] < 1.0
         # held to its limit (alone it would take ~1.0); the report's window is the daemon's
         # 1 s, so on a loaded CI machine one window may read a few hundredths over 0.5 - the
@@ -246,18 +312,27 @@ async def test_usage_configmap_tracks_a_daemons_allocation(
         worker.stdin.write("stop\n")
         worker.stdin.flush()
         assert worker.stdout.readline().strip() == "idle"
-        idle = await until(lambda: _entry(usage, allocation.id, lambda e: e["idle_s"] >= 2.0),
-                           15, "idleness in the report")
+        idle = await until(
+            lambda: _entry(usage, allocation.id, lambda e: e["idle_s"] >= 2.0),
+            15,
+            "idleness in the report",
+        )
         assert idle["last_launch_ago_s"] >= 2.0 and idle["memory_used"] == 256 * MIB
 
         # usage writes leave the GpuLedger alone (no CAS retries for placements there)
         ledger_rv = (await ledger.snapshot()).versions[USAGE_NODE]
-        cm_rv = (await kube._json(kube.core.read_namespaced_config_map(
-            name, USAGE_NS, _preload_content=False)))["metadata"]["resourceVersion"]
+        cm_rv = (
+            await kube._json(
+                kube.core.read_namespaced_config_map(name, USAGE_NS, _preload_content=False)
+            )
+        )["metadata"]["resourceVersion"]
         await asyncio.sleep(4 * interval)
         assert (await ledger.snapshot()).versions[USAGE_NODE] == ledger_rv
-        assert (await kube._json(kube.core.read_namespaced_config_map(
-            name, USAGE_NS, _preload_content=False)))["metadata"]["resourceVersion"] != cm_rv
+        assert (
+            await kube._json(
+                kube.core.read_namespaced_config_map(name, USAGE_NS, _preload_content=False)
+            )
+        )["metadata"]["resourceVersion"] != cm_rv
 
         # a change in the ledger reaches the report: watch + one interval
         started = time.monotonic()
@@ -266,19 +341,27 @@ async def test_usage_configmap_tracks_a_daemons_allocation(
             return replace(current, spec=replace(current.spec, gpu_limit=1.0))
 
         await ledger.update(allocation.id, wider)
-        await until(lambda: _entry(usage, allocation.id, lambda e: e["limit"] == 1.0), 10,
-                    "the new limit in the report", interval=0.02)
-        print(f"ledger change -> usage report: {time.monotonic() - started:.3f} s "
-              f"(usage interval {interval} s)")
+        await until(
+            lambda: _entry(usage, allocation.id, lambda e: e["limit"] == 1.0),
+            10,
+            "the new limit in the report",
+            interval=0.02,
+        )
+        print(
+            f"ledger change -> usage report: {time.monotonic() - started:.3f} s "
+            f"(usage interval {interval} s)"
+        )
 
         # the daemon stops: its report goes stale and is dropped, with the node named
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(15)
         stopped = time.monotonic()
         view = await until(lambda: _stale(usage, USAGE_NODE), 15, "the report to go stale")
-        print(f"daemon stopped -> report stale after {time.monotonic() - stopped:.2f} s "
-              f"(bound {k8s_usage.STALE_INTERVALS:g} x {interval} s + "
-              f"{k8s_usage.CLOCK_SLACK:g} s)")
+        print(
+            f"daemon stopped -> report stale after {time.monotonic() - stopped:.2f} s "
+            f"(bound {k8s_usage.STALE_INTERVALS:g} x {interval} s + "
+            f"{k8s_usage.CLOCK_SLACK:g} s)"
+        )
         assert allocation.id not in view.allocations and not view.covers(USAGE_NODE)
         assert f"{USAGE_NODE} (last report" in view.message
         # a lower memory cap cannot be checked against old news: refused, saying why
@@ -308,8 +391,11 @@ async def _stale(usage: k8s_usage.KubernetesUsage, node: str) -> Any:
     return view if node in view.stale else None
 
 
-async def _entry(usage: k8s_usage.KubernetesUsage, allocation_id: str,
-                 ok: Callable[[Any], bool] = lambda _e: True) -> Any:
+async def _entry(
+    usage: k8s_usage.KubernetesUsage,
+    allocation_id: str,
+    ok: Callable[[Any], bool] = lambda _e: True,
+) -> Any:
     entry = (await usage.read()).get(allocation_id)
     return entry if entry is not None and ok(entry) else None
 
@@ -331,16 +417,16 @@ def rest(server: Any, method: str, path: str, **kwargs: Any) -> Any:
     return server.request(method, "/gpushare/api/" + path, **kwargs)
 
 
-async def applied(daemon: DaemonClient, allocation_id: str, want: dict[str, Any],
-                  started: float) -> float:
+async def applied(
+    daemon: DaemonClient, allocation_id: str, want: dict[str, Any], started: float
+) -> float:
     """Seconds from ``started`` until the node daemon enforces ``want`` for the allocation."""
 
     def check() -> bool:
         found = daemon.status(allocation_id).get("allocations") or [{}]
         return all(found[0].get(k) == v for k, v in want.items())
 
-    await until(lambda: asyncio.to_thread(check), 15, f"the daemon to apply {want}",
-                interval=0.01)
+    await until(lambda: asyncio.to_thread(check), 15, f"the daemon to apply {want}", interval=0.01)
     return time.monotonic() - started
 
 
@@ -357,8 +443,12 @@ async def test_rest_lists_resizes_and_releases_kernel_pods(
     neighbour = jupyter_server_factory()  # another user's server on the same cluster ledger
     first = start_kernel(server)
     # the UI's way: a share chosen with the start, the allocation in the answer
-    started = rest(server, "POST", "kernels", json={
-        "name": "gpushare-k8s", "share": {"gpu_request": 0.25, "gpu_limit": 0.5}})
+    started = rest(
+        server,
+        "POST",
+        "kernels",
+        json={"name": "gpushare-k8s", "share": {"gpu_request": 0.25, "gpu_limit": 0.5}},
+    )
     assert started.status_code == 201, started.text
     second = started.json()["id"]
     kube = await admin(control_plane)
@@ -387,8 +477,11 @@ async def test_rest_lists_resizes_and_releases_kernel_pods(
 
         # the kernel pod holds 512 MiB; the node daemon's report brings it to /usage
         assert (await execute(server, first, HOLD)).strip() == "0"
-        seen = await until(lambda: usage_of(server, a1.id, lambda u: u["memory_used"] > 0), 15,
-                           "the pod's memory in /gpushare/api/usage")
+        seen = await until(
+            lambda: usage_of(server, a1.id, lambda u: u["memory_used"] > 0),
+            15,
+            "the pod's memory in /gpushare/api/usage",
+        )
         assert seen["memory_used"] == 512 * MIB and seen["node"] == "gpu-node-2"
         assert rest(neighbour, "GET", "usage").json()["allocations"] == []
 
@@ -407,24 +500,33 @@ async def test_rest_lists_resizes_and_releases_kernel_pods(
         # up: a compare-and-swap in the API server; the node daemon applies it live, and the
         # kernel may now allocate what its old cap refused
         started = time.monotonic()
-        up = rest(server, "PATCH", f"allocations/{a1.id}",
-                  json={"gpu_request": 0.5, "gpu_limit": 1.0, "gpu_memory": "2GiB"})
+        up = rest(
+            server,
+            "PATCH",
+            f"allocations/{a1.id}",
+            json={"gpu_request": 0.5, "gpu_limit": 1.0, "gpu_memory": "2GiB"},
+        )
         assert up.status_code == 200, up.text
         assert (up.json()["gpu_request"], up.json()["gpu_memory"]) == (0.5, 2 * GIB)
-        up_s = await applied(daemon, a1.id, {"request": 0.5, "limit": 1.0,
-                                             "memory_cap": 2 * GIB}, started)
+        up_s = await applied(
+            daemon, a1.id, {"request": 0.5, "limit": 1.0, "memory_cap": 2 * GIB}, started
+        )
         grow = "print(cu.cuMemAlloc_v2(ctypes.byref(more), 1024 << 20))"
         assert (await execute(server, first, grow)).strip() == "0"  # 1.5 GiB > the old 1 GiB
 
         # down again: share at once; the cap only once the memory is given back
         started = time.monotonic()
-        down = rest(server, "PATCH", f"allocations/{a1.id}",
-                    json={"gpu_request": 0.25, "gpu_limit": 0.5})
+        down = rest(
+            server, "PATCH", f"allocations/{a1.id}", json={"gpu_request": 0.25, "gpu_limit": 0.5}
+        )
         assert down.status_code == 200, down.text
         down_s = await applied(daemon, a1.id, {"request": 0.25, "limit": 0.5}, started)
         assert (await execute(server, first, "print(cu.cuMemFree_v2(more))")).strip() == "0"
-        await until(lambda: usage_of(server, a1.id, lambda u: u["memory_used"] == 512 * MIB),
-                    15, "the freed memory in the report")
+        await until(
+            lambda: usage_of(server, a1.id, lambda u: u["memory_used"] == 512 * MIB),
+            15,
+            "the freed memory in the report",
+        )
         capped = rest(server, "PATCH", f"allocations/{a1.id}", json={"gpu_memory": "1GiB"})
         assert capped.status_code == 200, capped.text
         await applied(daemon, a1.id, {"memory_cap": GIB}, time.monotonic())
@@ -438,10 +540,12 @@ async def test_rest_lists_resizes_and_releases_kernel_pods(
             applies.append(await applied(daemon, a1.id, {"limit": limit}, started))
         applies.sort()
         replies.sort()
-        print(f"PATCH -> node daemon enforcing it: up {up_s * 1000:.0f} ms, down "
-              f"{down_s * 1000:.0f} ms; 10 limit changes: answered median "
-              f"{replies[5] * 1000:.0f} ms, enforced median {applies[5] * 1000:.0f} ms, "
-              f"max {applies[-1] * 1000:.0f} ms")
+        print(
+            f"PATCH -> node daemon enforcing it: up {up_s * 1000:.0f} ms, down "
+            f"{down_s * 1000:.0f} ms; 10 limit changes: answered median "
+            f"{replies[5] * 1000:.0f} ms, enforced median {applies[5] * 1000:.0f} ms, "
+            f"max {applies[-1] * 1000:.0f} ms"
+        )
 
         # DELETE: the record goes, the daemon forgets the share, the kernel pod runs on
         [pod] = await kernel_pods(kube, second)
@@ -450,14 +554,20 @@ async def test_rest_lists_resizes_and_releases_kernel_pods(
         assert await kernel_records(kube, second) == []
         assert rest(server, "GET", f"allocations/{a2.id}").status_code == 404
         assert rest(server, "DELETE", f"allocations/{a2.id}").status_code == 404
-        await until(lambda: asyncio.to_thread(
-            lambda: daemon.status(a2.id).get("error") == "unknown_allocation"), 10,
-            "the daemon to forget the released share")
+        await until(
+            lambda: asyncio.to_thread(
+                lambda: daemon.status(a2.id).get("error") == "unknown_allocation"
+            ),
+            10,
+            "the daemon to forget the released share",
+        )
         assert (await execute(server, second, "print(state + 1)")).strip() == "42"
         assert [p["metadata"]["uid"] for p in await kernel_pods(kube, second)] == [
-            pod["metadata"]["uid"]]
+            pod["metadata"]["uid"]
+        ]
         assert {a["id"] for a in rest(server, "GET", "allocations").json()["allocations"]} == {
-            a1.id}
+            a1.id
+        }
     finally:
         await shut_down(server, kube, first, second)
 
@@ -471,9 +581,13 @@ IDLE_AFTER, GRACE = 8.0, 6.0
 async def test_idle_kernel_pod_is_warned_then_released_busy_one_keeps_its_share(
     control_plane: ControlPlane, node_agent: Path, jupyter_server_factory: Any
 ) -> None:
-    server = jupyter_server_factory(gpu_type="A100", extra=(
-        f"c.GpuShare.reclaim_idle_after = {IDLE_AFTER}\n"
-        f"c.GpuShare.reclaim_grace = {GRACE}\nc.GpuShare.reclaim_interval = 0.5\n"))
+    server = jupyter_server_factory(
+        gpu_type="A100",
+        extra=(
+            f"c.GpuShare.reclaim_idle_after = {IDLE_AFTER}\n"
+            f"c.GpuShare.reclaim_grace = {GRACE}\nc.GpuShare.reclaim_interval = 0.5\n"
+        ),
+    )
     busy = start_kernel(server)
     await execute(server, busy, BUSY)  # busy from its first seconds
     idle = start_kernel(server)
@@ -487,40 +601,57 @@ async def test_idle_kernel_pod_is_warned_then_released_busy_one_keeps_its_share(
             return {a["kernel_id"] for a in rest(server, "GET", "reclaim").json()["warned"]}
 
         # (the busy kernel was busy for seconds before the idle one even started)
-        assert await until(lambda: asyncio.to_thread(lambda: idle in warned() and warned()),
-                           40, "the idle kernel's warning", interval=0.2) == {idle}
+        assert await until(
+            lambda: asyncio.to_thread(lambda: idle in warned() and warned()),
+            40,
+            "the idle kernel's warning",
+            interval=0.2,
+        ) == {idle}
         [now] = await kernel_records(kube, idle)
         warning = now.extra["reclaim_warning"]
-        assert warning["idle_s"] >= IDLE_AFTER and "has not used its GPU share" in (
-            warning["message"])
+        assert (
+            warning["idle_s"] >= IDLE_AFTER and "has not used its GPU share" in (warning["message"])
+        )
         assert warning["release_at"] == pytest.approx(warning["warned_at"] + GRACE)
         # the node daemon follows the record and tells the kernel: its next cell shows it
-        await until(lambda: asyncio.to_thread(lambda: (daemon.status(record.id).get(
-            "allocations") or [{}])[0].get("reclaim_warning")), 10, "the warning at the daemon")
+        await until(
+            lambda: asyncio.to_thread(
+                lambda: (daemon.status(record.id).get("allocations") or [{}])[0].get(
+                    "reclaim_warning"
+                )
+            ),
+            10,
+            "the warning at the daemon",
+        )
         out = await execute(server, idle, "print('cell ran')")
         assert "has not used its GPU share" in out and "cell ran" in out, out
 
         # after the grace period the share goes; the kernel and its pod stay
-        await until(lambda: _released(kube, idle), GRACE + 15, "the idle share's release",
-                    interval=0.2)
+        await until(
+            lambda: _released(kube, idle), GRACE + 15, "the idle share's release", interval=0.2
+        )
         released_at = time.time()
-        await until(lambda: asyncio.to_thread(lambda: daemon.status(record.id).get(
-            "reclaimed")), 10, "the daemon to know the share was reclaimed")
+        await until(
+            lambda: asyncio.to_thread(lambda: daemon.status(record.id).get("reclaimed")),
+            10,
+            "the daemon to know the share was reclaimed",
+        )
         out = await execute(server, idle, "print(1 + 1)")
         assert "released by idle-GPU reclaim" in out and out.split()[-1] == "2", out
         [kept] = await kernel_records(kube, busy)
         assert kept.id == held.id and "reclaim_warning" not in kept.extra
         assert daemon.status(held.id)["allocations"][0]["idle_s"] < 1.0
-        print(f"idle reclaim on Kubernetes: warned {warning['warned_at'] - record.created:.1f} s "
-              f"after the share was made (idle_after {IDLE_AFTER:g} s), released "
-              f"{released_at - warning['warned_at']:.1f} s after the warning (grace {GRACE:g} s)")
+        print(
+            f"idle reclaim on Kubernetes: warned {warning['warned_at'] - record.created:.1f} s "
+            f"after the share was made (idle_after {IDLE_AFTER:g} s), released "
+            f"{released_at - warning['warned_at']:.1f} s after the warning (grace {GRACE:g} s)"
+        )
     finally:
         await shut_down(server, kube, busy, idle)
 
 
 async def _released(kube: Kube, kernel_id: str) -> bool:
     return await kernel_records(kube, kernel_id) == []
-
 
 
 # -- the cluster away --------------------------------------------------------------------------
@@ -591,11 +722,15 @@ async def test_rest_says_when_the_api_server_is_away_and_recovers(
     proxy = Proxy(control_plane.server_url)
     proxy.start()
     kubeconfig = tmp_path / "proxied.kubeconfig"
-    kubeconfig.write_text(control_plane.kubeconfig("server").read_text().replace(
-        control_plane.server_url, f"https://127.0.0.1:{proxy.port}"))
+    kubeconfig.write_text(
+        control_plane.kubeconfig("server")
+        .read_text()
+        .replace(control_plane.server_url, f"https://127.0.0.1:{proxy.port}")
+    )
     try:
         server = jupyter_server_factory(
-            extra=f"c.KubernetesBackendConfig.kubeconfig = {str(kubeconfig)!r}\n")
+            extra=f"c.KubernetesBackendConfig.kubeconfig = {str(kubeconfig)!r}\n"
+        )
         assert rest(server, "GET", "gpus").status_code == 200
         proxy.stop()
         await asyncio.sleep(2.5)  # past the inventory's cache (KubernetesBackendConfig)
@@ -608,9 +743,13 @@ async def test_rest_says_when_the_api_server_is_away_and_recovers(
         usage = (await asyncio.to_thread(rest, server, "GET", "usage")).json()
         assert usage["daemon"] is False and "could not be read" in usage["message"], usage
         proxy.start()
-        reply = await until(lambda: asyncio.to_thread(
-            lambda: (r := rest(server, "GET", "gpus")).status_code == 200 and r), 20,
-            "the server to use the API server again")
+        reply = await until(
+            lambda: asyncio.to_thread(
+                lambda: (r := rest(server, "GET", "gpus")).status_code == 200 and r
+            ),
+            20,
+            "the server to use the API server again",
+        )
         assert {g["node"] for g in reply.json()["gpus"]} >= {"gpu-node-1", "gpu-node-2"}
     finally:
         proxy.close()

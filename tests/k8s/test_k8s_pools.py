@@ -45,13 +45,22 @@ async def pool_view(server: Any, ready: int | None = None, timeout: float = 120)
 async def timed_start(server: Any, path: str | None = None) -> tuple[str, float]:
     started = time.perf_counter()
     if path is None:
-        reply = await asyncio.to_thread(server.request, "POST", "/api/kernels",
-                                        json={"name": "gpushare-k8s"})
+        reply = await asyncio.to_thread(
+            server.request, "POST", "/api/kernels", json={"name": "gpushare-k8s"}
+        )
         kernel_id = reply.json()["id"] if reply.status_code == 201 else None
     else:
-        reply = await asyncio.to_thread(server.request, "POST", "/api/sessions", json={
-            "path": path, "type": "notebook", "name": path.rsplit("/", 1)[-1],
-            "kernel": {"name": "gpushare-k8s"}})
+        reply = await asyncio.to_thread(
+            server.request,
+            "POST",
+            "/api/sessions",
+            json={
+                "path": path,
+                "type": "notebook",
+                "name": path.rsplit("/", 1)[-1],
+                "kernel": {"name": "gpushare-k8s"},
+            },
+        )
         kernel_id = reply.json()["kernel"]["id"] if reply.status_code == 201 else None
     assert kernel_id, reply.text
     assert (await execute(server, kernel_id, "print(1)")).strip() == "1"
@@ -69,10 +78,22 @@ async def test_pool_of_kernel_pods_serves_warm_then_cold_and_refills(
         for kernel_id in warm:  # warm pods hold real shares in the cluster ledger, as pool
             [record] = await kernel_records(kube, kernel_id)
             assert record.owner == "pool" and record.extra["pool"] == "pods"
-        status = await asyncio.to_thread(subprocess.run, [
-            sys.executable, "-m", "jupyter_gpushare", "status", "--kubernetes-namespace",
-            NAMESPACE, "--kubeconfig", str(control_plane.kubeconfig("server"))],
-            capture_output=True, text=True, timeout=60)
+        status = await asyncio.to_thread(
+            subprocess.run,
+            [
+                sys.executable,
+                "-m",
+                "jupyter_gpushare",
+                "status",
+                "--kubernetes-namespace",
+                NAMESPACE,
+                "--kubeconfig",
+                str(control_plane.kubeconfig("server")),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert status.stdout.count("warm pool kernel") == 2, status.stdout + status.stderr
         assert "gpu-node-1 GPU 1 A100" in status.stdout and "gpu-node-2 GPU 0 T4" in status.stdout
         root = next(p for p in tmp_path.iterdir() if (p / "server.log").exists())
@@ -84,13 +105,22 @@ async def test_pool_of_kernel_pods_serves_warm_then_cold_and_refills(
         assert first in warm and second in warm and third not in warm
         [cold] = await kernel_records(kube, third)
         assert "claimed_from_pool" not in cold.extra and cold.owner == "kernel"
-        print(f"start to first reply: warm pod {first_s * 1000:.0f} / {second_s * 1000:.0f} ms, "
-              f"cold pod {third_s * 1000:.0f} ms")
+        print(
+            f"start to first reply: warm pod {first_s * 1000:.0f} / {second_s * 1000:.0f} ms, "
+            f"cold pod {third_s * 1000:.0f} ms"
+        )
         assert max(first_s, second_s) < third_s  # a cold pod still has to boot its kernel
 
-        seen = json.loads(await execute(server, first, (
-            "import os, json; print(json.dumps([os.getcwd(), __session__, "
-            "os.environ['GPUSHARE_ALLOCATION_ID']]))")))
+        seen = json.loads(
+            await execute(
+                server,
+                first,
+                (
+                    "import os, json; print(json.dumps([os.getcwd(), __session__, "
+                    "os.environ['GPUSHARE_ALLOCATION_ID']]))"
+                ),
+            )
+        )
         [record] = await kernel_records(kube, first)
         assert seen == [str(root / "work"), str(root / "work" / "analysis.ipynb"), record.id]
         assert record.owner == "kernel" and record.extra["claimed_from_pool"] == "pods"

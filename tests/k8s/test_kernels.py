@@ -42,14 +42,17 @@ async def kernel_pods(kube: Kube, kernel_id: str) -> list[dict[str, Any]]:
 
 
 async def kernel_records(kube: Kube, kernel_id: str) -> list[Allocation]:
-    return [a for a in await KubernetesLedger(kube, NAMESPACE).list()
-            if a.kernel_id == kernel_id]
+    return [a for a in await KubernetesLedger(kube, NAMESPACE).list() if a.kernel_id == kernel_id]
 
 
 async def kernel_secrets(kube: Kube, kernel_id: str) -> list[dict[str, Any]]:
-    listing = await kube._json(kube.core.list_namespaced_secret(
-        NAMESPACE, label_selector=f"{manifests.LABEL_KERNEL}={kernel_id}",
-        _preload_content=False))
+    listing = await kube._json(
+        kube.core.list_namespaced_secret(
+            NAMESPACE,
+            label_selector=f"{manifests.LABEL_KERNEL}={kernel_id}",
+            _preload_content=False,
+        )
+    )
     return listing["items"]
 
 
@@ -66,26 +69,49 @@ async def eventually(check: Callable[[], Any], timeout: float, what: str) -> Any
 
 async def nothing_left(kube: Kube, kernel_id: str, timeout: float = 30.0) -> None:
     async def clean() -> bool:
-        return not (await kernel_pods(kube, kernel_id) or await kernel_secrets(kube, kernel_id)
-                    or await kernel_records(kube, kernel_id))
+        return not (
+            await kernel_pods(kube, kernel_id)
+            or await kernel_secrets(kube, kernel_id)
+            or await kernel_records(kube, kernel_id)
+        )
 
     await eventually(clean, timeout, f"kernel {kernel_id}'s pod, Secret and record to go")
 
 
-async def execute(server: Any, kernel_id: str, code: str, timeout: float = 60.0,
-                  expect_error: bool = False) -> str:
+async def execute(
+    server: Any, kernel_id: str, code: str, timeout: float = 60.0, expect_error: bool = False
+) -> str:
     """Run ``code`` in the kernel through the server's websocket; returns its stdout."""
     url = server.url.replace("http", "ws") + f"/api/kernels/{kernel_id}/channels"
     request = HTTPRequest(url, headers={"Authorization": f"token {server.token}"})
     ws = await websocket_connect(request)
     msg_id = uuid.uuid4().hex
-    ws.write_message(json.dumps({
-        "header": {"msg_id": msg_id, "msg_type": "execute_request", "username": "test",
-                   "session": uuid.uuid4().hex, "version": "5.3", "date": ""},
-        "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
-        "content": {"code": code, "silent": False, "store_history": False,
-                    "user_expressions": {}, "allow_stdin": False, "stop_on_error": True},
-    }))
+    ws.write_message(
+        json.dumps(
+            {
+                "header": {
+                    "msg_id": msg_id,
+                    "msg_type": "execute_request",
+                    "username": "test",
+                    "session": uuid.uuid4().hex,
+                    "version": "5.3",
+                    "date": "",
+                },
+                "parent_header": {},
+                "metadata": {},
+                "channel": "shell",
+                "buffers": [],
+                "content": {
+                    "code": code,
+                    "silent": False,
+                    "store_history": False,
+                    "user_expressions": {},
+                    "allow_stdin": False,
+                    "stop_on_error": True,
+                },
+            }
+        )
+    )
     out: list[str] = []
     deadline = time.monotonic() + timeout
     try:
@@ -128,9 +154,13 @@ def start_kernel(server: Any, name: str = "gpushare-k8s") -> str:
 
 async def running_pod(kube: Kube, kernel_id: str, not_named: str = "") -> dict[str, Any]:
     async def one() -> dict[str, Any] | None:
-        pods = [p for p in await kernel_pods(kube, kernel_id)
-                if p["metadata"]["name"] != not_named and manifests.pod_running(p)
-                and not p["metadata"].get("deletionTimestamp")]
+        pods = [
+            p
+            for p in await kernel_pods(kube, kernel_id)
+            if p["metadata"]["name"] != not_named
+            and manifests.pod_running(p)
+            and not p["metadata"].get("deletionTimestamp")
+        ]
         return pods[0] if pods else None
 
     return await eventually(one, 90, "a running kernel pod")
@@ -161,12 +191,26 @@ async def test_kernel_pod_runs_code_and_shutdown_removes_everything(
         # Owners: pod <- server Lease, Secret <- pod, GpuLedger <- Node.
         assert pod["metadata"]["ownerReferences"][0]["kind"] == "Lease"
         [secret] = await kernel_secrets(kube, kernel_id)
-        assert secret["metadata"]["ownerReferences"] == [{
-            "apiVersion": "v1", "kind": "Pod", "name": pod["metadata"]["name"],
-            "uid": pod["metadata"]["uid"], "controller": False, "blockOwnerDeletion": False}]
-        ledger_obj = await kube._json(kube.custom.get_namespaced_custom_object(
-            "gpushare.jupyter.org", "v1alpha1", NAMESPACE, "gpuledgers", record.node,
-            _preload_content=False))
+        assert secret["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": pod["metadata"]["name"],
+                "uid": pod["metadata"]["uid"],
+                "controller": False,
+                "blockOwnerDeletion": False,
+            }
+        ]
+        ledger_obj = await kube._json(
+            kube.custom.get_namespaced_custom_object(
+                "gpushare.jupyter.org",
+                "v1alpha1",
+                NAMESPACE,
+                "gpuledgers",
+                record.node,
+                _preload_content=False,
+            )
+        )
         assert ledger_obj["metadata"]["ownerReferences"][0]["kind"] == "Node"
         # The key is in the Secret only: not in the pod spec, its env, or the server's log.
         key = json.loads(base64.b64decode(secret["data"]["connection.json"]))["key"]
@@ -174,14 +218,17 @@ async def test_kernel_pod_runs_code_and_shutdown_removes_everything(
         assert key not in json.dumps(pod)
         assert key not in server.log_text()
 
-        code = ("import os\nprint(os.environ['CUDA_VISIBLE_DEVICES'], "
-                "os.environ['GPUSHARE_ALLOCATION_ID'], os.environ['GPUSHARE_NODE'], 6 * 7)")
+        code = (
+            "import os\nprint(os.environ['CUDA_VISIBLE_DEVICES'], "
+            "os.environ['GPUSHARE_ALLOCATION_ID'], os.environ['GPUSHARE_NODE'], 6 * 7)"
+        )
         out = await execute(server, kernel_id, code)
         assert out.split() == [*record.gpus, record.id, record.node, "42"]
 
         # Interrupt: no process to signal from the server, so it goes as a message.
-        sleeping = asyncio.create_task(execute(server, kernel_id, "import time; time.sleep(60)",
-                                               timeout=30, expect_error=True))
+        sleeping = asyncio.create_task(
+            execute(server, kernel_id, "import time; time.sleep(60)", timeout=30, expect_error=True)
+        )
         await asyncio.sleep(2.0)
         assert server.request("POST", f"/api/kernels/{kernel_id}/interrupt").status_code == 204
         assert (await sleeping) == "KeyboardInterrupt"
@@ -192,8 +239,13 @@ async def test_kernel_pod_runs_code_and_shutdown_removes_everything(
         await kube.close()
 
 
-async def _restarted(control_plane: ControlPlane, server: Any, kernel_id: str,
-                     kill: Callable[[Kube, dict[str, Any]], Any], expect_in_log: str) -> None:
+async def _restarted(
+    control_plane: ControlPlane,
+    server: Any,
+    kernel_id: str,
+    kill: Callable[[Kube, dict[str, Any]], Any],
+    expect_in_log: str,
+) -> None:
     kube = await admin(control_plane)
     try:
         first = await running_pod(kube, kernel_id)
@@ -250,9 +302,15 @@ async def test_evicted_kernel_is_restarted_with_its_share(
     kernel_id = start_kernel(server)
 
     async def evict(kube: Kube, pod: dict[str, Any]) -> None:
-        await kube.core.patch_namespaced_pod(pod["metadata"]["name"], NAMESPACE, {
-            "metadata": {"annotations": {
-                "test.gpushare/evict": "The node was low on resource: memory."}}})
+        await kube.core.patch_namespaced_pod(
+            pod["metadata"]["name"],
+            NAMESPACE,
+            {
+                "metadata": {
+                    "annotations": {"test.gpushare/evict": "The node was low on resource: memory."}
+                }
+            },
+        )
 
     await _restarted(control_plane, server, kernel_id, evict, "Evicted")
     assert "The node was low on resource: memory." in server.log_text()
@@ -303,13 +361,17 @@ async def test_unreachable_api_server_fails_kernel_starts_with_the_reason(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n"
         f"    server: https://127.0.0.1:{free_port()}\n    insecure-skip-tls-verify: true\n"
         "users:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: c\n  context:\n"
-        "    cluster: c\n    user: u\ncurrent-context: c\n")
-    server = jupyter_server_factory(extra=f"c.KubernetesBackendConfig.kubeconfig = {str(dead)!r}"
-                                          "\nc.KubernetesBackendConfig.connect_timeout = 3")
+        "    cluster: c\n    user: u\ncurrent-context: c\n"
+    )
+    server = jupyter_server_factory(
+        extra=f"c.KubernetesBackendConfig.kubeconfig = {str(dead)!r}"
+        "\nc.KubernetesBackendConfig.connect_timeout = 3"
+    )
     for _ in range(2):  # and again: a failed first use is not remembered
         started = time.monotonic()
-        reply = await asyncio.to_thread(server.request, "POST", "/api/kernels",
-                                        json={"name": "gpushare-k8s"})
+        reply = await asyncio.to_thread(
+            server.request, "POST", "/api/kernels", json={"name": "gpushare-k8s"}
+        )
         assert reply.status_code == 503, reply.text
         assert "did not answer within 3 s" in reply.text, reply.text
         assert time.monotonic() - started < 15
@@ -329,8 +391,9 @@ async def test_type_no_node_has_is_refused_at_once(jupyter_server_factory: Any) 
 async def test_unschedulable_kernel_fails_fast_with_the_schedulers_reason(
     control_plane: ControlPlane, jupyter_server_factory: Any
 ) -> None:
-    server = jupyter_server_factory(extra='c.KubernetesBackendConfig.resources = '
-                                          '{"requests": {"cpu": "64"}}')
+    server = jupyter_server_factory(
+        extra='c.KubernetesBackendConfig.resources = {"requests": {"cpu": "64"}}'
+    )
     wall, started = time.time(), time.monotonic()
     reply = server.request("POST", "/api/kernels", json={"name": "gpushare-k8s"})
     took = time.monotonic() - started
@@ -339,11 +402,15 @@ async def test_unschedulable_kernel_fails_fast_with_the_schedulers_reason(
     assert took < 20, f"took {took:.1f} s"
     kube = await admin(control_plane)
     try:
-        records = [a for a in await KubernetesLedger(kube, NAMESPACE).list()
-                   if a.created >= wall - 1]
+        records = [
+            a for a in await KubernetesLedger(kube, NAMESPACE).list() if a.created >= wall - 1
+        ]
         assert records == []  # the reservation was released
-        pods = (await kube.list_pods(NAMESPACE, f"{manifests.LABEL_COMPONENT}="
-                                                f"{manifests.KERNEL_COMPONENT}"))["items"]
+        pods = (
+            await kube.list_pods(
+                NAMESPACE, f"{manifests.LABEL_COMPONENT}={manifests.KERNEL_COMPONENT}"
+            )
+        )["items"]
         assert [p for p in pods if p["status"].get("phase") == "Pending"] == []
     finally:
         await kube.close()
@@ -352,7 +419,8 @@ async def test_unschedulable_kernel_fails_fast_with_the_schedulers_reason(
 
 async def test_image_pull_error_fails_fast(jupyter_server_factory: Any) -> None:
     server = jupyter_server_factory(
-        extra='c.KubernetesBackendConfig.image = "registry.invalid/does-not-exist:1"')
+        extra='c.KubernetesBackendConfig.image = "registry.invalid/does-not-exist:1"'
+    )
     started = time.monotonic()
     reply = server.request("POST", "/api/kernels", json={"name": "gpushare-k8s"})
     assert reply.status_code >= 400
@@ -367,7 +435,10 @@ async def test_oom_killed_kernel_is_reported_and_restarted(
     kernel_id = start_kernel(server)
 
     async def oom(kube: Kube, pod: dict[str, Any]) -> None:
-        await kube.core.patch_namespaced_pod(pod["metadata"]["name"], NAMESPACE, {
-            "metadata": {"annotations": {"test.gpushare/oom": "1"}}})
+        await kube.core.patch_namespaced_pod(
+            pod["metadata"]["name"],
+            NAMESPACE,
+            {"metadata": {"annotations": {"test.gpushare/oom": "1"}}},
+        )
 
     await _restarted(control_plane, server, kernel_id, oom, "OOMKilled (exit code 137)")

@@ -33,8 +33,14 @@ async def _namespace(plane: ControlPlane, name: str) -> None:
 
 def _alloc(node: str, uuid: str, request: float) -> Allocation:
     spec = ShareSpec(gpu_request=request, gpu_limit=request, gpu_memory=2**30, gpu_type="A100")
-    return Allocation(id=Allocation.new_id(), node=node, gpus=(uuid,), spec=spec, memory=2**30,
-                      backend="kubernetes")
+    return Allocation(
+        id=Allocation.new_id(),
+        node=node,
+        gpus=(uuid,),
+        spec=spec,
+        memory=2**30,
+        backend="kubernetes",
+    )
 
 
 async def test_compare_and_swap_on_resource_version(control_plane: ControlPlane) -> None:
@@ -60,8 +66,9 @@ async def test_compare_and_swap_on_resource_version(control_plane: ControlPlane)
         await kube.close()
 
 
-async def test_inventory_comes_from_node_objects(control_plane: ControlPlane,
-                                                 node_agent: Path) -> None:
+async def test_inventory_comes_from_node_objects(
+    control_plane: ControlPlane, node_agent: Path
+) -> None:
     kube = await connect(str(control_plane.kubeconfig("server")))
     try:
         gpus = await KubernetesLedger(kube, NAMESPACE).gpus()
@@ -74,8 +81,9 @@ async def test_inventory_comes_from_node_objects(control_plane: ControlPlane,
     assert all(g.simulated and g.healthy and g.uuid.startswith("GPU-") for g in gpus)
 
 
-async def test_server_identity_cannot_publish_inventory(control_plane: ControlPlane,
-                                                        node_agent: Path) -> None:
+async def test_server_identity_cannot_publish_inventory(
+    control_plane: ControlPlane, node_agent: Path
+) -> None:
     """Least privilege: the Jupyter server reads Nodes but may not change them."""
     kube = await connect(str(control_plane.kubeconfig("server")))
     try:
@@ -136,8 +144,9 @@ async def test_node_daemon_watch_sees_live_changes(control_plane: ControlPlane) 
 @pytest.mark.timeout(600)
 async def test_concurrent_placers_never_over_allocate(control_plane: ControlPlane) -> None:
     await _namespace(control_plane, "gpushare-stress")
-    result = await run_stress(str(control_plane.kubeconfig("admin")), "gpushare-stress",
-                              placers=16, requests=32)
+    result = await run_stress(
+        str(control_plane.kubeconfig("admin")), "gpushare-stress", placers=16, requests=32
+    )
     summary = result.summary()
     print("stress:", summary)
     assert result.over_allocations == 0

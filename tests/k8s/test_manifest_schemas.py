@@ -23,12 +23,21 @@ from jupyter_gpushare.k8s.podsecurity import restricted_violations
 VERSIONS = ("1.30", "1.34")
 NON_DEFAULT = {
     "namespace": "science",
-    "image": {"repository": "registry.example.org/gpushare", "tag": "9.9.9",
-              "pullPolicy": "Always"},
-    "daemon": {"simulate": "2xT4", "nodeSelector": {"pool": "demo"}, "quantumMs": 10,
-               "metrics": {"port": 9400}, "runtimeClassName": "nvidia",
-               "devicePlugin": {"enabled": False}, "logLevel": "DEBUG",
-               "extraArgs": ["--idle-timeout=30"]},
+    "image": {
+        "repository": "registry.example.org/gpushare",
+        "tag": "9.9.9",
+        "pullPolicy": "Always",
+    },
+    "daemon": {
+        "simulate": "2xT4",
+        "nodeSelector": {"pool": "demo"},
+        "quantumMs": 10,
+        "metrics": {"port": 9400},
+        "runtimeClassName": "nvidia",
+        "devicePlugin": {"enabled": False},
+        "logLevel": "DEBUG",
+        "extraArgs": ["--idle-timeout=30"],
+    },
     "reconciler": {"enabled": False},
 }
 
@@ -41,8 +50,9 @@ def invalid(obj: dict[str, Any]) -> list[str]:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
             path = ".".join(str(p) for p in exc.path)
-            errors.append(f"{version} {obj['kind']}/{obj['metadata'].get('name')}: {path}: "
-                          f"{exc.message}")
+            errors.append(
+                f"{version} {obj['kind']}/{obj['metadata'].get('name')}: {path}: {exc.message}"
+            )
     return errors
 
 
@@ -64,16 +74,23 @@ def test_the_validator_refuses_what_kubernetes_refuses() -> None:
 def test_deploy_files_and_z2jh_examples_validate() -> None:
     objs = deploy_objects()
     for path in sorted((DEPLOY / "z2jh").glob("*.yaml")):
-        objs += [d for d in yaml.safe_load_all(path.read_text())
-                 if d and "apiVersion" in d and "kind" in d]
+        objs += [
+            d
+            for d in yaml.safe_load_all(path.read_text())
+            if d and "apiVersion" in d and "kind" in d
+        ]
     assert {"DaemonSet", "CustomResourceDefinition", "Role", "ServiceAccount"} <= {
-        o["kind"] for o in objs}
+        o["kind"] for o in objs
+    }
     assert [e for o in objs for e in invalid(o)] == []
 
 
 @pytest.mark.parametrize("values", [None, NON_DEFAULT], ids=["default", "non-default"])
-def test_chart_renders_valid_objects(helm: str, tmp_path: Path,  # noqa: F811
-                                     values: dict[str, Any] | None) -> None:
+def test_chart_renders_valid_objects(
+    helm: str,  # noqa: F811
+    tmp_path: Path,
+    values: dict[str, Any] | None,
+) -> None:
     objs = render(helm, tmp_path, values)
     assert {"DaemonSet", "CustomResourceDefinition"} <= {o["kind"] for o in objs}
     assert [e for o in objs for e in invalid(o)] == []
@@ -82,17 +99,23 @@ def test_chart_renders_valid_objects(helm: str, tmp_path: Path,  # noqa: F811
 def test_kernel_pods_and_secrets_validate() -> None:
     settings = [
         manifests.PodSettings(image="img:1"),
-        manifests.PodSettings(image="img:1", device_plugin=False, runtime_class="nvidia",
-                              tolerations=[{"key": "gpu", "operator": "Exists"}],
-                              volumes=[{"name": "home", "emptyDir": {}}],
-                              volume_mounts=[{"name": "home", "mountPath": "/home/jovyan"}],
-                              pod_template={"spec": {"priorityClassName": "interactive"}}),
+        manifests.PodSettings(
+            image="img:1",
+            device_plugin=False,
+            runtime_class="nvidia",
+            tolerations=[{"key": "gpu", "operator": "Exists"}],
+            volumes=[{"name": "home", "emptyDir": {}}],
+            volume_mounts=[{"name": "home", "mountPath": "/home/jovyan"}],
+            pod_template={"spec": {"priorityClassName": "interactive"}},
+        ),
     ]
-    requests = [request(), request(gpu_request=0.3, gpu_memory=1 << 30, gpus=("G1", "G2")),
-                request(simulated_devices="A100|GPU-1|1|108")]
+    requests = [
+        request(),
+        request(gpu_request=0.3, gpu_memory=1 << 30, gpus=("G1", "G2")),
+        request(simulated_devices="A100|GPU-1|1|108"),
+    ]
     objs = [manifests.kernel_pod(r, s) for r in requests for s in settings]
-    objs.append(manifests.connection_secret("k", "ns", {"key": "x", "shell_port": 1}, OWNER,
-                                            "k-1"))
+    objs.append(manifests.connection_secret("k", "ns", {"key": "x", "shell_port": 1}, OWNER, "k-1"))
     assert [e for o in objs for e in invalid(o)] == []
 
 
@@ -100,11 +123,25 @@ def test_kernel_pod_command_prints_a_restricted_valid_pod(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = tmp_path / "jupyter_server_config.py"
-    config.write_text('c.KubernetesBackendConfig.image = "registry.example.org/kernel:1"\n'
-                      'c.KubernetesBackendConfig.namespace = "science"\n'
-                      'c.KubernetesBackendConfig.run_as_user = 1234\n')
-    code = main(["k8s", "kernel-pod", "--gpu-request", "0.3", "--gpu-limit", "0.6",
-                 "--gpu-memory", "10GiB", "--config", str(config)])
+    config.write_text(
+        'c.KubernetesBackendConfig.image = "registry.example.org/kernel:1"\n'
+        'c.KubernetesBackendConfig.namespace = "science"\n'
+        "c.KubernetesBackendConfig.run_as_user = 1234\n"
+    )
+    code = main(
+        [
+            "k8s",
+            "kernel-pod",
+            "--gpu-request",
+            "0.3",
+            "--gpu-limit",
+            "0.6",
+            "--gpu-memory",
+            "10GiB",
+            "--config",
+            str(config),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "# Pod Security 'restricted': passes." in out
@@ -119,13 +156,17 @@ def test_kernel_pod_command_prints_a_restricted_valid_pod(
     assert "data" not in secret and secret["kind"] == "Secret"  # no key, no ports
 
 
-@pytest.mark.parametrize(("argv", "words"), [
-    (["--gpu-request", "2"], "gpu_request='2' is not allowed"),
-    (["--gpu-memory", "lots"], "gpu_memory"),
-    (["--config", "/nonexistent/cfg.py"], "--config /nonexistent/cfg.py: no such file"),
-])
-def test_kernel_pod_command_names_bad_input(argv: list[str], words: str,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--gpu-request", "2"], "gpu_request='2' is not allowed"),
+        (["--gpu-memory", "lots"], "gpu_memory"),
+        (["--config", "/nonexistent/cfg.py"], "--config /nonexistent/cfg.py: no such file"),
+    ],
+)
+def test_kernel_pod_command_names_bad_input(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["k8s", "kernel-pod", *argv]) == 2
     captured = capsys.readouterr()
     assert words in captured.err and "Traceback" not in captured.err, captured.err

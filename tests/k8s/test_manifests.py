@@ -12,15 +12,29 @@ from jupyter_gpushare.k8s.reconcile import stale_reason
 from jupyter_gpushare.ledger import Allocation
 from jupyter_gpushare.share import ShareSpec
 
-OWNER = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "name": "l", "uid": "u",
-         "controller": False, "blockOwnerDeletion": False}
+OWNER = {
+    "apiVersion": "coordination.k8s.io/v1",
+    "kind": "Lease",
+    "name": "l",
+    "uid": "u",
+    "controller": False,
+    "blockOwnerDeletion": False,
+}
 
 
 def request(**over: object) -> manifests.KernelPodRequest:
-    base = dict(name="gpushare-kernel-abc", namespace="ns", kernel_id="k-1",
-                allocation_id="a-1", node="n1", gpus=("GPU-1",),
-                command=["python", "-m", "ipykernel_launcher", "-f", "/x/connection.json"],
-                env={"JPY_SESSION_NAME": "s"}, server_id="srv", owner=OWNER)
+    base = dict(
+        name="gpushare-kernel-abc",
+        namespace="ns",
+        kernel_id="k-1",
+        allocation_id="a-1",
+        node="n1",
+        gpus=("GPU-1",),
+        command=["python", "-m", "ipykernel_launcher", "-f", "/x/connection.json"],
+        env={"JPY_SESSION_NAME": "s"},
+        server_id="srv",
+        owner=OWNER,
+    )
     base.update(over)
     return manifests.KernelPodRequest(**base)  # type: ignore[arg-type]
 
@@ -28,12 +42,16 @@ def request(**over: object) -> manifests.KernelPodRequest:
 def test_kernel_pod_places_on_node_and_mounts_everything() -> None:
     """The hostPath mode (``device_plugin=False``); the restricted default: test_pod_security."""
     settings = manifests.PodSettings(
-        image="img:1", resources={"requests": {"cpu": "1"}}, device_plugin=False,
+        image="img:1",
+        resources={"requests": {"cpu": "1"}},
+        device_plugin=False,
         tolerations=[{"key": "gpu", "operator": "Exists"}],
         volumes=[{"name": "home", "emptyDir": {}}],
         volume_mounts=[{"name": "home", "mountPath": "/home/jovyan"}],
-        pod_template={"spec": {"priorityClassName": "interactive"},
-                      "metadata": {"labels": {"team": "a"}}},
+        pod_template={
+            "spec": {"priorityClassName": "interactive"},
+            "metadata": {"labels": {"team": "a"}},
+        },
     )
     pod = manifests.kernel_pod(request(simulated_devices="A100|GPU-1|1|108"), settings)
     spec = pod["spec"]
@@ -66,21 +84,33 @@ def test_secret_holds_the_connection_and_nothing_leaks_into_the_pod() -> None:
 
 
 def test_labels_only_gpus_use_indices() -> None:
-    node = {"metadata": {"name": "n2", "labels": {
-        manifests.PRODUCT_LABEL: "NVIDIA-A100-SXM4-80GB", manifests.COUNT_LABEL: "2",
-        manifests.MEMORY_LABEL: "81920"}},
-        "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    node = {
+        "metadata": {
+            "name": "n2",
+            "labels": {
+                manifests.PRODUCT_LABEL: "NVIDIA-A100-SXM4-80GB",
+                manifests.COUNT_LABEL: "2",
+                manifests.MEMORY_LABEL: "81920",
+            },
+        },
+        "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+    }
     gpus = manifests.gpus_from_node(node, TypeAliases())
     assert [(g.uuid, g.type, g.memory) for g in gpus] == [
-        ("n2/0", "A100", 81920 * 2**20), ("n2/1", "A100", 81920 * 2**20)]
+        ("n2/0", "A100", 81920 * 2**20),
+        ("n2/1", "A100", 81920 * 2**20),
+    ]
     assert manifests.visible_devices([g.uuid for g in gpus]) == "0,1"
 
 
 def test_annotation_round_trip_and_node_health() -> None:
     gpus = simulated_gpus("2xT4", "n3")
     patch = manifests.node_gpu_patch(gpus)
-    node = {"metadata": {"name": "n3", **patch["metadata"]}, "spec": {"unschedulable": True},
-            "status": {"conditions": [{"type": "Ready", "status": "False"}]}}
+    node = {
+        "metadata": {"name": "n3", **patch["metadata"]},
+        "spec": {"unschedulable": True},
+        "status": {"conditions": [{"type": "Ready", "status": "False"}]},
+    }
     back = manifests.gpus_from_node(node, TypeAliases())
     assert [g.uuid for g in back] == [g.uuid for g in gpus]
     assert all(g.type == "T4" and g.cordoned and not g.healthy and g.simulated for g in back)
@@ -92,16 +122,46 @@ def _pod(status: dict) -> dict:
 
 
 def test_pod_failure_speaks_the_clusters_words() -> None:
-    unsched = _pod({"phase": "Pending", "conditions": [{
-        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-        "message": "0/2 nodes are available: 2 Insufficient cpu."}]})
+    unsched = _pod(
+        {
+            "phase": "Pending",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/2 nodes are available: 2 Insufficient cpu.",
+                }
+            ],
+        }
+    )
     assert manifests.pod_failure(unsched) == (
-        "pod p is Unschedulable: 0/2 nodes are available: 2 Insufficient cpu.")
-    pull = _pod({"phase": "Pending", "containerStatuses": [{"state": {"waiting": {
-        "reason": "ImagePullBackOff", "message": "Back-off pulling image"}}}]})
+        "pod p is Unschedulable: 0/2 nodes are available: 2 Insufficient cpu."
+    )
+    pull = _pod(
+        {
+            "phase": "Pending",
+            "containerStatuses": [
+                {
+                    "state": {
+                        "waiting": {
+                            "reason": "ImagePullBackOff",
+                            "message": "Back-off pulling image",
+                        }
+                    }
+                }
+            ],
+        }
+    )
     assert "ImagePullBackOff: Back-off pulling image" in manifests.pod_failure(pull)
-    oom = _pod({"phase": "Failed", "containerStatuses": [{"state": {"terminated": {
-        "reason": "OOMKilled", "exitCode": 137}}}]})
+    oom = _pod(
+        {
+            "phase": "Failed",
+            "containerStatuses": [
+                {"state": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}
+            ],
+        }
+    )
     assert manifests.pod_failure(oom) == "pod p Failed: OOMKilled (exit code 137)"
     assert manifests.pod_exit_code(oom) == 137
     evicted = _pod({"phase": "Failed", "reason": "Evicted", "message": "low on memory"})
@@ -110,8 +170,12 @@ def test_pod_failure_speaks_the_clusters_words() -> None:
     running = _pod({"phase": "Running", "podIP": "10.0.0.3"})
     assert manifests.pod_failure(running) is None and manifests.pod_exit_code(running) is None
     assert manifests.pod_running(running) and manifests.pod_exit_code(None) == -9
-    creating = _pod({"phase": "Pending", "containerStatuses": [{"state": {"waiting": {
-        "reason": "ContainerCreating"}}}]})
+    creating = _pod(
+        {
+            "phase": "Pending",
+            "containerStatuses": [{"state": {"waiting": {"reason": "ContainerCreating"}}}],
+        }
+    )
     assert manifests.pod_failure(creating) is None
 
 
@@ -127,8 +191,16 @@ def test_lease_expiry() -> None:
 def test_stale_reasons() -> None:
     now = datetime.now(timezone.utc)
     spec = ShareSpec(gpu_request=0.5, gpu_limit=0.5)
-    base = Allocation(id="a-1", node="n", gpus=("G",), spec=spec, memory=1, backend="kubernetes",
-                      state="active", extra={"k8s_server": "s", "k8s_pod": "p"})
+    base = Allocation(
+        id="a-1",
+        node="n",
+        gpus=("G",),
+        spec=spec,
+        memory=1,
+        backend="kubernetes",
+        state="active",
+        extra={"k8s_server": "s", "k8s_pod": "p"},
+    )
     lease = manifests.server_lease("s", "ns", "h", 30, now=now)
     leases = {"s": lease}
     pods = {"p": {}}
@@ -146,9 +218,14 @@ def test_stale_reasons() -> None:
 def test_every_setting_is_documented_and_feeds_the_pod() -> None:
     from jupyter_gpushare.k8s.config import KubernetesBackendConfig
 
-    cfg = KubernetesBackendConfig(image="my/image:2", tolerations=[{"key": "k"}],
-                                  interposer_host_path="/host/lib", preload_interposer=False,
-                                  device_plugin=False, run_as_user=1234)
+    cfg = KubernetesBackendConfig(
+        image="my/image:2",
+        tolerations=[{"key": "k"}],
+        interposer_host_path="/host/lib",
+        preload_interposer=False,
+        device_plugin=False,
+        run_as_user=1234,
+    )
     for name, trait in cfg.traits(config=True).items():
         assert trait.help, f"{name} has no help"
     settings = manifests.PodSettings.from_config(cfg)
@@ -157,5 +234,6 @@ def test_every_setting_is_documented_and_feeds_the_pod() -> None:
     assert pod["spec"]["containers"][0]["image"] == "my/image:2"
     assert pod["spec"]["tolerations"] == [{"key": "k"}] and "LD_PRELOAD" not in env
     assert {"path": "/host/lib", "type": "DirectoryOrCreate"} in [
-        v.get("hostPath") for v in pod["spec"]["volumes"]]
+        v.get("hostPath") for v in pod["spec"]["volumes"]
+    ]
     assert settings.run_as_user == 1234 and not settings.device_plugin

@@ -84,9 +84,15 @@ async def test_kernel_pod_is_enforced_and_its_share_is_its_own(
 
         # the notebook side in the pod reads the same daemon
         status = json.loads(await execute(server, first, STATUS))
-        assert status == {"state": "active", "simulated": True, "id": record.id,
-                          "memory_used": 256 * MIB, "memory_cap": 1 << 30, "request": 0.25,
-                          "kernels": 2}
+        assert status == {
+            "state": "active",
+            "simulated": True,
+            "id": record.id,
+            "memory_used": 256 * MIB,
+            "memory_cap": 1 << 30,
+            "request": 0.25,
+            "kernels": 2,
+        }
         shown = json.loads(await execute(server, first, PANEL))
         assert shown["updates"] >= 3 and shown["state"] == "active"  # the thread kept going
         assert record.gpus[0] in shown["info"] and "1GiB" in shown["info"]
@@ -102,10 +108,16 @@ async def test_kernel_pod_is_enforced_and_its_share_is_its_own(
         refused = daemon.request({"op": "hello", "v": wire.VERSION, "allocation": record.id})
         assert refused["error"] == wire.E_NOT_PERMITTED
         assert "runs in no pod" in refused["message"], refused
-        stolen = json.loads(await execute(server, second, (
-            "import json, os; from jupyter_gpushare.daemon.client import DaemonClient; "
-            f"print(json.dumps(DaemonClient(os.environ['GPUSHARE_SOCKET']).release({record.id!r})))"
-        )))
+        stolen = json.loads(
+            await execute(
+                server,
+                second,
+                (
+                    "import json, os; from jupyter_gpushare.daemon.client import DaemonClient; "
+                    f"print(json.dumps(DaemonClient(os.environ['GPUSHARE_SOCKET']).release({record.id!r})))"
+                ),
+            )
+        )
         assert stolen["error"] == wire.E_NOT_PERMITTED
         assert f"not in allocation {record.id}'s pod" in stolen["message"], stolen
 
@@ -120,7 +132,8 @@ async def test_kernel_pod_is_enforced_and_its_share_is_its_own(
         code = await execute(server, first, "print(cu.cuMemAlloc_v2(ctypes.byref(ptr), 1 << 20))")
         assert code.strip() == str(CUDA_ERROR_NOT_PERMITTED)
         assert [p["metadata"]["uid"] for p in await kernel_pods(kube, first)] == [
-            pod["metadata"]["uid"]]
+            pod["metadata"]["uid"]
+        ]
         assert daemon.status(other.id)["allocations"][0]["id"] == other.id  # untouched
     finally:
         await shut_down(server, kube, first, second)
@@ -152,13 +165,15 @@ async def test_kernel_pod_survives_its_node_daemon_being_killed(
             restarted = now.get("daemon", {}).get("pid") != before["daemon"]["pid"]
             return now if restarted and mine.get("connected") else None
 
-        after = await eventually(lambda: asyncio.to_thread(reconnected), 30,
-                                 "the restarted daemon to take the kernel back")
+        after = await eventually(
+            lambda: asyncio.to_thread(reconnected),
+            30,
+            "the restarted daemon to take the kernel back",
+        )
         assert after["allocations"][0]["memory_used"] == 256 * MIB  # rebuilt from the slots
         assert after["daemon"]["refused"] == 0
     finally:
         await shut_down(server, kube, kernel)
-
 
 
 TENANT_RUN = """
@@ -180,8 +195,11 @@ async def test_two_kernel_pods_get_their_shares_of_one_gpu(
     server = jupyter_server_factory()
     kernels = []
     for share in (0.3, 0.7):
-        reply = server.request("POST", "/gpushare/api/kernels", json={
-            "name": "gpushare-k8s-t4", "share": {"gpu_request": share, "gpu_limit": share}})
+        reply = server.request(
+            "POST",
+            "/gpushare/api/kernels",
+            json={"name": "gpushare-k8s-t4", "share": {"gpu_request": share, "gpu_limit": share}},
+        )
         assert reply.status_code == 201, reply.text
         kernels.append(reply.json()["id"])
     kube = await admin(control_plane)

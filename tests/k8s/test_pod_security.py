@@ -16,11 +16,21 @@ from jupyter_gpushare.k8s.podsecurity import baseline_violations, restricted_vio
 
 # The restricted example of the Pod Security Standards documentation (passes every rule).
 GOOD: dict[str, Any] = {
-    "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "ok"},
+    "apiVersion": "v1",
+    "kind": "Pod",
+    "metadata": {"name": "ok"},
     "spec": {
         "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [{"name": "c", "image": "i", "securityContext": {
-            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}],
+        "containers": [
+            {
+                "name": "c",
+                "image": "i",
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+            }
+        ],
         "volumes": [{"name": "s", "secret": {"secretName": "x"}}, {"name": "e", "emptyDir": {}}],
     },
 }
@@ -60,8 +70,7 @@ BAD = [
     ("spec.securityContext.seccompProfile", DELETE, "seccomp", False),
     (f"{C}.capabilities", {"drop": ["NET_RAW"]}, "drop must include ALL", False),
     (f"{C}.capabilities.add", ["CHOWN"], "only NET_BIND_SERVICE", False),
-    ("spec.volumes", [{"name": "n", "nfs": {"server": "s", "path": "/"}}], "volume types",
-     False),
+    ("spec.volumes", [{"name": "n", "nfs": {"server": "s", "path": "/"}}], "volume types", False),
 ]
 
 
@@ -70,13 +79,16 @@ def test_the_checker_passes_the_standard_example() -> None:
     # a container may set what the pod does not, and may add NET_BIND_SERVICE
     pod = changed("spec.securityContext", {})
     pod["spec"]["containers"][0]["securityContext"].update(
-        runAsNonRoot=True, seccompProfile={"type": "Localhost", "localhostProfile": "p.json"},
-        capabilities={"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]})
+        runAsNonRoot=True,
+        seccompProfile={"type": "Localhost", "localhostProfile": "p.json"},
+        capabilities={"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]},
+    )
     assert restricted_violations(pod) == []
 
 
-@pytest.mark.parametrize(("path", "value", "words", "baseline"), BAD,
-                         ids=[b[0] + ":" + b[2] for b in BAD])
+@pytest.mark.parametrize(
+    ("path", "value", "words", "baseline"), BAD, ids=[b[0] + ":" + b[2] for b in BAD]
+)
 def test_the_checker_refuses_each_rule(path: str, value: Any, words: str, baseline: bool) -> None:
     pod = changed(path, value)
     found = restricted_violations(pod)
@@ -93,15 +105,22 @@ def test_init_and_ephemeral_containers_are_checked() -> None:
 
 def test_kernel_pods_pass_restricted() -> None:
     settings = manifests.PodSettings(image="img:1")
-    for req in (request(), request(simulated_devices="A100|GPU-1|1|108", gpu_memory=1 << 30,
-                                   gpu_request=0.25)):
+    for req in (
+        request(),
+        request(simulated_devices="A100|GPU-1|1|108", gpu_memory=1 << 30, gpu_request=0.25),
+    ):
         pod = manifests.kernel_pod(req, settings)
         assert restricted_violations(pod) == [], restricted_violations(pod)
 
 
 def test_restricted_kernel_pod_asks_its_share_and_reads_its_secret() -> None:
-    settings = manifests.PodSettings(image="img:1", resources={"requests": {"cpu": "1"}},
-                                     run_as_user=1234, run_as_group=55, fs_group=66)
+    settings = manifests.PodSettings(
+        image="img:1",
+        resources={"requests": {"cpu": "1"}},
+        run_as_user=1234,
+        run_as_group=55,
+        fs_group=66,
+    )
     pod = manifests.kernel_pod(request(gpu_request=0.25, gpus=("GPU-1", "GPU-2")), settings)
     spec = pod["spec"]
     [container] = spec["containers"]
@@ -110,7 +129,9 @@ def test_restricted_kernel_pod_asks_its_share_and_reads_its_secret() -> None:
     assert res["limits"] == {manifests.SHARE_RESOURCE: "50"}
     assert spec["securityContext"]["fsGroup"] == 66
     assert (spec["securityContext"]["runAsUser"], spec["securityContext"]["runAsGroup"]) == (
-        1234, 55)
+        1234,
+        55,
+    )
     [secret] = [v for v in spec["volumes"] if v["name"] == "connection"]
     assert secret["secret"]["defaultMode"] == 0o440  # group-readable: fsGroup
     assert not any("hostPath" in v for v in spec["volumes"])

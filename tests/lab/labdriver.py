@@ -43,9 +43,12 @@ class LabServer(JupyterServer):
 
     def __init__(self, env: dict[str, str], simulate: str, *extra: str) -> None:
         super().__init__(
-            env, simulate, "--ServerApp.jpserver_extensions=jupyterlab=True",
-            "--LabApp.news_url=", "--LabApp.check_for_updates_class="
-            "jupyterlab.NeverCheckForUpdate", *extra,
+            env,
+            simulate,
+            "--ServerApp.jpserver_extensions=jupyterlab=True",
+            "--LabApp.news_url=",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            *extra,
         )
         home = Path(env["JUPYTER_DATA_DIR"]).parent
         env["JUPYTERLAB_WORKSPACES_DIR"] = str(home / "lab-workspaces")
@@ -60,17 +63,25 @@ class LabServer(JupyterServer):
             shutil.copy(REPO / "labextension" / "install.json", target / "install.json")
 
 
-def run_driver(script: str, server: JupyterServer, artifacts: Path, timeout: float = 240,
-               **params: Any) -> dict[str, Any]:
+def run_driver(
+    script: str, server: JupyterServer, artifacts: Path, timeout: float = 240, **params: Any
+) -> dict[str, Any]:
     """Run a Node driver script in tests/lab; it prints one JSON object as its last line."""
     artifacts.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.update(
-        LAB_URL=server.url, LAB_TOKEN=server.token, ARTIFACTS=str(artifacts),
-        CHROMIUM=chromium_path() or "", PARAMS=json.dumps(params),
+        LAB_URL=server.url,
+        LAB_TOKEN=server.token,
+        ARTIFACTS=str(artifacts),
+        CHROMIUM=chromium_path() or "",
+        PARAMS=json.dumps(params),
     )
     proc = subprocess.run(
-        ["node", str(HERE / script)], env=env, capture_output=True, text=True, timeout=timeout,
+        ["node", str(HERE / script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         cwd=HERE,
     )
     (artifacts / f"{script}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)

@@ -42,8 +42,11 @@ def test_pick_share_in_lab(lab_server: Any, artifacts: Path) -> None:
 
     other = server.get(f"/api/kernelspecs/{OTHER_KERNEL}").json()
     seen = run_driver(
-        "picker.mjs", server, artifacts,
-        kernelLabel=spec["spec"]["display_name"], tooBig=TOO_BIG,
+        "picker.mjs",
+        server,
+        artifacts,
+        kernelLabel=spec["spec"]["display_name"],
+        tooBig=TOO_BIG,
         otherKernelLabel=other["spec"]["display_name"],
     )
 
@@ -89,8 +92,9 @@ def test_pick_share_in_lab(lab_server: Any, artifacts: Path) -> None:
     for suggestion in refusal["suggestions"]:
         assert suggestion in seen["serverRefusal"]
     # at that moment only the restarted first kernel held a share (as after the release below)
-    a100_free = 1 - sum(a["gpu_request"] for a in seen["afterRelease"]
-                        if gpus["A100"]["uuid"] in a["gpus"])
+    a100_free = 1 - sum(
+        a["gpu_request"] for a in seen["afterRelease"] if gpus["A100"]["uuid"] in a["gpus"]
+    )
     assert f"{a100_free:g} on A100" in refusal["suggestions"]  # (its "Use" button was clicked)
     assert seen["afterUse"] == {"request": f"{a100_free:g}", "type": "A100"}
 
@@ -101,8 +105,9 @@ def test_pick_share_in_lab(lab_server: Any, artifacts: Path) -> None:
     assert "released" in seen["status3"]
     assert [a["kernel_id"] for a in seen["afterRelease"]] == [kernel1]
     # the kernel kept running without its share (its session still had it after the release)
-    state = {s["kernel"]["id"]: s["kernel"]["execution_state"]
-             for s in seen["afterReleaseSessions"]}
+    state = {
+        s["kernel"]["id"]: s["kernel"]["execution_state"] for s in seen["afterReleaseSessions"]
+    }
     assert state[kernel2] != "dead"
 
     # 5. Change Kernel to another gpushare kernelspec went through the picker: T4, 0.25-0.5
@@ -111,13 +116,18 @@ def test_pick_share_in_lab(lab_server: Any, artifacts: Path) -> None:
     assert server.get(f"/api/kernels/{kernel2}").status_code == 404  # replaced
     assert server.get(f"/api/kernels/{changed}").json()["name"] == OTHER_KERNEL
     final = {a["kernel_id"]: a for a in server.allocations()}
-    assert (final[changed]["gpu_type"], final[changed]["gpu_request"],
-            final[changed]["gpu_limit"]) == ("T4", 0.25, 0.5)
+    assert (
+        final[changed]["gpu_type"],
+        final[changed]["gpu_request"],
+        final[changed]["gpu_limit"],
+    ) == ("T4", 0.25, 0.5)
     assert final[changed]["gpus"] == [gpus["T4"]["uuid"]]
     assert "T4" in seen["status5"]
     own = other["spec"]["metadata"]["kernel_provisioner"]["config"]  # the picker starts from it
-    assert seen["changeInitial"] == {"request": f"{own['gpu_request']:g}",
-                                     "limit": f"{own['gpu_limit']:g}"}
+    assert seen["changeInitial"] == {
+        "request": f"{own['gpu_request']:g}",
+        "limit": f"{own['gpu_limit']:g}",
+    }
 
     # 4. cancel: no kernel, and the dialog says why
     assert "No GPU share was chosen" in seen["cancelled"]

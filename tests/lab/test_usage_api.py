@@ -21,8 +21,10 @@ def test_usage_lists_each_kernels_allocation(jupyter_server: Any) -> None:
 
     usage = wait_for(listed, timeout=30)
     assert usage["kernel_id"] == kernel["id"]
-    assert (usage["request"], usage["limit"]) == (allocation["gpu_request"],
-                                                  allocation["gpu_limit"])
+    assert (usage["request"], usage["limit"]) == (
+        allocation["gpu_request"],
+        allocation["gpu_limit"],
+    )
     assert usage["memory_cap"] == allocation["gpu_memory"]
     assert 0 <= usage["achieved_share"] <= 1
 

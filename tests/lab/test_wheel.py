@@ -39,9 +39,11 @@ def path_without_node(tmp_path: Path) -> str:
 
 def fresh_checkout(dest: Path) -> Path:
     """The committed files of this repository (what `git clone` gives)."""
-    files = subprocess.run(
-        ["git", "ls-files", "-z"], cwd=REPO, check=True, capture_output=True
-    ).stdout.decode().split("\0")
+    files = (
+        subprocess.run(["git", "ls-files", "-z"], cwd=REPO, check=True, capture_output=True)
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, files):
         source = REPO / name
         if source.is_file():
@@ -57,32 +59,67 @@ def test_wheel_installs_labextension_without_node(tmp_path: Path) -> None:
     assert (checkout / "jupyter_gpushare" / "labextension" / "package.json").is_file()
     wheels = tmp_path / "wheels"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(checkout), "--no-deps",
-         "--no-build-isolation", "-w", str(wheels), "-q"],
-        env=env, check=True, timeout=500,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(checkout),
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(wheels),
+            "-q",
+        ],
+        env=env,
+        check=True,
+        timeout=500,
     )
     (wheel,) = wheels.glob("jupyter_gpushare-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    shipped = (f"jupyter_gpushare-{jupyter_gpushare.__version__}.data/data/share/jupyter/"
-               "labextensions/jupyter-gpushare/")
+    shipped = (
+        f"jupyter_gpushare-{jupyter_gpushare.__version__}.data/data/share/jupyter/"
+        "labextensions/jupyter-gpushare/"
+    )
     assert shipped + "package.json" in names and shipped + "install.json" in names
     assert any(n.startswith(shipped + "static/remoteEntry.") for n in names)
 
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
-                   check=True, env=env)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, env=env
+    )
     python = venv / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index",
-                    "--force-reinstall", "-q", str(wheel)], check=True, env=env)
+    subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--force-reinstall",
+            "-q",
+            str(wheel),
+        ],
+        check=True,
+        env=env,
+    )
     home = tmp_path / "home"
     listing = subprocess.run(
         # `jupyter labextension list`, run by the venv's Python (not a `jupyter-labextension`
         # script found elsewhere on the PATH)
         [str(python), "-m", "jupyterlab.labextensions", "list"],
-        env={**env, "PATH": f"{venv / 'bin'}{os.pathsep}{path}",
-             "JUPYTER_DATA_DIR": str(home / "data"), "JUPYTER_CONFIG_DIR": str(home / "config"),
-             "JUPYTER_PATH": "", "JUPYTER_CONFIG_PATH": ""},
-        capture_output=True, text=True, check=True,
+        env={
+            **env,
+            "PATH": f"{venv / 'bin'}{os.pathsep}{path}",
+            "JUPYTER_DATA_DIR": str(home / "data"),
+            "JUPYTER_CONFIG_DIR": str(home / "config"),
+            "JUPYTER_PATH": "",
+            "JUPYTER_CONFIG_PATH": "",
+        },
+        capture_output=True,
+        text=True,
+        check=True,
     )
     text = re.sub(r"\x1b\[[0-9;]*m", "", listing.stdout + listing.stderr)
     assert f"{venv}/share/jupyter/labextensions" in text, text

@@ -87,8 +87,10 @@ def run_collecting(kc: Any, code: str, timeout: float = 60) -> tuple[dict, list[
 def widget_updates(messages: list[dict], comm_ids: set[str]) -> list[dict[str, Any]]:
     """The state updates (``comm_msg`` with method ``update``) sent for those widgets."""
     return [
-        m["content"]["data"]["state"] for m in messages
-        if m["msg_type"] == "comm_msg" and m["content"]["comm_id"] in comm_ids
+        m["content"]["data"]["state"]
+        for m in messages
+        if m["msg_type"] == "comm_msg"
+        and m["content"]["comm_id"] in comm_ids
         and m["content"]["data"].get("method") == "update"
     ]
 
@@ -100,9 +102,13 @@ def fields(html: str) -> dict[str, str]:
 
 def click(kc: Any, comm_id: str) -> None:
     """What the browser sends when a Button is clicked."""
-    msg = kc.session.msg("comm_msg", {
-        "comm_id": comm_id, "data": {"method": "custom", "content": {"event": "click"}},
-    })
+    msg = kc.session.msg(
+        "comm_msg",
+        {
+            "comm_id": comm_id,
+            "data": {"method": "custom", "content": {"event": "click"}},
+        },
+    )
     kc.shell_channel.send(msg)
 
 

@@ -35,10 +35,13 @@ def test_status_gpus_and_live_request_and_refusals(jupyter_server):
     assert alloc["gpus"][0] in text
     assert f"request      {mine['request']:g}   limit {mine['limit']:g}" in text
     assert "used of 20GiB" in text and "2 share(s) on it" in text
-    plain = json.loads(client.execute(
-        "import jupyter_gpushare, json; s = jupyter_gpushare.status(); "
-        "print(json.dumps([s['state'], s['allocation']['memory_cap'], s['gpu']['uuid'], "
-        "s['gpu']['kernels'], s['simulated']]))"))
+    plain = json.loads(
+        client.execute(
+            "import jupyter_gpushare, json; s = jupyter_gpushare.status(); "
+            "print(json.dumps([s['state'], s['allocation']['memory_cap'], s['gpu']['uuid'], "
+            "s['gpu']['kernels'], s['simulated']]))"
+        )
+    )
     assert plain == ["active", mine["memory_cap"], alloc["gpus"][0], 2, True]
 
     # gpus: the node's GPUs with their free capacity (0.25 free: 0.25 + 0.5 are held)
@@ -64,11 +67,14 @@ def test_status_gpus_and_live_request_and_refusals(jupyter_server):
     assert allocations_of(server, kernel["id"])[0]["gpu_memory"] == now["gpu_memory"]
 
     # a kernel cannot release or resize another kernel's allocation (peer credentials)
-    reply = json.loads(client.execute(
-        "from jupyter_gpushare.daemon.client import DaemonClient; import os, json; "
-        "d = DaemonClient(os.environ['GPUSHARE_SOCKET']); "
-        f"print(json.dumps([d.release({other_alloc['id']!r}), "
-        f"d.resize({other_alloc['id']!r}, {{'gpu_limit': 1}})]))"))
+    reply = json.loads(
+        client.execute(
+            "from jupyter_gpushare.daemon.client import DaemonClient; import os, json; "
+            "d = DaemonClient(os.environ['GPUSHARE_SOCKET']); "
+            f"print(json.dumps([d.release({other_alloc['id']!r}), "
+            f"d.resize({other_alloc['id']!r}, {{'gpu_limit': 1}})]))"
+        )
+    )
     assert [r["error"] for r in reply] == ["not_permitted", "not_permitted"], reply
     assert f"is not allocation {other_alloc['id']}'s process" in reply[0]["message"]
     # ... nor can any other process (here: the test itself)
@@ -89,7 +95,10 @@ def test_request_changes_only_what_is_asked(jupyter_server):
         [a] = allocations_of(server, kernel["id"])
         mine = daemon_allocation(server, alloc["id"])
         assert (mine["request"], mine["limit"], mine["memory_cap"]) == (
-            a["gpu_request"], a["gpu_limit"], a["gpu_memory"])  # the daemon enforces it
+            a["gpu_request"],
+            a["gpu_limit"],
+            a["gpu_memory"],
+        )  # the daemon enforces it
         return a["gpu_request"], a["gpu_limit"], a["gpu_memory"]
 
     assert held() == (0.25, 0.5, 20 * GIB)
@@ -112,7 +121,8 @@ def test_request_changes_only_what_is_asked(jupyter_server):
         "import jupyter_gpushare\n"
         "from jupyter_gpushare.notebook.actions import GpushareError\n"
         "try:\n    jupyter_gpushare.request(gpu_request=1.0)\n"
-        "except GpushareError as e:\n    print(e.code, e)")
+        "except GpushareError as e:\n    print(e.code, e)"
+    )
     assert refused.startswith("invalid_share gpu_request 1 is above this kernel's limit 0.9")
     assert held() == (0.5, 0.9, 10 * GIB)
     client.close()
@@ -137,11 +147,9 @@ def test_bad_arguments_print_usage_and_change_nothing(jupyter_server):
         assert USAGE in text and error in text, (line, text)
     # nothing asked of the daemon changes anything: no change given, another type
     assert "Nothing to change" in client.execute("%gpushare request")
-    assert "another GPU type needs a new share" in client.execute(
-        "%gpushare request --gpu-type T4")
+    assert "another GPU type needs a new share" in client.execute("%gpushare request --gpu-type T4")
     keys = ("id", "gpus", "gpu_request", "gpu_limit", "gpu_memory", "gpu_type")
-    assert [{k: a[k] for k in keys} for a in server.allocations()] == [
-        {k: alloc[k] for k in keys}]
+    assert [{k: a[k] for k in keys} for a in server.allocations()] == [{k: alloc[k] for k in keys}]
     mine = daemon_allocation(server, alloc["id"])
     assert (mine["request"], mine["limit"], mine["memory_cap"]) == (0.25, 0.5, alloc["gpu_memory"])
     client.close()
@@ -170,11 +178,13 @@ def test_release_then_request_then_restart_uses_the_new_share(jupyter_server, gp
     codes = client.execute(
         "print(cu.cuMemAlloc_v2(ctypes.byref(ptr), 1 << 20), "
         "cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev), "
-        "cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)); import time; time.sleep(2)")
+        "cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)); import time; time.sleep(2)"
+    )
     assert codes.split()[:3] == [str(CUDA_ERROR_NOT_PERMITTED)] * 3, codes
     assert "GPU share of this kernel was released" in codes  # the interposer's stderr line
-    reason = client.execute("s = ctypes.c_char_p(); cu.cuGetErrorString(800, ctypes.byref(s)); "
-                            "print(s.value.decode())")
+    reason = client.execute(
+        "s = ctypes.c_char_p(); cu.cuGetErrorString(800, ctypes.byref(s)); print(s.value.decode())"
+    )
     assert "GPU share of this kernel was released" in reason and "Restart the kernel" in reason
     # a framework's error after the release gets the reason appended (post_run_cell)
     with pytest.raises(AssertionError) as failed:

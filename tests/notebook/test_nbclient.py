@@ -71,11 +71,14 @@ def test_nbclient_without_a_server_reaches_the_agent_and_releases(gpushare_env, 
     assert not socket.parent.exists()
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    done = subprocess.run([sys.executable, str(driver)], env=env, capture_output=True,
-                          text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, str(driver)], env=env, capture_output=True, text=True, timeout=240
+    )
     log = socket.parent / "daemon.log"
-    assert done.returncode == 0, (done.stderr[-3000:],
-                                  log.read_text()[-3000:] if log.exists() else "no agent log")
+    assert done.returncode == 0, (
+        done.stderr[-3000:],
+        log.read_text()[-3000:] if log.exists() else "no agent log",
+    )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     allocation_line, status, panel, cuda, released, last = result["outputs"]
     allocation = allocation_line.split()[1]

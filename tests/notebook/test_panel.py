@@ -24,8 +24,10 @@ from support import stop_daemons, wait_for
 from jupyter_gpushare.share import format_bytes
 
 SHOW = "import jupyter_gpushare, json\np = jupyter_gpushare.panel()\np"
-IDS = ("print(json.dumps({n: getattr(p, n).model_id for n in ('title', 'info', 'plot', "
-       "'message', 'release_button', 'confirm_button')} | {'confirm': p.confirm.layout.model_id}))")
+IDS = (
+    "print(json.dumps({n: getattr(p, n).model_id for n in ('title', 'info', 'plot', "
+    "'message', 'release_button', 'confirm_button')} | {'confirm': p.confirm.layout.model_id}))"
+)
 
 
 def _show_panel(client):
@@ -73,8 +75,9 @@ def test_panel_updates_while_a_cell_runs_and_matches_the_daemon(jupyter_server):
     assert shown["kernels"] == "1 share(s) on this GPU"
     assert shown["achieved_share"].endswith("%")
     assert "simulated GPU" in _latest(everything, ids["title"])
-    assert "<svg" in _latest(everything, ids["plot"]) and "polyline" in _latest(everything,
-                                                                                 ids["plot"])
+    assert "<svg" in _latest(everything, ids["plot"]) and "polyline" in _latest(
+        everything, ids["plot"]
+    )
     assert "active" in fields(_latest(everything, ids["message"]))["state"]
     client.close()
 
@@ -95,8 +98,7 @@ def test_release_button_returns_the_share_and_the_kernel_lives_on(jupyter_server
 
     click(client.client, ids["confirm_button"])
     _, seen = run_collecting(client.client, "print(p.last_status['state'])")
-    assert [m["content"]["text"].strip() for m in seen if m["msg_type"] == "stream"] == [
-        "released"]
+    assert [m["content"]["text"].strip() for m in seen if m["msg_type"] == "stream"] == ["released"]
     # the ledger, the daemon and the simulator's memory all show it gone
     assert allocations_of(server, kernel["id"]) == []
     assert daemon_allocation(server, alloc["id"]) is None
@@ -126,8 +128,9 @@ def test_panel_says_when_the_daemon_is_gone_and_recovers(jupyter_server):
     assert "1" == client.execute("print(1)").strip()
 
     node = local_node_name()
-    proc = ensure_daemon(Path(socket), Path(server.env["GPUSHARE_LEDGER"]),
-                         simulated_gpus("1xA100", node), node)
+    proc = ensure_daemon(
+        Path(socket), Path(server.env["GPUSHARE_LEDGER"]), simulated_gpus("1xA100", node), node
+    )
     try:
         wait_for(lambda: "active" in client.execute("print(p.last_status['state'])"), 15)
         assert fields(client.execute("print(p.info.value)"))["gpu_uuid"] == alloc["gpus"][0]

@@ -50,11 +50,20 @@ threading.Thread(target=spin, daemon=True).start()
 """
 
 NOTEBOOK = {
-    "cells": [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
-               "source": "import jupyter_gpushare\njupyter_gpushare.panel()"}],
-    "metadata": {"kernelspec": {"name": "gpushare-python", "display_name": "gpushare",
-                                "language": "python"}},
-    "nbformat": 4, "nbformat_minor": 5,
+    "cells": [
+        {
+            "cell_type": "code",
+            "execution_count": None,
+            "metadata": {},
+            "outputs": [],
+            "source": "import jupyter_gpushare\njupyter_gpushare.panel()",
+        }
+    ],
+    "metadata": {
+        "kernelspec": {"name": "gpushare-python", "display_name": "gpushare", "language": "python"}
+    },
+    "nbformat": 4,
+    "nbformat_minor": 5,
 }
 
 
@@ -71,11 +80,18 @@ def lab(gpushare_env):
 
 
 def test_panel_screenshot_in_jupyterlab(lab):
-    assert lab.request("PUT", "/api/contents/panel.ipynb",
-                       json={"type": "notebook", "content": NOTEBOOK}).status_code in (200, 201)
-    session = lab.post("/api/sessions", {"path": "panel.ipynb", "name": "panel.ipynb",
-                                          "type": "notebook",
-                                          "kernel": {"name": "gpushare-python"}})
+    assert lab.request(
+        "PUT", "/api/contents/panel.ipynb", json={"type": "notebook", "content": NOTEBOOK}
+    ).status_code in (200, 201)
+    session = lab.post(
+        "/api/sessions",
+        {
+            "path": "panel.ipynb",
+            "name": "panel.ipynb",
+            "type": "notebook",
+            "kernel": {"name": "gpushare-python"},
+        },
+    )
     assert session.status_code == 201, session.text
     kernel_id = session.json()["kernel"]["id"]
     [alloc] = wait_for(lambda: [a for a in allocations_of(lab, kernel_id) if a["pid"]], 30)
@@ -85,11 +101,17 @@ def test_panel_screenshot_in_jupyterlab(lab):
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     (ARTIFACTS / "zz-failure.png").unlink(missing_ok=True)  # only this run's failure, if any
-    env = dict(os.environ, LAB_URL=lab.url, LAB_TOKEN=lab.token, ARTIFACTS=str(ARTIFACTS),
-               CHROMIUM=chromium_path() or "",
-               PLAYWRIGHT_FROM=str(REPO / "tests" / "lab" / "package.json"))
-    proc = subprocess.run(["node", str(HERE / "panel_shot.mjs")], env=env, capture_output=True,
-                          text=True, timeout=240)
+    env = dict(
+        os.environ,
+        LAB_URL=lab.url,
+        LAB_TOKEN=lab.token,
+        ARTIFACTS=str(ARTIFACTS),
+        CHROMIUM=chromium_path() or "",
+        PLAYWRIGHT_FROM=str(REPO / "tests" / "lab" / "package.json"),
+    )
+    proc = subprocess.run(
+        ["node", str(HERE / "panel_shot.mjs")], env=env, capture_output=True, text=True, timeout=240
+    )
     (ARTIFACTS / "panel_shot.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{lab.log()}"
     seen = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -30,8 +30,7 @@
 
 static void *lib;
 
-static void *sym(const char *name)
-{
+static void *sym(const char *name) {
     void *p = dlsym(lib, name);
     if (!p) {
         fprintf(stderr, "missing symbol %s\n", name);
@@ -42,6 +41,7 @@ static void *sym(const char *name)
 
 /* Driver entry points, resolved from the library at start-up. */
 #define FN(name) static __typeof__(name) *p_##name;
+/* clang-format off */
 #define FNS(X)                                                                                     \
     X(cuInit) X(cuDriverGetVersion) X(cuDeviceGetCount) X(cuDeviceGet) X(cuDeviceGetName)          \
     X(cuDeviceGetUuid_v2) X(cuDeviceTotalMem_v2) X(cuDeviceGetAttribute)                           \
@@ -64,11 +64,11 @@ static void *sym(const char *name)
     X(cuGraphLaunch) X(cuGraphExecDestroy) X(cuGraphDestroy) X(cuGetErrorName)                     \
     X(cuGetErrorString) X(cuGetProcAddress_v2) X(cuGetExportTable) X(cuMemPrefetchAsync_v2)      \
     X(cuMemAdvise_v2) X(cuStreamGetDevice) X(cuOccupancyMaxPotentialBlockSize)
+/* clang-format on */
 FNS(FN)
 #define LOAD(name) p_##name = (__typeof__(name) *)sym(#name);
 
-static const char *errname(CUresult r)
-{
+static const char *errname(CUresult r) {
     const char *s = "?";
     p_cuGetErrorName(r, &s);
     return s ? s : "?";
@@ -87,7 +87,7 @@ static const char *errname(CUresult r)
     do {                                                                                           \
         CUresult r_ = (call);                                                                      \
         if (r_ != (code)) {                                                                        \
-            fprintf(stderr, "%s:%d: %s -> %s, wanted %s\n", __FILE__, __LINE__, #call,            \
+            fprintf(stderr, "%s:%d: %s -> %s, wanted %s\n", __FILE__, __LINE__, #call,             \
                     errname(r_), errname(code));                                                   \
             exit(1);                                                                               \
         }                                                                                          \
@@ -101,8 +101,7 @@ static const char *errname(CUresult r)
         }                                                                                          \
     } while (0)
 
-static double now_ms(void)
-{
+static double now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
@@ -110,8 +109,7 @@ static double now_ms(void)
 
 static const char image[] = "simulated module image";
 
-static CUfunction busy_fn(void)
-{
+static CUfunction busy_fn(void) {
     CUmodule mod;
     CUfunction f;
     CHECK(p_cuModuleLoadData(&mod, image));
@@ -119,14 +117,12 @@ static CUfunction busy_fn(void)
     return f;
 }
 
-static void launch_busy(CUfunction f, uint64_t us, CUstream s)
-{
+static void launch_busy(CUfunction f, uint64_t us, CUstream s) {
     void *args[] = {&us};
     CHECK(p_cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, s, args, NULL));
 }
 
-static CUcontext setup(int dev)
-{
+static CUcontext setup(int dev) {
     CUcontext ctx;
     CUdevice d;
     CHECK(p_cuInit(0));
@@ -138,8 +134,7 @@ static CUcontext setup(int dev)
 
 /* -- modes ------------------------------------------------------------------------------------ */
 
-static int cmd_info(void)
-{
+static int cmd_info(void) {
     int n, version;
     CHECK(p_cuInit(0));
     CHECK(p_cuDriverGetVersion(&version));
@@ -160,15 +155,13 @@ static int cmd_info(void)
         CHECK(p_cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, d));
         printf("name%d=%s\ntotal%d=%zu\nsms%d=%d\ncc%d=%d.%d\nuuid%d=", i, name, i, total, i, sms,
                i, major, minor, i);
-        for (int k = 0; k < 16; k++)
-            printf("%02x", (unsigned char)u.bytes[k]);
+        for (int k = 0; k < 16; k++) printf("%02x", (unsigned char)u.bytes[k]);
         printf("\n");
     }
     return 0;
 }
 
-static int cmd_busy(int argc, char **argv)
-{
+static int cmd_busy(int argc, char **argv) {
     uint64_t us = strtoull(argv[2], NULL, 10);
     int count = atoi(argv[3]);
     int dev = argc > 4 ? atoi(argv[4]) : 0;
@@ -183,13 +176,11 @@ static int cmd_busy(int argc, char **argv)
     CHECK(p_cuEventCreate(&b, CU_EVENT_DEFAULT));
     if (start_ns) { /* a common start instant for several processes (CLOCK_MONOTONIC) */
         struct timespec ts = {(time_t)(start_ns / 1000000000ull), (long)(start_ns % 1000000000ull)};
-        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) != 0) {
-        }
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) != 0) {}
     }
     double t0 = now_ms();
     CHECK(p_cuEventRecord(a, s));
-    for (int i = 0; i < count; i++)
-        launch_busy(f, us, s);
+    for (int i = 0; i < count; i++) launch_busy(f, us, s);
     CHECK(p_cuEventRecord(b, s));
     double launched = now_ms();
     CHECK(p_cuStreamSynchronize(s));
@@ -204,21 +195,18 @@ static int cmd_busy(int argc, char **argv)
     return 0;
 }
 
-static int cmd_hold(int argc, char **argv)
-{
+static int cmd_hold(int argc, char **argv) {
     size_t bytes = strtoull(argv[2], NULL, 10);
     uint64_t ms = strtoull(argv[3], NULL, 10);
     int dev = argc > 4 ? atoi(argv[4]) : 0;
     int fork_child = argc > 5 && strcmp(argv[5], "fork") == 0;
     setup(dev);
     CUdeviceptr p = 0;
-    if (bytes)
-        CHECK(p_cuMemAlloc_v2(&p, bytes));
+    if (bytes) CHECK(p_cuMemAlloc_v2(&p, bytes));
     if (fork_child) { /* a child that outlives us and never uses CUDA (like a worker process) */
         pid_t child = fork();
         if (child == 0) {
-            for (;;)
-                pause();
+            for (;;) pause();
         }
         printf("child=%d\n", (int)child);
     }
@@ -231,8 +219,7 @@ static int cmd_hold(int argc, char **argv)
             fflush(stdout);
         }
     }
-    for (;;)
-        pause();
+    for (;;) pause();
 }
 
 /* -- selftest --------------------------------------------------------------------------------- */
@@ -243,16 +230,14 @@ struct worker {
     int launches;
 };
 
-static void *worker_main(void *arg)
-{
+static void *worker_main(void *arg) {
     struct worker *w = arg;
     CHECK(p_cuCtxSetCurrent(w->ctx));
     CUstream s;
     CHECK(p_cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
     for (int i = 0; i < w->launches; i++) {
         launch_busy(w->f, 20, s);
-        if (i % 16 == 0)
-            (void)p_cuStreamQuery(s);
+        if (i % 16 == 0) (void)p_cuStreamQuery(s);
     }
     /* The per-thread default stream too. */
     uint64_t us = 10;
@@ -267,8 +252,7 @@ static void *worker_main(void *arg)
     return NULL;
 }
 
-static void test_errors_and_entry_points(void)
-{
+static void test_errors_and_entry_points(void) {
     const char *s;
     CHECK(p_cuGetErrorName(CUDA_ERROR_OUT_OF_MEMORY, &s));
     TRUE(strcmp(s, "CUDA_ERROR_OUT_OF_MEMORY") == 0);
@@ -279,7 +263,8 @@ static void test_errors_and_entry_points(void)
     CUdriverProcAddressQueryResult st;
     CHECK(p_cuGetProcAddress_v2("cuMemAlloc", &fn, 12000, 0, &st));
     TRUE(fn == (void *)p_cuMemAlloc_v2 && st == CU_GET_PROC_ADDRESS_SUCCESS);
-    CHECK(p_cuGetProcAddress_v2("cuLaunchKernel", &fn, 12000, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, &st));
+    CHECK(p_cuGetProcAddress_v2("cuLaunchKernel", &fn, 12000,
+                                CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, &st));
     TRUE(fn == (void *)p_cuLaunchKernel_ptsz);
     CHECK(p_cuGetProcAddress_v2("cuCtxCreate", &fn, 13000, 0, &st));
     TRUE(fn == (void *)p_cuCtxCreate_v4);
@@ -290,8 +275,7 @@ static void test_errors_and_entry_points(void)
     EXPECT(p_cuGetExportTable(&table, &id), CUDA_ERROR_NOT_SUPPORTED);
 }
 
-static void test_contexts(void)
-{
+static void test_contexts(void) {
     CUcontext prim, mine, cur, popped;
     CUdevice d;
     unsigned flags;
@@ -319,7 +303,7 @@ static void test_contexts(void)
     CHECK(p_cuArrayCreate_v2(&arr, &desc));
     CHECK(p_cuMemGetInfo_v2(&free1, &total));
     TRUE(free0 - free1 >= (1 << 20) + 256 * 256 * 4); /* and what the context takes */
-    CHECK(p_cuCtxDestroy_v2(mine)); /* frees p and arr with the context */
+    CHECK(p_cuCtxDestroy_v2(mine));                   /* frees p and arr with the context */
     CHECK(p_cuMemGetInfo_v2(&free1, &total));
     TRUE(free1 == free0);
     CHECK(p_cuCtxGetCurrent(&cur));
@@ -327,8 +311,7 @@ static void test_contexts(void)
     EXPECT(p_cuCtxPushCurrent_v2(mine), CUDA_ERROR_CONTEXT_IS_DESTROYED);
 }
 
-static void test_memory(void)
-{
+static void test_memory(void) {
     size_t free0, total, free1;
     CHECK(p_cuMemGetInfo_v2(&free0, &total));
     TRUE(free0 <= total && total > 0);
@@ -338,8 +321,7 @@ static void test_memory(void)
     CHECK(p_cuMemGetInfo_v2(&free1, &total));
     TRUE(free0 - free1 >= 2u << 20);
     char host[256], back[256];
-    for (int i = 0; i < 256; i++)
-        host[i] = (char)i;
+    for (int i = 0; i < 256; i++) host[i] = (char)i;
     CHECK(p_cuMemcpyHtoD_v2(a, host, sizeof host));
     CHECK(p_cuMemcpyDtoD_v2(b, a, sizeof host));
     CHECK(p_cuMemcpyDtoH_v2(back, b, sizeof back));
@@ -417,8 +399,7 @@ static void test_memory(void)
     TRUE(free1 == free0);
 }
 
-static void test_timing(CUfunction f)
-{
+static void test_timing(CUfunction f) {
     CUstream s;
     CUevent a, b;
     CHECK(p_cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
@@ -451,8 +432,7 @@ static void test_timing(CUfunction f)
     CUgraph g;
     CUgraphExec x;
     CHECK(p_cuStreamBeginCapture_v2(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
-    for (int i = 0; i < 3; i++)
-        launch_busy(f, 4000, s);
+    for (int i = 0; i < 3; i++) launch_busy(f, 4000, s);
     CHECK(p_cuStreamEndCapture(s, &g));
     CHECK(p_cuGraphInstantiateWithFlags(&x, g, 0));
     CHECK(p_cuEventRecord(a, s));
@@ -478,8 +458,7 @@ static void test_timing(CUfunction f)
     CHECK(p_cuStreamDestroy_v2(s));
 }
 
-static void test_library_and_threads(CUcontext ctx, CUfunction f)
-{
+static void test_library_and_threads(CUcontext ctx, CUfunction f) {
     CUlibrary lib;
     CUkernel k;
     CUfunction kf;
@@ -502,23 +481,24 @@ static void test_library_and_threads(CUcontext ctx, CUfunction f)
     enum { THREADS = 4 };
     pthread_t t[THREADS];
     struct worker w = {ctx, f, 200};
-    for (int i = 0; i < THREADS; i++)
-        TRUE(pthread_create(&t[i], NULL, worker_main, &w) == 0);
-    for (int i = 0; i < THREADS; i++)
-        pthread_join(t[i], NULL);
+    for (int i = 0; i < THREADS; i++) TRUE(pthread_create(&t[i], NULL, worker_main, &w) == 0);
+    for (int i = 0; i < THREADS; i++) pthread_join(t[i], NULL);
     CHECK(p_cuCtxSynchronize());
 }
 
 /* The simulated NVML, loaded into the same process: it sees this process's memory and work. */
-static void test_nvml(CUfunction f)
-{
+static void test_nvml(CUfunction f) {
     void *nv = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
     TRUE(nv != NULL);
-#define NV(name) __typeof__(name) *nv_##name = (__typeof__(name) *)dlsym(nv, #name); TRUE(nv_##name);
+#define NV(name)                                                                                   \
+    __typeof__(name) *nv_##name = (__typeof__(name) *)dlsym(nv, #name);                            \
+    TRUE(nv_##name);
+    /* clang-format off */
     NV(nvmlInit_v2) NV(nvmlShutdown) NV(nvmlDeviceGetCount_v2) NV(nvmlDeviceGetHandleByIndex_v2)
     NV(nvmlDeviceGetName) NV(nvmlDeviceGetComputeRunningProcesses_v3)
     NV(nvmlDeviceGetUtilizationRates) NV(nvmlDeviceGetMemoryInfo)
-    CUdeviceptr p;
+        /* clang-format on */
+        CUdeviceptr p;
     CHECK(p_cuMemAlloc_v2(&p, 3u << 20));
     launch_busy(f, 200000, NULL);
     TRUE(nv_nvmlInit_v2() == NVML_SUCCESS);
@@ -544,8 +524,7 @@ static void test_nvml(CUfunction f)
     dlclose(nv);
 }
 
-static int cmd_selftest(void)
-{
+static int cmd_selftest(void) {
     EXPECT(p_cuDeviceGetCount(&(int){0}), CUDA_ERROR_NOT_INITIALIZED);
     CUcontext ctx = setup(0);
     test_errors_and_entry_points();
@@ -560,22 +539,17 @@ static int cmd_selftest(void)
     return 0;
 }
 
-int main(int argc, char **argv)
-{
+int main(int argc, char **argv) {
     lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
         fprintf(stderr, "dlopen libcuda.so.1: %s\n", dlerror());
         return 2;
     }
     FNS(LOAD)
-    if (argc >= 2 && strcmp(argv[1], "info") == 0)
-        return cmd_info();
-    if (argc >= 4 && strcmp(argv[1], "busy") == 0)
-        return cmd_busy(argc, argv);
-    if (argc >= 4 && strcmp(argv[1], "hold") == 0)
-        return cmd_hold(argc, argv);
-    if (argc >= 2 && strcmp(argv[1], "selftest") == 0)
-        return cmd_selftest();
+    if (argc >= 2 && strcmp(argv[1], "info") == 0) return cmd_info();
+    if (argc >= 4 && strcmp(argv[1], "busy") == 0) return cmd_busy(argc, argv);
+    if (argc >= 4 && strcmp(argv[1], "hold") == 0) return cmd_hold(argc, argv);
+    if (argc >= 2 && strcmp(argv[1], "selftest") == 0) return cmd_selftest();
     fprintf(stderr,
             "usage: %s info | busy US COUNT [DEV [nb|b [START_NS]]] | hold BYTES MS [DEV [fork]] | "
             "selftest\n",

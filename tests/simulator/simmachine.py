@@ -22,8 +22,21 @@ def compile_program(out: Path, *flags: str) -> Path:
     """Compiles the driver-API test program (it dlopen()s libcuda.so.1, links nothing of ours)."""
     cc = os.environ.get("CC", "cc")
     subprocess.run(
-        [cc, "-std=gnu11", "-g", "-Wall", "-Wextra", "-Werror", "-pthread", *flags,
-         f"-I{CSRC / 'include'}", str(PROGRAM_SOURCE), "-o", str(out), "-ldl"],
+        [
+            cc,
+            "-std=gnu11",
+            "-g",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-pthread",
+            *flags,
+            f"-I{CSRC / 'include'}",
+            str(PROGRAM_SOURCE),
+            "-o",
+            str(out),
+            "-ldl",
+        ],
         check=True,
     )
     return out
@@ -47,7 +60,10 @@ class SimMachine:
     ) -> dict[str, str]:
         """Runs the test program to completion; its key=value output as a dict."""
         proc = subprocess.run(
-            [str(self.program), *args], env=env or self.env, capture_output=True, text=True,
+            [str(self.program), *args],
+            env=env or self.env,
+            capture_output=True,
+            text=True,
             timeout=timeout,
         )
         assert proc.returncode == 0, f"{args}: rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
@@ -56,8 +72,11 @@ class SimMachine:
     def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         """Starts the test program in the background (killed at the end of the test)."""
         proc = subprocess.Popen(
-            [str(self.program), *args], env=env or self.env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
+            [str(self.program), *args],
+            env=env or self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         self.children.append(proc)
         return proc

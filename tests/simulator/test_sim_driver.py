@@ -261,8 +261,14 @@ def test_the_cuda_runtime_is_told_once_why_it_cannot_run(sim_machine: SimMachine
         "codes = [cuda.cuGetExportTable(ctypes.byref(table), uuid) for _ in range(3)]\n"
         "print(codes, table.value)\n"
     )
-    ran = subprocess.run([sys.executable, "-c", probe], env=sim_machine.env, capture_output=True,
-                         text=True, timeout=60, check=True)
+    ran = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=sim_machine.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert ran.stdout.split() == ["[801,", "801,", "801]", "None"]  # CUDA_ERROR_NOT_SUPPORTED
     assert ran.stderr.count("driver-API programs only") == 1, ran.stderr
     assert "real NVIDIA GPU" in ran.stderr and "--simulate" in ran.stderr

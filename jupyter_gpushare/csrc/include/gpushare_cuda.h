@@ -44,7 +44,7 @@ typedef struct CUuuid_st {
 } CUuuid;
 
 /* Special stream handles. */
-#define CU_STREAM_LEGACY ((CUstream)0x1)
+#define CU_STREAM_LEGACY     ((CUstream)0x1)
 #define CU_STREAM_PER_THREAD ((CUstream)0x2)
 
 /* -- result codes ----------------------------------------------------------------------------- */
@@ -137,164 +137,164 @@ typedef enum CUdriverProcAddressQueryResult_enum {
 } CUdriverProcAddressQueryResult;
 
 /* cuGetProcAddress flags */
-#define CU_GET_PROC_ADDRESS_DEFAULT 0
-#define CU_GET_PROC_ADDRESS_LEGACY_STREAM (1 << 0)
+#define CU_GET_PROC_ADDRESS_DEFAULT                   0
+#define CU_GET_PROC_ADDRESS_LEGACY_STREAM             (1 << 0)
 #define CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM (1 << 1)
 
 /* context flags */
-#define CU_CTX_SCHED_AUTO 0x00
-#define CU_CTX_SCHED_SPIN 0x01
-#define CU_CTX_SCHED_YIELD 0x02
+#define CU_CTX_SCHED_AUTO          0x00
+#define CU_CTX_SCHED_SPIN          0x01
+#define CU_CTX_SCHED_YIELD         0x02
 #define CU_CTX_SCHED_BLOCKING_SYNC 0x04
-#define CU_CTX_SCHED_MASK 0x07
-#define CU_CTX_MAP_HOST 0x08
-#define CU_CTX_LMEM_RESIZE_TO_MAX 0x10
-#define CU_CTX_FLAGS_MASK 0xFF
+#define CU_CTX_SCHED_MASK          0x07
+#define CU_CTX_MAP_HOST            0x08
+#define CU_CTX_LMEM_RESIZE_TO_MAX  0x10
+#define CU_CTX_FLAGS_MASK          0xFF
 
 /* stream and event flags */
-#define CU_STREAM_DEFAULT 0x0
-#define CU_STREAM_NON_BLOCKING 0x1
-#define CU_EVENT_DEFAULT 0x0
-#define CU_EVENT_BLOCKING_SYNC 0x1
-#define CU_EVENT_DISABLE_TIMING 0x2
-#define CU_EVENT_INTERPROCESS 0x4
-#define CU_EVENT_RECORD_DEFAULT 0x0
+#define CU_STREAM_DEFAULT        0x0
+#define CU_STREAM_NON_BLOCKING   0x1
+#define CU_EVENT_DEFAULT         0x0
+#define CU_EVENT_BLOCKING_SYNC   0x1
+#define CU_EVENT_DISABLE_TIMING  0x2
+#define CU_EVENT_INTERPROCESS    0x4
+#define CU_EVENT_RECORD_DEFAULT  0x0
 #define CU_EVENT_RECORD_EXTERNAL 0x1
-#define CU_EVENT_WAIT_DEFAULT 0x0
+#define CU_EVENT_WAIT_DEFAULT    0x0
 
 /* stream capture */
-#define CU_STREAM_CAPTURE_MODE_GLOBAL 0
-#define CU_STREAM_CAPTURE_MODE_THREAD_LOCAL 1
-#define CU_STREAM_CAPTURE_MODE_RELAXED 2
-#define CU_STREAM_CAPTURE_STATUS_NONE 0
-#define CU_STREAM_CAPTURE_STATUS_ACTIVE 1
+#define CU_STREAM_CAPTURE_MODE_GLOBAL        0
+#define CU_STREAM_CAPTURE_MODE_THREAD_LOCAL  1
+#define CU_STREAM_CAPTURE_MODE_RELAXED       2
+#define CU_STREAM_CAPTURE_STATUS_NONE        0
+#define CU_STREAM_CAPTURE_STATUS_ACTIVE      1
 #define CU_STREAM_CAPTURE_STATUS_INVALIDATED 2
 
 /* memory */
-#define CU_MEM_ATTACH_GLOBAL 0x1
-#define CU_MEM_ATTACH_HOST 0x2
-#define CU_MEM_ATTACH_SINGLE 0x4
-#define CU_MEMHOSTALLOC_PORTABLE 0x01
-#define CU_MEMHOSTALLOC_DEVICEMAP 0x02
-#define CU_MEMHOSTALLOC_WRITECOMBINED 0x04
-#define CU_MEM_ALLOCATION_TYPE_INVALID 0x0
-#define CU_MEM_ALLOCATION_TYPE_PINNED 0x1
-#define CU_MEM_ALLOCATION_TYPE_MANAGED 0x2
-#define CU_MEM_HANDLE_TYPE_NONE 0x0
-#define CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR 0x1
-#define CU_MEM_LOCATION_TYPE_INVALID 0x0
-#define CU_MEM_LOCATION_TYPE_DEVICE 0x1
-#define CU_MEM_LOCATION_TYPE_HOST 0x2
-#define CU_MEM_ACCESS_FLAGS_PROT_NONE 0x0
-#define CU_MEM_ACCESS_FLAGS_PROT_READ 0x1
-#define CU_MEM_ACCESS_FLAGS_PROT_READWRITE 0x3
-#define CU_MEM_ALLOC_GRANULARITY_MINIMUM 0x0
-#define CU_MEM_ALLOC_GRANULARITY_RECOMMENDED 0x1
-#define CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES 1
-#define CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC 2
+#define CU_MEM_ATTACH_GLOBAL                              0x1
+#define CU_MEM_ATTACH_HOST                                0x2
+#define CU_MEM_ATTACH_SINGLE                              0x4
+#define CU_MEMHOSTALLOC_PORTABLE                          0x01
+#define CU_MEMHOSTALLOC_DEVICEMAP                         0x02
+#define CU_MEMHOSTALLOC_WRITECOMBINED                     0x04
+#define CU_MEM_ALLOCATION_TYPE_INVALID                    0x0
+#define CU_MEM_ALLOCATION_TYPE_PINNED                     0x1
+#define CU_MEM_ALLOCATION_TYPE_MANAGED                    0x2
+#define CU_MEM_HANDLE_TYPE_NONE                           0x0
+#define CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR          0x1
+#define CU_MEM_LOCATION_TYPE_INVALID                      0x0
+#define CU_MEM_LOCATION_TYPE_DEVICE                       0x1
+#define CU_MEM_LOCATION_TYPE_HOST                         0x2
+#define CU_MEM_ACCESS_FLAGS_PROT_NONE                     0x0
+#define CU_MEM_ACCESS_FLAGS_PROT_READ                     0x1
+#define CU_MEM_ACCESS_FLAGS_PROT_READWRITE                0x3
+#define CU_MEM_ALLOC_GRANULARITY_MINIMUM                  0x0
+#define CU_MEM_ALLOC_GRANULARITY_RECOMMENDED              0x1
+#define CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES   1
+#define CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC         2
 #define CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES 3
-#define CU_MEMPOOL_ATTR_RELEASE_THRESHOLD 4
-#define CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT 5
-#define CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH 6
-#define CU_MEMPOOL_ATTR_USED_MEM_CURRENT 7
-#define CU_MEMPOOL_ATTR_USED_MEM_HIGH 8
+#define CU_MEMPOOL_ATTR_RELEASE_THRESHOLD                 4
+#define CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT              5
+#define CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH                 6
+#define CU_MEMPOOL_ATTR_USED_MEM_CURRENT                  7
+#define CU_MEMPOOL_ATTR_USED_MEM_HIGH                     8
 
 /* pointer attributes (subset) */
-#define CU_POINTER_ATTRIBUTE_CONTEXT 1
-#define CU_POINTER_ATTRIBUTE_MEMORY_TYPE 2
-#define CU_POINTER_ATTRIBUTE_DEVICE_POINTER 3
-#define CU_POINTER_ATTRIBUTE_HOST_POINTER 4
-#define CU_POINTER_ATTRIBUTE_IS_MANAGED 8
-#define CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
+#define CU_POINTER_ATTRIBUTE_CONTEXT          1
+#define CU_POINTER_ATTRIBUTE_MEMORY_TYPE      2
+#define CU_POINTER_ATTRIBUTE_DEVICE_POINTER   3
+#define CU_POINTER_ATTRIBUTE_HOST_POINTER     4
+#define CU_POINTER_ATTRIBUTE_IS_MANAGED       8
+#define CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL   9
 #define CU_POINTER_ATTRIBUTE_RANGE_START_ADDR 11
-#define CU_POINTER_ATTRIBUTE_RANGE_SIZE 12
-#define CU_POINTER_ATTRIBUTE_MAPPED 13
-#define CU_MEMORYTYPE_HOST 0x01
-#define CU_MEMORYTYPE_DEVICE 0x02
-#define CU_MEMORYTYPE_ARRAY 0x03
-#define CU_MEMORYTYPE_UNIFIED 0x04
+#define CU_POINTER_ATTRIBUTE_RANGE_SIZE       12
+#define CU_POINTER_ATTRIBUTE_MAPPED           13
+#define CU_MEMORYTYPE_HOST                    0x01
+#define CU_MEMORYTYPE_DEVICE                  0x02
+#define CU_MEMORYTYPE_ARRAY                   0x03
+#define CU_MEMORYTYPE_UNIFIED                 0x04
 
 /* launch */
-#define CU_LAUNCH_PARAM_END ((void *)0x00)
-#define CU_LAUNCH_PARAM_BUFFER_POINTER ((void *)0x01)
-#define CU_LAUNCH_PARAM_BUFFER_SIZE ((void *)0x02)
-#define CU_LAUNCH_ATTRIBUTE_IGNORE 0
+#define CU_LAUNCH_PARAM_END             ((void *)0x00)
+#define CU_LAUNCH_PARAM_BUFFER_POINTER  ((void *)0x01)
+#define CU_LAUNCH_PARAM_BUFFER_SIZE     ((void *)0x02)
+#define CU_LAUNCH_ATTRIBUTE_IGNORE      0
 #define CU_LAUNCH_ATTRIBUTE_COOPERATIVE 2
-#define CU_LAUNCH_ATTRIBUTE_PRIORITY 8
+#define CU_LAUNCH_ATTRIBUTE_PRIORITY    8
 
 /* function attributes (subset) */
-#define CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK 0
-#define CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES 1
-#define CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES 2
-#define CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES 3
-#define CU_FUNC_ATTRIBUTE_NUM_REGS 4
-#define CU_FUNC_ATTRIBUTE_PTX_VERSION 5
-#define CU_FUNC_ATTRIBUTE_BINARY_VERSION 6
+#define CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK         0
+#define CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES             1
+#define CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES              2
+#define CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES              3
+#define CU_FUNC_ATTRIBUTE_NUM_REGS                      4
+#define CU_FUNC_ATTRIBUTE_PTX_VERSION                   5
+#define CU_FUNC_ATTRIBUTE_BINARY_VERSION                6
 #define CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES 8
 
 /* device attributes (subset; values from cuda.h) */
-#define CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK 1
-#define CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X 2
-#define CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y 3
-#define CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z 4
-#define CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X 5
-#define CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y 6
-#define CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z 7
-#define CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK 8
-#define CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY 9
-#define CU_DEVICE_ATTRIBUTE_WARP_SIZE 10
-#define CU_DEVICE_ATTRIBUTE_MAX_PITCH 11
-#define CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK 12
-#define CU_DEVICE_ATTRIBUTE_CLOCK_RATE 13
-#define CU_DEVICE_ATTRIBUTE_TEXTURE_ALIGNMENT 14
-#define CU_DEVICE_ATTRIBUTE_GPU_OVERLAP 15
-#define CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT 16
-#define CU_DEVICE_ATTRIBUTE_KERNEL_EXEC_TIMEOUT 17
-#define CU_DEVICE_ATTRIBUTE_INTEGRATED 18
-#define CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY 19
-#define CU_DEVICE_ATTRIBUTE_COMPUTE_MODE 20
-#define CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS 31
-#define CU_DEVICE_ATTRIBUTE_ECC_ENABLED 32
-#define CU_DEVICE_ATTRIBUTE_PCI_BUS_ID 33
-#define CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID 34
-#define CU_DEVICE_ATTRIBUTE_TCC_DRIVER 35
-#define CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE 36
-#define CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH 37
-#define CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE 38
-#define CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR 39
-#define CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT 40
-#define CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING 41
-#define CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID 50
-#define CU_DEVICE_ATTRIBUTE_TEXTURE_PITCH_ALIGNMENT 51
-#define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR 75
-#define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR 76
-#define CU_DEVICE_ATTRIBUTE_STREAM_PRIORITIES_SUPPORTED 78
-#define CU_DEVICE_ATTRIBUTE_GLOBAL_L1_CACHE_SUPPORTED 79
-#define CU_DEVICE_ATTRIBUTE_LOCAL_L1_CACHE_SUPPORTED 80
-#define CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR 81
-#define CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR 82
-#define CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY 83
-#define CU_DEVICE_ATTRIBUTE_MULTI_GPU_BOARD 84
-#define CU_DEVICE_ATTRIBUTE_MULTI_GPU_BOARD_GROUP_ID 85
-#define CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED 86
-#define CU_DEVICE_ATTRIBUTE_SINGLE_TO_DOUBLE_PRECISION_PERF_RATIO 87
-#define CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS 88
-#define CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS 89
-#define CU_DEVICE_ATTRIBUTE_COMPUTE_PREEMPTION_SUPPORTED 90
-#define CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM 91
-#define CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH 95
-#define CU_DEVICE_ATTRIBUTE_COOPERATIVE_MULTI_DEVICE_LAUNCH 96
-#define CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN 97
-#define CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED 99
-#define CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED 102
+#define CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK                       1
+#define CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X                             2
+#define CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y                             3
+#define CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z                             4
+#define CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X                              5
+#define CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y                              6
+#define CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z                              7
+#define CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK                 8
+#define CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY                       9
+#define CU_DEVICE_ATTRIBUTE_WARP_SIZE                                   10
+#define CU_DEVICE_ATTRIBUTE_MAX_PITCH                                   11
+#define CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK                     12
+#define CU_DEVICE_ATTRIBUTE_CLOCK_RATE                                  13
+#define CU_DEVICE_ATTRIBUTE_TEXTURE_ALIGNMENT                           14
+#define CU_DEVICE_ATTRIBUTE_GPU_OVERLAP                                 15
+#define CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT                        16
+#define CU_DEVICE_ATTRIBUTE_KERNEL_EXEC_TIMEOUT                         17
+#define CU_DEVICE_ATTRIBUTE_INTEGRATED                                  18
+#define CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY                         19
+#define CU_DEVICE_ATTRIBUTE_COMPUTE_MODE                                20
+#define CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS                          31
+#define CU_DEVICE_ATTRIBUTE_ECC_ENABLED                                 32
+#define CU_DEVICE_ATTRIBUTE_PCI_BUS_ID                                  33
+#define CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID                               34
+#define CU_DEVICE_ATTRIBUTE_TCC_DRIVER                                  35
+#define CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE                           36
+#define CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH                     37
+#define CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE                               38
+#define CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR              39
+#define CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT                          40
+#define CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING                          41
+#define CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID                               50
+#define CU_DEVICE_ATTRIBUTE_TEXTURE_PITCH_ALIGNMENT                     51
+#define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR                    75
+#define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR                    76
+#define CU_DEVICE_ATTRIBUTE_STREAM_PRIORITIES_SUPPORTED                 78
+#define CU_DEVICE_ATTRIBUTE_GLOBAL_L1_CACHE_SUPPORTED                   79
+#define CU_DEVICE_ATTRIBUTE_LOCAL_L1_CACHE_SUPPORTED                    80
+#define CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR        81
+#define CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR            82
+#define CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY                              83
+#define CU_DEVICE_ATTRIBUTE_MULTI_GPU_BOARD                             84
+#define CU_DEVICE_ATTRIBUTE_MULTI_GPU_BOARD_GROUP_ID                    85
+#define CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED                86
+#define CU_DEVICE_ATTRIBUTE_SINGLE_TO_DOUBLE_PRECISION_PERF_RATIO       87
+#define CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS                      88
+#define CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS                   89
+#define CU_DEVICE_ATTRIBUTE_COMPUTE_PREEMPTION_SUPPORTED                90
+#define CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM     91
+#define CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH                          95
+#define CU_DEVICE_ATTRIBUTE_COOPERATIVE_MULTI_DEVICE_LAUNCH             96
+#define CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN           97
+#define CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED                     99
+#define CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED         102
 #define CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED 103
-#define CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR 106
-#define CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE 108
-#define CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE 109
-#define CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK 111
-#define CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED 115
-#define CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES 119
-#define CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH 120
+#define CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR               106
+#define CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE                108
+#define CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE               109
+#define CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK            111
+#define CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED                      115
+#define CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES              119
+#define CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH                              120
 
 /* -- structs ---------------------------------------------------------------------------------- */
 typedef union CUlaunchAttributeValue_union {
@@ -466,8 +466,8 @@ CUresult cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel);
 CUresult cuFuncGetAttribute(int *pi, CUfunction_attribute attrib, CUfunction hfunc);
 CUresult cuFuncSetAttribute(CUfunction hfunc, CUfunction_attribute attrib, int value);
 CUresult cuFuncGetName(const char **name, CUfunction hfunc);
-CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *numBlocks, CUfunction func,
-                                                     int blockSize, size_t dynamicSMemSize);
+CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *numBlocks, CUfunction func, int blockSize,
+                                                     size_t dynamicSMemSize);
 CUresult cuOccupancyMaxPotentialBlockSize(int *minGridSize, int *blockSize, CUfunction func,
                                           CUoccupancyB2DSize blockSizeToDynamicSMemSize,
                                           size_t dynamicSMemSize, int blockSizeLimit);
@@ -491,11 +491,11 @@ CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned
                                    unsigned int blockDimY, unsigned int blockDimZ,
                                    unsigned int sharedMemBytes, CUstream hStream,
                                    void **kernelParams);
-CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDimX,
-                                        unsigned int gridDimY, unsigned int gridDimZ,
-                                        unsigned int blockDimX, unsigned int blockDimY,
-                                        unsigned int blockDimZ, unsigned int sharedMemBytes,
-                                        CUstream hStream, void **kernelParams);
+CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                        unsigned int gridDimZ, unsigned int blockDimX,
+                                        unsigned int blockDimY, unsigned int blockDimZ,
+                                        unsigned int sharedMemBytes, CUstream hStream,
+                                        void **kernelParams);
 CUresult cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData);
 CUresult cuLaunchHostFunc_ptsz(CUstream hStream, CUhostFn fn, void *userData);
 
@@ -649,7 +649,8 @@ CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureSta
 CUresult cuStreamIsCapturing_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus);
 CUresult cuStreamGetCaptureInfo_v2(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
                                    cuuint64_t *id_out, CUgraph *graph_out,
-                                   const CUgraphNode **dependencies_out, size_t *numDependencies_out);
+                                   const CUgraphNode **dependencies_out,
+                                   size_t *numDependencies_out);
 CUresult cuStreamGetCaptureInfo_v2_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
                                         cuuint64_t *id_out, CUgraph *graph_out,
                                         const CUgraphNode **dependencies_out,

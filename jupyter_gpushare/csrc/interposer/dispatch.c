@@ -44,11 +44,10 @@ struct gs_entry {
     void *wrapper;
 };
 
-#define GS_ENTRY(name) {#name, (void **)&real_##name, (void *)&name}, 
+#define GS_ENTRY(name) {#name, (void **)&real_##name, (void *)&name},
 static const struct gs_entry entries[] = {
-    GS_HOOKS(GS_ENTRY)
-    {"nvmlDeviceGetMemoryInfo", (void **)&real_nvmlDeviceGetMemoryInfo,
-     (void *)&nvmlDeviceGetMemoryInfo},
+    GS_HOOKS(GS_ENTRY){"nvmlDeviceGetMemoryInfo", (void **)&real_nvmlDeviceGetMemoryInfo,
+                       (void *)&nvmlDeviceGetMemoryInfo},
     {"nvmlDeviceGetMemoryInfo_v2", (void **)&real_nvmlDeviceGetMemoryInfo_v2,
      (void *)&nvmlDeviceGetMemoryInfo_v2},
 };
@@ -89,10 +88,12 @@ static void resolve(void) {
         real_cuEventElapsedTime_v2 =
             (__typeof__(&cuEventElapsedTime_v2))lookup(libcuda, "cuEventElapsedTime");
     real_nvmlDeviceGetUUID =
-        (nvmlReturn_t(*)(nvmlDevice_t, char *, unsigned int))lookup(libnvml, "nvmlDeviceGetUUID");
+        (nvmlReturn_t (*)(nvmlDevice_t, char *, unsigned int))lookup(libnvml, "nvmlDeviceGetUUID");
 }
 
-void gs_resolve(void) { pthread_once(&resolve_once, resolve); }
+void gs_resolve(void) {
+    pthread_once(&resolve_once, resolve);
+}
 
 void *gs_wrapper_for(const char *name) {
     if (!name || (name[0] != 'c' && name[0] != 'n')) return NULL;

@@ -20,6 +20,7 @@
 
 /* -- real driver entry points (dispatch.c) -------------------------------------------------- */
 /* Every hooked symbol: our wrapper is exported under its name, the real one is real_<name>. */
+/* clang-format off */
 #define GS_HOOKS(X)                                                                           \
     X(cuInit) X(cuGetProcAddress) X(cuGetProcAddress_v2)                                       \
     X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz)      \
@@ -36,8 +37,10 @@
     X(cuMemGetInfo_v2) X(cuDeviceTotalMem_v2)                                                 \
     X(cuDevicePrimaryCtxRetain) X(cuCtxCreate_v2) X(cuCtxCreate_v3) X(cuCtxCreate_v4)         \
     X(cuGetErrorString)
+/* clang-format on */
 
 /* Real entry points we call but do not wrap. */
+/* clang-format off */
 #define GS_USES(X)                                                                            \
     X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuCtxGetDevice) X(cuEventCreate)                   \
     X(cuEventRecord) X(cuEventSynchronize) X(cuEventQuery) X(cuEventDestroy_v2)            \
@@ -45,6 +48,7 @@
     X(cuStreamIsCapturing) X(cuThreadExchangeStreamCaptureMode) X(cuCtxSynchronize)            \
     X(cuDeviceGetCount) X(cuDevicePrimaryCtxReset_v2) X(cuDevicePrimaryCtxRelease_v2)          \
     X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2)
+/* clang-format on */
 
 #define GS_DECLARE_REAL(name) extern __typeof__(&name) real_##name;
 GS_HOOKS(GS_DECLARE_REAL)
@@ -74,26 +78,26 @@ void *gs_wrapper_for(const char *name);
 
 /* -- per-GPU state (lease.c) ---------------------------------------------------------------- */
 #define GS_MARKS 16
-struct gs_mark {              /* an event recorded before a launch (runahead bound) */
+struct gs_mark { /* an event recorded before a launch (runahead bound) */
     CUevent event;
-    uint64_t count;           /* launches on the stream before it */
-    int busy;                 /* the mark before it was still queued when it was recorded */
+    uint64_t count; /* launches on the stream before it */
+    int busy;       /* the mark before it was still queued when it was recorded */
 };
 
-struct gs_stream {            /* a stream this process launched on */
+struct gs_stream { /* a stream this process launched on */
     CUcontext ctx;
-    CUstream stream;          /* normalised: 0/per-thread -> CU_STREAM_LEGACY */
-    CUevent event;            /* created lazily in ctx */
-    CUevent probe;            /* "is work still queued?" (the agent's idle check) */
-    uint64_t lease;           /* lease_until of the last lease it was used under */
+    CUstream stream; /* normalised: 0/per-thread -> CU_STREAM_LEGACY */
+    CUevent event;   /* created lazily in ctx */
+    CUevent probe;   /* "is work still queued?" (the agent's idle check) */
+    uint64_t lease;  /* lease_until of the last lease it was used under */
     /* runahead bound in device time (lease.c: runahead_bound) */
-    uint64_t count;           /* launches admitted on it (approximate across threads) */
+    uint64_t count;                 /* launches admitted on it (approximate across threads) */
     struct gs_mark marks[GS_MARKS]; /* oldest first from mhead: queued marks */
     unsigned mhead, mlen;
-    CUevent ref_event;        /* the newest mark known complete ... */
-    uint64_t ref_count;       /* ... and the launches before it */
+    CUevent ref_event;  /* the newest mark known complete ... */
+    uint64_t ref_count; /* ... and the launches before it */
     int ref_valid;
-    uint64_t launch_ns;       /* device time per launch (EWMA of busy intervals), 0 unknown */
+    uint64_t launch_ns; /* device time per launch (EWMA of busy intervals), 0 unknown */
     struct gs_stream *next;
 };
 
@@ -111,43 +115,43 @@ struct gs_gpu {
     struct gpushare_wire_slot *_Atomic policy;
     struct gpushare_wire_slot *_Atomic account;
     struct gpushare_wire_slot *policy_slots; /* the policy mapping's slots (others' state) */
-    struct gpushare_wire_slot local;     /* stand-in slot before the first connection */
+    struct gpushare_wire_slot local;         /* stand-in slot before the first connection */
     uint64_t generation;
-    int slot_index;                      /* our slot in the shared file (-1: local) */
+    int slot_index; /* our slot in the shared file (-1: local) */
     void *map;
-    uint64_t map_id[3][2];               /* dev/ino of board, policy, account (a reconnect may
+    uint64_t map_id[3][2];         /* dev/ino of board, policy, account (a reconnect may
                                             hand us the same files) */
-    _Atomic uint64_t joined_lease;       /* lease this process joined (0: none) */
+    _Atomic uint64_t joined_lease; /* lease this process joined (0: none) */
     _Atomic uint64_t last_launch_ns;
-    _Atomic uint64_t proc_mem;           /* bytes this process holds (moved on remap) */
-    _Atomic uint64_t fs_next_on;         /* fail static: next self-granted lease */
+    _Atomic uint64_t proc_mem;   /* bytes this process holds (moved on remap) */
+    _Atomic uint64_t fs_next_on; /* fail static: next self-granted lease */
     pthread_mutex_t streams_lock;
     struct gs_stream *streams;
     /* device-side timing of a lease: an event recorded at this process's first launch */
     CUevent start_event;
     CUcontext start_ctx;
-    uint64_t start_lease;    /* lease the start event belongs to */
-    uint64_t untimed_lease;  /* an extended lease: charged by the wall clock (see try_extend) */
-    uint64_t join_ns;        /* CLOCK_MONOTONIC when this process joined it */
-    uint64_t start_host_ns;  /* CLOCK_MONOTONIC when start_event was recorded on an idle stream:
+    uint64_t start_lease;   /* lease the start event belongs to */
+    uint64_t untimed_lease; /* an extended lease: charged by the wall clock (see try_extend) */
+    uint64_t join_ns;       /* CLOCK_MONOTONIC when this process joined it */
+    uint64_t start_host_ns; /* CLOCK_MONOTONIC when start_event was recorded on an idle stream:
                                 its device time (a clock anchor for drain estimates) */
 };
 
 struct gs_global {
-    int enabled;              /* GPUSHARE_SOCKET set: enforce; otherwise pass through */
+    int enabled; /* GPUSHARE_SOCKET set: enforce; otherwise pass through */
     int ngpus;
     struct gs_gpu gpu[GS_MAX_GPUS];
     char allocation[64];
     char socket_path[108];
-    double request;           /* from env until the daemon answers */
+    double request; /* from env until the daemon answers */
     uint64_t quantum_ns;
     _Atomic int connected;
-    _Atomic int failstatic;   /* daemon unreachable: self-limit at the request share */
-    _Atomic int denied;       /* refused / released: launches and allocations fail */
-    _Atomic int capturing;    /* streams currently capturing (process-wide) */
+    _Atomic int failstatic; /* daemon unreachable: self-limit at the request share */
+    _Atomic int denied;     /* refused / released: launches and allocations fail */
+    _Atomic int capturing;  /* streams currently capturing (process-wide) */
     int sock;
     pthread_mutex_t sock_lock;
-    int wake_pipe[2];         /* pokes the agent thread */
+    int wake_pipe[2]; /* pokes the agent thread */
     char deny_reason[256];
 };
 extern struct gs_global gs;
@@ -169,11 +173,11 @@ struct gs_gpu *gs_gpu_of_ordinal(int ordinal);
 CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream);
 
 struct gs_tls {
-    uint64_t lease;           /* lease this thread last launched under */
-    CUstream stream;          /* ... on this stream */
+    uint64_t lease;  /* lease this thread last launched under */
+    CUstream stream; /* ... on this stream */
     struct gs_gpu *gpu;
-    int budget;               /* launches before the next runahead check */
-    int given;                /* the budget the last slow path gave (launch counting) */
+    int budget; /* launches before the next runahead check */
+    int given;  /* the budget the last slow path gave (launch counting) */
 };
 extern __thread struct gs_tls gs_tl;
 
@@ -181,7 +185,8 @@ extern __thread struct gs_tls gs_tl;
 static inline CUresult gs_admit(struct gs_gpu *g, CUstream stream) {
     uint64_t until = atomic_load_explicit(&g->slot->lease_until_ns, memory_order_acquire);
     if (__builtin_expect(until == gs_tl.lease && stream == gs_tl.stream && gs_tl.gpu == g &&
-                             --gs_tl.budget > 0, 1)) {
+                             --gs_tl.budget > 0,
+                         1)) {
         uint64_t now = gs_now();
         if (__builtin_expect(now < until, 1)) {
             atomic_store_explicit(&g->last_launch_ns, now, memory_order_relaxed);
@@ -208,9 +213,9 @@ void gs_mem_reset_after_fork(void);
 uint64_t gs_mem_free_all(void);
 
 /* -- a released share (release.c) ------------------------------------------------------------ */
-#define GS_RELEASED_REASON                                                                     \
-    "the GPU share of this kernel was released and its GPU memory freed; this process cannot "  \
-    "use a GPU again. Restart the kernel to get a new share (`%gpushare request` in the "      \
+#define GS_RELEASED_REASON                                                                         \
+    "the GPU share of this kernel was released and its GPU memory freed; this process cannot "     \
+    "use a GPU again. Restart the kernel to get a new share (`%gpushare request` in the "          \
     "notebook reserves one first)"
 /* The agent's periodic check: frees the process's GPU memory once its share is released. */
 void gs_check_released(void);

@@ -36,11 +36,12 @@ int gs_stream_capturing(CUstream stream) {
     return 0;
 }
 
-#define LAUNCH_ARGS_DECL                                                                        \
-    CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,          \
-        unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,                 \
+#define LAUNCH_ARGS_DECL                                                                           \
+    CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,             \
+        unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,                    \
         unsigned int sharedMemBytes, CUstream hStream
-#define LAUNCH_ARGS f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream
+#define LAUNCH_ARGS                                                                                \
+    f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream
 
 CUresult cuLaunchKernel(LAUNCH_ARGS_DECL, void **kernelParams, void **extra) {
     CUresult r = admit(hStream);
@@ -124,8 +125,7 @@ static CUresult captured(CUresult r) {
 
 static void capture_ended(void) {
     int cur = atomic_load(&gs.capturing);
-    while (cur > 0 && !atomic_compare_exchange_weak(&gs.capturing, &cur, cur - 1)) {
-    }
+    while (cur > 0 && !atomic_compare_exchange_weak(&gs.capturing, &cur, cur - 1)) {}
 }
 
 CUresult cuStreamBeginCapture(CUstream hStream) {

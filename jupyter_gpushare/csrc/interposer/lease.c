@@ -49,17 +49,18 @@
 struct gs_global gs;
 __thread struct gs_tls gs_tl;
 
-#define IDLE_HANDBACK_NS 1000000ull     /* hand back early after 1 ms without launches */
-#define RECONNECT_NS 200000000ull       /* try the daemon again every 200 ms */
-#define WAIT_SLICE_NS 50000000ull       /* re-check state at least every 50 ms while waiting */
+#define IDLE_HANDBACK_NS   1000000ull   /* hand back early after 1 ms without launches */
+#define RECONNECT_NS       200000000ull /* try the daemon again every 200 ms */
+#define WAIT_SLICE_NS      50000000ull  /* re-check state at least every 50 ms while waiting */
 #define DEFAULT_QUANTUM_NS 20000000ull
-#define DRAIN_SPIN_NS 200000ull          /* a drain polls from 0.2 ms before its estimated end
+#define DRAIN_SPIN_NS                                                                              \
+    200000ull                      /* a drain polls from 0.2 ms before its estimated end
                                            to 0.2 ms after it */
-#define MARK_NS 1000000ull               /* runahead marks about this much device time apart */
-#define WANT_REPEAT_NS 10000000ull       /* a waiter repeats `want` at most every 10 ms */
-static int runahead_launches = 32;      /* launches on a stream between two runahead checks */
+#define MARK_NS        1000000ull  /* runahead marks about this much device time apart */
+#define WANT_REPEAT_NS 10000000ull /* a waiter repeats `want` at most every 10 ms */
+static int runahead_launches = 32; /* launches on a stream between two runahead checks */
 
-static _Atomic int init_state;          /* 0 none, 1 running, 2 done */
+static _Atomic int init_state; /* 0 none, 1 running, 2 done */
 static _Atomic int agent_running;
 static _Atomic int deny_printed;
 static uint64_t last_connect_try;
@@ -79,8 +80,7 @@ void gs_log(const char *fmt, ...) {
 
 void gs_deny_message(void) {
     if (atomic_exchange(&deny_printed, 1)) return;
-    fprintf(stderr,
-            "gpushare: GPU work refused (CUDA_ERROR_NOT_PERMITTED): %s\n",
+    fprintf(stderr, "gpushare: GPU work refused (CUDA_ERROR_NOT_PERMITTED): %s\n",
             gs.deny_reason[0] ? gs.deny_reason : "this process has no GPU share");
 }
 
@@ -98,20 +98,17 @@ static void futex_wait(_Atomic uint32_t *word, uint32_t expected, uint64_t timeo
 
 static void sleep_ns(uint64_t ns) {
     struct timespec ts = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-    }
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
 }
 
 static void atomic_max64(_Atomic uint64_t *p, uint64_t v) {
     uint64_t cur = atomic_load(p);
-    while (cur < v && !atomic_compare_exchange_weak(p, &cur, v)) {
-    }
+    while (cur < v && !atomic_compare_exchange_weak(p, &cur, v)) {}
 }
 
 static void dec_floor(_Atomic uint32_t *p) {
     uint32_t cur = atomic_load(p);
-    while (cur > 0 && !atomic_compare_exchange_weak(p, &cur, cur - 1)) {
-    }
+    while (cur > 0 && !atomic_compare_exchange_weak(p, &cur, cur - 1)) {}
 }
 
 static void poke_agent(void) {
@@ -315,12 +312,12 @@ static int attach(struct gs_gpu *g, const int fd[3], int index, uint64_t generat
     struct gpushare_wire_header *h = board, *ph = policy;
     struct gpushare_wire_slot *pslots =
         (struct gpushare_wire_slot *)((char *)policy + GPUSHARE_WIRE_HEADER_SIZE);
-    int bad = board == MAP_FAILED || policy == MAP_FAILED || account == MAP_FAILED || same ||
-              h->magic != GPUSHARE_WIRE_MAGIC || h->version != GPUSHARE_WIRE_VERSION ||
-              ph->magic != GPUSHARE_WIRE_MAGIC || ph->version != GPUSHARE_WIRE_VERSION ||
-              atomic_load(&pslots[index].generation) != generation ||
-              strncmp(pslots[index].allocation, gs.allocation,
-                      sizeof pslots[index].allocation - 1) != 0;
+    int bad =
+        board == MAP_FAILED || policy == MAP_FAILED || account == MAP_FAILED || same ||
+        h->magic != GPUSHARE_WIRE_MAGIC || h->version != GPUSHARE_WIRE_VERSION ||
+        ph->magic != GPUSHARE_WIRE_MAGIC || ph->version != GPUSHARE_WIRE_VERSION ||
+        atomic_load(&pslots[index].generation) != generation ||
+        strncmp(pslots[index].allocation, gs.allocation, sizeof pslots[index].allocation - 1) != 0;
     if (bad) {
         if (board != MAP_FAILED) munmap(board, GPUSHARE_WIRE_FILE_SIZE);
         if (policy != MAP_FAILED) munmap(policy, GPUSHARE_WIRE_FILE_SIZE);
@@ -364,7 +361,9 @@ static int read_line_fds(int fd, char *buf, size_t n, int timeout_ms, int *fds, 
             char buf[CMSG_SPACE(sizeof(int) * GS_MAX_FDS)];
         } control;
         struct iovec iov = {buf + len, n - 1 - len};
-        struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+        struct msghdr msg = {.msg_iov = &iov,
+                             .msg_iovlen = 1,
+                             .msg_control = control.buf,
                              .msg_controllen = sizeof control.buf};
         ssize_t r = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
         for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
@@ -373,8 +372,10 @@ static int read_line_fds(int fd, char *buf, size_t n, int timeout_ms, int *fds, 
             for (size_t k = 0; k < count; k++) {
                 int got;
                 memcpy(&got, CMSG_DATA(c) + k * sizeof(int), sizeof got);
-                if (*nfds < maxfds) fds[(*nfds)++] = got;
-                else close(got);
+                if (*nfds < maxfds)
+                    fds[(*nfds)++] = got;
+                else
+                    close(got);
             }
         }
         if (r <= 0) break;
@@ -399,8 +400,9 @@ static int connect_and_hello(void) {
         return -1;
     }
     char msg[1024];
-    int off = snprintf(msg, sizeof msg, "{\"op\":\"hello\",\"v\":%u,\"allocation\":\"%s\",\"pid\":%d",
-                       GPUSHARE_WIRE_VERSION, gs.allocation, (int)getpid());
+    int off =
+        snprintf(msg, sizeof msg, "{\"op\":\"hello\",\"v\":%u,\"allocation\":\"%s\",\"pid\":%d",
+                 GPUSHARE_WIRE_VERSION, gs.allocation, (int)getpid());
     if (gs.ngpus > 0) {
         off += snprintf(msg + off, sizeof msg - (size_t)off, ",\"gpus\":[");
         for (int i = 0; i < gs.ngpus; i++)
@@ -532,7 +534,8 @@ void gs_stream_forget(CUstream stream) {
             if (e->stream == stream) {
                 /* keep waiting for its queued work at the drain: record now, forget the stream */
                 if (e->lease && real_cuEventRecord) {
-                    if (!e->event && real_cuEventCreate) real_cuEventCreate(&e->event, CU_EVENT_DEFAULT);
+                    if (!e->event && real_cuEventCreate)
+                        real_cuEventCreate(&e->event, CU_EVENT_DEFAULT);
                     if (e->event) real_cuEventRecord(e->event, stream);
                 }
                 e->stream = NULL; /* NULL never matches a normalised stream */
@@ -706,8 +709,9 @@ static void finish_lease(struct gs_gpu *g, uint64_t lease) {
     if (atomic_compare_exchange_strong(&g->joined_lease, &expected, 0)) dec_floor(&s->joined);
     if (handed >= 0 && atomic_load(&gs.connected)) {
         char line[256];
-        snprintf(line, sizeof line, "{\"op\":\"done\",\"gpu\":\"%s\",\"lease\":%llu,\"handoff\":%d}\n",
-                 g->uuid, (unsigned long long)lease, handed);
+        snprintf(line, sizeof line,
+                 "{\"op\":\"done\",\"gpu\":\"%s\",\"lease\":%llu,\"handoff\":%d}\n", g->uuid,
+                 (unsigned long long)lease, handed);
         send_line(line);
     } else {
         send_lease_msg("done", g, lease);
@@ -723,8 +727,7 @@ static int try_extend(struct gs_gpu *g, uint64_t lease) {
     if (!h || g->slot_index < 0 || !atomic_load(&gs.connected)) return -1;
     uint32_t mine = (uint32_t)g->slot_index + 1;
     if (atomic_load(&s->lease_until_ns) != lease || atomic_load(&s->joined) != 1 ||
-        atomic_load(&h->next_slot) != mine ||
-        atomic_load(&h->holder) != mine ||
+        atomic_load(&h->next_slot) != mine || atomic_load(&h->holder) != mine ||
         atomic_load(&g->policy->state) != GPUSHARE_SLOT_ACTIVE)
         return -1;
     uint64_t now = gs_now(), lease_ns = atomic_load(&h->next_lease_ns);
@@ -864,7 +867,8 @@ static int runahead_bound(struct gs_gpu *g, struct gs_stream *e, uint64_t prior,
             }
         } else if (e->launch_ns && e->mlen > 0 &&
                    (e->count - (e->ref_valid ? e->ref_count : e->marks[e->mhead].count)) *
-                           e->launch_ns > bound) {
+                           e->launch_ns >
+                       bound) {
             for (unsigned k = 0; k < e->mlen; k++) {
                 struct gs_mark *m = &e->marks[(e->mhead + k) % GS_MARKS];
                 wait = m->event;
@@ -895,7 +899,7 @@ static int runahead_bound(struct gs_gpu *g, struct gs_stream *e, uint64_t prior,
     if (!per) return bound ? 1 : runahead_launches;
     /* marks about a quarter of the bound apart, or MARK_NS (the drain estimate's grain) */
     uint64_t n = (bound ? bound / 4 : MARK_NS) / per;
-    return n < 1 ? 1 : n > (uint64_t)runahead_launches ? runahead_launches : (int)n;
+    return n<1 ? 1 : n>(uint64_t) runahead_launches ? runahead_launches : (int)n;
 }
 
 static int join(struct gs_gpu *g, uint64_t lease) {
@@ -998,7 +1002,8 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
                 uint64_t late = now - atomic_load(&s->lease_start_ns);
                 if (late > 5000000ull)
                     gs_log("joined %.1f ms after the grant (waited %.1f ms, %d drain spins, "
-                           "%d futex waits)", late / 1e6, (now - waited_from) / 1e6, spins, waits);
+                           "%d futex waits)",
+                           late / 1e6, (now - waited_from) / 1e6, spins, waits);
             }
             return CUDA_SUCCESS;
         }
@@ -1029,7 +1034,8 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
         futex_wait(&s->grant_seq, seq, WAIT_SLICE_NS);
         if (gs_now() - now > WAIT_SLICE_NS - 1000000ull)
             gs_log("waited a whole slice (until %llu): seq %u->%u lease %llu joined %llu holder %u "
-                   "next %u", (unsigned long long)gs_now(), seq, atomic_load(&s->grant_seq),
+                   "next %u",
+                   (unsigned long long)gs_now(), seq, atomic_load(&s->grant_seq),
                    (unsigned long long)atomic_load(&s->lease_until_ns),
                    (unsigned long long)atomic_load(&g->joined_lease),
                    g->header ? atomic_load(&g->header->holder) : 0,
@@ -1112,8 +1118,7 @@ static void *agent_main(void *arg) {
             if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) disconnect();
         }
         if (n > 0 && p[1].revents) {
-            while (read(gs.wake_pipe[0], buf, sizeof buf) > 0) {
-            }
+            while (read(gs.wake_pipe[0], buf, sizeof buf) > 0) {}
         }
     }
     return NULL;

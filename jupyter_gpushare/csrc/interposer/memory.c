@@ -28,16 +28,14 @@ int gs_mem_reserve(struct gs_gpu *g, uint64_t bytes) {
         }
     } while (!atomic_compare_exchange_weak(&s->mem_used, &cur, cur + bytes));
     uint64_t peak = atomic_load(&s->mem_peak);
-    while (peak < cur + bytes && !atomic_compare_exchange_weak(&s->mem_peak, &peak, cur + bytes)) {
-    }
+    while (peak < cur + bytes && !atomic_compare_exchange_weak(&s->mem_peak, &peak, cur + bytes)) {}
     atomic_fetch_add(&g->proc_mem, bytes);
     return 0;
 }
 
 static void sub_floor(_Atomic uint64_t *p, uint64_t v) {
     uint64_t cur = atomic_load(p);
-    while (!atomic_compare_exchange_weak(p, &cur, cur > v ? cur - v : 0)) {
-    }
+    while (!atomic_compare_exchange_weak(p, &cur, cur > v ? cur - v : 0)) {}
 }
 
 void gs_mem_unreserve(struct gs_gpu *g, uint64_t bytes) {
@@ -129,9 +127,9 @@ static struct gs_gpu *alloc_gpu(CUresult *err) {
     return g;
 }
 
-#define RESERVE(g, bytes)                                                                      \
-    do {                                                                                       \
-        if ((g) && gs_mem_reserve((g), (bytes)) != 0) return CUDA_ERROR_OUT_OF_MEMORY;          \
+#define RESERVE(g, bytes)                                                                          \
+    do {                                                                                           \
+        if ((g) && gs_mem_reserve((g), (bytes)) != 0) return CUDA_ERROR_OUT_OF_MEMORY;             \
     } while (0)
 
 /* After the driver call: keep the reservation (and remember it) or roll it back. */
@@ -144,22 +142,22 @@ static CUresult settle(CUresult r, struct gs_gpu *g, uint64_t bytes, uint64_t ke
     return r;
 }
 
-#define REAL_OR(name)                                                                          \
-    do {                                                                                       \
-        gs_resolve();                                                                          \
-        if (!real_##name) return CUDA_ERROR_NOT_SUPPORTED;                                     \
+#define REAL_OR(name)                                                                              \
+    do {                                                                                           \
+        gs_resolve();                                                                              \
+        if (!real_##name) return CUDA_ERROR_NOT_SUPPORTED;                                         \
     } while (0)
 
-#define SIMPLE_ALLOC(name, bytes_expr, call)                                                   \
-    {                                                                                          \
-        REAL_OR(name);                                                                         \
-        CUresult err;                                                                          \
-        struct gs_gpu *g = alloc_gpu(&err);                                                    \
-        if (err != CUDA_SUCCESS) return err;                                                   \
-        uint64_t bytes = (bytes_expr);                                                         \
-        RESERVE(g, bytes);                                                                     \
-        CUresult r = call;                                                                     \
-        return settle(r, g, bytes, r == CUDA_SUCCESS ? (uint64_t)*dptr : 0, KIND_PTR);          \
+#define SIMPLE_ALLOC(name, bytes_expr, call)                                                       \
+    {                                                                                              \
+        REAL_OR(name);                                                                             \
+        CUresult err;                                                                              \
+        struct gs_gpu *g = alloc_gpu(&err);                                                        \
+        if (err != CUDA_SUCCESS) return err;                                                       \
+        uint64_t bytes = (bytes_expr);                                                             \
+        RESERVE(g, bytes);                                                                         \
+        CUresult r = call;                                                                         \
+        return settle(r, g, bytes, r == CUDA_SUCCESS ? (uint64_t)*dptr : 0, KIND_PTR);             \
     }
 
 /* -- device memory -------------------------------------------------------------------------- */
@@ -167,27 +165,30 @@ static CUresult settle(CUresult r, struct gs_gpu *g, uint64_t bytes, uint64_t ke
 CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     SIMPLE_ALLOC(cuMemAlloc_v2, bytesize, real_cuMemAlloc_v2(dptr, bytesize))
 
-CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
-    SIMPLE_ALLOC(cuMemAllocManaged, bytesize, real_cuMemAllocManaged(dptr, bytesize, flags))
+        CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
+            SIMPLE_ALLOC(cuMemAllocManaged, bytesize, real_cuMemAllocManaged(dptr, bytesize, flags))
 
-CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
-    SIMPLE_ALLOC(cuMemAllocAsync, bytesize, real_cuMemAllocAsync(dptr, bytesize, hStream))
+                CUresult
+    cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+        SIMPLE_ALLOC(cuMemAllocAsync, bytesize, real_cuMemAllocAsync(dptr, bytesize, hStream))
 
-CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
-    SIMPLE_ALLOC(cuMemAllocAsync_ptsz, bytesize, real_cuMemAllocAsync_ptsz(dptr, bytesize, hStream))
+            CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+                SIMPLE_ALLOC(cuMemAllocAsync_ptsz, bytesize,
+                             real_cuMemAllocAsync_ptsz(dptr, bytesize, hStream))
 
-CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
-                                 CUstream hStream)
-    SIMPLE_ALLOC(cuMemAllocFromPoolAsync, bytesize,
-                 real_cuMemAllocFromPoolAsync(dptr, bytesize, pool, hStream))
+                    CUresult
+    cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
+        SIMPLE_ALLOC(cuMemAllocFromPoolAsync, bytesize,
+                     real_cuMemAllocFromPoolAsync(dptr, bytesize, pool, hStream))
 
-CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
-                                      CUstream hStream)
-    SIMPLE_ALLOC(cuMemAllocFromPoolAsync_ptsz, bytesize,
-                 real_cuMemAllocFromPoolAsync_ptsz(dptr, bytesize, pool, hStream))
+            CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize,
+                                                  CUmemoryPool pool, CUstream hStream)
+                SIMPLE_ALLOC(cuMemAllocFromPoolAsync_ptsz, bytesize,
+                             real_cuMemAllocFromPoolAsync_ptsz(dptr, bytesize, pool, hStream))
 
-CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
-                            unsigned int ElementSizeBytes) {
+                    CUresult
+    cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
+                       unsigned int ElementSizeBytes) {
     REAL_OR(cuMemAllocPitch_v2);
     CUresult err;
     struct gs_gpu *g = alloc_gpu(&err);
@@ -208,35 +209,36 @@ CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInByt
 
 /* Frees: forget first (so a concurrent allocation reusing the address is not mistaken for this
  * one), then free; if the driver refuses, the bytes are still in use: reserve them again. */
-#define SIMPLE_FREE(name, key, kind, call)                                                     \
-    {                                                                                          \
-        REAL_OR(name);                                                                         \
-        gs_init();                                                                             \
-        struct gs_gpu *g;                                                                      \
-        uint64_t bytes = untrack((uint64_t)(key), (kind), &g);                                 \
-        CUresult r = call;                                                                     \
-        if (g && bytes) {                                                                      \
-            if (r == CUDA_SUCCESS)                                                             \
-                gs_mem_unreserve(g, bytes);                                                    \
-            else                                                                               \
-                gs_mem_track((uint64_t)(key), (kind), g, bytes);                               \
-        }                                                                                      \
-        return r;                                                                              \
+#define SIMPLE_FREE(name, key, kind, call)                                                         \
+    {                                                                                              \
+        REAL_OR(name);                                                                             \
+        gs_init();                                                                                 \
+        struct gs_gpu *g;                                                                          \
+        uint64_t bytes = untrack((uint64_t)(key), (kind), &g);                                     \
+        CUresult r = call;                                                                         \
+        if (g && bytes) {                                                                          \
+            if (r == CUDA_SUCCESS)                                                                 \
+                gs_mem_unreserve(g, bytes);                                                        \
+            else                                                                                   \
+                gs_mem_track((uint64_t)(key), (kind), g, bytes);                                   \
+        }                                                                                          \
+        return r;                                                                                  \
     }
 
 CUresult cuMemFree_v2(CUdeviceptr dptr)
     SIMPLE_FREE(cuMemFree_v2, dptr, KIND_PTR, real_cuMemFree_v2(dptr))
 
-CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
-    SIMPLE_FREE(cuMemFreeAsync, dptr, KIND_PTR, real_cuMemFreeAsync(dptr, hStream))
+        CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
+            SIMPLE_FREE(cuMemFreeAsync, dptr, KIND_PTR, real_cuMemFreeAsync(dptr, hStream))
 
-CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
-    SIMPLE_FREE(cuMemFreeAsync_ptsz, dptr, KIND_PTR, real_cuMemFreeAsync_ptsz(dptr, hStream))
+                CUresult
+    cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
+        SIMPLE_FREE(cuMemFreeAsync_ptsz, dptr, KIND_PTR, real_cuMemFreeAsync_ptsz(dptr, hStream))
 
-/* -- virtual memory management -------------------------------------------------------------- */
+    /* -- virtual memory management -------------------------------------------------------------- */
 
-CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
-                     const CUmemAllocationProp *prop, unsigned long long flags) {
+    CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                         const CUmemAllocationProp *prop, unsigned long long flags) {
     REAL_OR(cuMemCreate);
     CUresult err;
     struct gs_gpu *g = alloc_gpu(&err);
@@ -252,14 +254,23 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
 CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
     SIMPLE_FREE(cuMemRelease, handle, KIND_HANDLE, real_cuMemRelease(handle))
 
-/* -- arrays --------------------------------------------------------------------------------- */
+    /* -- arrays --------------------------------------------------------------------------------- */
 
-static uint64_t format_bytes(CUarray_format f) {
+    static uint64_t format_bytes(CUarray_format f) {
     switch (f) {
-    case 0x01: case 0x08: return 1;   /* (UN)SIGNED_INT8 */
-    case 0x02: case 0x09: case 0x10: return 2; /* INT16, HALF */
-    case 0x03: case 0x0a: case 0x20: return 4; /* INT32, FLOAT */
-    default: return 16;               /* wider/compressed formats: count generously */
+    case 0x01:
+    case 0x08:
+        return 1; /* (UN)SIGNED_INT8 */
+    case 0x02:
+    case 0x09:
+    case 0x10:
+        return 2; /* INT16, HALF */
+    case 0x03:
+    case 0x0a:
+    case 0x20:
+        return 4; /* INT32, FLOAT */
+    default:
+        return 16; /* wider/compressed formats: count generously */
     }
 }
 
@@ -272,8 +283,8 @@ CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *desc) {
     CUresult err;
     struct gs_gpu *g = alloc_gpu(&err);
     if (err != CUDA_SUCCESS) return err;
-    uint64_t bytes = desc ? array_bytes(desc->Width, desc->Height, 1, desc->Format,
-                                        desc->NumChannels) : 0;
+    uint64_t bytes =
+        desc ? array_bytes(desc->Width, desc->Height, 1, desc->Format, desc->NumChannels) : 0;
     RESERVE(g, bytes);
     CUresult r = real_cuArrayCreate_v2(pHandle, desc);
     return settle(r, g, bytes, r == CUDA_SUCCESS ? (uint64_t)(uintptr_t)*pHandle : 0, KIND_ARRAY);
@@ -284,8 +295,9 @@ CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *des
     CUresult err;
     struct gs_gpu *g = alloc_gpu(&err);
     if (err != CUDA_SUCCESS) return err;
-    uint64_t bytes = desc ? array_bytes(desc->Width, desc->Height, desc->Depth, desc->Format,
-                                        desc->NumChannels) : 0;
+    uint64_t bytes =
+        desc ? array_bytes(desc->Width, desc->Height, desc->Depth, desc->Format, desc->NumChannels)
+             : 0;
     RESERVE(g, bytes);
     CUresult r = real_cuArray3DCreate_v2(pHandle, desc);
     return settle(r, g, bytes, r == CUDA_SUCCESS ? (uint64_t)(uintptr_t)*pHandle : 0, KIND_ARRAY);
@@ -294,9 +306,9 @@ CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *des
 CUresult cuArrayDestroy(CUarray hArray)
     SIMPLE_FREE(cuArrayDestroy, (uintptr_t)hArray, KIND_ARRAY, real_cuArrayDestroy(hArray))
 
-/* -- what the process is told ---------------------------------------------------------------- */
+    /* -- what the process is told ---------------------------------------------------------------- */
 
-static void report(struct gs_gpu *g, uint64_t *free_b, uint64_t *total_b) {
+    static void report(struct gs_gpu *g, uint64_t *free_b, uint64_t *total_b) {
     uint64_t cap = atomic_load(&atomic_load_explicit(&g->policy, memory_order_acquire)->mem_cap);
     if (cap == 0 || cap == UINT64_MAX) return;
     uint64_t used = atomic_load(&atomic_load_explicit(&g->account, memory_order_acquire)->mem_used);

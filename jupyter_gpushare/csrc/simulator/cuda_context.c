@@ -23,139 +23,110 @@ static _Atomic unsigned long long next_ctx_id = 1;
 static __thread struct CUctx_st *ctx_stack[CTX_STACK];
 static __thread int ctx_depth;
 
-uint64_t sim_kernel_default_ns(void) { return kernel_default_ns; }
-uint64_t sim_queue_ahead_ns(void) { return queue_ahead_ns; }
+uint64_t sim_kernel_default_ns(void) {
+    return kernel_default_ns;
+}
+uint64_t sim_queue_ahead_ns(void) {
+    return queue_ahead_ns;
+}
 
-CUresult sim_ready(void)
-{
+CUresult sim_ready(void) {
     return atomic_load_explicit(&initialised, memory_order_acquire) ? CUDA_SUCCESS
                                                                     : CUDA_ERROR_NOT_INITIALIZED;
 }
 
-CUresult sim_device_ordinal(CUdevice dev)
-{
+CUresult sim_device_ordinal(CUdevice dev) {
     CUresult r = sim_ready();
-    if (r)
-        return r;
+    if (r) return r;
     return dev >= 0 && dev < sim_cuda_count() ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
 }
 
-struct CUctx_st *sim_current(void)
-{
+struct CUctx_st *sim_current(void) {
     struct CUctx_st *c = ctx_depth > 0 ? ctx_stack[ctx_depth - 1] : NULL;
     return c && atomic_load(&c->alive) ? c : NULL;
 }
 
-CUresult sim_current_ctx(struct CUctx_st **out)
-{
+CUresult sim_current_ctx(struct CUctx_st **out) {
     CUresult r = sim_ready();
-    if (r)
-        return r;
+    if (r) return r;
     *out = sim_current();
     return *out ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
 }
 
-static CUresult check_ctx(CUcontext c)
-{
-    if (!c || c->magic != MAGIC_CTX)
-        return CUDA_ERROR_INVALID_CONTEXT;
+static CUresult check_ctx(CUcontext c) {
+    if (!c || c->magic != MAGIC_CTX) return CUDA_ERROR_INVALID_CONTEXT;
     return atomic_load(&c->alive) ? CUDA_SUCCESS : CUDA_ERROR_CONTEXT_IS_DESTROYED;
 }
 
 /* -- init ------------------------------------------------------------------------------------- */
 
-CUresult cuInit(unsigned int Flags)
-{
-    if (Flags != 0)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (atomic_load(&initialised))
-        return CUDA_SUCCESS;
-    if (sim_open(0) != 0)
-        return CUDA_ERROR_OPERATING_SYSTEM;
+CUresult cuInit(unsigned int Flags) {
+    if (Flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    if (atomic_load(&initialised)) return CUDA_SUCCESS;
+    if (sim_open(0) != 0) return CUDA_ERROR_OPERATING_SYSTEM;
     sim_reap(); /* processes that exited since anyone looked give their memory back */
     /* Tunables: the duration of kernels other than busy_us, and how much work a stream may
      * have queued beyond now before a launch blocks. */
     const char *us = getenv("GPUSHARE_SIM_KERNEL_US");
-    if (us && *us)
-        kernel_default_ns = strtoull(us, NULL, 10) * 1000ull;
+    if (us && *us) kernel_default_ns = strtoull(us, NULL, 10) * 1000ull;
     const char *ctx_bytes = getenv("GPUSHARE_SIM_CONTEXT_BYTES");
-    if (ctx_bytes && *ctx_bytes)
-        context_bytes = strtoull(ctx_bytes, NULL, 10);
+    if (ctx_bytes && *ctx_bytes) context_bytes = strtoull(ctx_bytes, NULL, 10);
     const char *ahead = getenv("GPUSHARE_SIM_QUEUE_AHEAD_US");
     if (ahead && *ahead && strtoull(ahead, NULL, 10) > 0)
         queue_ahead_ns = strtoull(ahead, NULL, 10) * 1000ull;
-    if (sim_cuda_count() == 0)
-        return CUDA_ERROR_NO_DEVICE;
+    if (sim_cuda_count() == 0) return CUDA_ERROR_NO_DEVICE;
     atomic_store_explicit(&initialised, 1, memory_order_release);
     return CUDA_SUCCESS;
 }
 
-CUresult cuDriverGetVersion(int *driverVersion)
-{
-    if (!driverVersion)
-        return CUDA_ERROR_INVALID_VALUE;
+CUresult cuDriverGetVersion(int *driverVersion) {
+    if (!driverVersion) return CUDA_ERROR_INVALID_VALUE;
     *driverVersion = SIM_DRIVER_VERSION;
     return CUDA_SUCCESS;
 }
 
 /* -- devices ---------------------------------------------------------------------------------- */
 
-CUresult cuDeviceGetCount(int *count)
-{
+CUresult cuDeviceGetCount(int *count) {
     CUresult r = sim_ready();
-    if (r)
-        return r;
-    if (!count)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!count) return CUDA_ERROR_INVALID_VALUE;
     *count = sim_cuda_count();
     return CUDA_SUCCESS;
 }
 
-CUresult cuDeviceGet(CUdevice *device, int ordinal)
-{
+CUresult cuDeviceGet(CUdevice *device, int ordinal) {
     CUresult r = sim_ready();
-    if (r)
-        return r;
-    if (!device)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (ordinal < 0 || ordinal >= sim_cuda_count())
-        return CUDA_ERROR_INVALID_DEVICE;
+    if (r) return r;
+    if (!device) return CUDA_ERROR_INVALID_VALUE;
+    if (ordinal < 0 || ordinal >= sim_cuda_count()) return CUDA_ERROR_INVALID_DEVICE;
     *device = ordinal;
     return CUDA_SUCCESS;
 }
 
-CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
-{
+CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
     CUresult r = sim_device_ordinal(dev);
-    if (r)
-        return r;
-    if (!name || len <= 0)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!name || len <= 0) return CUDA_ERROR_INVALID_VALUE;
     snprintf(name, (size_t)len, "%s", sim_dev(sim_cuda_slot(dev))->name);
     return CUDA_SUCCESS;
 }
 
-static int hexval(char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
+static int hexval(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
     return -1;
 }
 
 /* "GPU-xxxxxxxx-xxxx-…" -> the 16 bytes (hex digits in order, dashes skipped). */
-static void uuid_bytes(const char *text, CUuuid *out)
-{
+static void uuid_bytes(const char *text, CUuuid *out) {
     memset(out, 0, sizeof *out);
     const char *p = strncmp(text, "GPU-", 4) == 0 ? text + 4 : text;
     int n = 0;
     while (*p && n < 32) {
         int v = hexval(*p++);
-        if (v < 0)
-            continue;
+        if (v < 0) continue;
         if (n % 2 == 0)
             out->bytes[n / 2] = (char)(v << 4);
         else
@@ -164,49 +135,39 @@ static void uuid_bytes(const char *text, CUuuid *out)
     }
 }
 
-CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
-{
+CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
     CUresult r = sim_device_ordinal(dev);
-    if (r)
-        return r;
-    if (!uuid)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!uuid) return CUDA_ERROR_INVALID_VALUE;
     uuid_bytes(sim_dev(sim_cuda_slot(dev))->uuid, uuid);
     return CUDA_SUCCESS;
 }
 
-CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev) { return cuDeviceGetUuid(uuid, dev); }
+CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev) {
+    return cuDeviceGetUuid(uuid, dev);
+}
 
-CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
-{
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     CUresult r = sim_device_ordinal(dev);
-    if (r)
-        return r;
-    if (!bytes)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!bytes) return CUDA_ERROR_INVALID_VALUE;
     *bytes = sim_dev(sim_cuda_slot(dev))->total_bytes;
     return CUDA_SUCCESS;
 }
 
-CUresult cuDeviceComputeCapability(int *major, int *minor, CUdevice dev)
-{
+CUresult cuDeviceComputeCapability(int *major, int *minor, CUdevice dev) {
     CUresult r = sim_device_ordinal(dev);
-    if (r)
-        return r;
-    if (!major || !minor)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!major || !minor) return CUDA_ERROR_INVALID_VALUE;
     unsigned tdp;
     sim_product(sim_dev(sim_cuda_slot(dev))->name, major, minor, &tdp);
     return CUDA_SUCCESS;
 }
 
-CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev)
-{
+CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev) {
     CUresult r = sim_device_ordinal(dev);
-    if (r)
-        return r;
-    if (!pi)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!pi) return CUDA_ERROR_INVALID_VALUE;
     struct sim_device *d = sim_dev(sim_cuda_slot(dev));
     int major, minor;
     unsigned tdp;
@@ -214,97 +175,213 @@ CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev)
     int hopper = major >= 9;
     int v;
     switch (attrib) {
-    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: v = 1024; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X: v = 1024; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y: v = 1024; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z: v = 64; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X: v = 2147483647; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y: v = 65535; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z: v = 65535; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: v = 49152; break;
-    case CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY: v = 65536; break;
-    case CU_DEVICE_ATTRIBUTE_WARP_SIZE: v = 32; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_PITCH: v = 2147483647; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK: v = 65536; break;
-    case CU_DEVICE_ATTRIBUTE_CLOCK_RATE: v = hopper ? 1980000 : 1410000; break;
-    case CU_DEVICE_ATTRIBUTE_TEXTURE_ALIGNMENT: v = 512; break;
-    case CU_DEVICE_ATTRIBUTE_GPU_OVERLAP: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: v = (int)d->sms; break;
-    case CU_DEVICE_ATTRIBUTE_KERNEL_EXEC_TIMEOUT: v = 0; break;
-    case CU_DEVICE_ATTRIBUTE_INTEGRATED: v = 0; break;
-    case CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_MODE: v = 0; break;
-    case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_ECC_ENABLED: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: v = sim_cuda_slot(dev) + 1; break;
-    case CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID: v = 0; break;
-    case CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID: v = 0; break;
-    case CU_DEVICE_ATTRIBUTE_TCC_DRIVER: v = 0; break;
-    case CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE: v = hopper ? 2619000 : 1593000; break;
-    case CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH: v = 5120; break;
-    case CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: v = hopper ? 52428800 : 41943040; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: v = 2048; break;
-    case CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT: v = 3; break;
-    case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_TEXTURE_PITCH_ALIGNMENT: v = 32; break;
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: v = major; break;
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: v = minor; break;
-    case CU_DEVICE_ATTRIBUTE_STREAM_PRIORITIES_SUPPORTED: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_GLOBAL_L1_CACHE_SUPPORTED: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_LOCAL_L1_CACHE_SUPPORTED: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: v = hopper ? 233472 : 167936; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR: v = 65536; break;
-    case CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_MULTI_GPU_BOARD: v = 0; break;
-    case CU_DEVICE_ATTRIBUTE_MULTI_GPU_BOARD_GROUP_ID: v = sim_cuda_slot(dev); break;
-    case CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED: v = 0; break;
-    case CU_DEVICE_ATTRIBUTE_SINGLE_TO_DOUBLE_PRECISION_PERF_RATIO: v = 2; break;
-    case CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS: v = 0; break;
-    case CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_PREEMPTION_SUPPORTED: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_COOPERATIVE_MULTI_DEVICE_LAUNCH: v = 0; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: v = hopper ? 232448 : 166912; break;
-    case CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: v = 0; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR: v = 32; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE: v = 31457280; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE: v = 134213632; break;
-    case CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK: v = 1024; break;
-    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES: v = 0; break;
-    case CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH: v = hopper; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK:
+        v = 1024;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X:
+        v = 1024;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y:
+        v = 1024;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z:
+        v = 64;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X:
+        v = 2147483647;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y:
+        v = 65535;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z:
+        v = 65535;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK:
+        v = 49152;
+        break;
+    case CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY:
+        v = 65536;
+        break;
+    case CU_DEVICE_ATTRIBUTE_WARP_SIZE:
+        v = 32;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MAX_PITCH:
+        v = 2147483647;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK:
+        v = 65536;
+        break;
+    case CU_DEVICE_ATTRIBUTE_CLOCK_RATE:
+        v = hopper ? 1980000 : 1410000;
+        break;
+    case CU_DEVICE_ATTRIBUTE_TEXTURE_ALIGNMENT:
+        v = 512;
+        break;
+    case CU_DEVICE_ATTRIBUTE_GPU_OVERLAP:
+        v = 1;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT:
+        v = (int)d->sms;
+        break;
+    case CU_DEVICE_ATTRIBUTE_KERNEL_EXEC_TIMEOUT:
+        v = 0;
+        break;
+    case CU_DEVICE_ATTRIBUTE_INTEGRATED:
+        v = 0;
+        break;
+    case CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY:
+        v = 1;
+        break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_MODE:
+        v = 0;
+        break;
+    case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS:
+        v = 1;
+        break;
+    case CU_DEVICE_ATTRIBUTE_ECC_ENABLED:
+        v = 1;
+        break;
+    case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID:
+        v = sim_cuda_slot(dev) + 1;
+        break;
+    case CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID:
+        v = 0;
+        break;
+    case CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID:
+        v = 0;
+        break;
+    case CU_DEVICE_ATTRIBUTE_TCC_DRIVER:
+        v = 0;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE:
+        v = hopper ? 2619000 : 1593000;
+        break;
+    case CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH:
+        v = 5120;
+        break;
+    case CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE:
+        v = hopper ? 52428800 : 41943040;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR:
+        v = 2048;
+        break;
+    case CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT:
+        v = 3;
+        break;
+    case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING:
+        v = 1;
+        break;
+    case CU_DEVICE_ATTRIBUTE_TEXTURE_PITCH_ALIGNMENT:
+        v = 32;
+        break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR:
+        v = major;
+        break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR:
+        v = minor;
+        break;
+    case CU_DEVICE_ATTRIBUTE_STREAM_PRIORITIES_SUPPORTED:
+        v = 1;
+        break;
+    case CU_DEVICE_ATTRIBUTE_GLOBAL_L1_CACHE_SUPPORTED:
+        v = 1;
+        break;
+    case CU_DEVICE_ATTRIBUTE_LOCAL_L1_CACHE_SUPPORTED:
+        v = 1;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR:
+        v = hopper ? 233472 : 167936;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR:
+        v = 65536;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY:
+        v = 1;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MULTI_GPU_BOARD:
+        v = 0;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MULTI_GPU_BOARD_GROUP_ID:
+        v = sim_cuda_slot(dev);
+        break;
+    case CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED:
+        v = 0;
+        break;
+    case CU_DEVICE_ATTRIBUTE_SINGLE_TO_DOUBLE_PRECISION_PERF_RATIO:
+        v = 2;
+        break;
+    case CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS:
+        v = 0;
+        break;
+    case CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS:
+        v = 1;
+        break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_PREEMPTION_SUPPORTED:
+        v = 1;
+        break;
+    case CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM:
+        v = 1;
+        break;
+    case CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH:
+        v = 1;
+        break;
+    case CU_DEVICE_ATTRIBUTE_COOPERATIVE_MULTI_DEVICE_LAUNCH:
+        v = 0;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN:
+        v = hopper ? 232448 : 166912;
+        break;
+    case CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED:
+        v = 1;
+        break;
+    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED:
+        v = 1;
+        break;
+    case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED:
+        v = 0;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR:
+        v = 32;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE:
+        v = 31457280;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE:
+        v = 134213632;
+        break;
+    case CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK:
+        v = 1024;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED:
+        v = 1;
+        break;
+    case CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES:
+        v = 0;
+        break;
+    case CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH:
+        v = hopper;
+        break;
     default:
-        if (attrib <= 0 || attrib > 150)
-            return CUDA_ERROR_INVALID_VALUE;
+        if (attrib <= 0 || attrib > 150) return CUDA_ERROR_INVALID_VALUE;
         v = 0; /* texture/surface limits and newer capabilities: not modelled */
     }
     *pi = v;
     return CUDA_SUCCESS;
 }
 
-CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev)
-{
+CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev) {
     CUresult r = sim_device_ordinal(dev);
-    if (r)
-        return r;
-    if (!pciBusId || len <= 0)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!pciBusId || len <= 0) return CUDA_ERROR_INVALID_VALUE;
     snprintf(pciBusId, (size_t)len, "0000:%02x:00.0", sim_cuda_slot(dev) + 1);
     return CUDA_SUCCESS;
 }
 
-CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDev)
-{
+CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDev) {
     CUresult r = sim_device_ordinal(dev);
-    if (!r)
-        r = sim_device_ordinal(peerDev);
-    if (r)
-        return r;
-    if (!canAccessPeer)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (!r) r = sim_device_ordinal(peerDev);
+    if (r) return r;
+    if (!canAccessPeer) return CUDA_ERROR_INVALID_VALUE;
     *canAccessPeer = dev != peerDev;
     return CUDA_SUCCESS;
 }
@@ -313,27 +390,22 @@ CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDe
 
 /* A context counts for its process in NVML's list and, with GPUSHARE_SIM_CONTEXT_BYTES, takes
  * that much device memory (a real one takes a few hundred MiB). */
-static CUresult ctx_charge(struct CUctx_st *c)
-{
+static CUresult ctx_charge(struct CUctx_st *c) {
     if (context_bytes) {
         c->charge = sim_mem_reserve(c->slot, context_bytes);
-        if (!c->charge)
-            return CUDA_ERROR_OUT_OF_MEMORY;
+        if (!c->charge) return CUDA_ERROR_OUT_OF_MEMORY;
     }
     sim_context_count(c->slot, 1);
     return CUDA_SUCCESS;
 }
 
-static void ctx_uncharge(struct CUctx_st *c)
-{
-    if (c->charge)
-        sim_mem_release(c->slot, context_bytes, c->charge);
+static void ctx_uncharge(struct CUctx_st *c) {
+    if (c->charge) sim_mem_release(c->slot, context_bytes, c->charge);
     c->charge = 0;
     sim_context_count(c->slot, -1);
 }
 
-static void ctx_init(struct CUctx_st *c, CUdevice dev, unsigned flags, int is_primary)
-{
+static void ctx_init(struct CUctx_st *c, CUdevice dev, unsigned flags, int is_primary) {
     memset(c, 0, sizeof *c);
     c->magic = MAGIC_CTX;
     c->ordinal = dev;
@@ -347,8 +419,7 @@ static void ctx_init(struct CUctx_st *c, CUdevice dev, unsigned flags, int is_pr
     atomic_store(&c->alive, 1);
 }
 
-static void ctx_push(struct CUctx_st *c)
-{
+static void ctx_push(struct CUctx_st *c) {
     if (ctx_depth < CTX_STACK)
         ctx_stack[ctx_depth++] = c;
     else
@@ -356,24 +427,21 @@ static void ctx_push(struct CUctx_st *c)
 }
 
 /* Drops c from this thread's stack (another thread's stale entry is ignored by sim_current). */
-static void ctx_forget(struct CUctx_st *c)
-{
+static void ctx_forget(struct CUctx_st *c) {
     for (int i = 0; i < ctx_depth; i++) {
         if (ctx_stack[i] == c) {
-            memmove(&ctx_stack[i], &ctx_stack[i + 1], sizeof(ctx_stack[0]) * (size_t)(ctx_depth - i - 1));
+            memmove(&ctx_stack[i], &ctx_stack[i + 1],
+                    sizeof(ctx_stack[0]) * (size_t)(ctx_depth - i - 1));
             ctx_depth--;
             i--;
         }
     }
 }
 
-CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
-{
+CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     CUresult r = sim_device_ordinal(dev);
-    if (r)
-        return r;
-    if (!pctx)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&ctx_lock);
     struct CUctx_st *c = &primary[dev];
     if (primary_refs[dev] == 0) {
@@ -390,8 +458,7 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     return CUDA_SUCCESS;
 }
 
-static void primary_destroy(CUdevice dev)
-{
+static void primary_destroy(CUdevice dev) {
     struct CUctx_st *c = &primary[dev];
     atomic_store(&c->alive, 0);
     sim_free_context_memory(c);
@@ -399,11 +466,9 @@ static void primary_destroy(CUdevice dev)
     primary_refs[dev] = 0;
 }
 
-CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
-{
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
     CUresult r = sim_device_ordinal(dev);
-    if (r)
-        return r;
+    if (r) return r;
     pthread_mutex_lock(&ctx_lock);
     if (primary_refs[dev] == 0)
         r = CUDA_ERROR_INVALID_CONTEXT;
@@ -415,30 +480,28 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
     return r;
 }
 
-CUresult cuDevicePrimaryCtxRelease(CUdevice dev) { return cuDevicePrimaryCtxRelease_v2(dev); }
+CUresult cuDevicePrimaryCtxRelease(CUdevice dev) {
+    return cuDevicePrimaryCtxRelease_v2(dev);
+}
 
-CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
-{
+CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
     CUresult r = sim_device_ordinal(dev);
-    if (r)
-        return r;
+    if (r) return r;
     pthread_mutex_lock(&ctx_lock);
-    if (primary_refs[dev] > 0)
-        primary_destroy(dev);
+    if (primary_refs[dev] > 0) primary_destroy(dev);
     primary_flags[dev] = 0;
     pthread_mutex_unlock(&ctx_lock);
     return CUDA_SUCCESS;
 }
 
-CUresult cuDevicePrimaryCtxReset(CUdevice dev) { return cuDevicePrimaryCtxReset_v2(dev); }
+CUresult cuDevicePrimaryCtxReset(CUdevice dev) {
+    return cuDevicePrimaryCtxReset_v2(dev);
+}
 
-CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active)
-{
+CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active) {
     CUresult r = sim_device_ordinal(dev);
-    if (r)
-        return r;
-    if (!flags || !active)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!flags || !active) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&ctx_lock);
     *flags = primary_flags[dev];
     *active = primary_refs[dev] > 0;
@@ -446,13 +509,10 @@ CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *acti
     return CUDA_SUCCESS;
 }
 
-CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags)
-{
+CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags) {
     CUresult r = sim_device_ordinal(dev);
-    if (r)
-        return r;
-    if (flags & ~(unsigned)CU_CTX_FLAGS_MASK)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (flags & ~(unsigned)CU_CTX_FLAGS_MASK) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&ctx_lock);
     primary_flags[dev] = flags;
     primary[dev].flags = flags;
@@ -460,21 +520,16 @@ CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags)
     return CUDA_SUCCESS;
 }
 
-CUresult cuDevicePrimaryCtxSetFlags(CUdevice dev, unsigned int flags)
-{
+CUresult cuDevicePrimaryCtxSetFlags(CUdevice dev, unsigned int flags) {
     return cuDevicePrimaryCtxSetFlags_v2(dev, flags);
 }
 
-CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
-{
+CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
     CUresult r = sim_device_ordinal(dev);
-    if (r)
-        return r;
-    if (!pctx || (flags & ~(unsigned)CU_CTX_FLAGS_MASK))
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!pctx || (flags & ~(unsigned)CU_CTX_FLAGS_MASK)) return CUDA_ERROR_INVALID_VALUE;
     struct CUctx_st *c = malloc(sizeof *c);
-    if (!c)
-        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (!c) return CUDA_ERROR_OUT_OF_MEMORY;
     ctx_init(c, dev, flags, 0);
     if ((r = ctx_charge(c))) {
         free(c);
@@ -489,35 +544,28 @@ CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
     return CUDA_SUCCESS;
 }
 
-CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev)
-{
+CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev) {
     return cuCtxCreate_v2(pctx, flags, dev);
 }
 
 CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
-                        unsigned int flags, CUdevice dev)
-{
+                        unsigned int flags, CUdevice dev) {
     (void)paramsArray;
     (void)numParams;
     return cuCtxCreate_v2(pctx, flags, dev);
 }
 
 CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags,
-                        CUdevice dev)
-{
+                        CUdevice dev) {
     (void)ctxCreateParams;
     return cuCtxCreate_v2(pctx, flags, dev);
 }
 
-CUresult cuCtxDestroy_v2(CUcontext ctx)
-{
+CUresult cuCtxDestroy_v2(CUcontext ctx) {
     CUresult r = sim_ready();
-    if (r)
-        return r;
-    if ((r = check_ctx(ctx)))
-        return r;
-    if (ctx->primary)
-        return CUDA_ERROR_INVALID_CONTEXT;
+    if (r) return r;
+    if ((r = check_ctx(ctx))) return r;
+    if (ctx->primary) return CUDA_ERROR_INVALID_CONTEXT;
     atomic_store(&ctx->alive, 0);
     ctx_forget(ctx);
     sim_free_context_memory(ctx);
@@ -525,18 +573,16 @@ CUresult cuCtxDestroy_v2(CUcontext ctx)
     return CUDA_SUCCESS;
 }
 
-CUresult cuCtxDestroy(CUcontext ctx) { return cuCtxDestroy_v2(ctx); }
+CUresult cuCtxDestroy(CUcontext ctx) {
+    return cuCtxDestroy_v2(ctx);
+}
 
-CUresult cuCtxSetCurrent(CUcontext ctx)
-{
+CUresult cuCtxSetCurrent(CUcontext ctx) {
     CUresult r = sim_ready();
-    if (r)
-        return r;
-    if (ctx && (r = check_ctx(ctx)))
-        return r;
+    if (r) return r;
+    if (ctx && (r = check_ctx(ctx))) return r;
     if (ctx_depth == 0) {
-        if (ctx)
-            ctx_push(ctx);
+        if (ctx) ctx_push(ctx);
     } else if (ctx) {
         ctx_stack[ctx_depth - 1] = ctx;
     } else {
@@ -545,127 +591,98 @@ CUresult cuCtxSetCurrent(CUcontext ctx)
     return CUDA_SUCCESS;
 }
 
-CUresult cuCtxGetCurrent(CUcontext *pctx)
-{
+CUresult cuCtxGetCurrent(CUcontext *pctx) {
     CUresult r = sim_ready();
-    if (r)
-        return r;
-    if (!pctx)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
     *pctx = sim_current();
     return CUDA_SUCCESS;
 }
 
-CUresult cuCtxPushCurrent_v2(CUcontext ctx)
-{
+CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
     CUresult r = sim_ready();
-    if (r)
-        return r;
-    if ((r = check_ctx(ctx)))
-        return r;
+    if (r) return r;
+    if ((r = check_ctx(ctx))) return r;
     ctx_push(ctx);
     return CUDA_SUCCESS;
 }
 
-CUresult cuCtxPushCurrent(CUcontext ctx) { return cuCtxPushCurrent_v2(ctx); }
+CUresult cuCtxPushCurrent(CUcontext ctx) {
+    return cuCtxPushCurrent_v2(ctx);
+}
 
-CUresult cuCtxPopCurrent_v2(CUcontext *pctx)
-{
+CUresult cuCtxPopCurrent_v2(CUcontext *pctx) {
     CUresult r = sim_ready();
-    if (r)
-        return r;
-    if (ctx_depth == 0)
-        return CUDA_ERROR_INVALID_CONTEXT;
+    if (r) return r;
+    if (ctx_depth == 0) return CUDA_ERROR_INVALID_CONTEXT;
     struct CUctx_st *c = ctx_stack[--ctx_depth];
-    if (pctx)
-        *pctx = c;
+    if (pctx) *pctx = c;
     return CUDA_SUCCESS;
 }
 
-CUresult cuCtxPopCurrent(CUcontext *pctx) { return cuCtxPopCurrent_v2(pctx); }
+CUresult cuCtxPopCurrent(CUcontext *pctx) {
+    return cuCtxPopCurrent_v2(pctx);
+}
 
-CUresult cuCtxGetDevice(CUdevice *device)
-{
+CUresult cuCtxGetDevice(CUdevice *device) {
     struct CUctx_st *c;
     CUresult r = sim_current_ctx(&c);
-    if (r)
-        return r;
-    if (!device)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!device) return CUDA_ERROR_INVALID_VALUE;
     *device = c->ordinal;
     return CUDA_SUCCESS;
 }
 
-CUresult cuCtxGetFlags(unsigned int *flags)
-{
+CUresult cuCtxGetFlags(unsigned int *flags) {
     struct CUctx_st *c;
     CUresult r = sim_current_ctx(&c);
-    if (r)
-        return r;
-    if (!flags)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!flags) return CUDA_ERROR_INVALID_VALUE;
     *flags = c->flags;
     return CUDA_SUCCESS;
 }
 
-CUresult cuCtxSetFlags(unsigned int flags)
-{
+CUresult cuCtxSetFlags(unsigned int flags) {
     struct CUctx_st *c;
     CUresult r = sim_current_ctx(&c);
-    if (r)
-        return r;
+    if (r) return r;
     c->flags = flags;
     return CUDA_SUCCESS;
 }
 
-CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned int *version)
-{
+CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned int *version) {
     CUresult r = sim_ready();
-    if (r)
-        return r;
-    if (!ctx)
-        ctx = sim_current();
-    if ((r = check_ctx(ctx)))
-        return r;
-    if (!version)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!ctx) ctx = sim_current();
+    if ((r = check_ctx(ctx))) return r;
+    if (!version) return CUDA_ERROR_INVALID_VALUE;
     *version = 12000;
     return CUDA_SUCCESS;
 }
 
-CUresult cuCtxGetId(CUcontext ctx, unsigned long long *ctxId)
-{
+CUresult cuCtxGetId(CUcontext ctx, unsigned long long *ctxId) {
     CUresult r = sim_ready();
-    if (r)
-        return r;
-    if (!ctx)
-        ctx = sim_current();
-    if ((r = check_ctx(ctx)))
-        return r;
-    if (!ctxId)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!ctx) ctx = sim_current();
+    if ((r = check_ctx(ctx))) return r;
+    if (!ctxId) return CUDA_ERROR_INVALID_VALUE;
     *ctxId = ctx->id;
     return CUDA_SUCCESS;
 }
 
-CUresult cuCtxSynchronize(void)
-{
+CUresult cuCtxSynchronize(void) {
     struct CUctx_st *c;
     CUresult r = sim_current_ctx(&c);
-    if (r)
-        return r;
+    if (r) return r;
     sim_sleep_until(atomic_load(&c->all_end));
     return CUDA_SUCCESS;
 }
 
-CUresult cuCtxGetLimit(size_t *pvalue, CUlimit limit)
-{
+CUresult cuCtxGetLimit(size_t *pvalue, CUlimit limit) {
     struct CUctx_st *c;
     CUresult r = sim_current_ctx(&c);
-    if (r)
-        return r;
-    if (!pvalue)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!pvalue) return CUDA_ERROR_INVALID_VALUE;
     static const size_t defaults[] = {1024, 1048576, 8388608, 2, 2048, 64, 0, 0};
     if (limit < 0 || (size_t)limit >= sizeof defaults / sizeof defaults[0])
         return CUDA_ERROR_UNSUPPORTED_LIMIT;
@@ -673,39 +690,28 @@ CUresult cuCtxGetLimit(size_t *pvalue, CUlimit limit)
     return CUDA_SUCCESS;
 }
 
-CUresult cuCtxSetLimit(CUlimit limit, size_t value)
-{
+CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
     struct CUctx_st *c;
     CUresult r = sim_current_ctx(&c);
-    if (r)
-        return r;
+    if (r) return r;
     (void)value;
     return limit >= 0 && limit <= 7 ? CUDA_SUCCESS : CUDA_ERROR_UNSUPPORTED_LIMIT;
 }
 
-CUresult cuCtxGetStreamPriorityRange(int *leastPriority, int *greatestPriority)
-{
+CUresult cuCtxGetStreamPriorityRange(int *leastPriority, int *greatestPriority) {
     CUresult r = sim_ready();
-    if (r)
-        return r;
-    if (leastPriority)
-        *leastPriority = 0;
-    if (greatestPriority)
-        *greatestPriority = -5;
+    if (r) return r;
+    if (leastPriority) *leastPriority = 0;
+    if (greatestPriority) *greatestPriority = -5;
     return CUDA_SUCCESS;
 }
 
-CUresult cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx)
-{
+CUresult cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx) {
     CUresult r = sim_ready();
-    if (r)
-        return r;
-    if (!ctx)
-        return cuCtxGetDevice(device);
-    if ((r = check_ctx(ctx)))
-        return r;
-    if (!device)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!ctx) return cuCtxGetDevice(device);
+    if ((r = check_ctx(ctx))) return r;
+    if (!device) return CUDA_ERROR_INVALID_VALUE;
     *device = ctx->ordinal;
     return CUDA_SUCCESS;
 }
@@ -713,74 +719,56 @@ CUresult cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx)
 /* Cache preferences have no effect on a simulated device; they are accepted and remembered. */
 static __thread CUfunc_cache cache_config;
 
-CUresult cuCtxSetCacheConfig(CUfunc_cache config)
-{
+CUresult cuCtxSetCacheConfig(CUfunc_cache config) {
     struct CUctx_st *c;
     CUresult r = sim_current_ctx(&c);
-    if (r)
-        return r;
-    if (config < 0 || config > 3)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (config < 0 || config > 3) return CUDA_ERROR_INVALID_VALUE;
     cache_config = config;
     return CUDA_SUCCESS;
 }
 
-CUresult cuCtxGetCacheConfig(CUfunc_cache *pconfig)
-{
+CUresult cuCtxGetCacheConfig(CUfunc_cache *pconfig) {
     struct CUctx_st *c;
     CUresult r = sim_current_ctx(&c);
-    if (r)
-        return r;
-    if (!pconfig)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!pconfig) return CUDA_ERROR_INVALID_VALUE;
     *pconfig = cache_config;
     return CUDA_SUCCESS;
 }
 
 /* Peer access: every simulated device can reach every other one (memory is host memory). */
-CUresult cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Flags)
-{
+CUresult cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Flags) {
     struct CUctx_st *c;
     CUresult r = sim_current_ctx(&c);
-    if (r)
-        return r;
-    if ((r = check_ctx(peerContext)))
-        return r;
-    if (Flags != 0 || peerContext->ordinal == c->ordinal)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if ((r = check_ctx(peerContext))) return r;
+    if (Flags != 0 || peerContext->ordinal == c->ordinal) return CUDA_ERROR_INVALID_VALUE;
     return CUDA_SUCCESS;
 }
 
-CUresult cuCtxDisablePeerAccess(CUcontext peerContext)
-{
+CUresult cuCtxDisablePeerAccess(CUcontext peerContext) {
     struct CUctx_st *c;
     CUresult r = sim_current_ctx(&c);
-    if (r)
-        return r;
+    if (r) return r;
     return check_ctx(peerContext);
 }
 
 CUresult cuDeviceGetP2PAttribute(int *value, CUdevice_P2PAttribute attrib, CUdevice srcDevice,
-                                 CUdevice dstDevice)
-{
+                                 CUdevice dstDevice) {
     CUresult r = sim_device_ordinal(srcDevice);
-    if (!r)
-        r = sim_device_ordinal(dstDevice);
-    if (r)
-        return r;
+    if (!r) r = sim_device_ordinal(dstDevice);
+    if (r) return r;
     if (!value || srcDevice == dstDevice || attrib < 1 || attrib > 4)
         return CUDA_ERROR_INVALID_VALUE;
     *value = attrib == 1 ? 0 : 1; /* performance rank 0; access, atomics, arrays supported */
     return CUDA_SUCCESS;
 }
 
-CUresult cuDeviceGetByPCIBusId(CUdevice *dev, const char *pciBusId)
-{
+CUresult cuDeviceGetByPCIBusId(CUdevice *dev, const char *pciBusId) {
     CUresult r = sim_ready();
-    if (r)
-        return r;
-    if (!dev || !pciBusId)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (r) return r;
+    if (!dev || !pciBusId) return CUDA_ERROR_INVALID_VALUE;
     for (int i = 0; i < sim_cuda_count(); i++) {
         char id[32];
         cuDeviceGetPCIBusId(id, sizeof id, i);
@@ -792,6 +780,9 @@ CUresult cuDeviceGetByPCIBusId(CUdevice *dev, const char *pciBusId)
     return CUDA_ERROR_INVALID_DEVICE;
 }
 
-CUresult cuProfilerStart(void) { return sim_ready(); }
-CUresult cuProfilerStop(void) { return sim_ready(); }
-
+CUresult cuProfilerStart(void) {
+    return sim_ready();
+}
+CUresult cuProfilerStop(void) {
+    return sim_ready();
+}

@@ -17,11 +17,12 @@
 #include "sim_state.h"
 
 #define SIM_DRIVER_VERSION 13000
-#define SIM_QUEUE_DEPTH 1024                 /* launches in flight per stream before one blocks */
-#define SIM_QUEUE_AHEAD_NS 1000000000ull     /* ... or work queued this far ahead of now
+#define SIM_QUEUE_DEPTH    1024 /* launches in flight per stream before one blocks */
+#define SIM_QUEUE_AHEAD_NS                                                                         \
+    1000000000ull /* ... or work queued this far ahead of now
                                                 (GPUSHARE_SIM_QUEUE_AHEAD_US overrides) */
 #define SIM_VMM_GRANULARITY (2ull << 20)
-#define SIM_MAX_JOINED 64
+#define SIM_MAX_JOINED      64
 
 enum {
     MAGIC_CTX = 0x43545831,
@@ -46,37 +47,37 @@ struct CUstream_st {
     int priority;
     struct CUctx_st *ctx;
     unsigned long long id;
-    a64 last_end;                   /* when its last operation ends */
-    a64 queued;                     /* launches so far; indexes `ring` */
-    a64 ring[SIM_QUEUE_DEPTH];      /* end times of its recent launches (the queue bound) */
+    a64 last_end;                         /* when its last operation ends */
+    a64 queued;                           /* launches so far; indexes `ring` */
+    a64 ring[SIM_QUEUE_DEPTH];            /* end times of its recent launches (the queue bound) */
     _Atomic(struct CUgraph_st *) capture; /* graph being captured into, or NULL */
 };
 
 struct CUctx_st {
     uint32_t magic;
-    int ordinal;                    /* CUDA ordinal (after CUDA_VISIBLE_DEVICES) */
-    int slot;                       /* device slot in the shared state */
+    int ordinal; /* CUDA ordinal (after CUDA_VISIBLE_DEVICES) */
+    int slot;    /* device slot in the shared state */
     int primary;
     unsigned flags;
     _Atomic int alive;
     unsigned long long id;
-    uint64_t charge;                /* generation of its GPUSHARE_SIM_CONTEXT_BYTES charge, or 0 */
-    a64 blocking_end;               /* latest end on the legacy stream and the blocking streams */
-    a64 all_end;                    /* latest end of anything in this context */
-    struct CUstream_st legacy;      /* the legacy default stream (NULL, CU_STREAM_LEGACY) */
-    struct CUctx_st *next_ctx;      /* all contexts ever made (kept: handles stay readable) */
+    uint64_t charge;           /* generation of its GPUSHARE_SIM_CONTEXT_BYTES charge, or 0 */
+    a64 blocking_end;          /* latest end on the legacy stream and the blocking streams */
+    a64 all_end;               /* latest end of anything in this context */
+    struct CUstream_st legacy; /* the legacy default stream (NULL, CU_STREAM_LEGACY) */
+    struct CUctx_st *next_ctx; /* all contexts ever made (kept: handles stay readable) */
 };
 
 struct CUevent_st {
     uint32_t magic;
     unsigned flags;
-    a64 time;                       /* when the recorded work completes; 0: never recorded */
+    a64 time; /* when the recorded work completes; 0: never recorded */
     _Atomic(struct CUgraph_st *) capture;
 };
 
 struct CUfunc_st {
     uint32_t magic;
-    int busy;                       /* a `busy_us` kernel: runs its first u64 parameter µs */
+    int busy; /* a `busy_us` kernel: runs its first u64 parameter µs */
     struct CUmod_st *module;
     struct CUfunc_st *next;
     int max_dynamic_shared;
@@ -84,20 +85,20 @@ struct CUfunc_st {
 };
 
 struct CUmod_st {
-    uint32_t magic;                 /* MAGIC_MODULE or MAGIC_LIBRARY (a CUlibrary is a module) */
+    uint32_t magic; /* MAGIC_MODULE or MAGIC_LIBRARY (a CUlibrary is a module) */
     pthread_mutex_t lock;
     struct CUfunc_st *funcs;
-    struct CUmod_st *next;          /* all loaded modules */
+    struct CUmod_st *next; /* all loaded modules */
 };
 
 enum node_kind { NODE_KERNEL, NODE_COPY, NODE_SET8, NODE_SET16, NODE_SET32 };
 
 struct graph_node {
     enum node_kind kind;
-    uint64_t ns;                    /* kernel duration */
+    uint64_t ns; /* kernel duration */
     void *dst;
     const void *src;
-    size_t count;                   /* bytes for a copy, elements for a set */
+    size_t count; /* bytes for a copy, elements for a set */
     unsigned value;
 };
 
@@ -106,7 +107,7 @@ struct CUgraph_st {
     pthread_mutex_t lock;
     struct graph_node *nodes;
     size_t count, cap;
-    struct CUstream_st *origin;     /* the stream whose capture made it */
+    struct CUstream_st *origin;                 /* the stream whose capture made it */
     struct CUstream_st *joined[SIM_MAX_JOINED]; /* streams that joined through events */
     int njoined;
 };
@@ -129,16 +130,16 @@ struct CUarray_st {
     uint32_t magic;
     int slot;
     uint64_t bytes;
-    uint64_t gen;                   /* generation of the memory charge (sim_mem_reserve) */
-    struct CUctx_st *ctx;           /* freed with its context */
+    uint64_t gen;         /* generation of the memory charge (sim_mem_reserve) */
+    struct CUctx_st *ctx; /* freed with its context */
     struct CUarray_st *next;
 };
 
 /* -- cuda_context.c --------------------------------------------------------------------------- */
-CUresult sim_ready(void);                          /* cuInit done and state open */
-struct CUctx_st *sim_current(void);                /* this thread's current context or NULL */
-CUresult sim_current_ctx(struct CUctx_st **out);   /* ... or an error */
-CUresult sim_device_ordinal(CUdevice dev);         /* CUDA_SUCCESS when dev names a device */
+CUresult sim_ready(void);                        /* cuInit done and state open */
+struct CUctx_st *sim_current(void);              /* this thread's current context or NULL */
+CUresult sim_current_ctx(struct CUctx_st **out); /* ... or an error */
+CUresult sim_device_ordinal(CUdevice dev);       /* CUDA_SUCCESS when dev names a device */
 uint64_t sim_kernel_default_ns(void);
 uint64_t sim_queue_ahead_ns(void);
 

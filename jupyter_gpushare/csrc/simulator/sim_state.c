@@ -51,96 +51,80 @@ static pid_t state_fd_owner;
 static int ofd_locks = 1;
 static char state_path[4096];
 
-void sim_log(const char *fmt, ...)
-{
+void sim_log(const char *fmt, ...) {
     char buf[512];
     va_list ap;
     va_start(ap, fmt);
     int n = vsnprintf(buf, sizeof buf, fmt, ap);
     va_end(ap);
-    if (n < 0)
-        return;
-    if ((size_t)n >= sizeof buf)
-        n = sizeof buf - 1;
+    if (n < 0) return;
+    if ((size_t)n >= sizeof buf) n = sizeof buf - 1;
     char line[600];
     int m = snprintf(line, sizeof line, "gpushare simulator: %.*s\n", n, buf);
     if (m > 0) {
-        ssize_t w = write(STDERR_FILENO, line, (size_t)m < sizeof line ? (size_t)m : sizeof line - 1);
+        ssize_t w =
+            write(STDERR_FILENO, line, (size_t)m < sizeof line ? (size_t)m : sizeof line - 1);
         (void)w;
     }
 }
 
 /* -- time ------------------------------------------------------------------------------------- */
 
-uint64_t sim_now_ns(void)
-{
+uint64_t sim_now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-void sim_sleep_until(uint64_t t_ns)
-{
+void sim_sleep_until(uint64_t t_ns) {
     struct timespec ts = {.tv_sec = (time_t)(t_ns / 1000000000ull),
                           .tv_nsec = (long)(t_ns % 1000000000ull)};
-    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
-    }
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {}
 }
 
 /* -- processes -------------------------------------------------------------------------------- */
 
 /* Start time (field 22 of /proc/pid/stat); 0 if unknown. Sets *zombie when the state is Z/X. */
-static uint64_t read_stat(pid_t pid, int *zombie)
-{
+static uint64_t read_stat(pid_t pid, int *zombie) {
     char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return 0;
+    if (fd < 0) return 0;
     ssize_t n = read(fd, buf, sizeof buf - 1);
     close(fd);
-    if (n <= 0)
-        return 0;
+    if (n <= 0) return 0;
     buf[n] = 0;
     char *p = strrchr(buf, ')');
-    if (!p || p[1] != ' ')
-        return 0;
+    if (!p || p[1] != ' ') return 0;
     p += 2; /* field 3: state */
-    if (zombie)
-        *zombie = (*p == 'Z' || *p == 'X');
+    if (zombie) *zombie = (*p == 'Z' || *p == 'X');
     for (int field = 3; field < 22 && *p; field++) {
         p = strchr(p, ' ');
-        if (!p)
-            return 0;
+        if (!p) return 0;
         p++;
     }
     return strtoull(p, NULL, 10);
 }
 
-uint64_t sim_proc_start_time(pid_t pid) { return read_stat(pid, NULL); }
+uint64_t sim_proc_start_time(pid_t pid) {
+    return read_stat(pid, NULL);
+}
 
-int sim_pid_alive(pid_t pid, uint64_t start_time)
-{
-    if (pid <= 0)
-        return 0;
-    if (kill(pid, 0) != 0 && errno != EPERM)
-        return 0;
+int sim_pid_alive(pid_t pid, uint64_t start_time) {
+    if (pid <= 0) return 0;
+    if (kill(pid, 0) != 0 && errno != EPERM) return 0;
     int zombie = 0;
     uint64_t st = read_stat(pid, &zombie);
-    if (zombie)
-        return 0;
-    if (st && start_time && st != start_time)
-        return 0; /* the pid was reused */
+    if (zombie) return 0;
+    if (st && start_time && st != start_time) return 0; /* the pid was reused */
     return 1;
 }
 
-static void release_record(struct sim_proc *p)
-{
+static void release_record(struct sim_proc *p) {
     for (int d = 0; d < SIM_MAX_DEVICES; d++) {
         struct sim_proc_device *pd = &p->dev[d];
         uint64_t mem = atomic_exchange(&pd->mem, 0);
-        if (mem)
-            atomic_fetch_sub(&sim_state->dev[d].mem_used, mem);
+        if (mem) atomic_fetch_sub(&sim_state->dev[d].mem_used, mem);
         atomic_store(&pd->busy, 0);
         atomic_store(&pd->last_end, 0);
         atomic_store(&pd->contexts, 0);
@@ -152,8 +136,7 @@ static void release_record(struct sim_proc *p)
 }
 
 /* Takes record p (holding pid) away from its owner and frees it. */
-static void reap_record(struct sim_proc *p, int32_t pid)
-{
+static void reap_record(struct sim_proc *p, int32_t pid) {
     int32_t expected = pid;
     if (!atomic_compare_exchange_strong(&p->pid, &expected, -pid))
         return; /* someone else reaps it, or it changed */
@@ -161,8 +144,7 @@ static void reap_record(struct sim_proc *p, int32_t pid)
     atomic_store(&p->pid, 0);
 }
 
-static int slot_lock(int i, short type)
-{
+static int slot_lock(int i, short type) {
     struct flock fl;
     memset(&fl, 0, sizeof fl);
     fl.l_type = type;
@@ -174,14 +156,10 @@ static int slot_lock(int i, short type)
 
 /* 1: record i's owner lives. 0: it is gone, and this process now holds the record's lock (give
  * it back with slot_lock(i, F_UNLCK) once done). -1: cannot tell by locks (use pids). */
-static int owner_alive(int i)
-{
-    if (i == atomic_load(&self_index))
-        return 1;
-    if (!ofd_locks || state_fd < 0)
-        return -1;
-    if (slot_lock(i, F_WRLCK) == 0)
-        return 0;
+static int owner_alive(int i) {
+    if (i == atomic_load(&self_index)) return 1;
+    if (!ofd_locks || state_fd < 0) return -1;
+    if (slot_lock(i, F_WRLCK) == 0) return 0;
     if (errno == EINVAL) {
         ofd_locks = 0;
         return -1;
@@ -191,45 +169,35 @@ static int owner_alive(int i)
 
 /* A forked child shares its parent's open file description, and with it the parent's locks:
  * it needs one of its own before it can hold a record. */
-static void own_state_fd(void)
-{
-    if (state_fd >= 0 && state_fd_owner == getpid())
-        return;
-    if (!state_path[0])
-        return;
+static void own_state_fd(void) {
+    if (state_fd >= 0 && state_fd_owner == getpid()) return;
+    if (!state_path[0]) return;
     int fd = open(state_path, O_RDWR | O_CLOEXEC);
-    if (state_fd >= 0)
-        close(state_fd);
+    if (state_fd >= 0) close(state_fd);
     state_fd = fd;
     state_fd_owner = getpid();
 }
 
-void sim_reap(void)
-{
-    if (!sim_state)
-        return;
+void sim_reap(void) {
+    if (!sim_state) return;
     own_state_fd();
     for (int i = 0; i < SIM_MAX_PROCS; i++) {
         struct sim_proc *p = &sim_state->proc[i];
         int32_t pid = atomic_load(&p->pid);
-        if (pid <= 0)
-            continue;
+        if (pid <= 0) continue;
         int alive = owner_alive(i);
         if (alive == 0) {
             reap_record(p, pid);
             slot_lock(i, F_UNLCK);
         } else if (alive < 0) {
             uint64_t st = atomic_load(&p->start_time);
-            if (st == 0 && atomic_load(&p->instance) == 0)
-                continue; /* being claimed right now */
-            if (!sim_pid_alive(pid, st))
-                reap_record(p, pid);
+            if (st == 0 && atomic_load(&p->instance) == 0) continue; /* being claimed right now */
+            if (!sim_pid_alive(pid, st)) reap_record(p, pid);
         }
     }
 }
 
-static struct sim_proc *claim_self(void)
-{
+static struct sim_proc *claim_self(void) {
     pid_t me = getpid();
     uint64_t st = sim_proc_start_time(me);
     own_state_fd();
@@ -245,8 +213,7 @@ static struct sim_proc *claim_self(void)
     for (int pass = 0; pass < 2; pass++) {
         for (int i = 0; i < SIM_MAX_PROCS; i++) {
             struct sim_proc *p = &sim_state->proc[i];
-            if (atomic_load(&p->pid) != 0)
-                continue;
+            if (atomic_load(&p->pid) != 0) continue;
             int locked = 0;
             if (ofd_locks && state_fd >= 0) {
                 if (slot_lock(i, F_WRLCK) == 0)
@@ -266,8 +233,7 @@ static struct sim_proc *claim_self(void)
                 atomic_store_explicit(&self_index, i, memory_order_release);
                 return p;
             }
-            if (locked)
-                slot_lock(i, F_UNLCK);
+            if (locked) slot_lock(i, F_UNLCK);
         }
         sim_reap();
     }
@@ -275,8 +241,7 @@ static struct sim_proc *claim_self(void)
     return NULL;
 }
 
-struct sim_proc *sim_self(void)
-{
+struct sim_proc *sim_self(void) {
     /* Fast path: no system call (a forked child resets self_index in its atfork handler). The
      * record is still ours unless someone reaped it (we closed the descriptor holding its
      * lock): then we claim a new one. */
@@ -297,8 +262,7 @@ struct sim_proc *sim_self(void)
     return p;
 }
 
-static void atfork_child(void)
-{
+static void atfork_child(void) {
     /* The child is a new process: it claims its own record on first use, and lets go of the
      * parent's descriptor, whose lock says the parent lives (it opens its own when needed). */
     atomic_store(&self_index, -1);
@@ -312,11 +276,9 @@ static void atfork_child(void)
     self_instance = r | 1;
 }
 
-__attribute__((destructor)) static void release_self_at_exit(void)
-{
+__attribute__((destructor)) static void release_self_at_exit(void) {
     int idx = atomic_load(&self_index);
-    if (!sim_state || idx < 0 || atomic_load(&self_pid) != getpid())
-        return;
+    if (!sim_state || idx < 0 || atomic_load(&self_pid) != getpid()) return;
     struct sim_proc *p = &sim_state->proc[idx];
     reap_record(p, getpid());
 }
@@ -330,23 +292,19 @@ struct spec_entry {
     uint32_t sms;
 };
 
-static void copy_field(char *dst, size_t cap, const char *src, size_t len)
-{
+static void copy_field(char *dst, size_t cap, const char *src, size_t len) {
     while (len && isspace((unsigned char)*src)) {
         src++;
         len--;
     }
-    while (len && isspace((unsigned char)src[len - 1]))
-        len--;
-    if (len >= cap)
-        len = cap - 1;
+    while (len && isspace((unsigned char)src[len - 1])) len--;
+    if (len >= cap) len = cap - 1;
     memcpy(dst, src, len);
     dst[len] = 0;
 }
 
 /* "name|uuid|bytes|sms;…" -> entries; malformed entries are skipped with a message. */
-static int parse_spec(const char *text, struct spec_entry *out, int max)
-{
+static int parse_spec(const char *text, struct spec_entry *out, int max) {
     int n = 0;
     const char *p = text;
     while (p && *p && n < max) {
@@ -361,8 +319,7 @@ static int parse_spec(const char *text, struct spec_entry *out, int max)
             f[nf] = q;
             fl[nf] = bar ? (size_t)(bar - q) : (size_t)(p + len - q);
             nf++;
-            if (!bar)
-                break;
+            if (!bar) break;
             q = bar + 1;
         }
         if (len > 0) {
@@ -392,14 +349,12 @@ static int parse_spec(const char *text, struct spec_entry *out, int max)
 
 /* Applies a CUDA/NVIDIA_VISIBLE_DEVICES value to `in` (indices into the spec). Like the real
  * driver, the list stops at the first entry that names no device. */
-static int apply_visible(const char *value, int empty_is_all, const int *in, int nin, int *out)
-{
+static int apply_visible(const char *value, int empty_is_all, const int *in, int nin, int *out) {
     if (!value || strcmp(value, "all") == 0 || (value[0] == 0 && empty_is_all)) {
         memcpy(out, in, sizeof(int) * (size_t)nin);
         return nin;
     }
-    if (strcmp(value, "none") == 0 || strcmp(value, "void") == 0 || value[0] == 0)
-        return 0;
+    if (strcmp(value, "none") == 0 || strcmp(value, "void") == 0 || value[0] == 0) return 0;
     int n = 0;
     const char *p = value;
     while (*p && n < nin) {
@@ -411,8 +366,7 @@ static int apply_visible(const char *value, int empty_is_all, const int *in, int
         if (tok[0] && isdigit((unsigned char)tok[0])) {
             char *rest;
             long v = strtol(tok, &rest, 10);
-            if (*rest == 0 && v >= 0 && v < nin)
-                found = in[v];
+            if (*rest == 0 && v >= 0 && v < nin) found = in[v];
         } else if (strncmp(tok, "GPU-", 4) == 0 && strlen(tok) > 4) {
             for (int i = 0; i < nin; i++) {
                 const char *uuid = sim_state->dev[spec_slots[in[i]]].uuid;
@@ -425,29 +379,35 @@ static int apply_visible(const char *value, int empty_is_all, const int *in, int
                 }
             }
         }
-        if (found < 0)
-            break;
+        if (found < 0) break;
         for (int i = 0; i < n; i++)
-            if (out[i] == found)
-                found = -1;
-        if (found < 0)
-            break;
+            if (out[i] == found) found = -1;
+        if (found < 0) break;
         out[n++] = found;
         p = end ? end + 1 : p + len;
     }
     return n;
 }
 
-int sim_machine_count(void) { return machine_count; }
-int sim_machine_slot(int ordinal) { return spec_slots[machine_idx[ordinal]]; }
-int sim_cuda_count(void) { return cuda_count; }
-int sim_cuda_slot(int ordinal) { return spec_slots[cuda_idx[ordinal]]; }
-struct sim_device *sim_dev(int slot) { return &sim_state->dev[slot]; }
+int sim_machine_count(void) {
+    return machine_count;
+}
+int sim_machine_slot(int ordinal) {
+    return spec_slots[machine_idx[ordinal]];
+}
+int sim_cuda_count(void) {
+    return cuda_count;
+}
+int sim_cuda_slot(int ordinal) {
+    return spec_slots[cuda_idx[ordinal]];
+}
+struct sim_device *sim_dev(int slot) {
+    return &sim_state->dev[slot];
+}
 
 /* -- opening the state file ------------------------------------------------------------------- */
 
-static uint64_t fnv1a(const char *s)
-{
+static uint64_t fnv1a(const char *s) {
     uint64_t h = 1469598103934665603ull;
     for (; *s; s++) {
         h ^= (unsigned char)*s;
@@ -456,8 +416,7 @@ static uint64_t fnv1a(const char *s)
     return h;
 }
 
-static void default_state_path(char *out, size_t cap, const char *spec)
-{
+static void default_state_path(char *out, size_t cap, const char *spec) {
     struct stat st;
     const char *dir = (stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode)) ? "/dev/shm" : "/tmp";
     snprintf(out, cap, "%s/gpushare-sim-%u-%016llx", dir, (unsigned)getuid(),
@@ -465,14 +424,12 @@ static void default_state_path(char *out, size_t cap, const char *spec)
 }
 
 /* Registers the spec's devices in the (locked) state; fills spec_slots. */
-static int register_devices(struct spec_entry *e, int n)
-{
+static int register_devices(struct spec_entry *e, int n) {
     for (int i = 0; i < n; i++) {
         int ndev = (int)atomic_load(&sim_state->ndev);
         int slot = -1;
         for (int d = 0; d < ndev; d++)
-            if (strcmp(sim_state->dev[d].uuid, e[i].uuid) == 0)
-                slot = d;
+            if (strcmp(sim_state->dev[d].uuid, e[i].uuid) == 0) slot = d;
         if (slot < 0) {
             if (ndev >= SIM_MAX_DEVICES) {
                 sim_log("the state file holds %d devices already; ignoring %s", ndev, e[i].uuid);
@@ -493,8 +450,7 @@ static int register_devices(struct spec_entry *e, int n)
     return 0;
 }
 
-static int state_header_ok(const struct sim_state *s)
-{
+static int state_header_ok(const struct sim_state *s) {
     return s->magic == SIM_MAGIC && s->version == SIM_VERSION && s->size == sizeof *s &&
            s->max_devices == SIM_MAX_DEVICES;
 }
@@ -502,13 +458,11 @@ static int state_header_ok(const struct sim_state *s)
 /* Opens (creating when needed) and locks the state file; returns the fd, locked, or -1. A file
  * named by GPUSHARE_SIM_STATE is shared by every user's processes (mode 0666, as /dev/nvidia*
  * are); the per-user default one is private. */
-static int open_locked(const char *path, int shared)
-{
+static int open_locked(const char *path, int shared) {
     for (int attempt = 0; attempt < 8; attempt++) {
         int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
         if (fd >= 0) {
-            if (shared)
-                fchmod(fd, 0666);
+            if (shared) fchmod(fd, 0666);
         } else if (errno == EEXIST) {
             fd = open(path, O_RDWR | O_CLOEXEC);
             if (fd < 0 && errno == ENOENT)
@@ -527,7 +481,8 @@ static int open_locked(const char *path, int shared)
         }
         /* The file may have been replaced between open and lock (see the version check). */
         struct stat a, b;
-        if (fstat(fd, &a) == 0 && stat(path, &b) == 0 && a.st_ino == b.st_ino && a.st_dev == b.st_dev)
+        if (fstat(fd, &a) == 0 && stat(path, &b) == 0 && a.st_ino == b.st_ino &&
+            a.st_dev == b.st_dev)
             return fd;
         close(fd);
     }
@@ -535,11 +490,9 @@ static int open_locked(const char *path, int shared)
     return -1;
 }
 
-static void do_open(void)
-{
+static void do_open(void) {
     const char *spec = getenv("GPUSHARE_SIM_DEVICES");
-    if (!spec)
-        spec = "";
+    if (!spec) spec = "";
     static struct spec_entry entries[SIM_MAX_DEVICES];
     int n = parse_spec(spec, entries, SIM_MAX_DEVICES);
     spec_count = 0;
@@ -558,8 +511,7 @@ static void do_open(void)
 
     for (int attempt = 0; attempt < 2; attempt++) {
         int fd = open_locked(path, env_path && *env_path);
-        if (fd < 0)
-            return;
+        if (fd < 0) return;
         struct stat st;
         if (fstat(fd, &st) != 0) {
             close(fd);
@@ -605,27 +557,25 @@ static void do_open(void)
         /* Record locks go through a descriptor of their own: the mapping keeps the descriptor
          * it was made from referenced (in forked children too), so locks taken through that one
          * would outlive their owner. */
-        if (state_fd >= 0)
-            close(state_fd);
+        if (state_fd >= 0) close(state_fd);
         state_fd = open(path, O_RDWR | O_CLOEXEC);
         state_fd_owner = getpid();
         snprintf(state_path, sizeof state_path, "%s", path);
 
         int all[SIM_MAX_DEVICES];
-        for (int i = 0; i < spec_count; i++)
-            all[i] = i;
-        machine_count = apply_visible(getenv("NVIDIA_VISIBLE_DEVICES"), 1, all, spec_count, machine_idx);
-        cuda_count = apply_visible(getenv("CUDA_VISIBLE_DEVICES"), 0, machine_idx, machine_count, cuda_idx);
+        for (int i = 0; i < spec_count; i++) all[i] = i;
+        machine_count =
+            apply_visible(getenv("NVIDIA_VISIBLE_DEVICES"), 1, all, spec_count, machine_idx);
+        cuda_count =
+            apply_visible(getenv("CUDA_VISIBLE_DEVICES"), 0, machine_idx, machine_count, cuda_idx);
         static int atfork_done;
-        if (!atfork_done++)
-            pthread_atfork(NULL, NULL, atfork_child);
+        if (!atfork_done++) pthread_atfork(NULL, NULL, atfork_child);
         open_result = 0;
         return;
     }
 }
 
-static void environment_key(char *out, size_t cap)
-{
+static void environment_key(char *out, size_t cap) {
     const char *names[] = {"GPUSHARE_SIM_DEVICES", "GPUSHARE_SIM_STATE", "NVIDIA_VISIBLE_DEVICES",
                            "CUDA_VISIBLE_DEVICES"};
     size_t used = 0;
@@ -633,14 +583,12 @@ static void environment_key(char *out, size_t cap)
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         const char *v = getenv(names[i]);
         int n = snprintf(out + used, cap - used, "%s=%s\x1f", names[i], v ? v : "\x1e");
-        if (n < 0 || (size_t)n >= cap - used)
-            return;
+        if (n < 0 || (size_t)n >= cap - used) return;
         used += (size_t)n;
     }
 }
 
-int sim_open(int reopen_if_changed)
-{
+int sim_open(int reopen_if_changed) {
     char key[sizeof opened_env];
     environment_key(key, sizeof key);
     pthread_mutex_lock(&open_lock);
@@ -662,8 +610,7 @@ int sim_open(int reopen_if_changed)
 
 /* -- scheduling ------------------------------------------------------------------------------- */
 
-uint64_t sim_schedule(int slot, uint64_t dep_ns, uint64_t dur_ns)
-{
+uint64_t sim_schedule(int slot, uint64_t dep_ns, uint64_t dur_ns) {
     struct sim_device *d = &sim_state->dev[slot];
     uint64_t now = sim_now_ns();
     /* Counted before the placement: a reader in between sees the kernel as already done for a
@@ -673,8 +620,7 @@ uint64_t sim_schedule(int slot, uint64_t dep_ns, uint64_t dur_ns)
     uint64_t start, end;
     do {
         start = now > until ? now : until;
-        if (dep_ns > start)
-            start = dep_ns;
+        if (dep_ns > start) start = dep_ns;
         end = start + dur_ns;
     } while (!atomic_compare_exchange_weak(&d->busy_until, &until, end));
     atomic_fetch_add_explicit(&d->launches, 1, memory_order_relaxed);
@@ -683,10 +629,9 @@ uint64_t sim_schedule(int slot, uint64_t dep_ns, uint64_t dur_ns)
         struct sim_proc_device *pd = &p->dev[slot];
         atomic_fetch_add_explicit(&pd->busy, dur_ns, memory_order_relaxed);
         uint64_t last = atomic_load_explicit(&pd->last_end, memory_order_relaxed);
-        while (last < end &&
-               !atomic_compare_exchange_weak_explicit(&pd->last_end, &last, end,
-                                                      memory_order_relaxed, memory_order_relaxed)) {
-        }
+        while (last < end && !atomic_compare_exchange_weak_explicit(&pd->last_end, &last, end,
+                                                                    memory_order_relaxed,
+                                                                    memory_order_relaxed)) {}
     }
     sim_sample(slot, now);
     return end;
@@ -694,20 +639,17 @@ uint64_t sim_schedule(int slot, uint64_t dep_ns, uint64_t dur_ns)
 
 /* -- memory ----------------------------------------------------------------------------------- */
 
-static void sub_clamped(a64 *a, uint64_t v)
-{
+static void sub_clamped(a64 *a, uint64_t v) {
     uint64_t cur = atomic_load(a), next;
     do {
         next = cur > v ? cur - v : 0;
     } while (!atomic_compare_exchange_weak(a, &cur, next));
 }
 
-uint64_t sim_mem_reserve(int slot, uint64_t bytes)
-{
+uint64_t sim_mem_reserve(int slot, uint64_t bytes) {
     struct sim_device *d = &sim_state->dev[slot];
     struct sim_proc *p = sim_self();
-    if (!p)
-        return 0;
+    if (!p) return 0;
     for (int pass = 0; pass < 2; pass++) {
         uint64_t used = atomic_load(&d->mem_used);
         while (used + bytes <= d->total_bytes && used + bytes >= used) {
@@ -721,8 +663,7 @@ uint64_t sim_mem_reserve(int slot, uint64_t bytes)
     return 0;
 }
 
-void sim_mem_release(int slot, uint64_t bytes, uint64_t generation)
-{
+void sim_mem_release(int slot, uint64_t bytes, uint64_t generation) {
     struct sim_proc *p = sim_self();
     if (!p || generation != atomic_load(&self_generation))
         return; /* charged to a record that was reaped: already given back */
@@ -730,11 +671,9 @@ void sim_mem_release(int slot, uint64_t bytes, uint64_t generation)
     sub_clamped(&sim_state->dev[slot].mem_used, bytes);
 }
 
-void sim_context_count(int slot, int delta)
-{
+void sim_context_count(int slot, int delta) {
     struct sim_proc *p = sim_self();
-    if (!p)
-        return;
+    if (!p) return;
     if (delta >= 0) {
         atomic_fetch_add(&p->dev[slot].contexts, (uint32_t)delta);
         return;
@@ -747,22 +686,19 @@ void sim_context_count(int slot, int delta)
 
 /* -- utilisation ------------------------------------------------------------------------------ */
 
-uint64_t sim_busy_done(int slot, uint64_t now)
-{
+uint64_t sim_busy_done(int slot, uint64_t now) {
     struct sim_device *d = &sim_state->dev[slot];
     for (;;) {
         uint64_t u1 = atomic_load(&d->busy_until);
         uint64_t total = atomic_load(&d->busy_total);
         uint64_t u2 = atomic_load(&d->busy_until);
-        if (u1 != u2)
-            continue;
+        if (u1 != u2) continue;
         uint64_t future = u1 > now ? u1 - now : 0;
         return total > future ? total - future : 0;
     }
 }
 
-void sim_sample(int slot, uint64_t now)
-{
+void sim_sample(int slot, uint64_t now) {
     struct sim_device *d = &sim_state->dev[slot];
     uint64_t period = now / SIM_SAMPLE_NS;
     struct sim_sample *s = &d->samples[period % SIM_SAMPLES];
@@ -771,36 +707,30 @@ void sim_sample(int slot, uint64_t now)
          * in the period only extend the busy stretch, or open a gap shorter than the period). */
         uint64_t until = atomic_load(&d->busy_until);
         uint64_t cur = atomic_load_explicit(&s->until, memory_order_relaxed);
-        while (cur < until && !atomic_compare_exchange_weak(&s->until, &cur, until)) {
-        }
+        while (cur < until && !atomic_compare_exchange_weak(&s->until, &cur, until)) {}
         return;
     }
     uint64_t seq = atomic_load(&s->seq);
-    if ((seq & 1) || !atomic_compare_exchange_strong(&s->seq, &seq, seq + 1))
-        return;
+    if ((seq & 1) || !atomic_compare_exchange_strong(&s->seq, &seq, seq + 1)) return;
     atomic_store(&s->t, now);
     atomic_store(&s->done, sim_busy_done(slot, now));
     atomic_store(&s->until, atomic_load(&d->busy_until));
     atomic_store(&s->seq, seq + 2);
 }
 
-static int read_sample(struct sim_sample *s, uint64_t *t, uint64_t *done, uint64_t *until)
-{
+static int read_sample(struct sim_sample *s, uint64_t *t, uint64_t *done, uint64_t *until) {
     for (int tries = 0; tries < 100; tries++) {
         uint64_t a = atomic_load(&s->seq);
-        if (a & 1)
-            continue;
+        if (a & 1) continue;
         *t = atomic_load(&s->t);
         *done = atomic_load(&s->done);
         *until = atomic_load(&s->until);
-        if (atomic_load(&s->seq) == a)
-            return *t != 0;
+        if (atomic_load(&s->seq) == a) return *t != 0;
     }
     return 0;
 }
 
-double sim_utilisation(int slot)
-{
+double sim_utilisation(int slot) {
     struct sim_device *d = &sim_state->dev[slot];
     uint64_t now = sim_now_ns();
     sim_sample(slot, now);
@@ -812,12 +742,11 @@ double sim_utilisation(int slot)
      * SIM_SAMPLES periods are never overwritten, so s is lost only when nothing happened for
      * that long; then the window starts at the oldest sample left. */
     uint64_t from = now > SIM_UTIL_WINDOW_NS ? now - SIM_UTIL_WINDOW_NS : 0;
-    uint64_t le_t = 0, le_done = 0, le_until = 0;     /* newest sample <= from */
-    uint64_t gt_t = UINT64_MAX, gt_done = 0;           /* oldest sample > from */
+    uint64_t le_t = 0, le_done = 0, le_until = 0; /* newest sample <= from */
+    uint64_t gt_t = UINT64_MAX, gt_done = 0;      /* oldest sample > from */
     for (int i = 0; i < SIM_SAMPLES; i++) {
         uint64_t t, done, until;
-        if (!read_sample(&d->samples[i], &t, &done, &until))
-            continue;
+        if (!read_sample(&d->samples[i], &t, &done, &until)) continue;
         if (t <= from && t > le_t) {
             le_t = t;
             le_done = done;
@@ -839,18 +768,15 @@ double sim_utilisation(int slot)
         start = from;
         done_start = 0;
     }
-    if (now < start + SIM_SAMPLE_NS / 5)
-        return atomic_load(&d->busy_until) > now ? 1.0 : 0.0;
-    if (done_start > done_now)
-        done_start = done_now;
+    if (now < start + SIM_SAMPLE_NS / 5) return atomic_load(&d->busy_until) > now ? 1.0 : 0.0;
+    if (done_start > done_now) done_start = done_now;
     double u = (double)(done_now - done_start) / (double)(now - start);
     return u < 0 ? 0 : (u > 1 ? 1 : u);
 }
 
 /* -- products --------------------------------------------------------------------------------- */
 
-void sim_product(const char *name, int *cc_major, int *cc_minor, unsigned *tdp_watts)
-{
+void sim_product(const char *name, int *cc_major, int *cc_minor, unsigned *tdp_watts) {
     static const struct {
         const char *key;
         int major, minor;

@@ -21,15 +21,15 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#define SIM_MAGIC 0x314d534853504721ULL /* "!GPSHSM1" */
-#define SIM_VERSION 1u
-#define SIM_MAX_DEVICES 64
-#define SIM_MAX_PROCS 256
-#define SIM_NAME_LEN 96
-#define SIM_UUID_LEN 96
-#define SIM_SAMPLES 64                    /* utilisation samples kept per device ... */
-#define SIM_SAMPLE_NS 50000000ull         /* ... one per 50 ms: 3.2 s of history */
-#define SIM_UTIL_WINDOW_NS 1000000000ull  /* NVML utilisation: busy fraction over the last second */
+#define SIM_MAGIC          0x314d534853504721ULL /* "!GPSHSM1" */
+#define SIM_VERSION        1u
+#define SIM_MAX_DEVICES    64
+#define SIM_MAX_PROCS      256
+#define SIM_NAME_LEN       96
+#define SIM_UUID_LEN       96
+#define SIM_SAMPLES        64            /* utilisation samples kept per device ... */
+#define SIM_SAMPLE_NS      50000000ull   /* ... one per 50 ms: 3.2 s of history */
+#define SIM_UTIL_WINDOW_NS 1000000000ull /* NVML utilisation: busy fraction over the last second */
 
 typedef _Atomic uint64_t a64;
 typedef _Atomic uint32_t a32;
@@ -51,21 +51,21 @@ struct sim_device {
     uint32_t sms;
     uint32_t reserved0;
     uint64_t created_ns;
-    a64 busy_until;  /* CLOCK_MONOTONIC ns when the last scheduled kernel ends */
-    a64 busy_total;  /* sum of the durations of all kernels ever scheduled */
-    a64 mem_used;    /* bytes allocated by all processes */
-    a64 launches;    /* kernels (and graphs) scheduled */
+    a64 busy_until; /* CLOCK_MONOTONIC ns when the last scheduled kernel ends */
+    a64 busy_total; /* sum of the durations of all kernels ever scheduled */
+    a64 mem_used;   /* bytes allocated by all processes */
+    a64 launches;   /* kernels (and graphs) scheduled */
     struct sim_sample samples[SIM_SAMPLES];
 };
 
 /* What one process holds on one device. */
 struct sim_proc_device {
-    a64 mem;        /* bytes allocated */
-    a64 busy;       /* sum of the durations of its kernels */
-    a64 last_end;   /* end of its last kernel */
-    a32 contexts;   /* live contexts (primary retains count once) */
+    a64 mem;      /* bytes allocated */
+    a64 busy;     /* sum of the durations of its kernels */
+    a64 last_end; /* end of its last kernel */
+    a32 contexts; /* live contexts (primary retains count once) */
     a32 reserved;
-    a64 sample_t;   /* per-process utilisation sample (NVML process utilisation) */
+    a64 sample_t; /* per-process utilisation sample (NVML process utilisation) */
     a64 sample_busy;
 };
 
@@ -74,19 +74,19 @@ struct sim_proc_device {
  * whoever can take that lock frees the record and gives its memory back. start_time and instance
  * serve the fallback (kill(pid, 0)) on kernels without OFD locks. */
 struct sim_proc {
-    ai32 pid;            /* 0: free; -pid: being reaped */
+    ai32 pid; /* 0: free; -pid: being reaped */
     a32 reserved;
-    a64 start_time;      /* process start time (clock ticks since boot), guards against pid reuse */
-    a64 instance;        /* random per library load: tells an exec'd image from its predecessor */
+    a64 start_time; /* process start time (clock ticks since boot), guards against pid reuse */
+    a64 instance;   /* random per library load: tells an exec'd image from its predecessor */
     struct sim_proc_device dev[SIM_MAX_DEVICES];
 };
 
 struct sim_state {
-    uint64_t magic;      /* written last, under the file lock, once the rest is initialised */
+    uint64_t magic; /* written last, under the file lock, once the rest is initialised */
     uint32_t version;
     uint32_t max_devices;
     uint64_t size;
-    a32 ndev;            /* devices [0, ndev) are valid; grows under the file lock */
+    a32 ndev; /* devices [0, ndev) are valid; grows under the file lock */
     a32 reserved;
     struct sim_device dev[SIM_MAX_DEVICES];
     struct sim_proc proc[SIM_MAX_PROCS];
@@ -94,7 +94,7 @@ struct sim_state {
 
 /* A device as this process sees it: one entry of GPUSHARE_SIM_DEVICES mapped into the state. */
 struct sim_visible {
-    int slot;            /* index into state->dev */
+    int slot; /* index into state->dev */
 };
 
 /* -- state (sim_state.c) ---------------------------------------------------------------------- */

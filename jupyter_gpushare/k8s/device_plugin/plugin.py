@@ -89,9 +89,11 @@ class PluginSettings:
 
 def devices(gpus: Sequence[Gpu]) -> list[tuple[str, str]]:
     """(device ID, health) of each share unit of ``gpus``: 100 per GPU."""
-    return [(f"{g.uuid}/{n}", HEALTHY if g.healthy else UNHEALTHY)
-            for g in sorted(gpus, key=lambda g: g.index)
-            for n in range(manifests.SHARE_UNITS_PER_GPU)]
+    return [
+        (f"{g.uuid}/{n}", HEALTHY if g.healthy else UNHEALTHY)
+        for g in sorted(gpus, key=lambda g: g.index)
+        for n in range(manifests.SHARE_UNITS_PER_GPU)
+    ]
 
 
 def requested_units(pod: Mapping[str, Any], resource: str) -> int:
@@ -99,23 +101,24 @@ def requested_units(pod: Mapping[str, Any], resource: str) -> int:
     total = 0
     for c in (pod.get("spec") or {}).get("containers") or []:
         res = c.get("resources") or {}
-        value = (res.get("limits") or {}).get(resource) or (res.get("requests") or {}).get(
-            resource)
+        value = (res.get("limits") or {}).get(resource) or (res.get("requests") or {}).get(resource)
         with contextlib.suppress(TypeError, ValueError):
             total += int(str(value)) if value is not None else 0
     return total
 
 
-def pending_pod(pods: Sequence[Mapping[str, Any]], node: str, resource: str,
-                units: int) -> Mapping[str, Any] | None:
+def pending_pod(
+    pods: Sequence[Mapping[str, Any]], node: str, resource: str, units: int
+) -> Mapping[str, Any] | None:
     """The kernel pod a container start of ``units`` is for: the oldest of
     :func:`pending_pods` (the kubelet admits pods in creation order)."""
     found = pending_pods(pods, node, resource, units)
     return found[0] if found else None
 
 
-def pending_pods(pods: Sequence[Mapping[str, Any]], node: str, resource: str,
-                 units: int) -> list[Mapping[str, Any]]:
+def pending_pods(
+    pods: Sequence[Mapping[str, Any]], node: str, resource: str, units: int
+) -> list[Mapping[str, Any]]:
     """Kernel pods that may be waiting for ``units``: bound to ``node``, not yet marked, not
     finished or being deleted, asking ``units``, with an allocation label; oldest first."""
     candidates = []
@@ -132,8 +135,9 @@ def pending_pods(pods: Sequence[Mapping[str, Any]], node: str, resource: str,
         if requested_units(pod, resource) != units:
             continue
         candidates.append(pod)
-    candidates.sort(key=lambda p: (p["metadata"].get("creationTimestamp") or "",
-                                   p["metadata"].get("name", "")))
+    candidates.sort(
+        key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"].get("name", ""))
+    )
     return candidates
 
 
@@ -150,8 +154,9 @@ def allocation_is_the_pods(allocation: Allocation, pod: Mapping[str, Any]) -> bo
     return extra.get("k8s_pod_uid") in (None, meta.get("uid"))
 
 
-def container_response(allocation: Allocation, settings: PluginSettings,
-                       socket_dir: Path) -> dict[str, Any]:
+def container_response(
+    allocation: Allocation, settings: PluginSettings, socket_dir: Path
+) -> dict[str, Any]:
     """What the container of ``allocation``'s pod gets: env, mounts, CDI devices (as a dict of
     ``ContainerAllocateResponse`` fields)."""
     envs = {
@@ -162,29 +167,39 @@ def container_response(allocation: Allocation, settings: PluginSettings,
         "LD_PRELOAD": f"{CONTAINER_LIB_DIR}/libgpushare.so",
     }
     mounts = [
-        {"container_path": CONTAINER_LIB_DIR, "host_path": str(settings.interposer_dir),
-         "read_only": True},
-        {"container_path": CONTAINER_SOCKET_DIR, "host_path": str(socket_dir),
-         "read_only": False},
+        {
+            "container_path": CONTAINER_LIB_DIR,
+            "host_path": str(settings.interposer_dir),
+            "read_only": True,
+        },
+        {"container_path": CONTAINER_SOCKET_DIR, "host_path": str(socket_dir), "read_only": False},
     ]
     cdi: list[str] = []
     if settings.simulated_devices:
-        envs.update({
-            "GPUSHARE_SIMULATED": "1",
-            "GPUSHARE_SIM_DEVICES": settings.simulated_devices,
-            "GPUSHARE_SIM_STATE": CONTAINER_SIM_STATE,
-            "LD_LIBRARY_PATH": f"{CONTAINER_LIB_DIR}/sim",
-        })
+        envs.update(
+            {
+                "GPUSHARE_SIMULATED": "1",
+                "GPUSHARE_SIM_DEVICES": settings.simulated_devices,
+                "GPUSHARE_SIM_STATE": CONTAINER_SIM_STATE,
+                "LD_LIBRARY_PATH": f"{CONTAINER_LIB_DIR}/sim",
+            }
+        )
         if settings.sim_state:
-            mounts.append({"container_path": CONTAINER_SIM_STATE,
-                           "host_path": settings.sim_state, "read_only": False})
+            mounts.append(
+                {
+                    "container_path": CONTAINER_SIM_STATE,
+                    "host_path": settings.sim_state,
+                    "read_only": False,
+                }
+            )
     else:  # real GPUs: the NVIDIA container toolkit's CDI names (GPU Operator >= v25.10)
         cdi = [f"nvidia.com/gpu={manifests.visible_devices([g])}" for g in allocation.gpus]
     return {"envs": envs, "mounts": mounts, "cdi_devices": cdi}
 
 
-def preferred(available: Sequence[str], must: Sequence[str], size: int,
-              gpus: Sequence[str]) -> list[str]:
+def preferred(
+    available: Sequence[str], must: Sequence[str], size: int, gpus: Sequence[str]
+) -> list[str]:
     """``size`` device IDs: those required, then units of ``gpus`` (the allocation's GPUs when
     the pod is known), then any."""
     chosen = list(must)[:size]
@@ -230,11 +245,16 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
         try:
             await self._register()
         except grpc.aio.AioRpcError as exc:  # no kubelet yet: _watch_kubelet tries again
-            log.warning("device plugin: registering with %s failed: %s",
-                        self.settings.kubelet_socket, exc.details())
-        self._tasks = [asyncio.create_task(self._watch_health()),
-                       asyncio.create_task(self._watch_kubelet()),
-                       asyncio.create_task(self._cleanup())]
+            log.warning(
+                "device plugin: registering with %s failed: %s",
+                self.settings.kubelet_socket,
+                exc.details(),
+            )
+        self._tasks = [
+            asyncio.create_task(self._watch_health()),
+            asyncio.create_task(self._watch_kubelet()),
+            asyncio.create_task(self._cleanup()),
+        ]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -261,15 +281,22 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
 
     async def _register(self) -> None:
         async with grpc.aio.insecure_channel(f"unix://{self.settings.kubelet_socket}") as ch:
-            await api_pb2_grpc.RegistrationStub(ch).Register(api_pb2.RegisterRequest(
-                version=API_VERSION, endpoint=PLUGIN_SOCKET_NAME,
-                resource_name=self.settings.resource,
-                options=api_pb2.DevicePluginOptions(get_preferred_allocation_available=True)),
-                timeout=10)
+            await api_pb2_grpc.RegistrationStub(ch).Register(
+                api_pb2.RegisterRequest(
+                    version=API_VERSION,
+                    endpoint=PLUGIN_SOCKET_NAME,
+                    resource_name=self.settings.resource,
+                    options=api_pb2.DevicePluginOptions(get_preferred_allocation_available=True),
+                ),
+                timeout=10,
+            )
         self.registered = True
-        log.info("device plugin: registered %s with the kubelet (%d GPUs, %d units)",
-                 self.settings.resource, len(self.gpus),
-                 len(self.gpus) * manifests.SHARE_UNITS_PER_GPU)
+        log.info(
+            "device plugin: registered %s with the kubelet (%d GPUs, %d units)",
+            self.settings.resource,
+            len(self.gpus),
+            len(self.gpus) * manifests.SHARE_UNITS_PER_GPU,
+        )
 
     async def _watch_kubelet(self) -> None:
         """A restarted kubelet removes the plugins' sockets: serve and register again."""
@@ -305,8 +332,11 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
     async def ListAndWatch(self, request: Any, context: Any) -> Any:
         while True:
             self.changed.clear()
-            yield api_pb2.ListAndWatchResponse(devices=[
-                api_pb2.Device(ID=dev, health=health) for dev, health in devices(self.gpus)])
+            yield api_pb2.ListAndWatchResponse(
+                devices=[
+                    api_pb2.Device(ID=dev, health=health) for dev, health in devices(self.gpus)
+                ]
+            )
             await self.changed.wait()
 
     async def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
@@ -314,14 +344,25 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
         for req in request.container_requests:
             gpus: Sequence[str] = ()
             with contextlib.suppress(Exception):
-                pod = pending_pod(await self._kernel_pods(), self.settings.node,
-                                  self.settings.resource, req.allocation_size)
+                pod = pending_pod(
+                    await self._kernel_pods(),
+                    self.settings.node,
+                    self.settings.resource,
+                    req.allocation_size,
+                )
                 if pod is not None:
                     found = await self._allocation(pod)
                     gpus = found.gpus if found is not None else ()
-            replies.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=preferred(
-                list(req.available_deviceIDs), list(req.must_include_deviceIDs),
-                req.allocation_size, gpus)))
+            replies.append(
+                api_pb2.ContainerPreferredAllocationResponse(
+                    deviceIDs=preferred(
+                        list(req.available_deviceIDs),
+                        list(req.must_include_deviceIDs),
+                        req.allocation_size,
+                        gpus,
+                    )
+                )
+            )
         return api_pb2.PreferredAllocationResponse(container_responses=replies)
 
     async def PreStartContainer(self, request: Any, context: Any) -> Any:
@@ -339,37 +380,54 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
         return api_pb2.AllocateResponse(container_responses=replies)
 
     async def _allocate(self, units: int) -> Any:
-        pods = pending_pods(await self._kernel_pods(), self.settings.node,
-                            self.settings.resource, units)
+        pods = pending_pods(
+            await self._kernel_pods(), self.settings.node, self.settings.resource, units
+        )
         if not pods:
-            raise AllocateError(f"no kernel pod on {self.settings.node} waits for {units} "
-                                f"units of {self.settings.resource}")
+            raise AllocateError(
+                f"no kernel pod on {self.settings.node} waits for {units} "
+                f"units of {self.settings.resource}"
+            )
         # the oldest is the one being admitted; if the ledger does not name it as its
         # allocation's pod (a copied label), its container gets nothing: never another's share
         pod = pods[0]
         meta = pod["metadata"]
         allocation = await self._allocation(pod)
         if allocation is None or not allocation_is_the_pods(allocation, pod):
-            raise AllocateError(f"pod {meta['name']}: allocation "
-                                f"{meta['labels'][manifests.LABEL_ALLOCATION]} is not this "
-                                f"pod's in {self.settings.node}'s ledger")
-        await self.kube.core.patch_namespaced_pod(meta["name"], meta["namespace"], {
-            "metadata": {"annotations": {manifests.ALLOCATED_ANNOTATION: self.settings.node}}})
+            raise AllocateError(
+                f"pod {meta['name']}: allocation "
+                f"{meta['labels'][manifests.LABEL_ALLOCATION]} is not this "
+                f"pod's in {self.settings.node}'s ledger"
+            )
+        await self.kube.core.patch_namespaced_pod(
+            meta["name"],
+            meta["namespace"],
+            {"metadata": {"annotations": {manifests.ALLOCATED_ANNOTATION: self.settings.node}}},
+        )
         socket_dir = self._listen(allocation.id, meta["uid"])
         reply = container_response(allocation, self.settings, socket_dir)
-        log.info("device plugin: pod %s gets allocation %s (%s)", meta["name"], allocation.id,
-                 ",".join(allocation.gpus))
+        log.info(
+            "device plugin: pod %s gets allocation %s (%s)",
+            meta["name"],
+            allocation.id,
+            ",".join(allocation.gpus),
+        )
         return api_pb2.ContainerAllocateResponse(
             envs=reply["envs"],
             mounts=[api_pb2.Mount(**m) for m in reply["mounts"]],
-            cdi_devices=[api_pb2.CDIDevice(name=n) for n in reply["cdi_devices"]])
+            cdi_devices=[api_pb2.CDIDevice(name=n) for n in reply["cdi_devices"]],
+        )
 
     async def _kernel_pods(self) -> list[dict[str, Any]]:
         listing = await self.kube.list_pods(
             self.settings.namespace,
-            label_selector=f"{manifests.LABEL_COMPONENT}={manifests.KERNEL_COMPONENT}")
-        return [p for p in listing.get("items") or []
-                if (p.get("spec") or {}).get("nodeName") == self.settings.node]
+            label_selector=f"{manifests.LABEL_COMPONENT}={manifests.KERNEL_COMPONENT}",
+        )
+        return [
+            p
+            for p in listing.get("items") or []
+            if (p.get("spec") or {}).get("nodeName") == self.settings.node
+        ]
 
     async def _allocation(self, pod: Mapping[str, Any]) -> Allocation | None:
         allocation_id = pod["metadata"]["labels"][manifests.LABEL_ALLOCATION]
@@ -414,10 +472,13 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
         for pod in pods:
             meta = pod["metadata"]
             allocation_id = (meta.get("labels") or {}).get(manifests.LABEL_ALLOCATION, "")
-            if ((meta.get("annotations") or {}).get(manifests.ALLOCATED_ANNOTATION)
-                    == self.settings.node and allocation_id not in self.listeners
-                    and not meta.get("deletionTimestamp")
-                    and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")):
+            if (
+                (meta.get("annotations") or {}).get(manifests.ALLOCATED_ANNOTATION)
+                == self.settings.node
+                and allocation_id not in self.listeners
+                and not meta.get("deletionTimestamp")
+                and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+            ):
                 with contextlib.suppress(AllocateError, OSError):
                     self._listen(allocation_id, meta["uid"])
 
@@ -430,14 +491,16 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
                 log.debug("device plugin: cleanup skipped: %s", exc)
                 continue
             await self._serve_again(pods)
-            live = {p["metadata"]["uid"] for p in pods
-                    if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")}
+            live = {
+                p["metadata"]["uid"]
+                for p in pods
+                if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+            }
             for allocation_id, (listener, uid) in list(self.listeners.items()):
                 if uid not in live:
                     listener.close()
                     self.listeners.pop(allocation_id, None)
-                    shutil.rmtree(self.settings.pod_socket_dir / allocation_id,
-                                  ignore_errors=True)
+                    shutil.rmtree(self.settings.pod_socket_dir / allocation_id, ignore_errors=True)
 
 
 async def start_plugin(daemon: Any, kube: Any, settings: PluginSettings) -> SharePlugin:
@@ -446,5 +509,14 @@ async def start_plugin(daemon: Any, kube: Any, settings: PluginSettings) -> Shar
     return plugin
 
 
-__all__ = ["PluginSettings", "SharePlugin", "allocation_is_the_pods", "container_response",
-           "devices", "pending_pod", "pending_pods", "preferred", "start_plugin"]
+__all__ = [
+    "PluginSettings",
+    "SharePlugin",
+    "allocation_is_the_pods",
+    "container_response",
+    "devices",
+    "pending_pod",
+    "pending_pods",
+    "preferred",
+    "start_plugin",
+]

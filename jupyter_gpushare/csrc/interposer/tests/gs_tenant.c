@@ -30,15 +30,40 @@
 #include "gpushare_cuda.h"
 
 #define FN(name) static __typeof__(&name) p_##name
-FN(cuInit); FN(cuDeviceGet); FN(cuDevicePrimaryCtxRetain); FN(cuCtxSetCurrent);
-FN(cuModuleLoadData); FN(cuModuleGetFunction); FN(cuLaunchKernel); FN(cuStreamCreate);
-FN(cuStreamSynchronize); FN(cuMemAlloc_v2); FN(cuMemFree_v2); FN(cuMemGetInfo_v2);
-FN(cuDeviceTotalMem_v2); FN(cuDeviceGetCount); FN(cuGetProcAddress_v2); FN(cuCtxSynchronize);
-FN(cuMemAllocAsync); FN(cuMemFreeAsync); FN(cuMemAllocManaged); FN(cuMemAllocPitch_v2);
-FN(cuMemCreate); FN(cuMemRelease); FN(cuLaunchKernelEx); FN(cuGraphLaunch);
-FN(cuEventCreate); FN(cuEventRecord); FN(cuEventSynchronize);
-FN(cuLaunchCooperativeKernel); FN(cuStreamBeginCapture_v2); FN(cuStreamEndCapture);
-FN(cuGraphInstantiateWithFlags); FN(cuArrayCreate_v2); FN(cuArrayDestroy); FN(cuMemAllocFromPoolAsync);
+FN(cuInit);
+FN(cuDeviceGet);
+FN(cuDevicePrimaryCtxRetain);
+FN(cuCtxSetCurrent);
+FN(cuModuleLoadData);
+FN(cuModuleGetFunction);
+FN(cuLaunchKernel);
+FN(cuStreamCreate);
+FN(cuStreamSynchronize);
+FN(cuMemAlloc_v2);
+FN(cuMemFree_v2);
+FN(cuMemGetInfo_v2);
+FN(cuDeviceTotalMem_v2);
+FN(cuDeviceGetCount);
+FN(cuGetProcAddress_v2);
+FN(cuCtxSynchronize);
+FN(cuMemAllocAsync);
+FN(cuMemFreeAsync);
+FN(cuMemAllocManaged);
+FN(cuMemAllocPitch_v2);
+FN(cuMemCreate);
+FN(cuMemRelease);
+FN(cuLaunchKernelEx);
+FN(cuGraphLaunch);
+FN(cuEventCreate);
+FN(cuEventRecord);
+FN(cuEventSynchronize);
+FN(cuLaunchCooperativeKernel);
+FN(cuStreamBeginCapture_v2);
+FN(cuStreamEndCapture);
+FN(cuGraphInstantiateWithFlags);
+FN(cuArrayCreate_v2);
+FN(cuArrayDestroy);
+FN(cuMemAllocFromPoolAsync);
 FN(cuDeviceGetDefaultMemPool);
 
 static CUcontext ctx;
@@ -56,10 +81,10 @@ static void die(const char *what, CUresult r) {
     _exit(r == CUDA_ERROR_NOT_PERMITTED ? 3 : 2);
 }
 
-#define CHECK(call)                                                                            \
-    do {                                                                                       \
-        CUresult r_ = (call);                                                                  \
-        if (r_ != CUDA_SUCCESS) die(#call, r_);                                                \
+#define CHECK(call)                                                                                \
+    do {                                                                                           \
+        CUresult r_ = (call);                                                                      \
+        if (r_ != CUDA_SUCCESS) die(#call, r_);                                                    \
     } while (0)
 
 static void load(void) {
@@ -71,16 +96,40 @@ static void load(void) {
         _exit(2);
     }
 #define LOAD(name) p_##name = (__typeof__(&name))dlsym(lib, #name)
-    LOAD(cuInit); LOAD(cuDeviceGet); LOAD(cuDevicePrimaryCtxRetain); LOAD(cuCtxSetCurrent);
-    LOAD(cuModuleLoadData); LOAD(cuModuleGetFunction); LOAD(cuStreamCreate);
-    LOAD(cuStreamSynchronize); LOAD(cuMemAlloc_v2); LOAD(cuMemFree_v2); LOAD(cuMemGetInfo_v2);
-    LOAD(cuDeviceTotalMem_v2); LOAD(cuDeviceGetCount); LOAD(cuGetProcAddress_v2);
-    LOAD(cuCtxSynchronize); LOAD(cuMemAllocAsync); LOAD(cuMemFreeAsync); LOAD(cuMemAllocManaged);
-    LOAD(cuMemAllocPitch_v2); LOAD(cuMemCreate); LOAD(cuMemRelease); LOAD(cuLaunchKernelEx);
-    LOAD(cuGraphLaunch); LOAD(cuEventCreate); LOAD(cuEventRecord); LOAD(cuEventSynchronize);
-    LOAD(cuLaunchCooperativeKernel); LOAD(cuStreamBeginCapture_v2); LOAD(cuStreamEndCapture);
-    LOAD(cuGraphInstantiateWithFlags); LOAD(cuArrayCreate_v2); LOAD(cuArrayDestroy);
-    LOAD(cuMemAllocFromPoolAsync); LOAD(cuDeviceGetDefaultMemPool);
+    LOAD(cuInit);
+    LOAD(cuDeviceGet);
+    LOAD(cuDevicePrimaryCtxRetain);
+    LOAD(cuCtxSetCurrent);
+    LOAD(cuModuleLoadData);
+    LOAD(cuModuleGetFunction);
+    LOAD(cuStreamCreate);
+    LOAD(cuStreamSynchronize);
+    LOAD(cuMemAlloc_v2);
+    LOAD(cuMemFree_v2);
+    LOAD(cuMemGetInfo_v2);
+    LOAD(cuDeviceTotalMem_v2);
+    LOAD(cuDeviceGetCount);
+    LOAD(cuGetProcAddress_v2);
+    LOAD(cuCtxSynchronize);
+    LOAD(cuMemAllocAsync);
+    LOAD(cuMemFreeAsync);
+    LOAD(cuMemAllocManaged);
+    LOAD(cuMemAllocPitch_v2);
+    LOAD(cuMemCreate);
+    LOAD(cuMemRelease);
+    LOAD(cuLaunchKernelEx);
+    LOAD(cuGraphLaunch);
+    LOAD(cuEventCreate);
+    LOAD(cuEventRecord);
+    LOAD(cuEventSynchronize);
+    LOAD(cuLaunchCooperativeKernel);
+    LOAD(cuStreamBeginCapture_v2);
+    LOAD(cuStreamEndCapture);
+    LOAD(cuGraphInstantiateWithFlags);
+    LOAD(cuArrayCreate_v2);
+    LOAD(cuArrayDestroy);
+    LOAD(cuMemAllocFromPoolAsync);
+    LOAD(cuDeviceGetDefaultMemPool);
     CHECK(p_cuInit(0));
     /* launches go through cuGetProcAddress_v2 like the CUDA runtime's */
     CUdriverProcAddressQueryResult q;
@@ -188,8 +237,8 @@ static void *mem_thread(void *arg) {
     for (int i = 0; i < iters; i++) {
         if (nheld > 0 && (nheld == 64 || rand_r(&seed) % 2)) {
             int k = (int)(rand_r(&seed) % (unsigned)nheld);
-            CUresult r = held[k].kind == 1 ? p_cuMemFreeAsync(held[k].p, NULL)
-                                           : p_cuMemFree_v2(held[k].p);
+            CUresult r =
+                held[k].kind == 1 ? p_cuMemFreeAsync(held[k].p, NULL) : p_cuMemFree_v2(held[k].p);
             if (r != CUDA_SUCCESS) errors++;
             held[k] = held[--nheld];
             continue;
@@ -199,9 +248,12 @@ static void *mem_thread(void *arg) {
         CUdeviceptr p = 0;
         CUresult r;
         size_t pitch = 0;
-        if (kind == 1 && p_cuMemAllocAsync) r = p_cuMemAllocAsync(&p, n, NULL);
-        else if (kind == 2 && p_cuMemAllocManaged) r = p_cuMemAllocManaged(&p, n, CU_MEM_ATTACH_GLOBAL);
-        else if (kind == 3 && p_cuMemAllocPitch_v2) r = p_cuMemAllocPitch_v2(&p, &pitch, n, 1, 4);
+        if (kind == 1 && p_cuMemAllocAsync)
+            r = p_cuMemAllocAsync(&p, n, NULL);
+        else if (kind == 2 && p_cuMemAllocManaged)
+            r = p_cuMemAllocManaged(&p, n, CU_MEM_ATTACH_GLOBAL);
+        else if (kind == 3 && p_cuMemAllocPitch_v2)
+            r = p_cuMemAllocPitch_v2(&p, &pitch, n, 1, 4);
         else {
             kind = 0;
             r = p_cuMemAlloc_v2(&p, n);
@@ -218,7 +270,8 @@ static void *mem_thread(void *arg) {
         }
     }
     for (int k = 0; k < nheld; k++) {
-        CUresult r = held[k].kind == 1 ? p_cuMemFreeAsync(held[k].p, NULL) : p_cuMemFree_v2(held[k].p);
+        CUresult r =
+            held[k].kind == 1 ? p_cuMemFreeAsync(held[k].p, NULL) : p_cuMemFree_v2(held[k].p);
         if (r != CUDA_SUCCESS) errors++;
     }
     return NULL;
@@ -275,8 +328,8 @@ static int info(void) {
     CUdeviceptr p;
     CUresult big = p_cuMemAlloc_v2(&p, tot + 1);
     if (big == CUDA_SUCCESS) p_cuMemFree_v2(p);
-    printf("{\"free\":%zu,\"total\":%zu,\"device_total\":%zu,\"count\":%d,\"over_total\":%d}\n",
-           fr, tot, dtot, count, (int)big);
+    printf("{\"free\":%zu,\"total\":%zu,\"device_total\":%zu,\"count\":%d,\"over_total\":%d}\n", fr,
+           tot, dtot, count, (int)big);
     return 0;
 }
 
@@ -289,9 +342,16 @@ static int paths(void) {
     void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!lib) return 2;
 #define L(name) p_##name = (__typeof__(&name))dlsym(lib, #name)
-    L(cuInit); L(cuDeviceGet); L(cuDevicePrimaryCtxRetain); L(cuCtxSetCurrent);
-    L(cuModuleLoadData); L(cuModuleGetFunction); L(cuStreamCreate); L(cuStreamSynchronize);
-    L(cuGetProcAddress_v2); L(cuMemFree_v2);
+    L(cuInit);
+    L(cuDeviceGet);
+    L(cuDevicePrimaryCtxRetain);
+    L(cuCtxSetCurrent);
+    L(cuModuleLoadData);
+    L(cuModuleGetFunction);
+    L(cuStreamCreate);
+    L(cuStreamSynchronize);
+    L(cuGetProcAddress_v2);
+    L(cuMemFree_v2);
     if (!p_cuInit || p_cuInit(0) != CUDA_SUCCESS) return 2;
     CUdriverProcAddressQueryResult q;
     /* everything else through cuGetProcAddress_v2, like the CUDA runtime does */
@@ -299,24 +359,37 @@ static int paths(void) {
      * cuMemAlloc_v2, cuStreamBeginCapture -> _v2, ...) and the interposer must map it to its
      * wrapper of that version */
 #define GP(name, base) p_cuGetProcAddress_v2(base, (void **)&p_##name, 12000, 0, &q)
-    GP(cuLaunchKernel, "cuLaunchKernel"); GP(cuLaunchKernelEx, "cuLaunchKernelEx");
+    GP(cuLaunchKernel, "cuLaunchKernel");
+    GP(cuLaunchKernelEx, "cuLaunchKernelEx");
     GP(cuLaunchCooperativeKernel, "cuLaunchCooperativeKernel");
-    GP(cuGraphLaunch, "cuGraphLaunch"); GP(cuStreamBeginCapture_v2, "cuStreamBeginCapture");
+    GP(cuGraphLaunch, "cuGraphLaunch");
+    GP(cuStreamBeginCapture_v2, "cuStreamBeginCapture");
     GP(cuStreamEndCapture, "cuStreamEndCapture");
     GP(cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags");
-    GP(cuMemAlloc_v2, "cuMemAlloc"); GP(cuMemAllocPitch_v2, "cuMemAllocPitch");
-    GP(cuMemAllocManaged, "cuMemAllocManaged"); GP(cuMemAllocAsync, "cuMemAllocAsync");
+    GP(cuMemAlloc_v2, "cuMemAlloc");
+    GP(cuMemAllocPitch_v2, "cuMemAllocPitch");
+    GP(cuMemAllocManaged, "cuMemAllocManaged");
+    GP(cuMemAllocAsync, "cuMemAllocAsync");
     GP(cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync");
-    GP(cuDeviceGetDefaultMemPool, "cuDeviceGetDefaultMemPool"); GP(cuMemCreate, "cuMemCreate");
-    GP(cuMemRelease, "cuMemRelease"); GP(cuArrayCreate_v2, "cuArrayCreate");
-    GP(cuArrayDestroy, "cuArrayDestroy"); GP(cuMemFreeAsync, "cuMemFreeAsync");
-#define NEED(name) if (!p_##name) { printf("{\"error\":-1,\"where\":\"%s\"}\n", #name); return 2; }
+    GP(cuDeviceGetDefaultMemPool, "cuDeviceGetDefaultMemPool");
+    GP(cuMemCreate, "cuMemCreate");
+    GP(cuMemRelease, "cuMemRelease");
+    GP(cuArrayCreate_v2, "cuArrayCreate");
+    GP(cuArrayDestroy, "cuArrayDestroy");
+    GP(cuMemFreeAsync, "cuMemFreeAsync");
+#define NEED(name)                                                                                 \
+    if (!p_##name) {                                                                               \
+        printf("{\"error\":-1,\"where\":\"%s\"}\n", #name);                                        \
+        return 2;                                                                                  \
+    }
+    /* clang-format off */
     NEED(cuLaunchKernel) NEED(cuLaunchKernelEx) NEED(cuLaunchCooperativeKernel) NEED(cuGraphLaunch)
     NEED(cuStreamBeginCapture_v2) NEED(cuStreamEndCapture) NEED(cuGraphInstantiateWithFlags)
     NEED(cuMemAlloc_v2) NEED(cuMemAllocPitch_v2) NEED(cuMemAllocManaged) NEED(cuMemAllocAsync)
     NEED(cuMemAllocFromPoolAsync) NEED(cuDeviceGetDefaultMemPool) NEED(cuMemCreate)
     NEED(cuMemRelease) NEED(cuArrayCreate_v2) NEED(cuArrayDestroy) NEED(cuMemFreeAsync)
-    __typeof__(&cuLaunchKernel) ptsz = NULL;
+        /* clang-format on */
+        __typeof__(&cuLaunchKernel) ptsz = NULL;
     p_cuGetProcAddress_v2("cuLaunchKernel", (void **)&ptsz, 12000,
                           CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, &q);
     CUdevice dev;
@@ -337,8 +410,10 @@ static int paths(void) {
     uint64_t us = 10;
     void *params[] = {&us};
     CUlaunchConfig cfg = {1, 1, 1, 1, 1, 1, 0, s, NULL, 0};
-    printf("{\"cuLaunchKernel\":%d", (int)p_cuLaunchKernel(busy, 1, 1, 1, 1, 1, 1, 0, s, params, NULL));
-    printf(",\"cuLaunchKernel_ptsz\":%d", ptsz ? (int)ptsz(busy, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL) : -1);
+    printf("{\"cuLaunchKernel\":%d",
+           (int)p_cuLaunchKernel(busy, 1, 1, 1, 1, 1, 1, 0, s, params, NULL));
+    printf(",\"cuLaunchKernel_ptsz\":%d",
+           ptsz ? (int)ptsz(busy, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL) : -1);
     printf(",\"cuLaunchKernelEx\":%d", (int)p_cuLaunchKernelEx(&cfg, busy, params, NULL));
     printf(",\"cuLaunchCooperativeKernel\":%d",
            (int)p_cuLaunchCooperativeKernel(busy, 1, 1, 1, 1, 1, 1, 0, s, params));
@@ -349,7 +424,8 @@ static int paths(void) {
     CUresult r = p_cuStreamBeginCapture_v2(cap, CU_STREAM_CAPTURE_MODE_RELAXED);
     CUresult captured = p_cuLaunchKernel(busy, 1, 1, 1, 1, 1, 1, 0, cap, params, NULL);
     CUresult end = p_cuStreamEndCapture(cap, &graph);
-    printf(",\"capture\":%d,\"captured_launch\":%d,\"end_capture\":%d", (int)r, (int)captured, (int)end);
+    printf(",\"capture\":%d,\"captured_launch\":%d,\"end_capture\":%d", (int)r, (int)captured,
+           (int)end);
     r = graph ? p_cuGraphInstantiateWithFlags(&exec, graph, 0) : CUDA_ERROR_INVALID_VALUE;
     printf(",\"cuGraphLaunch\":%d", exec ? (int)p_cuGraphLaunch(exec, s) : -(int)r);
     CUdeviceptr d = 0;
@@ -419,8 +495,8 @@ static int forked(double seconds, uint64_t kernel_us) {
     }
     int status = 0;
     waitpid(child, &status, 0);
-    printf("{\"who\":\"parent\",\"done_us\":%llu,\"child_status\":%d}\n",
-           (unsigned long long)done, status);
+    printf("{\"who\":\"parent\",\"done_us\":%llu,\"child_status\":%d}\n", (unsigned long long)done,
+           status);
     return 0;
 }
 
@@ -433,13 +509,12 @@ static int wake(int n) {
     for (int i = 0; i < n; i++) {
         uint64_t t = now_ns() + 2000000ull;
         struct timespec ts = {(time_t)(t / 1000000000ull), (long)(t % 1000000000ull)};
-        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) != 0) {
-        }
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) != 0) {}
         late[i] = now_ns() - t;
     }
     qsort(late, (size_t)n, sizeof *late, cmp_u64);
-    printf("{\"n\":%d,\"p50_us\":%.1f,\"p99_us\":%.1f,\"max_us\":%.1f}\n", n,
-           late[n / 2] / 1e3, late[(n * 99) / 100] / 1e3, late[n - 1] / 1e3);
+    printf("{\"n\":%d,\"p50_us\":%.1f,\"p99_us\":%.1f,\"max_us\":%.1f}\n", n, late[n / 2] / 1e3,
+           late[(n * 99) / 100] / 1e3, late[n - 1] / 1e3);
     free(late);
     return 0;
 }

@@ -1,10 +1,25 @@
-"""Prometheus metrics of the daemon, served on a loopback HTTP port (names ``gpushare_…``).
+"""Prometheus metrics of the daemon, served over HTTP (names ``gpushare_…``).
 
 A collector reads the daemon's status at scrape time, so the numbers are the status API's.
+
+Labels, chosen to join with NVIDIA's DCGM exporter (which cannot see kernel pods: the kubelet's
+pod-resources API names only ``nvidia.com/gpu`` holders):
+
+- every series: ``gpu`` (NVML's index, as DCGM's ``gpu``; empty where NVML is not sampled),
+  ``UUID`` (the GPU's UUID, DCGM's ``UUID``) and ``Hostname`` (the node, DCGM's ``Hostname``
+  where the exporter runs with ``NODE_NAME``; this machine's host name off Kubernetes);
+- per allocation (``gpushare_allocation_*``): ``allocation``, ``kernel_id``, ``user`` (from the
+  ledger record) and ``pod`` / ``namespace`` (the kernel pod on Kubernetes; empty for local
+  kernels).
+
+So ``gpushare_allocation_share * on(UUID) group_left DCGM_FI_DEV_GPU_UTIL`` and the like work
+as written; ``deploy/grafana/gpushare.json`` uses only the names below (``METRIC_NAMES``, checked
+by ``tests/k8s/test_observability.py``).
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,90 +27,106 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+GPU_LABELS = ["gpu", "UUID", "Hostname"]
+ALLOCATION_LABELS = ["allocation", "kernel_id", "user", "pod", "namespace", *GPU_LABELS]
+
+#: (kind, name, help): one family per entry, per allocation and GPU.
+ALLOCATION_METRICS = [
+    ("gauge", "gpushare_allocation_share", "Achieved share of device time in the window"),
+    ("gauge", "gpushare_allocation_request", "Requested share (fraction of the GPU)"),
+    ("gauge", "gpushare_allocation_limit", "Share limit (fraction of the GPU)"),
+    ("counter", "gpushare_allocation_device_seconds", "Device time charged to the allocation"),
+    ("gauge", "gpushare_allocation_memory_used_bytes", "Device memory held by the allocation"),
+    ("gauge", "gpushare_allocation_memory_cap_bytes", "Device memory cap of the allocation"),
+    ("counter", "gpushare_allocation_oom_refusals", "Allocations refused at the cap"),
+    ("counter", "gpushare_allocation_lease_waits", "Launches that waited for a lease"),
+    ("counter", "gpushare_allocation_lease_wait_seconds", "Time launches waited for a lease"),
+]
+#: status key of each allocation metric, in ALLOCATION_METRICS' order
+_ALLOCATION_KEYS = [
+    "achieved_share",
+    "request",
+    "limit",
+    "device_seconds",
+    "memory_used",
+    "memory_cap",
+    "oom_refusals",
+    "lease_waits",
+    "lease_wait_seconds",
+]
+GPU_METRICS = [
+    ("gauge", "gpushare_gpu_busy_share", "Share of the window the GPU was leased"),
+    ("counter", "gpushare_gpu_lease_handoffs", "Leases granted"),
+    ("gauge", "gpushare_gpu_shares", "Shares (allocations) on the GPU"),
+    ("gauge", "gpushare_gpu_reserved_request", "Sum of the requests of the GPU's shares"),
+    ("gauge", "gpushare_gpu_reserved_memory_bytes", "Sum of the memory caps of its shares"),
+]
+DAEMON_METRICS = [
+    ("gauge", "gpushare_daemon_clients", "Connected processes"),
+    ("counter", "gpushare_daemon_refused_connections", "Processes refused (no or another's share)"),
+]
+
+
+def metric_names() -> set[str]:
+    """Every series name the endpoint can export (a counter ``x`` is exported as ``x_total``)."""
+    names = set()
+    for kind, name, _ in [*ALLOCATION_METRICS, *GPU_METRICS, *DAEMON_METRICS]:
+        names.add(f"{name}_total" if kind == "counter" else name)
+    return names
+
+
+METRIC_NAMES = frozenset(metric_names())
+
+
+def _family(kind: str, name: str, help_text: str, labels: list[str]) -> Any:
+    cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+    return cls(name, help_text, labels=labels)
+
 
 class DaemonCollector(Collector):
-    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, status: Callable[[], dict[str, Any]], hostname: str = "") -> None:
         self._status = status
+        self._hostname = hostname
 
     def collect(self) -> Iterator[Any]:
         status = self._status()
-        labels = ["allocation", "gpu"]
-        share = GaugeMetricFamily(
-            "gpushare_allocation_share",
-            "Achieved share of device time in the window",
-            labels=labels,
-        )
-        request = GaugeMetricFamily("gpushare_allocation_request", "Requested share", labels=labels)
-        limit = GaugeMetricFamily("gpushare_allocation_limit", "Share limit", labels=labels)
-        seconds = CounterMetricFamily(
-            "gpushare_allocation_device_seconds",
-            "Device time charged to the allocation",
-            labels=labels,
-        )
-        used = GaugeMetricFamily(
-            "gpushare_allocation_memory_used_bytes",
-            "Device memory reserved by the allocation",
-            labels=labels,
-        )
-        cap = GaugeMetricFamily(
-            "gpushare_allocation_memory_cap_bytes",
-            "Device memory cap of the allocation",
-            labels=labels,
-        )
-        ooms = CounterMetricFamily(
-            "gpushare_allocation_oom_refusals", "Allocations refused at the cap", labels=labels
-        )
-        waits = CounterMetricFamily(
-            "gpushare_allocation_lease_waits", "Launches that waited for a lease", labels=labels
-        )
-        wait_s = CounterMetricFamily(
-            "gpushare_allocation_lease_wait_seconds",
-            "Time launches spent waiting for a lease",
-            labels=labels,
-        )
-        for allocation in status["allocations"]:
-            for g in allocation["gpus"]:
-                key = [allocation["id"], g["gpu"]]
-                share.add_metric(key, g["achieved_share"])
-                request.add_metric(key, g["request"])
-                limit.add_metric(key, g["limit"])
-                seconds.add_metric(key, g["device_seconds"])
-                used.add_metric(key, g["memory_used"])
-                cap.add_metric(key, g["memory_cap"])
-                ooms.add_metric(key, g["oom_refusals"])
-                waits.add_metric(key, g["lease_waits"])
-                wait_s.add_metric(key, g["lease_wait_seconds"])
-        busy = GaugeMetricFamily(
-            "gpushare_gpu_busy_share", "Share of the window the GPU was leased", labels=["gpu"]
-        )
-        handoffs = CounterMetricFamily(
-            "gpushare_gpu_lease_handoffs", "Leases granted", labels=["gpu"]
-        )
+        host = str(status["daemon"].get("node") or self._hostname or socket.gethostname())
+        index: dict[str, str] = {}
         for g in status["gpus"]:
-            busy.add_metric([g["uuid"]], g["busy_share"])
-            handoffs.add_metric([g["uuid"]], g["handoffs"])
-        clients = GaugeMetricFamily("gpushare_daemon_clients", "Connected processes")
+            nvml = g.get("nvml") or {}
+            index[g["uuid"]] = str(nvml["index"]) if nvml.get("index") is not None else ""
+
+        def gpu_labels(uuid: str) -> list[str]:
+            return [index.get(uuid, ""), uuid, host]
+
+        per_allocation = [_family(*m, ALLOCATION_LABELS) for m in ALLOCATION_METRICS]
+        for allocation in status["allocations"]:
+            who = [
+                allocation["id"],
+                allocation.get("kernel_id") or "",
+                allocation.get("user") or "",
+                allocation.get("pod") or "",
+                allocation.get("namespace") or "",
+            ]
+            for g in allocation["gpus"]:
+                labels = who + gpu_labels(g["gpu"])
+                for family, key in zip(per_allocation, _ALLOCATION_KEYS, strict=True):
+                    family.add_metric(labels, g[key])
+        per_gpu = [_family(*m, GPU_LABELS) for m in GPU_METRICS]
+        for g in status["gpus"]:
+            values = [
+                g["busy_share"],
+                g["handoffs"],
+                g.get("shares", 0),
+                g.get("reserved_request", 0.0),
+                g.get("reserved_memory", 0),
+            ]
+            for family, value in zip(per_gpu, values, strict=True):
+                family.add_metric(gpu_labels(g["uuid"]), value)
+        clients, refused = (_family(*m, []) for m in DAEMON_METRICS)
         clients.add_metric([], status["daemon"]["clients"])
-        refused = CounterMetricFamily(
-            "gpushare_daemon_refused_connections",
-            "Processes refused (no or someone else's allocation)",
-        )
         refused.add_metric([], status["daemon"]["refused"])
-        yield from (
-            share,
-            request,
-            limit,
-            seconds,
-            used,
-            cap,
-            ooms,
-            waits,
-            wait_s,
-            busy,
-            handoffs,
-            clients,
-            refused,
-        )
+        yield from (*per_allocation, *per_gpu, clients, refused)
 
 
 def serve(status: Callable[[], dict[str, Any]], host: str, port: int) -> int:

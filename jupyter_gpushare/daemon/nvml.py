@@ -30,6 +30,7 @@ def sample(library: str | None) -> dict[str, dict[str, Any]]:
                 uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
                 memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
                 entry: dict[str, Any] = {
+                    "index": index,  # NVML's index: DCGM exporter's ``gpu`` label
                     "memory_used": int(memory.used),
                     "memory_total": int(memory.total),
                 }

@@ -534,6 +534,10 @@ class Daemon:
                     "id": allocation.id,
                     "kernel_id": allocation.kernel_id,
                     "owner": allocation.owner,
+                    "user": allocation.user,
+                    # a kernel pod's record: its pod (metrics join on pod and namespace)
+                    "pod": allocation.extra.get("k8s_pod"),
+                    "namespace": allocation.extra.get("k8s_namespace"),
                     "pid": allocation.pid,
                     "request": allocation.request,
                     "limit": allocation.limit,

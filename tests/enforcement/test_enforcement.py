@@ -243,7 +243,11 @@ def test_metrics_and_status(built, tmp_path: Path, gpus):
         port = d.client.status()["daemon"]["metrics_port"]
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
         text = text.decode()
-        assert f'gpushare_allocation_memory_cap_bytes{{allocation="{a.id}"' in text
+        [cap] = [
+            line for line in text.splitlines() if line.startswith("gpushare_allocation_memory_cap_")
+        ]
+        assert f'allocation="{a.id}"' in cap and f'UUID="{gpus[0].uuid}"' in cap, cap
+        assert float(cap.rsplit(" ", 1)[1]) == GiB, cap
         assert "gpushare_allocation_share{" in text and "gpushare_daemon_clients" in text
     finally:
         d.stop()

@@ -1,0 +1,204 @@
+"""No import-time cycles: every module of the package imports alone, first, in a fresh interpreter.
+
+A cycle at import time means some module reads from another that is still running its top-level
+code (half-initialized): it works or fails depending on which module a program happens to import
+first, and it hides the boxes' direction (DEVELOPING.md "Layout"). The check runs one
+interpreter that loads the third-party libraries once and then forks a child per module of
+``jupyter_gpushare``; each child imports its module as the very first of the package, with
+``builtins.__import__`` wrapped to report every import statement that reads a module of ours
+while that module is still initializing (``from a import b`` where ``a`` is half-run, or
+``import a`` of a half-run ``a``; importing a submodule from its own package's ``__init__`` is
+not a cycle). Lazy imports inside functions are not import time and not reported: keep them for
+start-up time only, with a comment saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "jupyter_gpushare"
+#: loaded in the parent before forking, so each child only pays for our own modules
+THIRD_PARTY = (
+    "traitlets",
+    "tornado.web",
+    "jupyter_client",
+    "jupyter_client.provisioning",
+    "jupyter_server.base.handlers",
+    "jupyter_server.serverapp",
+    "aiohttp",
+    "yaml",
+)
+
+
+def package_modules() -> list[str]:
+    """Every module of the package, from the file tree (importing nothing)."""
+    base = ROOT / PACKAGE
+    found = []
+    for path in sorted(base.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        elif parts[-1] == "__main__":
+            continue  # importing it runs the program; what it imports is checked on its own
+        found.append(".".join(parts))
+    return found
+
+
+# -- the child side (this file run as a script) ---------------------------------------------------
+
+
+def _initializing(module: object) -> bool:
+    spec = getattr(module, "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
+
+
+def _watch_imports(events: list[dict[str, str]]) -> None:
+    import builtins
+    import importlib.util
+
+    original = builtins.__import__
+
+    def resolve(name: str, globals_: dict | None, level: int) -> str | None:
+        if not level:
+            return name
+        if not globals_:
+            return None
+        package = globals_.get("__package__")
+        if not package:
+            importer = str(globals_.get("__name__", ""))
+            package = importer if "__path__" in globals_ else importer.rpartition(".")[0]
+        return importlib.util.resolve_name("." * level + name, package)
+
+    def watched(name, globals=None, locals=None, fromlist=(), level=0):
+        result = original(name, globals, locals, fromlist, level)
+        importer = str((globals or {}).get("__name__", ""))
+        if not importer.startswith(PACKAGE):
+            return result
+        target = resolve(name, globals, level)
+        if target is None or not target.startswith(PACKAGE):
+            return result
+        read: list[str] = []
+        if fromlist:
+            for item in fromlist:
+                sub = f"{target}.{item}"
+                read.append(sub if sub in sys.modules else target)
+        elif not importer.startswith(target + "."):  # `import a.b` inside a/…: binds only
+            read.append(target)
+        for module_name in read:
+            module = sys.modules.get(module_name)
+            if module_name != importer and module is not None and _initializing(module):
+                events.append({"importer": importer, "reads": module_name, "statement": name})
+        return result
+
+    builtins.__import__ = watched
+
+
+def _child_main(modules: list[str]) -> None:
+    import importlib
+
+    for name in THIRD_PARTY:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    results = []
+    for module in modules:
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: this module first, nothing of ours loaded yet
+            os.close(read_fd)
+            events: list[dict[str, str]] = []
+            error = None
+            try:
+                assert not any(m == PACKAGE or m.startswith(PACKAGE + ".") for m in sys.modules)
+                _watch_imports(events)
+                importlib.import_module(module)
+            except BaseException as exc:  # reported to the parent
+                error = f"{type(exc).__name__}: {exc}"
+            with os.fdopen(write_fd, "w") as out:
+                json.dump({"module": module, "cycles": events, "error": error}, out)
+            os._exit(0)
+        os.close(write_fd)
+        with os.fdopen(read_fd) as inp:
+            data = inp.read()
+        os.waitpid(pid, 0)
+        results.append(json.loads(data) if data else {"module": module, "error": "no answer"})
+    json.dump(results, sys.stdout)
+
+
+# -- the tests --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def import_results() -> list[dict]:
+    modules = package_modules()
+    proc = subprocess.run(
+        [sys.executable, __file__, *modules],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+def test_every_module_is_found() -> None:
+    modules = package_modules()
+    assert PACKAGE in modules
+    assert f"{PACKAGE}.share" in modules and f"{PACKAGE}.k8s.usage" in modules
+
+
+def test_each_module_imports_alone(import_results: list[dict]) -> None:
+    failed = {r["module"]: r["error"] for r in import_results if r["error"]}
+    assert not failed, "modules that do not import alone, first:\n" + "\n".join(
+        f"  {m}: {e}" for m, e in failed.items()
+    )
+
+
+def test_no_import_time_cycles(import_results: list[dict]) -> None:
+    cycles = sorted(
+        {(e["importer"], e["reads"]) for r in import_results for e in r["cycles"]},
+    )
+    assert not cycles, "import-time cycles (importer reads a half-initialized module):\n" + (
+        "\n".join(f"  {importer} -> {reads}" for importer, reads in cycles)
+    )
+
+
+def test_the_detector_sees_a_cycle(tmp_path: Path) -> None:
+    """The watch itself: a two-module cycle planted in a scratch package is reported."""
+    pkg = tmp_path / PACKAGE / "cyc"
+    pkg.mkdir(parents=True)
+    (tmp_path / PACKAGE / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import B\nA = 1\n")
+    (pkg / "b.py").write_text("from . import a\nB = 2\n")
+    code = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        f"sys.path.insert(1, {str(ROOT / 'tests')!r})\n"
+        "import test_imports as t\n"
+        "events = []\n"
+        "t._watch_imports(events)\n"
+        f"import {PACKAGE}.cyc.a\n"
+        "print(json.dumps(events))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    events = json.loads(proc.stdout)
+    assert {"importer": f"{PACKAGE}.cyc.b", "reads": f"{PACKAGE}.cyc.a", "statement": ""} in events
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1:])

@@ -2,7 +2,10 @@
 # Test programs and sanitizer builds (not shipped):  make -C jupyter_gpushare/csrc interposer-tests
 #   _lib/test/gs_tenant[-asan|-tsan], _lib/test/libgpushare-asan.so, _lib/test/libgpushare-tsan.so
 GS_DIR := $(CURDIR)/interposer
-GS_SRC := $(GS_DIR)/dispatch.c $(GS_DIR)/lease.c $(GS_DIR)/launch.c $(GS_DIR)/memory.c $(GS_DIR)/release.c
+# the interposer's C test programs live with the tests (tests/enforcement/c/)
+GS_TESTS := $(abspath $(CURDIR)/../../tests/enforcement/c)
+GS_SRC := $(GS_DIR)/dispatch.c $(GS_DIR)/init.c $(GS_DIR)/connect.c $(GS_DIR)/admit.c \
+	$(GS_DIR)/runahead.c $(GS_DIR)/drain.c $(GS_DIR)/agent.c $(GS_DIR)/launch.c $(GS_DIR)/memory.c $(GS_DIR)/release.c
 GS_HDR := $(GS_DIR)/gs.h $(CURDIR)/include/gpushare_wire.h $(CURDIR)/include/gpushare_cuda.h \
 	$(CURDIR)/include/glibc_baseline.h
 GS_LIBS := -ldl -lpthread
@@ -28,21 +31,21 @@ $(LIB)/test/libgpushare-tsan.so: $(GS_SRC) $(GS_HDR)
 	$(CC) $(TSAN) $(BASEFLAGS) -o $@ $(LIB)/test/dispatch-tsan.o \
 	    $(filter-out $(GS_DIR)/dispatch.c,$(GS_SRC)) $(GS_SO) $(GS_LIBS)
 
-$(LIB)/test/gs_tenant: $(GS_DIR)/tests/gs_tenant.c $(GS_HDR)
+$(LIB)/test/gs_tenant: $(GS_TESTS)/gs_tenant.c $(GS_HDR)
 	@mkdir -p $(LIB)/test
 	$(CC) -O2 -g $(BASEFLAGS) -o $@ $< $(GS_LIBS)
 
-$(LIB)/test/gs_tenant-asan: $(GS_DIR)/tests/gs_tenant.c $(GS_HDR)
+$(LIB)/test/gs_tenant-asan: $(GS_TESTS)/gs_tenant.c $(GS_HDR)
 	@mkdir -p $(LIB)/test
 	$(CC) $(ASAN) $(BASEFLAGS) -o $@ $< $(GS_LIBS)
 
-$(LIB)/test/gs_tenant-tsan: $(GS_DIR)/tests/gs_tenant.c $(GS_HDR)
+$(LIB)/test/gs_tenant-tsan: $(GS_TESTS)/gs_tenant.c $(GS_HDR)
 	@mkdir -p $(LIB)/test
 	$(CC) $(TSAN) $(BASEFLAGS) -o $@ $< $(GS_LIBS)
 
-$(LIB)/test/gs_fastpath: $(GS_DIR)/tests/gs_fastpath.c $(GS_HDR)
+$(LIB)/test/gs_fastpath: $(GS_TESTS)/gs_fastpath.c $(GS_HDR)
 	@mkdir -p $(LIB)/test
-	$(CC) -O2 $(BASEFLAGS) -o $@ $<
+	$(CC) -O2 $(BASEFLAGS) -I$(GS_DIR) -o $@ $<
 
 .PHONY: interposer-tests
 interposer-tests: $(LIB)/libgpushare.so $(LIB)/test/gs_tenant $(LIB)/test/gs_fastpath $(LIB)/test/gs_tenant-asan \

@@ -1,9 +1,12 @@
 /* gs.h - internals of libgpushare.so, the CUDA interposer (box 7 of DESIGN.md).
  *
- * Files: dispatch.c (real symbols, dlsym and cuGetProcAddress), lease.c (the lease fast path,
- * waiting, draining, the agent thread, daemon connection, fail static, fork), memory.c (the cap:
- * reserve/rollback, frees, memory queries incl. NVML), launch.c (every launch path, streams,
- * capture). The wire format is in ../include/gpushare_wire.h.
+ * Files: dispatch.c (real symbols, dlsym and cuGetProcAddress); leases: admit.c (the slow path:
+ * waiting for a lease, joining it, fail static), runahead.c (queued device time: marks, backlog,
+ * drain estimate, runahead bound), drain.c (the end of a lease: drain, direct handoff, extension),
+ * agent.c (the agent thread), connect.c (the daemon connection: hello, lease memory), init.c
+ * (env, init, fork, logging); memory.c (the cap: reserve/rollback, frees, memory queries incl.
+ * NVML), launch.c (every launch path, streams, capture), release.c (a released share). The wire
+ * format is in ../include/gpushare_wire.h.
  */
 #ifndef GS_H
 #define GS_H
@@ -76,7 +79,7 @@ void gs_resolve(void);
 /* The wrapper exported for a driver symbol name, or NULL when we do not wrap it. */
 void *gs_wrapper_for(const char *name);
 
-/* -- per-GPU state (lease.c) ---------------------------------------------------------------- */
+/* -- per-GPU state (leases) ------------------------------------------------------------------- */
 #define GS_MARKS 16
 struct gs_mark { /* an event recorded before a launch (runahead bound) */
     CUevent event;
@@ -90,7 +93,7 @@ struct gs_stream { /* a stream this process launched on */
     CUevent event;   /* created lazily in ctx */
     CUevent probe;   /* "is work still queued?" (the agent's idle check) */
     uint64_t lease;  /* lease_until of the last lease it was used under */
-    /* runahead bound in device time (lease.c: runahead_bound) */
+    /* runahead bound in device time (runahead.c: gs_runahead_bound) */
     uint64_t count;                 /* launches admitted on it (approximate across threads) */
     struct gs_mark marks[GS_MARKS]; /* oldest first from mhead: queued marks */
     unsigned mhead, mlen;
@@ -153,6 +156,9 @@ struct gs_global {
     pthread_mutex_t sock_lock;
     int wake_pipe[2]; /* pokes the agent thread */
     char deny_reason[256];
+    int runahead_launches;     /* launches on a stream between two runahead checks */
+    uint64_t last_connect_try; /* the agent's last reconnection attempt */
+    _Atomic int agent_running;
 };
 extern struct gs_global gs;
 
@@ -196,7 +202,7 @@ static inline CUresult gs_admit(struct gs_gpu *g, CUstream stream) {
     return gs_admit_slow(g, stream);
 }
 
-/* Stream bookkeeping (launch.c / lease.c). */
+/* Stream bookkeeping (launch.c / drain.c). */
 void gs_stream_forget(CUstream stream);
 int gs_stream_capturing(CUstream stream);
 
@@ -222,5 +228,32 @@ void gs_check_released(void);
 
 void gs_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void gs_deny_message(void);
+
+/* -- lease internals (init.c, connect.c, admit.c, runahead.c, drain.c, agent.c) -------------- */
+#define GS_DEFAULT_QUANTUM_NS 20000000ull
+/* init.c: refuses every launch and allocation from now on, with `reason` */
+void gs_deny(const char *reason);
+void gs_futex_wait(_Atomic uint32_t *word, uint32_t expected, uint64_t timeout_ns);
+void gs_sleep_ns(uint64_t ns);
+void gs_atomic_max64(_Atomic uint64_t *p, uint64_t v);
+void gs_dec_floor(_Atomic uint32_t *p);
+/* connect.c: 0 connected, -1 daemon unreachable (fail static), -2 refused (denied) */
+int gs_connect_and_hello(void);
+void gs_disconnect(void);
+void gs_send_line(const char *line);
+void gs_send_lease_msg(const char *op, struct gs_gpu *g, uint64_t lease);
+/* agent.c */
+void gs_agent_start(void);
+void gs_poke_agent(void);
+/* drain.c */
+struct gs_stream *gs_note_stream(struct gs_gpu *g, CUstream stream, uint64_t lease);
+int gs_streams_busy(struct gs_gpu *g, uint64_t lease);
+void gs_finish_lease(struct gs_gpu *g, uint64_t lease);
+int gs_try_extend(struct gs_gpu *g, uint64_t lease);
+/* runahead.c (streams_lock held for gs_drain_eta) */
+uint64_t gs_drain_eta(struct gs_gpu *g, struct gs_stream *e);
+void gs_runahead_check(struct gs_gpu *g, struct gs_stream *e);
+int gs_runahead_bound(struct gs_gpu *g, struct gs_stream *e, uint64_t prior, uint64_t bound,
+                      uint64_t lease);
 
 #endif

@@ -4,7 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "../gs.h"
+#include "gs.h"
 
 __thread struct gs_tls gs_tl;
 struct gs_global gs;

@@ -35,6 +35,8 @@ from jupyter_client.connect import KernelConnectionInfo
 
 from ..inventory import Gpu, simulator_device_list
 from ..ledger import Allocation, Ledger
+from ..progress import pod_phase
+from ..progress import report as report_phase
 from ..provisioner.backend import KernelBackend
 from . import manifests
 from .anchor import ServerAnchor
@@ -330,6 +332,9 @@ class KubernetesKernelBackend(KernelBackend):
         name = self.pod_name
 
         def settled(pod: dict[str, Any] | None) -> bool:
+            seen = pod_phase(pod)  # each change of the pod: the start's phase, for the UI
+            if seen is not None:
+                report_phase(self.provisioner.settings, self.provisioner.kernel_id, *seen)
             return pod is None or manifests.pod_running(pod) or bool(manifests.pod_failure(pod))
 
         try:

@@ -36,6 +36,7 @@ from ..inventory import check_spec
 from ..ledger import Allocation, AllocationNotFound, Ledger
 from ..ledger.reconcile import process_start_time
 from ..placement import PlacementRefused, allocate
+from ..progress import report as report_phase
 from ..share import SHARE_FIELDS, ShareError, ShareSpec
 from .backend import KernelBackend
 
@@ -185,21 +186,37 @@ class GpushareProvisioner(KernelProvisionerBase):
         if self._crashed:
             await self._release("the kernel process died; reserving again for its restart")
             self._crashed = False
+        self._phase(
+            "placing",
+            "placing the GPU share",
+            kernel_name=str(getattr(self.parent, "kernel_name", "") or ""),
+            path=kwargs.get("cwd"),
+        )
         try:
             spec = self.resolve_spec(user_share)  # refused before anything is reserved
             spec = check_spec(spec, await self.kernel_backend.inventory(), self.settings.aliases())
             self.allocation = await self._reserve(spec)
         except ShareError as exc:
             self._forget_refused_start()
+            self._phase("failed", str(exc))
             raise ShareRefused(400, exc.to_json()) from exc
         except PlacementRefused as exc:
             self._forget_refused_start()
+            self._phase("failed", str(exc))
             raise ShareRefused(409, exc.to_json()) from exc
+        where = f"{self.allocation.node} {','.join(self.allocation.gpus)}"
+        self._phase("placed", f"holds {spec.describe()} on {where}")
         try:
             return await self.kernel_backend.pre_launch(self.allocation, **kwargs)
-        except BaseException:
+        except BaseException as exc:
+            self._phase("failed", f"launch preparation failed: {exc}")
             await self._release("launch preparation failed")
             raise
+
+    def _phase(self, phase: str, message: str = "", **fields: Any) -> None:
+        """Report how far this kernel's start has got (``GET /gpushare/api/starts``, the Lab
+        picker and status bar; :mod:`jupyter_gpushare.progress`)."""
+        report_phase(self.settings, self.kernel_id, phase, message, **fields)
 
     def _forget_refused_start(self) -> None:
         """Let a refused start leave nothing pending in the server's kernel manager.
@@ -222,12 +239,15 @@ class GpushareProvisioner(KernelProvisionerBase):
         task.add_done_callback(forget)
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        self._phase("launching", "starting the kernel")
         try:
             self.connection_info = await self.kernel_backend.launch_kernel(cmd, **kwargs)
-        except BaseException:
+        except BaseException as exc:
+            self._phase("failed", f"the kernel did not start: {exc}")
             await self._release("launch failed")
             raise
         await self._record_process()
+        self._phase("starting", "the kernel process runs; connecting")
         return self.connection_info
 
     async def _record_process(self) -> None:
@@ -241,6 +261,7 @@ class GpushareProvisioner(KernelProvisionerBase):
 
     async def post_launch(self, **kwargs: Any) -> None:
         await self.kernel_backend.post_launch(**kwargs)
+        self._phase("ready", "kernel ready")
 
     @property
     def has_process(self) -> bool:

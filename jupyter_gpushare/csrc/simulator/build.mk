@@ -5,11 +5,11 @@
 SIM_DIR := $(CURDIR)/simulator
 SIM_OUT := $(LIB)/sim
 SIM_SAN := $(abspath $(CURDIR)/../../build/sanitize)
-SIM_COMMON := $(SIM_DIR)/sim_state.c
+SIM_COMMON := $(SIM_DIR)/sim_state.c $(SIM_DIR)/product.c
 SIM_CUDA_SRC := $(SIM_DIR)/cuda_context.c $(SIM_DIR)/cuda_module.c $(SIM_DIR)/cuda_stream.c \
                 $(SIM_DIR)/cuda_event.c $(SIM_DIR)/cuda_graph.c $(SIM_DIR)/cuda_memory.c \
                 $(SIM_DIR)/cuda_copy.c $(SIM_DIR)/cuda_entry.c $(SIM_COMMON)
-SIM_NVML_SRC := $(SIM_DIR)/nvml.c $(SIM_COMMON)
+SIM_NVML_SRC := $(SIM_DIR)/nvml.c $(SIM_DIR)/nvml_telemetry.c $(SIM_COMMON)
 SIM_HDRS := $(wildcard $(SIM_DIR)/*.h) $(CURDIR)/include/gpushare_cuda.h \
             $(CURDIR)/include/gpushare_nvml.h
 SIM_FLAGS := $(BASEFLAGS) -fvisibility=hidden -shared -Wl,--no-undefined

@@ -1,10 +1,14 @@
-/* nvml.c - the simulated libnvidia-ml.so.1: NVML's view of the simulated devices.
+/* nvml.c - the simulated libnvidia-ml.so.1: NVML's view of the simulated devices (init, system,
+ * identity, memory, processes; clocks, power, thermals, errors, links, MIG, field values and
+ * events are in nvml_telemetry.c).
  *
  * Everything is read from the shared state the simulated driver writes: memory in use (total and
  * per process), utilisation (busy fraction over the last second), and, derived from utilisation,
- * temperature (35 °C idle .. 80 °C busy) and power (idle .. TDP). Like the real NVML it lists all
- * devices of the machine (GPUSHARE_SIM_DEVICES, after NVIDIA_VISIBLE_DEVICES) and ignores
- * CUDA_VISIBLE_DEVICES.
+ * temperature, power, P-state and clocks. Like the real NVML it lists all devices of the machine
+ * (GPUSHARE_SIM_DEVICES, after NVIDIA_VISIBLE_DEVICES) and ignores CUDA_VISIBLE_DEVICES. Each
+ * query answers as the real driver does for that product (product.c): a feature the product lacks
+ * is NVML_ERROR_NOT_SUPPORTED, never a missing symbol, so tools written for real GPUs (nvitop,
+ * gpustat, DCGM-style collectors) run unchanged (tests/simulator/test_nvml_tools.py).
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
@@ -13,31 +17,21 @@
 #include <time.h>
 #include <unistd.h>
 
-#pragma GCC visibility push(default)
-#include "gpushare_nvml.h"
-#pragma GCC visibility pop
-
-#include "sim_state.h"
+#include "sim_nvml.h"
 
 #define SIM_NVML_DRIVER  "580.82.07"
 #define SIM_NVML_VERSION "13.580.82.07"
 #define SIM_CUDA_VERSION 13000
 
-struct nvmlDevice_st {
-    unsigned index; /* machine ordinal */
-    int slot;       /* state slot */
-};
-
 static struct nvmlDevice_st handles[SIM_MAX_DEVICES];
 static _Atomic int init_count;
 
-static nvmlReturn_t ready(void) {
+nvmlReturn_t sim_nvml_ready(void) {
     return atomic_load(&init_count) > 0 ? NVML_SUCCESS : NVML_ERROR_UNINITIALIZED;
 }
 
-/* The device behind a handle, or an error. */
-static nvmlReturn_t device(nvmlDevice_t h, struct sim_device **out) {
-    nvmlReturn_t r = ready();
+nvmlReturn_t sim_nvml_device(nvmlDevice_t h, struct sim_device **out) {
+    nvmlReturn_t r = sim_nvml_ready();
     if (r) return r;
     if (!h || h < handles || h >= handles + sim_machine_count()) return NVML_ERROR_INVALID_ARGUMENT;
     *out = sim_dev(h->slot);
@@ -113,12 +107,12 @@ static nvmlReturn_t put_string(char *dst, unsigned length, const char *src) {
 }
 
 nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
-    nvmlReturn_t r = ready();
+    nvmlReturn_t r = sim_nvml_ready();
     return r ? r : put_string(version, length, SIM_NVML_DRIVER);
 }
 
 nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length) {
-    nvmlReturn_t r = ready();
+    nvmlReturn_t r = sim_nvml_ready();
     return r ? r : put_string(version, length, SIM_NVML_VERSION);
 }
 
@@ -133,7 +127,7 @@ nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *cudaDriverVersion) {
 }
 
 nvmlReturn_t nvmlSystemGetProcessName(unsigned int pid, char *name, unsigned int length) {
-    nvmlReturn_t r = ready();
+    nvmlReturn_t r = sim_nvml_ready();
     if (r) return r;
     char path[64], buf[256];
     snprintf(path, sizeof path, "/proc/%u/comm", pid);
@@ -150,7 +144,7 @@ nvmlReturn_t nvmlSystemGetProcessName(unsigned int pid, char *name, unsigned int
 /* -- devices ---------------------------------------------------------------------------------- */
 
 nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount) {
-    nvmlReturn_t r = ready();
+    nvmlReturn_t r = sim_nvml_ready();
     if (r) return r;
     if (!deviceCount) return NVML_ERROR_INVALID_ARGUMENT;
     *deviceCount = (unsigned)sim_machine_count();
@@ -162,7 +156,7 @@ nvmlReturn_t nvmlDeviceGetCount(unsigned int *deviceCount) {
 }
 
 nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *dev) {
-    nvmlReturn_t r = ready();
+    nvmlReturn_t r = sim_nvml_ready();
     if (r) return r;
     if (!dev || index >= (unsigned)sim_machine_count()) return NVML_ERROR_INVALID_ARGUMENT;
     *dev = &handles[index];
@@ -174,7 +168,7 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *dev) {
 }
 
 nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *dev) {
-    nvmlReturn_t r = ready();
+    nvmlReturn_t r = sim_nvml_ready();
     if (r) return r;
     if (!uuid || !dev) return NVML_ERROR_INVALID_ARGUMENT;
     for (int i = 0; i < sim_machine_count(); i++) {
@@ -191,7 +185,7 @@ static void bus_id(int slot, char *out, size_t cap) {
 }
 
 nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, nvmlDevice_t *dev) {
-    nvmlReturn_t r = ready();
+    nvmlReturn_t r = sim_nvml_ready();
     if (r) return r;
     if (!pciBusId || !dev) return NVML_ERROR_INVALID_ARGUMENT;
     for (int i = 0; i < sim_machine_count(); i++) {
@@ -205,55 +199,67 @@ nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, nvmlDevice_t
     return NVML_ERROR_NOT_FOUND;
 }
 
+nvmlReturn_t nvmlDeviceGetHandleByPciBusId(const char *pciBusId, nvmlDevice_t *dev) {
+    return nvmlDeviceGetHandleByPciBusId_v2(pciBusId, dev);
+}
+
+static void serial_of(int slot, char *out, size_t cap) {
+    snprintf(out, cap, "SIM%010u", (unsigned)slot);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleBySerial(const char *serial, nvmlDevice_t *dev) {
+    nvmlReturn_t r = sim_nvml_ready();
+    if (r) return r;
+    if (!serial || !dev) return NVML_ERROR_INVALID_ARGUMENT;
+    for (int i = 0; i < sim_machine_count(); i++) {
+        char id[32];
+        serial_of(handles[i].slot, id, sizeof id);
+        if (strcmp(id, serial) == 0) {
+            *dev = &handles[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+/* -- identity --------------------------------------------------------------------------------- */
+
 nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t h, char *name, unsigned int length) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    return r ? r : put_string(name, length, d->name);
+    SIM_NVML_DEVICE(h, d, 1);
+    return put_string(name, length, d->name);
 }
 
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t h, char *uuid, unsigned int length) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    return r ? r : put_string(uuid, length, d->uuid);
+    SIM_NVML_DEVICE(h, d, 1);
+    return put_string(uuid, length, d->uuid);
 }
 
 nvmlReturn_t nvmlDeviceGetSerial(nvmlDevice_t h, char *serial, unsigned int length) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
+    SIM_NVML_DEVICE(h, d, 1);
     char buf[32];
-    snprintf(buf, sizeof buf, "SIM%010u", (unsigned)h->slot);
+    serial_of(h->slot, buf, sizeof buf);
     return put_string(serial, length, buf);
 }
 
 nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t h, unsigned int *index) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!index) return NVML_ERROR_INVALID_ARGUMENT;
+    SIM_NVML_DEVICE(h, d, index);
     *index = h->index;
     return NVML_SUCCESS;
 }
 
 nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t h, unsigned int *minorNumber) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!minorNumber) return NVML_ERROR_INVALID_ARGUMENT;
+    SIM_NVML_DEVICE(h, d, minorNumber);
     *minorNumber = (unsigned)h->slot;
     return NVML_SUCCESS;
 }
 
 nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t h, nvmlPciInfo_t *pci) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!pci) return NVML_ERROR_INVALID_ARGUMENT;
+    SIM_NVML_DEVICE(h, d, pci);
     memset(pci, 0, sizeof *pci);
     bus_id(h->slot, pci->busId, sizeof pci->busId);
     snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "0000:%02X:00.0", h->slot + 1);
     pci->bus = (unsigned)h->slot + 1;
-    pci->pciDeviceId = 0x20B210DE;
+    pci->pciDeviceId = sim_product_of(d->name)->pci_device_id;
     pci->pciSubSystemId = 0x147E10DE;
     return NVML_SUCCESS;
 }
@@ -266,13 +272,129 @@ nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t h, nvmlPciInfo_t *pci) {
 }
 
 nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t h, int *major, int *minor) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!major || !minor) return NVML_ERROR_INVALID_ARGUMENT;
+    SIM_NVML_DEVICE(h, d, major && minor);
     unsigned tdp;
     sim_product(d->name, major, minor, &tdp);
     return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetBrand(nvmlDevice_t h, int *type) {
+    SIM_NVML_DEVICE(h, d, type);
+    *type = sim_product_of(d->name)->brand;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t h, unsigned int *arch) {
+    SIM_NVML_DEVICE(h, d, arch);
+    *arch = (unsigned)sim_product_of(d->name)->arch;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetBoardPartNumber(nvmlDevice_t h, char *partNumber, unsigned int length) {
+    SIM_NVML_DEVICE(h, d, 1);
+    char buf[32];
+    snprintf(buf, sizeof buf, "SIM-%08X-0000", sim_product_of(d->name)->pci_device_id);
+    return put_string(partNumber, length, buf);
+}
+
+nvmlReturn_t nvmlDeviceGetBoardId(nvmlDevice_t h, unsigned int *boardId) {
+    SIM_NVML_DEVICE(h, d, boardId);
+    *boardId = (unsigned)(h->slot + 1) << 8;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMultiGpuBoard(nvmlDevice_t h, unsigned int *multiGpuBool) {
+    SIM_NVML_DEVICE(h, d, multiGpuBool);
+    *multiGpuBool = 0;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetVbiosVersion(nvmlDevice_t h, char *version, unsigned int length) {
+    SIM_NVML_DEVICE(h, d, 1);
+    return put_string(version, length, "92.00.00.00.01");
+}
+
+nvmlReturn_t nvmlDeviceGetInforomImageVersion(nvmlDevice_t h, char *version, unsigned int length) {
+    SIM_NVML_DEVICE(h, d, 1);
+    return put_string(version, length, "G500.0200.00.03");
+}
+
+nvmlReturn_t nvmlDeviceGetNumGpuCores(nvmlDevice_t h, unsigned int *numCores) {
+    SIM_NVML_DEVICE(h, d, numCores);
+    *numCores = d->sms * sim_product_of(d->name)->cores_per_sm;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryBusWidth(nvmlDevice_t h, unsigned int *busWidth) {
+    SIM_NVML_DEVICE(h, d, busWidth);
+    *busWidth = sim_product_of(d->name)->bus_width;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t h, nvmlDeviceAttributes_t *attributes) {
+    SIM_NVML_DEVICE(h, d, attributes);
+    const struct sim_product *p = sim_product_of(d->name);
+    *attributes = (nvmlDeviceAttributes_t){.multiprocessorCount = d->sms,
+                                           .sharedCopyEngineCount = 7,
+                                           .sharedDecoderCount = p->mig_slices ? 5 : 2,
+                                           .sharedEncoderCount = 0,
+                                           .sharedJpegCount = p->mig_slices ? 1 : 0,
+                                           .sharedOfaCount = p->mig_slices ? 1 : 0,
+                                           .gpuInstanceSliceCount = p->mig_slices,
+                                           .computeInstanceSliceCount = p->mig_slices,
+                                           .memorySizeMB = d->total_bytes >> 20};
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetAttributes(nvmlDevice_t h, nvmlDeviceAttributes_t *attributes) {
+    return nvmlDeviceGetAttributes_v2(h, attributes);
+}
+
+static nvmlReturn_t constant(nvmlDevice_t h, int *out, int value) {
+    SIM_NVML_DEVICE(h, d, out);
+    *out = value;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t h, int *mode) {
+    return constant(h, mode, 1); /* NVML_FEATURE_ENABLED, as on a data-centre machine */
+}
+nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t h, int *mode) {
+    return constant(h, mode, 0); /* NVML_COMPUTEMODE_DEFAULT: processes share the GPU */
+}
+nvmlReturn_t nvmlDeviceGetVirtualizationMode(nvmlDevice_t h, int *mode) {
+    return constant(h, mode, 0); /* NVML_GPU_VIRTUALIZATION_MODE_NONE: bare metal */
+}
+/* Data-centre boards drive no display: the display mode and display active are disabled. */
+nvmlReturn_t nvmlDeviceGetDisplayMode(nvmlDevice_t h, int *display) {
+    return constant(h, display, 0);
+}
+nvmlReturn_t nvmlDeviceGetDisplayActive(nvmlDevice_t h, int *isActive) {
+    return constant(h, isActive, 0);
+}
+nvmlReturn_t nvmlDeviceGetAccountingMode(nvmlDevice_t h, int *mode) {
+    return constant(h, mode, 0);
+}
+
+/* What a real Linux driver says NOT_SUPPORTED to on bare metal: driver models are Windows-only,
+ * vGPU licensing needs a vGPU guest, and confidential computing is off. */
+static nvmlReturn_t not_supported(nvmlDevice_t h, int args_ok) {
+    SIM_NVML_DEVICE(h, d, args_ok);
+    return NVML_ERROR_NOT_SUPPORTED;
+}
+
+nvmlReturn_t nvmlDeviceGetDriverModel_v2(nvmlDevice_t h, int *current, int *pending) {
+    return not_supported(h, current && pending);
+}
+nvmlReturn_t nvmlDeviceGetDriverModel(nvmlDevice_t h, int *current, int *pending) {
+    return not_supported(h, current && pending);
+}
+nvmlReturn_t nvmlDeviceGetGridLicensableFeatures_v4(nvmlDevice_t h, void *features) {
+    return not_supported(h, features != NULL);
+}
+nvmlReturn_t nvmlDeviceGetConfComputeMemSizeInfo(nvmlDevice_t h,
+                                                 nvmlConfComputeMemSizeInfo_t *memInfo) {
+    return not_supported(h, memInfo != NULL);
 }
 
 /* -- memory ----------------------------------------------------------------------------------- */
@@ -288,167 +410,31 @@ static void memory(struct sim_device *d, unsigned long long *total, unsigned lon
 }
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t h, nvmlMemory_t *mem) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!mem) return NVML_ERROR_INVALID_ARGUMENT;
+    SIM_NVML_DEVICE(h, d, mem);
     memory(d, &mem->total, &mem->free, &mem->used);
     return NVML_SUCCESS;
 }
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t h, nvmlMemory_v2_t *mem) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!mem) return NVML_ERROR_INVALID_ARGUMENT;
+    SIM_NVML_DEVICE(h, d, mem);
     if (mem->version != nvmlMemory_v2) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     mem->reserved = 0;
     memory(d, &mem->total, &mem->free, &mem->used);
     return NVML_SUCCESS;
 }
 
-/* -- utilisation, temperature, power ---------------------------------------------------------- */
-
-nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t h, nvmlUtilization_t *u) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!u) return NVML_ERROR_INVALID_ARGUMENT;
-    double util = sim_utilisation(h->slot);
-    u->gpu = (unsigned)(util * 100.0 + 0.5);
-    u->memory = (unsigned)(util * 40.0 + 0.5); /* memory-bus activity: a fixed share of busy */
+/* BAR1 (the CPU's window onto device memory): a few MiB mapped per process using the device. */
+nvmlReturn_t nvmlDeviceGetBAR1MemoryInfo(nvmlDevice_t h, nvmlBAR1Memory_t *bar1) {
+    SIM_NVML_DEVICE(h, d, bar1);
+    unsigned long long total = (unsigned long long)sim_product_of(d->name)->bar1_mib << 20;
+    unsigned long long used = 1ull << 20;
+    for (int i = 0; i < SIM_MAX_PROCS; i++)
+        if (atomic_load(&sim_state->proc[i].pid) > 0 &&
+            atomic_load(&sim_state->proc[i].dev[h->slot].contexts) > 0)
+            used += 2ull << 20;
+    if (used > total) used = total;
+    *bar1 = (nvmlBAR1Memory_t){.bar1Total = total, .bar1Free = total - used, .bar1Used = used};
     return NVML_SUCCESS;
-}
-
-nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t h, int sensorType, unsigned int *temp) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!temp || sensorType != NVML_TEMPERATURE_GPU) return NVML_ERROR_INVALID_ARGUMENT;
-    *temp = (unsigned)(35.0 + 45.0 * sim_utilisation(h->slot) + 0.5);
-    return NVML_SUCCESS;
-}
-
-static void power_range(struct sim_device *d, unsigned *idle_mw, unsigned *tdp_mw) {
-    int major, minor;
-    unsigned tdp;
-    sim_product(d->name, &major, &minor, &tdp);
-    unsigned idle = tdp / 4 < 60 ? tdp / 4 : 60;
-    *idle_mw = idle * 1000;
-    *tdp_mw = tdp * 1000;
-}
-
-nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t h, unsigned int *power) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!power) return NVML_ERROR_INVALID_ARGUMENT;
-    unsigned idle, tdp;
-    power_range(d, &idle, &tdp);
-    *power = idle + (unsigned)((double)(tdp - idle) * sim_utilisation(h->slot));
-    return NVML_SUCCESS;
-}
-
-/* Energy since the device was made (mJ): idle power all along plus the rest while busy. */
-nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t h, unsigned long long *energy) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!energy) return NVML_ERROR_INVALID_ARGUMENT;
-    unsigned idle, tdp;
-    power_range(d, &idle, &tdp);
-    uint64_t now = sim_now_ns();
-    double alive_s = (double)(now - d->created_ns) / 1e9;
-    double busy_s = (double)sim_busy_done(h->slot, now) / 1e9;
-    *energy = (unsigned long long)(idle * alive_s + (tdp - idle) * busy_s);
-    return NVML_SUCCESS;
-}
-
-static nvmlReturn_t power_limit(nvmlDevice_t h, unsigned int *limit) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!limit) return NVML_ERROR_INVALID_ARGUMENT;
-    unsigned idle, tdp;
-    power_range(d, &idle, &tdp);
-    *limit = tdp;
-    return NVML_SUCCESS;
-}
-
-nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t h, unsigned int *limit) {
-    return power_limit(h, limit);
-}
-nvmlReturn_t nvmlDeviceGetPowerManagementLimit(nvmlDevice_t h, unsigned int *limit) {
-    return power_limit(h, limit);
-}
-nvmlReturn_t nvmlDeviceGetPowerManagementDefaultLimit(nvmlDevice_t h, unsigned int *limit) {
-    return power_limit(h, limit);
-}
-
-static nvmlReturn_t constant(nvmlDevice_t h, int *out, int value) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!out) return NVML_ERROR_INVALID_ARGUMENT;
-    *out = value;
-    return NVML_SUCCESS;
-}
-
-nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t h, int *mode) {
-    return constant(h, mode, 1);
-}
-nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t h, int *mode) {
-    return constant(h, mode, 0);
-}
-nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t h, int *isPending) {
-    return constant(h, isPending, 0);
-}
-
-nvmlReturn_t nvmlDeviceGetPerformanceState(nvmlDevice_t h, int *pState) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!pState) return NVML_ERROR_INVALID_ARGUMENT;
-    *pState = atomic_load(&d->busy_until) > sim_now_ns() ? 0 : 8;
-    return NVML_SUCCESS;
-}
-
-nvmlReturn_t nvmlDeviceGetFanSpeed(nvmlDevice_t h, unsigned int *speed) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!speed) return NVML_ERROR_INVALID_ARGUMENT;
-    *speed = (unsigned)(30.0 + 50.0 * sim_utilisation(h->slot) + 0.5);
-    return NVML_SUCCESS;
-}
-
-nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t h, int type, unsigned int *clock) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!clock || type < 0 || type > 3) return NVML_ERROR_INVALID_ARGUMENT;
-    static const unsigned mhz[] = {1410, 1410, 1593, 1275}; /* graphics, SM, memory, video */
-    *clock = atomic_load(&d->busy_until) > sim_now_ns() || type == 2 ? mhz[type] : 210;
-    return NVML_SUCCESS;
-}
-
-nvmlReturn_t nvmlDeviceGetMaxClockInfo(nvmlDevice_t h, int type, unsigned int *clock) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!clock || type < 0 || type > 3) return NVML_ERROR_INVALID_ARGUMENT;
-    static const unsigned mhz[] = {1410, 1410, 1593, 1275};
-    *clock = mhz[type];
-    return NVML_SUCCESS;
-}
-
-nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t h, unsigned int *currentMode,
-                                  unsigned int *pendingMode) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    (void)currentMode;
-    (void)pendingMode;
-    return r ? r : NVML_ERROR_NOT_SUPPORTED;
 }
 
 /* -- processes -------------------------------------------------------------------------------- */
@@ -476,10 +462,7 @@ static unsigned list_processes(int slot, unsigned cap, unsigned *pids, unsigned 
 
 static nvmlReturn_t running(nvmlDevice_t h, unsigned int *infoCount, nvmlProcessInfo_t *infos,
                             nvmlProcessInfo_v1_t *infos_v1) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!infoCount) return NVML_ERROR_INVALID_ARGUMENT;
+    SIM_NVML_DEVICE(h, d, infoCount);
     unsigned pids[SIM_MAX_PROCS];
     unsigned long long mem[SIM_MAX_PROCS];
     unsigned n = list_processes(h->slot, SIM_MAX_PROCS, pids, mem);
@@ -515,11 +498,9 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t h, unsigned int *
     return running(h, infoCount, NULL, infos);
 }
 
+/* No graphics or MPS clients on the simulated devices. */
 static nvmlReturn_t no_processes(nvmlDevice_t h, unsigned int *infoCount) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!infoCount) return NVML_ERROR_INVALID_ARGUMENT;
+    SIM_NVML_DEVICE(h, d, infoCount);
     *infoCount = 0;
     return NVML_SUCCESS;
 }
@@ -529,22 +510,64 @@ nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t h, unsigned i
     (void)infos;
     return no_processes(h, infoCount);
 }
-
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t h, unsigned int *infoCount,
+                                                      nvmlProcessInfo_t *infos) {
+    (void)infos;
+    return no_processes(h, infoCount);
+}
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses(nvmlDevice_t h, unsigned int *infoCount,
+                                                   nvmlProcessInfo_v1_t *infos) {
+    (void)infos;
+    return no_processes(h, infoCount);
+}
 nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t h, unsigned int *infoCount,
                                                         nvmlProcessInfo_t *infos) {
     (void)infos;
     return no_processes(h, infoCount);
 }
+nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v2(nvmlDevice_t h, unsigned int *infoCount,
+                                                        nvmlProcessInfo_t *infos) {
+    (void)infos;
+    return no_processes(h, infoCount);
+}
+nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses(nvmlDevice_t h, unsigned int *infoCount,
+                                                     nvmlProcessInfo_v1_t *infos) {
+    (void)infos;
+    return no_processes(h, infoCount);
+}
 
-static unsigned long long wall_us(void) {
+/* The newer form of the three lists above (mode 0 compute, 1 graphics, 2 MPS). */
+nvmlReturn_t nvmlDeviceGetRunningProcessDetailList(nvmlDevice_t h,
+                                                   nvmlProcessDetailList_v1_t *plist) {
+    SIM_NVML_DEVICE(h, d, plist);
+    if (plist->version != nvmlProcessDetailList_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if (plist->mode > 2) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned pids[SIM_MAX_PROCS];
+    unsigned long long mem[SIM_MAX_PROCS];
+    unsigned n = plist->mode == 0 ? list_processes(h->slot, SIM_MAX_PROCS, pids, mem) : 0;
+    if (n > plist->numProcArrayEntries || (n > 0 && !plist->procArray)) {
+        plist->numProcArrayEntries = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (unsigned i = 0; i < n; i++)
+        plist->procArray[i] = (nvmlProcessDetail_v1_t){.pid = pids[i],
+                                                       .usedGpuMemory = mem[i],
+                                                       .gpuInstanceId = 0xFFFFFFFFu,
+                                                       .computeInstanceId = 0xFFFFFFFFu};
+    plist->numProcArrayEntries = n;
+    return NVML_SUCCESS;
+}
+
+unsigned long long sim_nvml_wall_us(void) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     return (unsigned long long)ts.tv_sec * 1000000ull + (unsigned long long)ts.tv_nsec / 1000;
 }
 
-/* A process's share of the device since its previous sample (at least 100 ms ago). Its queued
- * work is assumed to run back to back until its last kernel ends, so work of other processes
- * interleaved with it makes this an underestimate while both are queued. */
+/* A process's share of the device since its previous sample (at least 100 ms ago; the first one
+ * is taken by the driver at the process's first launch). Its queued work is assumed to run back
+ * to back until its last kernel ends, so work of other processes interleaved with it makes this
+ * an underestimate while both are queued. */
 static unsigned process_util(struct sim_proc_device *pd, uint64_t now) {
     uint64_t busy = atomic_load(&pd->busy), last_end = atomic_load(&pd->last_end);
     uint64_t pending = last_end > now ? last_end - now : 0;
@@ -562,33 +585,62 @@ static unsigned process_util(struct sim_proc_device *pd, uint64_t now) {
     return util;
 }
 
+/* Per-process samples of the device's processes: up to cap, returns how many there are. */
+static unsigned process_samples(int slot, unsigned cap, unsigned *pids, unsigned *sm) {
+    unsigned long long mem[SIM_MAX_PROCS];
+    unsigned all[SIM_MAX_PROCS];
+    unsigned n = list_processes(slot, SIM_MAX_PROCS, all, mem);
+    uint64_t now = sim_now_ns();
+    unsigned k = 0;
+    for (int i = 0; i < SIM_MAX_PROCS && k < n && k < cap; i++) {
+        struct sim_proc *p = &sim_state->proc[i];
+        int32_t pid = atomic_load(&p->pid);
+        if (pid <= 0 || (unsigned)pid != all[k]) continue;
+        pids[k] = all[k];
+        sm[k] = process_util(&p->dev[slot], now);
+        k++;
+    }
+    return n < cap ? k : n;
+}
+
 nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t h,
                                              nvmlProcessUtilizationSample_t *utilization,
                                              unsigned int *processSamplesCount,
                                              unsigned long long lastSeenTimeStamp) {
-    struct sim_device *d;
-    nvmlReturn_t r = device(h, &d);
-    if (r) return r;
-    if (!processSamplesCount) return NVML_ERROR_INVALID_ARGUMENT;
-    unsigned long long stamp = wall_us();
+    SIM_NVML_DEVICE(h, d, processSamplesCount);
+    unsigned long long stamp = sim_nvml_wall_us();
     if (lastSeenTimeStamp >= stamp) return NVML_ERROR_NOT_FOUND;
-    unsigned pids[SIM_MAX_PROCS];
-    unsigned long long mem[SIM_MAX_PROCS];
-    unsigned n = list_processes(h->slot, SIM_MAX_PROCS, pids, mem);
+    unsigned cap = utilization ? *processSamplesCount : 0;
+    unsigned pids[SIM_MAX_PROCS], sm[SIM_MAX_PROCS];
+    unsigned n = process_samples(h->slot, cap < SIM_MAX_PROCS ? cap : SIM_MAX_PROCS, pids, sm);
     if (!utilization || n > *processSamplesCount) {
         *processSamplesCount = n;
         return NVML_ERROR_INSUFFICIENT_SIZE;
     }
-    uint64_t now = sim_now_ns();
-    unsigned k = 0;
-    for (int i = 0; i < SIM_MAX_PROCS && k < n; i++) {
-        struct sim_proc *p = &sim_state->proc[i];
-        int32_t pid = atomic_load(&p->pid);
-        if (pid <= 0 || (unsigned)pid != pids[k]) continue;
+    for (unsigned k = 0; k < n; k++)
         utilization[k] = (nvmlProcessUtilizationSample_t){
-            .pid = pids[k], .timeStamp = stamp, .smUtil = process_util(&p->dev[h->slot], now)};
-        k++;
+            .pid = pids[k], .timeStamp = stamp, .smUtil = sm[k], .memUtil = sm[k] * 2 / 5};
+    *processSamplesCount = n;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t h,
+                                                   nvmlProcessesUtilizationInfo_v1_t *info) {
+    SIM_NVML_DEVICE(h, d, info);
+    if (info->version != nvmlProcessesUtilizationInfo_v1)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    unsigned long long stamp = sim_nvml_wall_us();
+    if (info->lastSeenTimeStamp >= stamp) return NVML_ERROR_NOT_FOUND;
+    unsigned cap = info->procUtilArray ? info->processSamplesCount : 0;
+    unsigned pids[SIM_MAX_PROCS], sm[SIM_MAX_PROCS];
+    unsigned n = process_samples(h->slot, cap < SIM_MAX_PROCS ? cap : SIM_MAX_PROCS, pids, sm);
+    if (!info->procUtilArray || n > info->processSamplesCount) {
+        info->processSamplesCount = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
     }
-    *processSamplesCount = k;
+    for (unsigned k = 0; k < n; k++)
+        info->procUtilArray[k] = (nvmlProcessUtilizationInfo_v1_t){
+            .timeStamp = stamp, .pid = pids[k], .smUtil = sm[k], .memUtil = sm[k] * 2 / 5};
+    info->processSamplesCount = n;
     return NVML_SUCCESS;
 }

@@ -627,6 +627,14 @@ uint64_t sim_schedule(int slot, uint64_t dep_ns, uint64_t dur_ns) {
     struct sim_proc *p = sim_self();
     if (p) {
         struct sim_proc_device *pd = &p->dev[slot];
+        if (!atomic_load_explicit(&pd->sample_t, memory_order_relaxed)) {
+            /* the process's first work here: NVML's per-process utilisation counts from now
+             * until a monitor has taken a sample of its own */
+            uint64_t busy = atomic_load(&pd->busy), last = atomic_load(&pd->last_end);
+            uint64_t pending = last > now ? last - now : 0;
+            atomic_store(&pd->sample_busy, busy > pending ? busy - pending : 0);
+            atomic_store(&pd->sample_t, now);
+        }
         atomic_fetch_add_explicit(&pd->busy, dur_ns, memory_order_relaxed);
         uint64_t last = atomic_load_explicit(&pd->last_end, memory_order_relaxed);
         while (last < end && !atomic_compare_exchange_weak_explicit(&pd->last_end, &last, end,
@@ -772,28 +780,4 @@ double sim_utilisation(int slot) {
     if (done_start > done_now) done_start = done_now;
     double u = (double)(done_now - done_start) / (double)(now - start);
     return u < 0 ? 0 : (u > 1 ? 1 : u);
-}
-
-/* -- products --------------------------------------------------------------------------------- */
-
-void sim_product(const char *name, int *cc_major, int *cc_minor, unsigned *tdp_watts) {
-    static const struct {
-        const char *key;
-        int major, minor;
-        unsigned tdp;
-    } table[] = {
-        {"H200", 9, 0, 700}, {"H100", 9, 0, 700}, {"A100", 8, 0, 400}, {"A10", 8, 6, 150},
-        {"L4", 8, 9, 72},    {"T4", 7, 5, 70},    {"V100", 7, 0, 300},
-    };
-    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
-        if (strstr(name, table[i].key)) {
-            *cc_major = table[i].major;
-            *cc_minor = table[i].minor;
-            *tdp_watts = table[i].tdp;
-            return;
-        }
-    }
-    *cc_major = 8;
-    *cc_minor = 0;
-    *tdp_watts = 300;
 }

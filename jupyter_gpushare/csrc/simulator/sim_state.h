@@ -145,7 +145,31 @@ void sim_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 uint64_t sim_proc_start_time(pid_t pid);
 int sim_pid_alive(pid_t pid, uint64_t start_time);
 
-/* Product facts derived from the name: compute capability, TDP. */
+/* -- products (product.c) -------------------------------------------------------------------- */
+/* NVML's enums for the fields below (nvmlDeviceArchitecture_t, nvmlBrandType_t). */
+enum { SIM_ARCH_VOLTA = 5, SIM_ARCH_TURING = 6, SIM_ARCH_AMPERE = 7, SIM_ARCH_ADA = 8 };
+enum { SIM_ARCH_HOPPER = 9, SIM_BRAND_TESLA = 2, SIM_BRAND_NVIDIA = 14 };
+
+/* What a product is, as its real counterpart reports it. Clocks are in MHz, indexed by NVML's
+ * clock type (graphics, SM, memory, video); `idle_clock` is where an idle board (P8) sits. */
+struct sim_product {
+    const char *key; /* substring of the NVML name */
+    int cc_major, cc_minor;
+    int arch, brand;
+    unsigned tdp_w, idle_w, min_limit_w;
+    unsigned max_clock[4], idle_clock[4];
+    unsigned pcie_gen, pcie_width;
+    unsigned nvlinks, nvlink_version, nvlink_mbps; /* NVLink: links, version, MB/s per link */
+    unsigned bus_width, cores_per_sm, bar1_mib;
+    unsigned slowdown_c, shutdown_c, gpu_max_c, mem_max_c; /* thresholds; mem_max_c 0: none */
+    unsigned mig_slices;                                   /* max MIG devices; 0: no MIG */
+    int hbm;                                               /* memory temperature sensor */
+    int row_remapping; /* Ampere+ data-centre: remapped rows, no page retirement */
+    unsigned pci_device_id;
+};
+
+const struct sim_product *sim_product_of(const char *name);
+/* Compute capability and TDP (the driver's view). */
 void sim_product(const char *name, int *cc_major, int *cc_minor, unsigned *tdp_watts);
 
 #endif

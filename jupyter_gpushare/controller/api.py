@@ -34,6 +34,7 @@ from tornado.web import Application, HTTPError, RequestHandler
 
 from ..ledger import Allocation
 from ..placement import to_units
+from ..placement.engine import from_units
 from .auth import HubAuth, HubUser, token_from_header
 from .errors import ControllerError, bad_request, from_exception, unavailable
 
@@ -146,7 +147,7 @@ class GpusHandler(Handler):
         out = []
         for gpu in gpus:
             item = gpu.to_json()
-            item["allocated"] = used.get(gpu.uuid, 0) / 100
+            item["allocated"] = from_units(used.get(gpu.uuid, 0))
             out.append(item)
         self.reply({"gpus": out})
 
@@ -210,7 +211,7 @@ class KernelHandler(Handler):
 
 class ServerHandler(Handler):
     async def put(self, server_id: str) -> None:
-        await self.service.servers.touch(self.user, server_id, force=True)
+        await self.service.servers.touch(self.user, server_id)
         self.reply({"server_id": server_id, "user": self.user.name})
 
 

@@ -104,12 +104,18 @@ class ControllerApp(Application):
                 manifests.PodSettings.from_config(kcfg),
                 KubernetesUsage(UsageReader(kube, kcfg.namespace)),
                 start_timeout=kcfg.start_timeout,
-                inventory_ttl=kcfg.inventory_ttl,
                 quotas=quotas,
             )
             await service.start(settings.connect_timeout)
-            reconciler = Reconciler(
-                kube, kcfg.namespace, None, settings.reconcile_grace, share.aliases()
+            reconciler = Reconciler(  # on the service's caches: its passes read nothing
+                kube,
+                kcfg.namespace,
+                None,
+                settings.reconcile_grace,
+                share.aliases(),
+                ledger=service.ledger,
+                pods=service.watcher,
+                leases=service.servers.leases,
             )
             active["reconcile"] = asyncio.create_task(
                 reconciler.run_forever(settings.reconcile_interval)

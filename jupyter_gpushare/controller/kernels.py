@@ -4,9 +4,12 @@
 an already-authenticated :class:`~.auth.HubUser` on every call and authorizes by the record: a
 user sees and changes only allocations whose ``user`` is their Hub name; Hub admins all.
 
-- placement and records: the existing :func:`~jupyter_gpushare.placement.allocate` on the
-  :class:`~jupyter_gpushare.k8s.ledger.KubernetesLedger` (CAS on GpuLedgers), within the user's
-  bound (:mod:`.bounds`, recorded on the allocation);
+- placement and records: :func:`~jupyter_gpushare.placement.allocate` on the
+  :class:`~jupyter_gpushare.k8s.ledger.WatchedLedger`: the GpuLedgers and Nodes are informer
+  caches, placement runs on the indexed ``Placer`` the watch keeps current, and each record is
+  a CAS on its GpuLedger's ``resourceVersion``; within the user's bound (:mod:`.bounds`,
+  recorded on the allocation). Every read (allocations, GPUs, kernel status) is answered from
+  the caches: REST polling costs the API server nothing;
 - kernel pods: :mod:`jupyter_gpushare.k8s.manifests` builds the Secret and the Pod (the only
   place they are built); one :class:`~jupyter_gpushare.k8s.watch.PodWatcher` follows every
   kernel pod of the namespace;
@@ -31,7 +34,7 @@ from ..bound import check_within, narrowed, record, recorded, tightest
 from ..inventory import Gpu, TypeAliases, check_spec, simulator_device_list
 from ..k8s import manifests
 from ..k8s.client import ApiException, Kube
-from ..k8s.ledger import KubernetesLedger
+from ..k8s.ledger import WatchedLedger
 from ..k8s.watch import PodWatcher
 from ..ledger import Allocation, AllocationNotFound
 from ..placement import Policy, allocate
@@ -133,7 +136,6 @@ class KernelService:
         pod_settings: manifests.PodSettings,
         usage: UsageSource,
         start_timeout: float = 300.0,
-        inventory_ttl: float = 2.0,
         quotas: Quotas | None = None,
     ) -> None:
         self.kube = kube
@@ -145,7 +147,7 @@ class KernelService:
         self.pod_settings = pod_settings
         self.usage = usage
         self.start_timeout = start_timeout
-        self.ledger = KubernetesLedger(kube, namespace, aliases, inventory_ttl=inventory_ttl)
+        self.ledger = WatchedLedger(kube, namespace, aliases)
         self.watcher = PodWatcher(
             kube, namespace, f"{manifests.LABEL_COMPONENT}={manifests.KERNEL_COMPONENT}"
         )
@@ -155,10 +157,19 @@ class KernelService:
         self._user_locks: dict[str, asyncio.Lock] = {}
 
     async def start(self, timeout: float) -> None:
-        await self.watcher.start(timeout)
+        """List and watch: Nodes, GpuLedgers, kernel pods, server Leases (one watch each)."""
+        try:
+            await self.ledger.start(timeout)
+            await self.watcher.start(timeout)
+            await self.servers.start(timeout)
+        except BaseException:
+            await self.stop()
+            raise
 
     async def stop(self) -> None:
+        await self.servers.stop()
         await self.watcher.stop()
+        await self.ledger.stop()
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -222,6 +233,7 @@ class KernelService:
                 spec,
                 gpus,
                 self.policy,
+                place_fn=self.ledger.indexed(self.policy),
                 owner=owner,
                 kernel_id=kernel_id,
                 backend="kubernetes",

@@ -237,11 +237,14 @@ class Kube:
         namespace: str,
         resource_version: str,
         timeout_seconds: int = 240,
+        on_response: Any = None,
         **params: Any,
     ) -> AsyncIterator[dict[str, Any]]:
         """Raw watch events (``{"type", "object"}``, objects as dicts) of ``kind`` ('pods' or
         'gpuledgers') after ``resource_version``; ends when the server closes the stream
         (``timeout_seconds``). Raises :class:`ApiException` (410 when the version is too old).
+        ``kind`` may also be 'nodes' (cluster-wide), 'leases' or 'configmaps' (informers,
+        :mod:`.watch`); ``on_response`` is given the open stream (so it can be closed).
 
         Our own line reader rather than ``kubernetes_asyncio.watch``: no model decoding (the
         ledger's placers and the pod watcher only need dicts) and no hidden reconnects."""
@@ -251,6 +254,12 @@ class Kube:
         elif kind == "gpuledgers":
             func = self.custom.list_namespaced_custom_object
             args = (GROUP, VERSION, namespace, LEDGER_PLURAL)
+        elif kind == "nodes":
+            func, args = self.core.list_node, ()
+        elif kind == "leases":
+            func, args = self.coordination.list_namespaced_lease, (namespace,)
+        elif kind == "configmaps":
+            func, args = self.core.list_namespaced_config_map, (namespace,)
         else:
             raise ValueError(kind)
         response = await func(
@@ -264,6 +273,8 @@ class Kube:
         )
         if not 200 <= response.status <= 299:
             await self._json(_done(response))  # raises ApiException
+        if on_response is not None:
+            on_response(response)
         buffer = b""
         try:
             # Chunks, not aiohttp's line iterator: its lines are capped at 64 KiB, and a

@@ -20,15 +20,20 @@ to every ConfigMap), a schema, ``kubectl get gpuledgers``, and watches scoped to
 from __future__ import annotations
 
 import asyncio
+import builtins
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..inventory import Gpu, TypeAliases
-from ..ledger import Allocation, Ledger, Snapshot
+from ..ledger import Allocation, AllocationNotFound, Ledger, LedgerConflict, Snapshot
+from ..ledger import Placer as LedgerPlacer
+from ..placement import Placement, Placer, Policy
+from ..share import ShareSpec
 from . import manifests
-from .client import ApiException, Kube
+from .client import GROUP, LEDGER_PLURAL, VERSION, ApiException, Kube
 
 
 class KubernetesLedger(Ledger):
@@ -62,16 +67,22 @@ class KubernetesLedger(Ledger):
     async def compare_and_swap(
         self, node: str, expected_version: int, allocations: Sequence[Allocation]
     ) -> bool:
+        return await self._write(node, expected_version, allocations) is not None
+
+    async def _write(
+        self, node: str, expected_version: int, allocations: Sequence[Allocation]
+    ) -> dict[str, Any] | None:
+        """The compare-and-swap: the object written, or None when the race was lost."""
         records = [a.to_json() for a in allocations]
         started = time.monotonic()
         try:
             if expected_version == 0:
                 owner = await self._node_owner(node)
-                await self.kube.create_ledger(
+                written = await self.kube.create_ledger(
                     self.namespace, manifests.ledger_object(node, self.namespace, records, owner)
                 )
             else:
-                await self.kube.replace_ledger(
+                written = await self.kube.replace_ledger(
                     self.namespace,
                     manifests.ledger_object(
                         node,
@@ -86,10 +97,10 @@ class KubernetesLedger(Ledger):
                 # 409: Conflict (stale resourceVersion) or AlreadyExists; 404: the object went
                 # with its node meanwhile. Lost the race: back off before the caller re-reads.
                 await self._back_off(node, time.monotonic() - started)
-                return False
+                return None
             raise
         self._streak.pop(node, None)
-        return True
+        return written
 
     async def _back_off(self, node: str, round_trip: float) -> None:
         """Randomised exponential backoff in units of the API round trip, per node: placers
@@ -163,10 +174,251 @@ class KubernetesLedger(Ledger):
                 await asyncio.sleep(1.0)
 
 
+class WatchedLedger(KubernetesLedger):
+    """The controller's ledger: reads from informers, placement on an index they keep current.
+
+    The GpuLedgers and the Nodes are each listed once and then followed by one watch
+    (:class:`~.watch.Informer`: bookmarks, resumed from the last ``resourceVersion`` after a
+    dropped watch, re-listed only on 410 Gone). Every read (:meth:`list`, :meth:`get`,
+    :meth:`snapshot`, :meth:`gpus`) is answered from memory, with no API request. Placement runs
+    on one long-lived :class:`~jupyter_gpushare.placement.Placer` that the watch keeps current
+    (:meth:`indexed` gives the ``place_fn`` for :func:`~jupyter_gpushare.placement.allocate`);
+    a change touches the index for that one node's records only.
+
+    The API server stays the source of truth: every write is still a compare-and-swap on the
+    node's GpuLedger ``resourceVersion`` (as :class:`KubernetesLedger`). The object a write
+    returns goes into the cache at once; a lost race (409) waits for the watch to bring the
+    winner's version (a GET of that one object if it has not come within ``catch_up`` seconds),
+    never a LIST.
+    """
+
+    def __init__(
+        self,
+        kube: Kube,
+        namespace: str,
+        aliases: TypeAliases | None = None,
+        catch_up: float = 2.0,
+    ) -> None:
+        super().__init__(kube, namespace, aliases)
+        from .watch import Informer
+
+        self.catch_up = catch_up
+        self.ledgers = Informer(kube, "gpuledgers", namespace)
+        self.nodes = Informer(kube, "nodes")
+        self.conflicts = 0
+        #: node -> (its GpuLedger's resourceVersion, its allocations)
+        self._records: dict[str, tuple[int, tuple[Allocation, ...]]] = {}
+        self._ids: dict[str, Allocation] = {}
+        self._node_gpus: dict[str, tuple[Gpu, ...]] = {}
+        self._inventory: list[Gpu] | None = None
+        self._placer: Placer | None = None
+        self._snap: Snapshot | None = None
+        self.ledgers.subscribe(self._ledger_changed)
+        self.nodes.subscribe(self._node_changed)
+
+    async def start(self, timeout: float | None = None) -> None:
+        await self.nodes.start(timeout)
+        await self.ledgers.start(timeout)
+
+    async def stop(self) -> None:
+        await self.ledgers.stop()
+        await self.nodes.stop()
+
+    # -- the cache, kept by the informers ---------------------------------------------------
+
+    def _ledger_changed(self, kind: str, obj: dict[str, Any], _before: Any) -> None:
+        node, found = _read_ledger(obj)
+        old = self._records.get(node, (0, ()))[1]
+        new: tuple[Allocation, ...] = () if kind == "DELETED" else tuple(found)
+        if kind == "DELETED":
+            self._records.pop(node, None)
+        else:
+            self._records[node] = (int(obj["metadata"]["resourceVersion"]), new)
+        kept = {a.id for a in new}
+        placer = self._placer
+        for a in old:
+            if a.id not in kept and self._ids.get(a.id) is a:
+                del self._ids[a.id]
+                if placer is not None:
+                    placer.remove(a.id)
+        for a in new:
+            self._ids[a.id] = a
+            if placer is not None and placer.allocations.get(a.id) != a:
+                placer.add(a)
+        self._snap = None
+
+    def _node_changed(self, kind: str, obj: dict[str, Any], _before: Any) -> None:
+        name = obj["metadata"]["name"]
+        gpus: tuple[Gpu, ...] = ()
+        if kind == "DELETED":
+            self._node_uids.pop(name, None)
+        else:
+            self._node_uids[name] = obj["metadata"]["uid"]
+            gpus = tuple(sorted(manifests.gpus_from_node(obj, self.aliases), key=lambda g: g.index))
+        if self._node_gpus.get(name, ()) != gpus:
+            if gpus:
+                self._node_gpus[name] = gpus
+            else:
+                self._node_gpus.pop(name, None)
+            self._inventory = None  # the index is built again on the next placement
+            self._placer = None
+
+    def _index(self) -> Placer:
+        if self._placer is None:
+            self._placer = Placer(self._gpu_list(), self._ids.values())
+        return self._placer
+
+    def _gpu_list(self) -> builtins.list[Gpu]:
+        if self._inventory is None:
+            self._inventory = [g for node in sorted(self._node_gpus) for g in self._node_gpus[node]]
+        return self._inventory
+
+    def indexed(self, policy: Policy) -> Callable[..., Placement]:
+        """The ``place_fn`` that places on this ledger's index (the arguments' GPUs and
+        allocations are this cache's own; they are not scanned)."""
+
+        def place_fn(
+            _gpus: Sequence[Gpu], _allocations: Sequence[Allocation], spec: ShareSpec
+        ) -> Placement:
+            return self._index().place(spec, policy)
+
+        place_fn.ledger = self  # type: ignore[attr-defined]
+        return place_fn
+
+    # -- reads: from memory -----------------------------------------------------------------
+
+    async def snapshot(self) -> Snapshot:
+        if self._snap is None:
+            self._snap = Snapshot(
+                allocations=tuple(self._ids.values()),
+                versions={node: rv for node, (rv, _) in self._records.items()},
+            )
+        return self._snap
+
+    async def list(self, node: str | None = None) -> builtins.list[Allocation]:
+        if node is not None:
+            return builtins.list(self._records.get(node, (0, ()))[1])
+        return builtins.list(self._ids.values())
+
+    async def get(self, allocation_id: str) -> Allocation:
+        found = self._ids.get(allocation_id)
+        if found is None:
+            raise AllocationNotFound(allocation_id)
+        return found
+
+    async def gpus(self) -> builtins.list[Gpu]:
+        return builtins.list(self._gpu_list())
+
+    async def _node_owner(self, node: str) -> dict[str, Any] | None:
+        uid = self._node_uids.get(node)
+        if uid is None:
+            return None
+        return {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "name": node,
+            "uid": uid,
+            "blockOwnerDeletion": False,
+        }
+
+    # -- writes: compare-and-swap, then the cache -------------------------------------------
+
+    async def compare_and_swap(
+        self, node: str, expected_version: int, allocations: Sequence[Allocation]
+    ) -> bool:
+        written = await self._write(node, expected_version, allocations)
+        if written is None:
+            self.conflicts += 1
+            await self._catch_up(node, expected_version)
+            return False
+        await self.ledgers.note(written)
+        return True
+
+    async def _catch_up(self, node: str, version: int) -> None:
+        """After a lost race: until the cache holds a version of ``node``'s ledger other than
+        ``version`` (the winner's), from the watch; one GET if it has not come in time."""
+
+        def moved(obj: dict[str, Any] | None) -> bool:
+            if obj is None:
+                return version != 0  # deleted (with its node) since we read it
+            return int(obj["metadata"].get("resourceVersion") or 0) != version
+
+        try:
+            await self.ledgers.wait_for(node, moved, self.catch_up)
+        except (asyncio.TimeoutError, TimeoutError):
+            custom: Any = self.kube.custom
+            try:
+                obj = await self.kube._json(
+                    custom.get_namespaced_custom_object(
+                        GROUP, VERSION, self.namespace, LEDGER_PLURAL, node, _preload_content=False
+                    )
+                )
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                return
+            await self.ledgers.note(obj)
+
+    async def allocate(
+        self, spec: ShareSpec, inventory: Sequence[Gpu], place: LedgerPlacer, **fields: Any
+    ) -> Allocation:
+        """As :meth:`Ledger.allocate`, on the index and one node's cached records when ``place``
+        is :meth:`indexed`'s (no snapshot of every allocation is built)."""
+        if getattr(place, "ledger", None) is not self:
+            return await super().allocate(spec, inventory, place, **fields)
+        allocation_id = fields.pop("id", None) or Allocation.new_id()
+        for _attempt in range(self.max_attempts):
+            placement = place(inventory, (), spec)
+            chosen = self._index().gpus[placement.gpus[0]].gpu
+            allocation = Allocation(
+                id=allocation_id,
+                node=placement.node,
+                gpus=tuple(placement.gpus),
+                spec=replace(
+                    spec, gpu_type=spec.gpu_type or chosen.type, gpu_memory=placement.memory
+                ),
+                memory=placement.memory,
+                **fields,
+            )
+            version, current = self._records.get(placement.node, (0, ()))
+            if await self.compare_and_swap(placement.node, version, [*current, allocation]):
+                return allocation
+        raise LedgerConflict(f"could not record the allocation after {self.max_attempts} tries")
+
+    async def release(
+        self, allocation_id: str, if_unchanged: Allocation | None = None
+    ) -> Allocation | None:
+        for _attempt in range(self.max_attempts):
+            found = self._ids.get(allocation_id)
+            if found is None or (if_unchanged is not None and found != if_unchanged):
+                return None
+            version, current = self._records.get(found.node, (0, ()))
+            rest = [a for a in current if a.id != allocation_id]
+            if await self.compare_and_swap(found.node, version, rest):
+                return found
+        raise LedgerConflict(f"could not release {allocation_id} after {self.max_attempts} tries")
+
+    async def update(
+        self,
+        allocation_id: str,
+        change: Callable[[Allocation, builtins.list[Allocation]], Allocation],
+    ) -> Allocation:
+        for _attempt in range(self.max_attempts):
+            found = self._ids.get(allocation_id)
+            if found is None:
+                raise AllocationNotFound(allocation_id)
+            version, current = self._records.get(found.node, (0, ()))
+            others = [a for a in current if a.id != allocation_id]
+            changed = change(found, others)
+            if await self.compare_and_swap(found.node, version, [*others, changed]):
+                return changed
+        raise LedgerConflict(f"could not update {allocation_id} after {self.max_attempts} tries")
+
+
 def _read_ledger(obj: dict[str, Any]) -> tuple[str, list[Allocation]]:
     spec = obj.get("spec") or {}
     node = spec.get("node") or obj["metadata"]["name"]
     return node, [Allocation.from_json(a) for a in spec.get("allocations") or []]
 
 
-__all__ = ["KubernetesLedger"]
+__all__ = ["KubernetesLedger", "WatchedLedger"]

@@ -10,6 +10,10 @@ $NODE_NAME``; without ``--node``, for every node). Each pass:
    for longer than the grace period (pod deleted and nobody restarted it).
 
 Passes run every ``--interval`` seconds and at once when a kernel pod is deleted (watch).
+
+In the controller a pass reads nothing from the API server: it is given the controller's caches
+(``ledger`` a :class:`~.ledger.WatchedLedger`, ``pods`` the cluster's kernel-pod informer,
+``leases`` the server-Lease informer) and only writes (a release, a Lease deletion).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from ..ledger import Allocation
 from . import manifests
 from .client import ApiException, Kube, connect
 from .ledger import KubernetesLedger
+from .watch import Informer
 
 log = logging.getLogger(__name__)
 
@@ -70,27 +75,30 @@ class Reconciler:
         node: str | None = None,
         grace: float = 10.0,
         aliases: TypeAliases | None = None,
+        ledger: KubernetesLedger | None = None,
+        pods: Informer | None = None,
+        leases: Informer | None = None,
     ) -> None:
         self.kube = kube
         self.namespace = namespace
         self.node = node
         self.grace = grace
-        self.ledger = KubernetesLedger(kube, namespace, aliases)
+        self.ledger = ledger if ledger is not None else KubernetesLedger(kube, namespace, aliases)
+        self.pods = pods
+        self.leases = leases
         self._missing: dict[tuple[str, str], float] = {}
 
     async def run_once(self) -> list[Allocation]:
         """One pass; returns the records released."""
         now = datetime.now(timezone.utc)
         leases = await self._leases(now)
-        pods = {
-            p["metadata"]["name"]: p
-            for p in (
-                await self.kube.list_pods(
-                    self.namespace, f"{manifests.LABEL_COMPONENT}={manifests.KERNEL_COMPONENT}"
-                )
-            ).get("items")
-            or []
-        }
+        if self.pods is not None:
+            pods = {p["metadata"]["name"]: p for p in self.pods.values()}
+        else:
+            listing = await self.kube.list_pods(
+                self.namespace, f"{manifests.LABEL_COMPONENT}={manifests.KERNEL_COMPONENT}"
+            )
+            pods = {p["metadata"]["name"]: p for p in listing.get("items") or []}
         clock = time.monotonic()
         released = []
         for allocation in await self.ledger.list(self.node):
@@ -115,9 +123,13 @@ class Reconciler:
         """Live server Leases by server id; deletes the long-expired ones (their pods and
         Secrets then go with the garbage collector)."""
         live = {}
-        for lease in await self.kube.list_leases(
-            self.namespace, f"{manifests.LABEL_COMPONENT}=gpushare-server"
-        ):
+        if self.leases is not None:
+            found = list(self.leases.values())
+        else:
+            found = await self.kube.list_leases(
+                self.namespace, f"{manifests.LABEL_COMPONENT}=gpushare-server"
+            )
+        for lease in found:
             server = (lease["metadata"].get("labels") or {}).get(manifests.LABEL_SERVER, "")
             if manifests.lease_expired(lease, now, self.grace):
                 with contextlib.suppress(ApiException):
@@ -145,6 +157,17 @@ class Reconciler:
             watcher.cancel()
 
     async def _watch_deletions(self, wake: asyncio.Event) -> None:
+        if self.pods is not None:  # the controller's informer: no watch of our own
+
+            def deleted(kind: str, _obj: Any, _before: Any) -> None:
+                if kind == "DELETED":
+                    asyncio.get_running_loop().call_later(self.grace + 0.5, wake.set)
+
+            self.pods.subscribe(deleted)
+            try:
+                await asyncio.Event().wait()  # until cancelled
+            finally:
+                self.pods.unsubscribe(deleted)
         selector = f"{manifests.LABEL_COMPONENT}={manifests.KERNEL_COMPONENT}"
         while True:
             try:

@@ -96,7 +96,11 @@ class ControlPlane:
 
     # -- start / stop ---------------------------------------------------------------------------
 
-    def start(self, timeout: float = 90.0) -> ControlPlane:
+    def start(self, timeout: float = 90.0, components: bool = True) -> ControlPlane:
+        """etcd and the API server; with ``components``, also the scheduler and the controller
+        manager (without them nothing schedules pods or collects garbage: enough for the
+        controller's caches and ``benchmarks/k8s_scale.py``, and every API request counted in
+        ``/metrics`` is then the caller's own)."""
         missing = missing_binaries()
         if missing:
             raise ControlPlaneUnavailable(
@@ -112,6 +116,9 @@ class ControlPlane:
             self._start_apiserver(deadline)
             for user in USERS:
                 self._write_kubeconfig(user)
+            if not components:
+                self._wait_http("/healthz", "kube-apiserver", deadline)
+                return self
             self._start_component(
                 "kube-scheduler",
                 "scheduler",
@@ -156,6 +163,20 @@ class ControlPlane:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+    def metrics(self) -> dict[tuple[str, str], int]:
+        """``apiserver_request_total`` from the API server's ``/metrics``, summed by
+        (verb, resource[/subresource]): every request any client made so far."""
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        request = urllib.request.Request(
+            self.server_url + "/metrics",
+            headers={"Authorization": f"Bearer {self.tokens['admin']}"},
+        )
+        with urllib.request.urlopen(request, context=ctx, timeout=10) as reply:
+            text = reply.read().decode()
+        return parse_request_totals(text)
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.workdir / f"{name}.log"
@@ -309,6 +330,24 @@ class ControlPlane:
         self.kubeconfig(user).chmod(0o600)
 
 
+def parse_request_totals(text: str) -> dict[tuple[str, str], int]:
+    """``apiserver_request_total`` lines summed by (verb, resource[/subresource])."""
+    totals: dict[tuple[str, str], int] = {}
+    for line in text.splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        labels_text, _, value = line[len("apiserver_request_total{") :].rpartition("} ")
+        labels = dict(
+            (k, v.strip('"')) for k, _, v in (p.partition("=") for p in labels_text.split('",'))
+        )
+        resource = labels.get("resource", "")
+        if labels.get("subresource"):
+            resource += "/" + labels["subresource"]
+        key = (labels.get("verb", ""), resource)
+        totals[key] = totals.get(key, 0) + int(float(value))
+    return totals
+
+
 def apply_deploy(kubeconfig: Path, namespace: str = NAMESPACE) -> None:
     """Create the namespace and apply ``deploy/crds``, ``deploy/rbac.yaml`` and
     ``deploy/daemonset.yaml`` (as admin)."""
@@ -330,6 +369,45 @@ def apply_deploy(kubeconfig: Path, namespace: str = NAMESPACE) -> None:
             if any(e.status != 409 for e in exc.api_exceptions):
                 raise
     _wait_crds(api)
+
+
+def register_gpu_nodes(kubeconfig: Path, nodes: dict[str, list]) -> None:
+    """Create Node objects (no kubelet behind them) that publish ``nodes[name]`` (a list of
+    :class:`~jupyter_gpushare.inventory.Gpu`) as a node daemon would, and mark them Ready."""
+    from kubernetes import client, config
+
+    from jupyter_gpushare.k8s import manifests
+
+    api = config.new_client_from_config(str(kubeconfig))
+    core = client.CoreV1Api(api)
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    ready = {
+        "status": {
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "KubeletReady",
+                    "message": "simulated",
+                    "lastHeartbeatTime": now,
+                    "lastTransitionTime": now,
+                }
+            ]
+        }
+    }
+    for name, gpus in nodes.items():
+        body = manifests.node_gpu_patch(gpus)
+        body["metadata"]["name"] = name
+        body["metadata"]["labels"] = {
+            k: v for k, v in body["metadata"]["labels"].items() if v is not None
+        }
+        try:
+            core.create_node(body)
+        except client.ApiException as exc:
+            if exc.status != 409:
+                raise
+        core.patch_node_status(name, ready)
+    api.close()
 
 
 def node_agent_argv(plane: ControlPlane, workdir: Path, nodes: dict[str, str]) -> list[str]:

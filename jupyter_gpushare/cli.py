@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import getpass
 import json
 import logging
@@ -25,7 +26,13 @@ from .ledger.reconcile import process_start_time, reconcile
 from .placement import PlacementRefused, allocate
 from .provisioner.environment import kernel_environment
 from .serverext.handlers import gpu_usage
-from .share import ShareError, ShareSpec, format_bytes
+from .share import ShareError, ShareSpec, format_bytes, format_share
+
+DESCRIPTION = (
+    "Fractional GPU shares for Jupyter kernels: JupyterLab with GPU shares (lab), the GPUs and "
+    "who holds which share (status), any command under a GPU share (run), the node agent "
+    "(daemon), the kernelspecs (kernelspec install)."
+)
 
 _log = logging.getLogger("jupyter_gpushare")
 
@@ -40,8 +47,17 @@ def _settings(simulate: str | None = None) -> GpuShare:
 # -- lab -------------------------------------------------------------------------------------------
 
 
+LAB_HELP = (
+    "Start JupyterLab with gpushare enabled: GPU-share kernels, the GPU picker and panel. "
+    "Every other option goes to JupyterLab (jupyter lab --help-all lists them), e.g. "
+    "jupyter gpushare lab --simulate 2xA100 --no-browser --port 8888."
+)
+
+
 def cmd_lab(args: argparse.Namespace, rest: list[str]) -> int:
-    """Start JupyterLab with gpushare enabled (and simulated GPUs with --simulate)."""
+    """Run JupyterLab with gpushare enabled (and simulated GPUs with --simulate) until it exits;
+    its exit status. JupyterLab is a child process (not exec'd) so that, when it exits, the
+    user hears about the node agent it leaves running (:func:`say_agent_left_running`)."""
     env = dict(os.environ)
     argv = [sys.executable, "-m", "jupyterlab", *rest]
     argv.append("--ServerApp.jpserver_extensions=jupyter_gpushare=True")
@@ -58,8 +74,51 @@ def cmd_lab(args: argparse.Namespace, rest: list[str]) -> int:
     installed = install_kernelspecs(user=True, only_missing=True)
     if installed:
         print(f"gpushare: installed kernelspecs {', '.join(installed)}", file=sys.stderr)
-    os.execvpe(argv[0], argv, env)
-    return 0  # not reached
+    code = _run_foreground(argv, env)
+    say_agent_left_running()
+    return code
+
+
+def _run_foreground(argv: list[str], env: dict[str, str]) -> int:
+    """Run ``argv`` as the terminal's foreground job: Ctrl-C reaches it directly (JupyterLab asks
+    to confirm), SIGTERM and SIGHUP sent to us are passed on; its exit status (128+N for
+    signal N)."""
+    proc = subprocess.Popen(argv, env=env)
+    passed = (signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, lambda s, _f: proc.send_signal(s)) for sig in passed}
+    previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child has it too
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        signal.signal(signal.SIGINT, previous_int)
+    return code if code >= 0 else 128 - code
+
+
+def say_agent_left_running() -> bool:
+    """When this user's node agent still runs (it outlives JupyterLab: it enforces shares of
+    kernels and ``run`` commands still alive and serves the next start), say so on stderr and
+    how to stop it; True if said. A system agent (a service) is not ours to mention."""
+    from . import paths
+    from .daemon.client import DaemonClient
+
+    found = paths.find_agent(fresh=True)  # JupyterLab had our environment: the same agent
+    if found.system:
+        return False
+    try:
+        pid = DaemonClient(found.socket, timeout=2.0).ping().get("pid")
+    except (OSError, ValueError):
+        return False
+    if not isinstance(pid, int):
+        return False
+    print(
+        f"gpushare: the node agent (pid {pid}) keeps running on {found.socket}: it enforces the "
+        "GPU shares still held and serves the next start. Stop it, once no share is needed, "
+        f"with: kill {pid}",
+        file=sys.stderr,
+    )
+    return True
 
 
 # -- kernelspec ------------------------------------------------------------------------------------
@@ -104,24 +163,38 @@ def cmd_kernelspec(args: argparse.Namespace) -> int:
 async def _status(
     settings: GpuShare, namespace: str | None = None, kubeconfig: str = ""
 ) -> dict[str, Any]:
+    """The status document of :mod:`.statusview`: this machine's ledger and its node agent's
+    live use, or with ``namespace`` the cluster's ledger and the nodes' usage reports."""
+    from .statusview import with_usage
+
     if namespace:  # the cluster's ledger; its reconcilers run in the cluster
         from .k8s.client import connect
         from .k8s.ledger import KubernetesLedger
+        from .k8s.usage import KubernetesUsage, UsageReader
 
         kube = await connect(kubeconfig)
         try:
             cluster = KubernetesLedger(kube, namespace)
-            return _status_of(await cluster.gpus(), await cluster.list())
+            status = _status_of(await cluster.gpus(), await cluster.list())
+            view = await KubernetesUsage(UsageReader(kube, namespace)).read(fresh=True)
         finally:
             await kube.close()
-    ledger = settings.local_ledger()
-    problem = None
-    try:
-        await settings.local_gpus()
-    except NoGpuError as exc:
-        problem = str(exc)
-    await reconcile(ledger, settings.node_name)
-    return _status_of(await ledger.gpus(), await ledger.list(), problem)
+    else:
+        from .usage import DaemonUsage
+
+        ledger = settings.local_ledger()
+        problem = None
+        try:
+            await settings.local_gpus()
+        except NoGpuError as exc:
+            problem = str(exc)
+        await reconcile(ledger, settings.node_name)
+        gpus = await ledger.gpus()
+        # "no NVIDIA GPU here" only when there is nothing else to show (simulated GPUs are)
+        status = _status_of(gpus, await ledger.list(), None if gpus else problem)
+        view = await DaemonUsage(str(settings.socket_path), str(settings.node_name)).read()
+    usage = {k: dict(v) for k, v in view.allocations.items()}
+    return with_usage(status, usage, view.message if status["allocations"] else None)
 
 
 def _status_of(
@@ -136,37 +209,54 @@ def _status_of(
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    status = asyncio.run(
-        _status(_settings(args.simulate), args.kubernetes_namespace, args.kubeconfig)
-    )
+    from rich.console import Console
+
+    from .statusview import render
+
+    settings = _settings(args.simulate)
+    read = functools.partial(_status, settings, args.kubernetes_namespace, args.kubeconfig)
     if args.json:
-        print(json.dumps(status, indent=2))
+        print(json.dumps(asyncio.run(read()), indent=2))
         return 0
-    if "message" in status:
-        print(status["message"])
-    for g in status["gpus"]:
-        sim = " (simulated)" if g["simulated"] else ""
-        print(
-            f"{g['node']} GPU {g['index']} {g['type']}{sim} {g['uuid']}: "
-            f"{g['allocated_request']:g} of 1 reserved, {g['free_request']:g} free; "
-            f"memory {format_bytes(g['allocated_memory'])} of {format_bytes(g['memory'])}"
-        )
-    if not status["allocations"]:
-        print("no allocations")
-    for a in status["allocations"]:
-        holder = f"kernel {a['kernel_id']}" if a["kernel_id"] else f"{a['owner']} pid {a['pid']}"
-        if a["extra"].get("redacted"):  # a system agent shows other users' shares as capacity
-            holder = "another user's share"
-        elif a["owner"] == "pool":  # a warm kernel nobody has claimed yet (jupyter_gpushare.pools)
-            holder = f"warm pool kernel {a['kernel_id']} (pool {a['extra'].get('pool', '?')})"
-        elif a["extra"].get("claimed_from_pool"):
-            holder += f" (from pool {a['extra']['claimed_from_pool']})"
-        if a["extra"].get("reclaim_warning"):
-            holder += ", idle: reclaim warned"
-        print(
-            f"  {a['id']}: {a['gpu_request']:g}–{a['gpu_limit']:g} of {a['gpu_type']} "
-            f"{','.join(a['gpus'])}, {format_bytes(a['gpu_memory'])}, {holder} ({a['state']})"
-        )
+    console = Console(width=None if sys.stdout.isatty() else _columns())
+    if args.watch is None:
+        console.print(render(asyncio.run(read())))
+        return 0
+    return asyncio.run(_watch(console, read, args.watch))
+
+
+def _columns() -> int:
+    """Width of output that is not a terminal (a pipe, a file): $COLUMNS, else wide enough for
+    a row without folding."""
+    try:
+        return max(40, int(os.environ.get("COLUMNS", "")))
+    except ValueError:
+        return 160
+
+
+async def _watch(console: Any, read: Any, interval: float) -> int:
+    """``status --watch``: the tables redrawn in place every ``interval`` seconds (like nvitop)
+    until Ctrl-C."""
+    from rich.live import Live
+
+    from .statusview import render
+
+    if not 0.2 <= interval <= 3600:
+        print(f"gpushare status: --watch {interval:g}: give 0.2 to 3600 seconds", file=sys.stderr)
+        return 2
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        with Live(console=console, auto_refresh=False, transient=False) as live:
+            while not stop.is_set():
+                live.update(render(await read(), watching=interval), refresh=True)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), interval)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
     return 0
 
 
@@ -182,7 +272,7 @@ async def _run(settings: GpuShare, spec: ShareSpec, command: Sequence[str]) -> i
     (``daemon/server.py``, ``_check_peer``), so a program that calls ``cuInit`` first thing is
     never refused for "no process yet"."""
     ledger = settings.local_ledger()
-    inventory = await settings.local_gpus()
+    inventory = await _inventory(settings)
     spec = check_spec(spec, inventory, settings.aliases())
     try:
         await ensure_agent(settings, inventory, _log)
@@ -208,6 +298,7 @@ async def _run(settings: GpuShare, spec: ShareSpec, command: Sequence[str]) -> i
         user=getpass.getuser(),
         extra=extra,
     )
+    print(f"gpushare run: {_holding(allocation, inventory)}", file=sys.stderr)
     try:
         env = {**os.environ, **kernel_environment(allocation, inventory, settings)}
         try:
@@ -224,6 +315,56 @@ async def _run(settings: GpuShare, spec: ShareSpec, command: Sequence[str]) -> i
             await watch.stop()
     finally:
         await ledger.release(allocation.id)
+
+
+async def _inventory(settings: GpuShare) -> Sequence[Gpu]:
+    """This machine's GPUs; on a machine without one, the simulated GPUs of the node agent
+    that runs here (``lab --simulate``, ``daemon --simulate`` or an earlier ``run --simulate``
+    started it), so ``run`` needs no ``--simulate`` again."""
+    try:
+        return await settings.local_gpus()
+    except NoGpuError:
+        if settings.simulate:
+            raise
+        simulate = await _running_simulation(settings)
+        if simulate is None:
+            raise
+        settings.simulate = simulate
+        return await settings.local_gpus()
+
+
+async def _running_simulation(settings: GpuShare) -> str | None:
+    """The ``--simulate`` value of the simulated GPUs this node's ledger lists, when a node
+    agent answers here to enforce them; None otherwise (no agent, or no simulated GPUs)."""
+    from .daemon.client import DaemonClient
+    from .daemon.supervisor import _simulate_arg
+
+    if not await asyncio.to_thread(DaemonClient(settings.socket_path, timeout=2.0).alive):
+        return None
+    gpus = [g for g in await settings.local_ledger().gpus() if g.node == settings.node_name]
+    if not gpus or not all(g.simulated for g in gpus):
+        return None
+    return _simulate_arg(gpus)
+
+
+def _holding(allocation: Allocation, inventory: Sequence[Gpu]) -> str:
+    """One line: which GPU(s) and share the command got."""
+    by_uuid = {g.uuid: g for g in inventory}
+    found = [by_uuid[u] for u in allocation.gpus if u in by_uuid]
+    simulated = ", simulated" if any(g.simulated for g in found) else ""
+    where = ", ".join(f"{g.index} ({g.type}{simulated}, {g.uuid})" for g in found)
+    spec = allocation.spec
+    if spec.gpu_count > 1:
+        what = f"{spec.gpu_count} whole GPUs"
+    elif spec.gpu_request == spec.gpu_limit:
+        what = f"{format_share(spec.gpu_request)} of the GPU"
+    else:
+        what = f"request {format_share(spec.gpu_request)}, limit {format_share(spec.gpu_limit)}"
+    gpu_word = "GPUs" if len(found) > 1 else "GPU"
+    return (
+        f"share {allocation.id} on {gpu_word} {where or ', '.join(allocation.gpus)}: {what}, "
+        f"memory cap {format_bytes(allocation.memory)}"
+    )
 
 
 async def _wait_forwarding_signals(proc: subprocess.Popen[bytes]) -> int:
@@ -285,14 +426,34 @@ def _daemon_parser(sub: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from .k8s import cli as k8s_cli
 
-    parser = argparse.ArgumentParser(prog="jupyter gpushare", description=__doc__)
+    parser = argparse.ArgumentParser(prog="jupyter gpushare", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command_name", required=True)
 
-    lab = sub.add_parser("lab", help="start JupyterLab with gpushare; other options go to Lab")
+    lab = sub.add_parser(
+        "lab",
+        help="start JupyterLab with gpushare; other options go to JupyterLab",
+        description=LAB_HELP,
+        usage="jupyter gpushare lab [--simulate N[xTYPE]] [JupyterLab options …]",
+    )
     lab.add_argument("--simulate", metavar="N[xTYPE]", help="simulated GPUs, e.g. 2xA100")
 
-    status = sub.add_parser("status", help="GPUs, shares and holders")
+    status = sub.add_parser(
+        "status",
+        help="GPUs, shares and holders",
+        description="The GPUs and, per share, its user, notebook or command, GPU, request, "
+        "limit, achieved share and memory (used / cap). Through the machine's system agent a "
+        "user sees their own shares and the free capacity; admins see every share.",
+    )
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        default=None,
+        metavar="S",
+        help="refresh in place every S seconds (default 2) until Ctrl-C",
+    )
     status.add_argument(
         "--kubernetes-namespace",
         metavar="NS",
@@ -307,13 +468,23 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--simulate", metavar="N[xTYPE]", help=argparse.SUPPRESS)
     status.set_defaults(func=cmd_status)
 
-    run = sub.add_parser("run", help="run a command under a GPU share on this node")
+    run = sub.add_parser(
+        "run",
+        help="run a command under a GPU share on this node",
+        description="Run CMD under a GPU share on this node and release the share when it "
+        "exits (its exit status is passed through). Without --simulate on a machine with no "
+        "GPU, the simulated GPUs of the node agent running here are used.",
+    )
     run.add_argument("--gpu-request", metavar="R", help="guaranteed fraction of a GPU, (0, 1]")
     run.add_argument("--gpu-limit", metavar="L", help="burst limit, a fraction in (0, 1]")
     run.add_argument("--gpu-memory", metavar="M", help="memory cap, e.g. 10GiB")
     run.add_argument("--gpu-type", metavar="T", help="GPU type, e.g. A100")
     run.add_argument("--gpu-count", metavar="N", help="whole GPUs")
-    run.add_argument("--simulate", metavar="N[xTYPE]", help="use simulated GPUs")
+    run.add_argument(
+        "--simulate",
+        metavar="N[xTYPE]",
+        help="use simulated GPUs (not needed while a simulated node agent runs here)",
+    )
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS…")
     run.set_defaults(func=cmd_run)
 
@@ -349,13 +520,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except ShareError as exc:
-        print(f"gpushare: {exc}", file=sys.stderr)
+    except ShareError as exc:  # named by the flag the user typed (--gpu-request)
+        print(f"gpushare: {exc.for_flags()}", file=sys.stderr)
         return 2
-    except PlacementRefused as exc:
+    except PlacementRefused as exc:  # the message ends with what would fit: said once
         print(f"gpushare: {exc.message}", file=sys.stderr)
         for hint in exc.suggestions:
-            print(f"  {hint}", file=sys.stderr)
+            if hint not in exc.message:
+                print(f"  {hint}", file=sys.stderr)
         return 3
     except NoGpuError as exc:
         print(f"gpushare: {exc}", file=sys.stderr)

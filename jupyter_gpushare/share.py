@@ -78,6 +78,12 @@ class ShareError(ValueError):
         self.allowed = allowed
         super().__init__(f"{field}={self.value!r} is not allowed: {allowed}")
 
+    def for_flags(self) -> str:
+        """The message as a command line says it (``jupyter gpushare run``, ``%gpushare``):
+        ``--gpu-request 2 is not allowed: …`` for the flag the user typed, not ``gpu_request=``."""
+        value = self.value if isinstance(self.value, str) else repr(self.value)
+        return flag_names(f"{self.field} {value} is not allowed: {self.allowed}")
+
     def to_json(self) -> dict[str, Any]:
         return {
             "error": "invalid_share",
@@ -128,6 +134,34 @@ def _jsonable(value: object) -> object:
     if isinstance(value, str | int | float | bool) or value is None:
         return value
     return repr(value)
+
+
+def flag_names(text: str) -> str:
+    """``text`` with the share's field names written as their command-line flags
+    (``gpu_limit`` -> ``--gpu-limit``)."""
+    return _FIELD_RE.sub(lambda m: "--" + m.group(0).replace("_", "-"), text)
+
+
+_FIELD_RE = re.compile(r"(?<![\w-])gpu_(?:request|limit|memory|type|count|labels)\b=?")
+
+
+def format_share(fraction: float | None) -> str:
+    """A share of one GPU as every user-facing text writes it (panel, magics, CLI, the lab
+    extension's status bar): percent of the GPU, a space, ``%``: ``0.49`` -> ``'49 %'``.
+    Shares come in steps of 0.01, so whole percents; a measured share above 0 but under
+    0.5 % is ``'<1 %'``; ``None`` (not known) is ``'–'``."""
+    if fraction is None:
+        return "–"
+    percent = 100 * float(fraction)
+    if 0 < percent < 0.5:
+        return "<1 %"
+    return f"{percent:.0f} %"
+
+
+def format_share_range(request: float, limit: float) -> str:
+    """Request and limit of a share: ``'25–50 %'``, or ``'50 %'`` when they are equal."""
+    low, high = format_share(request), format_share(limit)
+    return low if low == high else f"{low[:-2]}–{high}"
 
 
 def format_bytes(n: int) -> str:

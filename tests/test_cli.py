@@ -54,10 +54,15 @@ def test_run_refuses_bad_share_before_running(gpushare_env, tmp_path):
     marker = tmp_path / "ran"
     result = gpushare(env, "run", "--gpu-limit", "1.5", "--", "touch", str(marker))
     assert result.returncode == 2
-    assert "gpu_limit='1.5' is not allowed: a number in (0, 1]" in result.stderr
+    # named by the flag the user typed, not the JSON key
+    assert "--gpu-limit 1.5 is not allowed: a number in (0, 1]" in result.stderr
+    assert "gpu_limit=" not in result.stderr and "Traceback" not in result.stderr
     assert not marker.exists()
     full = gpushare(env, "run", "--gpu-type", "H100", "--", "true")
-    assert full.returncode == 2 and "gpu_type='H100'" in full.stderr
+    assert full.returncode == 2 and "--gpu-type H100 is not allowed" in full.stderr
+    above = gpushare(env, "run", "--gpu-request", "0.75", "--gpu-limit", "0.5", "--", "true")
+    assert above.returncode == 2
+    assert "--gpu-request 0.75 is not allowed: at most --gpu-limit (0.5)" in above.stderr
 
 
 def test_run_is_refused_when_nothing_fits(gpushare_env):
@@ -128,9 +133,131 @@ def test_status_shows_another_users_share_as_theirs_without_details(monkeypatch,
 
     monkeypatch.setattr(cli, "_status", status)
     monkeypatch.setattr(cli, "_settings", lambda simulate: None)
-    args = argparse.Namespace(simulate=None, kubernetes_namespace=None, kubeconfig="", json=False)
+    args = argparse.Namespace(
+        simulate=None, kubernetes_namespace=None, kubeconfig="", json=False, watch=None
+    )
     assert cli.cmd_status(args) == 0
     out = capsys.readouterr().out
-    assert "a-0123456789abcdef: 0.5–0.5 of A100 GPU-1" in out
-    assert "another user's share" in out
+    [row] = [line for line in out.splitlines() if "a-0123456789abcdef" in line]
+    assert "another user" in row and "50 %" in row and "GPU-1" in row
     assert "None" not in out and "k-secret" not in out and "4242" not in out
+    assert "alice" not in out
+
+
+#: a command that holds 1 GiB of (simulated) GPU memory and keeps the GPU busy until killed
+GPU_WORK = """
+import ctypes, sys
+cu = ctypes.CDLL("libcuda.so.1")
+P = ctypes.c_void_p
+cu.cuLaunchKernel.argtypes = [P] + [ctypes.c_uint] * 7 + [P, P, P]
+dev, ctx, mod, fn, ptr = ctypes.c_int(), P(), P(), P(), ctypes.c_uint64()
+assert cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
+assert cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev) == 0
+assert cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(1 << 30)) == 0
+assert cu.cuModuleLoadData(ctypes.byref(mod), b"any module") == 0
+assert cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"busy_us") == 0
+us = ctypes.c_uint64(2000)
+params = (P * 1)(ctypes.cast(ctypes.byref(us), P))
+print("ready", flush=True)
+while True:
+    cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, None, params, None)
+    cu.cuCtxSynchronize()
+"""
+
+
+def test_cli_says_each_thing_once_and_uses_the_running_simulated_agent(gpushare_env):
+    """With a simulated agent running (started by a ``run --simulate``): ``run`` without
+    ``--simulate`` uses its GPUs and says on one stderr line which GPU and share it got; a
+    refusal's suggestion is printed once; ``status`` shows user, command, request, limit,
+    achieved share and memory used / cap, and no "no NVIDIA GPU" above the simulated GPUs."""
+    from support import wait_for
+
+    holder = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "jupyter_gpushare", "run", "--simulate", "2xA100"),
+            *("--gpu-request", "0.5", "--gpu-memory", "4GiB", "--", sys.executable, "-c", GPU_WORK),
+        ],
+        env=gpushare_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        plain = {k: v for k, v in gpushare_env.items() if k != "GPUSHARE_SIMULATE"}
+
+        refused = gpushare(plain, "run", "--gpu-count", "2", "--", "true")
+        assert refused.returncode == 3, refused.stderr
+        assert refused.stderr.count("1 whole A100 on one node") == 1, refused.stderr
+
+        got = gpushare(plain, "run", "--gpu-request", "0.25", "--", "true")
+        assert got.returncode == 0, got.stderr
+        [line] = got.stderr.splitlines()
+        assert line.startswith("gpushare run: share a-") and "on GPU " in line
+        assert "(A100, simulated, GPU-" in line and "request 25 %, limit 50 %" in line, line
+
+        def live() -> dict | None:
+            status = json.loads(gpushare(plain, "status", "--json").stdout)
+            [a] = status["allocations"]
+            usage = a["usage"] or {}
+            return status if usage.get("memory_used") == 1 << 30 else None
+
+        status = wait_for(live, timeout=20)
+        assert "message" not in status  # no "no NVIDIA GPU" above simulated GPUs
+        [a] = status["allocations"]
+        assert a["usage"]["achieved_share"] > 0
+        table = gpushare(plain, "status", timeout=60)
+        assert table.returncode == 0, table.stderr
+        assert "no NVIDIA GPU" not in table.stdout + table.stderr
+        [row] = [line for line in table.stdout.splitlines() if a["id"] in line]
+        cells = [c.strip() for c in row.strip("│ ").split("│")]
+        _id, user, what, gpu, request, limit, achieved, memory, state = cells
+        assert user == a["user"] and what.startswith(sys.executable) and gpu == "0 A100"
+        assert (request, limit, state) == ("50 %", "50 %", "active")
+        assert achieved.endswith(" %") and achieved != "–"
+        assert memory == "1GiB / 4GiB"
+    finally:
+        holder.terminate()
+        holder.wait(30)
+
+
+def test_help_has_no_markup_and_lab_says_where_other_options_go():
+    from jupyter_gpushare import cli
+
+    parser = cli.build_parser()
+    texts = [parser.format_help()]
+    for action in parser._subparsers._group_actions:  # every sub-command's --help
+        for name, sub in action.choices.items():
+            if name != "controller":  # a traitlets app: its own --help-all
+                texts.append(sub.format_help())
+    for text in texts:
+        assert "``" not in text and ":func:" not in text and ":class:" not in text, text
+    lab = subprocess.run(
+        [sys.executable, "-m", "jupyter_gpushare", "lab", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert lab.returncode == 0
+    assert "Every other option goes to JupyterLab" in " ".join(lab.stdout.split())
+
+
+def test_lab_says_when_the_node_agent_lives_on(gpushare_env):
+    """``jupyter gpushare lab`` runs JupyterLab as a child; when it exits and this user's node
+    agent still runs, it says so, with the agent's pid and how to stop it."""
+    from jupyter_gpushare.daemon.client import DaemonClient
+
+    done = gpushare(gpushare_env, "lab", "--version")  # JupyterLab exits at once: no agent
+    assert done.returncode == 0, done.stderr
+    assert "node agent" not in done.stderr
+    held = gpushare(
+        {**gpushare_env, "GPUSHARE_SIMULATE": "1xA100"}, "run", "--", "true"
+    )  # starts the agent, which stays
+    assert held.returncode == 0, held.stderr
+    pid = DaemonClient(gpushare_env["GPUSHARE_SOCKET"]).ping()["pid"]
+    again = gpushare(gpushare_env, "lab", "--version")
+    assert again.returncode == 0 and again.stdout.strip()[:1].isdigit()
+    assert f"node agent (pid {pid}) keeps running on {gpushare_env['GPUSHARE_SOCKET']}" in (
+        " ".join(again.stderr.split())
+    )
+    assert f"kill {pid}" in again.stderr

@@ -261,3 +261,56 @@ def test_lab_says_when_the_node_agent_lives_on(gpushare_env):
         " ".join(again.stderr.split())
     )
     assert f"kill {pid}" in again.stderr
+
+
+def test_status_watch_redraws_in_place_until_ctrl_c(gpushare_env):
+    """``status --watch`` on a terminal: the tables drawn again every interval over the last
+    drawing (cursor moved up, lines erased), not appended; Ctrl-C ends it with status 0."""
+    import os
+    import pty
+    import re
+    import select
+    import signal
+    import time
+
+    env = {**gpushare_env, "GPUSHARE_SIMULATE": "1xA100", "COLUMNS": "120", "LINES": "40"}
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyter_gpushare", "status", "--watch", "0.3"],
+        env=env,
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        close_fds=True,
+    )
+    os.close(follower)
+    out = b""
+
+    def read_for(seconds: float) -> None:
+        nonlocal out
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([leader], [], [], 0.1)
+            if ready:
+                try:
+                    out += os.read(leader, 65536)
+                except OSError:
+                    return
+
+    try:
+        deadline = time.monotonic() + 60
+        while out.count(b"every 0.3 s") < 3 and time.monotonic() < deadline:
+            read_for(0.5)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 0
+        read_for(0.3)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(leader)
+    text = out.decode(errors="replace")
+    assert text.count("every 0.3 s") >= 3, text[-2000:]
+    assert "no shares" in text and "A100" in text
+    # redrawn in place: the cursor goes back up over the previous drawing (CSI n A)
+    assert re.search(r"\x1b\[\d*A", text), text[-2000:]
+    assert "Traceback" not in text

@@ -39,6 +39,13 @@ GPU_COLUMNS = ("GPU", "type", "shares", "reserved", "free", "memory reserved / t
 COMMAND_CHARS = 60
 
 
+def printable(text: str) -> str:
+    """``text`` safe to print on someone's terminal: control characters (escape sequences a
+    user could put in a command line or a notebook name that an admin's ``status`` shows)
+    written out as ``\\x1b``."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def gpu_label(gpu: Mapping[str, Any], several_nodes: bool) -> str:
     """``0 A100`` (``node:0 A100`` when the status spans several nodes)."""
     where = f"{gpu['node']}:{gpu['index']}" if several_nodes else str(gpu["index"])
@@ -64,7 +71,7 @@ def what_runs(allocation: Mapping[str, Any]) -> str:
         text = f"{allocation.get('owner', '?')} pid {allocation.get('pid')}"
     if extra.get("claimed_from_pool"):
         text += f" (from pool {extra['claimed_from_pool']})"
-    return text
+    return printable(text)
 
 
 def share_rows(status: Mapping[str, Any]) -> list[tuple[str, ...]]:
@@ -86,7 +93,7 @@ def share_rows(status: Mapping[str, Any]) -> list[tuple[str, ...]]:
         rows.append(
             (
                 str(a["id"]),
-                "another user" if extra.get("redacted") else str(a.get("user") or "–"),
+                "another user" if extra.get("redacted") else printable(str(a.get("user") or "–")),
                 what_runs(a),
                 on,
                 format_share(a["gpu_request"]),
@@ -137,7 +144,7 @@ def render(status: Mapping[str, Any], watching: float | None = None) -> Any:
     for name in GPU_COLUMNS:
         gpus.add_column(name, overflow="fold", justify="right" if name == "shares" else "left")
     for row in gpu_rows(status):
-        gpus.add_row(*row)
+        gpus.add_row(*(Text(cell) for cell in row))  # as written: never console markup
     if status.get("gpus"):
         parts.append(gpus)
     shares = Table(title="Shares", title_justify="left", expand=False)
@@ -146,7 +153,7 @@ def render(status: Mapping[str, Any], watching: float | None = None) -> Any:
         shares.add_column(name, overflow="fold", justify="right" if right else "left")
     rows = share_rows(status)
     for row in rows:
-        shares.add_row(*row)
+        shares.add_row(*(Text(cell) for cell in row))
     parts.append(shares if rows else Text("no shares"))
     if status.get("usage_message") and rows:
         parts.append(Text(f"live use not shown: {status['usage_message']}", style="yellow"))

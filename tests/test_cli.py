@@ -314,3 +314,47 @@ def test_status_watch_redraws_in_place_until_ctrl_c(gpushare_env):
     # redrawn in place: the cursor goes back up over the previous drawing (CSI n A)
     assert re.search(r"\x1b\[\d*A", text), text[-2000:]
     assert "Traceback" not in text
+
+
+def test_status_prints_a_hostile_command_and_notebook_name_literally(monkeypatch, capsys):
+    """An admin's ``status`` shows other users' command lines and notebook paths: escape
+    sequences in them are written out (not sent to the terminal) and rich markup in them is
+    text, not styling."""
+    import argparse
+
+    from jupyter_gpushare import cli
+    from jupyter_gpushare.ledger import Allocation
+    from jupyter_gpushare.share import ShareSpec
+
+    def held(ident: str, **extra: object) -> dict:
+        return Allocation(
+            id=ident,
+            node="n",
+            gpus=("GPU-1",),
+            spec=ShareSpec(0.25, 0.5, 2**30, "A100"),
+            memory=2**30,
+            owner="run" if "command" in extra else "kernel",
+            kernel_id=None if "command" in extra else "k-1",
+            user="mallory",
+            extra=dict(extra),
+        ).to_json()
+
+    hostile = [
+        held("a-0000000000000001", command=["rm", "\x1b]0;pwned\x07\x1b[2J", "[bold red]x[/]"]),
+        held("a-0000000000000002", notebook="/home/m/\x1b[31mred[/].ipynb"),
+    ]
+
+    async def status(*_args):
+        return {"simulated": True, "gpus": [], "allocations": hostile}
+
+    monkeypatch.setattr(cli, "_status", status)
+    monkeypatch.setattr(cli, "_settings", lambda simulate: None)
+    args = argparse.Namespace(
+        simulate=None, kubernetes_namespace=None, kubeconfig="", json=False, watch=None
+    )
+    assert cli.cmd_status(args) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert "\\x1b[2J" in out and "[bold red]x[/]" in out
+    assert "/home/m/\\x1b[31mred[/].ipynb" in out
+    assert "25 %" in out and "50 %" in out and "– / 1GiB" in out

@@ -5,12 +5,18 @@ A collector reads the daemon's status at scrape time, so the numbers are the sta
 Labels, chosen to join with NVIDIA's DCGM exporter (which cannot see kernel pods: the kubelet's
 pod-resources API names only ``nvidia.com/gpu`` holders):
 
-- every series: ``gpu`` (NVML's index, as DCGM's ``gpu``; empty where NVML is not sampled),
-  ``UUID`` (the GPU's UUID, DCGM's ``UUID``) and ``Hostname`` (the node, DCGM's ``Hostname``
-  where the exporter runs with ``NODE_NAME``; this machine's host name off Kubernetes);
+- per GPU (``gpushare_gpu_*``) and per allocation: ``gpu`` (NVML's index, as DCGM's ``gpu``;
+  empty where NVML is not sampled), ``UUID`` (the GPU's UUID, DCGM's ``UUID``) and
+  ``Hostname`` (the node, DCGM's ``Hostname`` where the exporter runs with ``NODE_NAME``; this
+  machine's host name off Kubernetes);
 - per allocation (``gpushare_allocation_*``): ``allocation``, ``kernel_id``, ``user`` (from the
   ledger record) and ``pod`` / ``namespace`` (the kernel pod on Kubernetes; empty for local
-  kernels).
+  kernels);
+- the daemon's own series (``gpushare_daemon_*``): ``Hostname``.
+
+Prometheus must keep these labels as they are: scrape with ``honor_labels: true`` (the chart's
+PodMonitor does), or the scraped ``pod`` and ``namespace`` become ``exported_pod`` /
+``exported_namespace`` next to the daemon pod's own.
 
 So ``gpushare_allocation_share * on(UUID) group_left DCGM_FI_DEV_GPU_UTIL`` and the like work
 as written; ``deploy/grafana/gpushare.json`` uses only the names below (``METRIC_NAMES``, checked
@@ -123,9 +129,9 @@ class DaemonCollector(Collector):
             ]
             for family, value in zip(per_gpu, values, strict=True):
                 family.add_metric(gpu_labels(g["uuid"]), value)
-        clients, refused = (_family(*m, []) for m in DAEMON_METRICS)
-        clients.add_metric([], status["daemon"]["clients"])
-        refused.add_metric([], status["daemon"]["refused"])
+        clients, refused = (_family(*m, ["Hostname"]) for m in DAEMON_METRICS)
+        clients.add_metric([host], status["daemon"]["clients"])
+        refused.add_metric([host], status["daemon"]["refused"])
         yield from (*per_allocation, *per_gpu, clients, refused)
 
 

@@ -85,6 +85,7 @@ def now() -> str:
 
 
 SIMULATE_LABEL = "gpushare.jupyter.org/simulate"
+METRICS_PORT = re.compile(r"^--metrics-port=\d+$")
 VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
@@ -823,6 +824,9 @@ class NodeAgent:
             translate(VAR_REF.sub(lambda m: declared.get(m.group(1), m.group(0)), a))
             for a in [*(container.get("command") or []), *(container.get("args") or [])]
         ]
+        # Every pod here shares this machine's network (podIP 127.0.0.1): a fixed port such as
+        # the node daemon's metrics port would collide between nodes, so it gets a free one.
+        argv = [METRICS_PORT.sub("--metrics-port=-1", a) for a in argv]
         if argv and argv[0] == "python":
             argv[0] = sys.executable
         elif argv and shutil.which(argv[0], path=str(Path(sys.executable).parent)):

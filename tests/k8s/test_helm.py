@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +63,14 @@ def helm() -> str:
 
 
 def render(
-    helm: str, tmp_path: Path, values: dict[str, Any] | None = None, namespace: str = "gpushare"
+    helm: str,
+    tmp_path: Path,
+    values: dict[str, Any] | None = None,
+    namespace: str = "gpushare",
+    extra: Sequence[str] = (),
 ) -> list[Obj]:
     """``helm template`` (CRDs included) with ``values`` as a values file; parsed objects."""
-    args = [helm, "template", "gs", str(CHART), "--namespace", namespace, "--include-crds"]
+    args = [helm, "template", "gs", str(CHART), "--namespace", namespace, "--include-crds", *extra]
     if values is not None:
         path = tmp_path / f"values-{len(list(tmp_path.glob('values-*')))}.yaml"
         path.write_text(yaml.safe_dump(values))
@@ -286,7 +290,19 @@ def test_values_change_what_they_should(helm: str, tmp_path: Path) -> None:
     default_pod = one(default, "DaemonSet")["spec"]["template"]["spec"]
     default_args = daemon_args(one(default, "DaemonSet"))
     assert default_args.simulate is None and default_args.simulate_from_node_label
-    assert default_args.metrics_port == 0 and "ports" not in container(default_pod, "daemon")
+    # metrics on by default (issue 15); port 0 turns them off, and nothing may connect then
+    assert default_args.metrics_port == 9401
+    ports = container(default_pod, "daemon")["ports"]
+    assert ports == [{"name": "metrics", "containerPort": 9401}]
+    off = render(helm, tmp_path, {"daemon": {"metrics": {"port": 0}}})
+    assert daemon_args(one(off, "DaemonSet")).metrics_port == 0  # the daemon's default: off
+    assert "ports" not in container(one(off, "DaemonSet")["spec"]["template"]["spec"], "daemon")
+    node_policy = by_key(off)[("NetworkPolicy", "gpushare", "gpushare-node")]
+    assert node_policy["spec"]["ingress"] == []
+    assert not by_key(render(helm, tmp_path, {"networkPolicy": {"enabled": False}})).keys() & {
+        ("NetworkPolicy", "gpushare", "gpushare-node"),
+        ("NetworkPolicy", "gpushare", "gpushare-kernels"),
+    }
     assert "nodeSelector" not in default_pod and "affinity" in default_pod
     assert one(default, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["image"].endswith(
         ":" + yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]

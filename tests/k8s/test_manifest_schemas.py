@@ -1,7 +1,8 @@
 """Every manifest gpushare ships or generates validates strictly (unknown fields are errors)
 against the Kubernetes 1.30 and 1.34 OpenAPI schemas (``kubernetes-validate``, offline: it
-bundles them): the chart rendered with default and non-default values, deploy/*.yaml (RBAC,
-DaemonSet, CRD), the z2jh examples, and the kernel pods and Secrets of ``k8s/manifests.py``;
+bundles them): the chart rendered with default and non-default values (the controller and
+NetworkPolicies included), deploy/*.yaml (RBAC, DaemonSet, CRD, NetworkPolicies), the z2jh
+examples, and the kernel pods and Secrets of ``k8s/manifests.py``;
 and ``jupyter gpushare k8s kernel-pod`` prints a kernel pod that passes Pod Security
 "restricted" (issue 15)."""
 
@@ -39,6 +40,18 @@ NON_DEFAULT = {
         "extraArgs": ["--idle-timeout=30"],
     },
     "reconciler": {"enabled": False},
+    "controller": {"enabled": True},
+    "networkPolicy": {
+        "servers": {
+            "namespaceSelector": {
+                "matchExpressions": [
+                    {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["a", "b"]}
+                ]
+            },
+            "podSelector": {"matchLabels": {"app": "jupyter-server"}},
+        },
+        "metricsFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}}],
+    },
 }
 
 
@@ -79,9 +92,14 @@ def test_deploy_files_and_z2jh_examples_validate() -> None:
             for d in yaml.safe_load_all(path.read_text())
             if d and "apiVersion" in d and "kind" in d
         ]
-    assert {"DaemonSet", "CustomResourceDefinition", "Role", "ServiceAccount"} <= {
-        o["kind"] for o in objs
-    }
+    assert {
+        "DaemonSet",
+        "CustomResourceDefinition",
+        "Role",
+        "ServiceAccount",
+        "NetworkPolicy",
+        "ClusterRoleBinding",
+    } <= {o["kind"] for o in objs}
     assert [e for o in objs for e in invalid(o)] == []
 
 
@@ -92,7 +110,9 @@ def test_chart_renders_valid_objects(
     values: dict[str, Any] | None,
 ) -> None:
     objs = render(helm, tmp_path, values)
-    assert {"DaemonSet", "CustomResourceDefinition"} <= {o["kind"] for o in objs}
+    assert {"DaemonSet", "CustomResourceDefinition", "NetworkPolicy"} <= {o["kind"] for o in objs}
+    if values is NON_DEFAULT:
+        assert {"Deployment", "Service", "ConfigMap"} <= {o["kind"] for o in objs}
     assert [e for o in objs for e in invalid(o)] == []
 
 
@@ -159,8 +179,8 @@ def test_kernel_pod_command_prints_a_restricted_valid_pod(
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
-        (["--gpu-request", "2"], "gpu_request='2' is not allowed"),
-        (["--gpu-memory", "lots"], "gpu_memory"),
+        (["--gpu-request", "2"], "--gpu-request 2 is not allowed"),
+        (["--gpu-memory", "lots"], "--gpu-memory lots is not allowed"),
         (["--config", "/nonexistent/cfg.py"], "--config /nonexistent/cfg.py: no such file"),
     ],
 )

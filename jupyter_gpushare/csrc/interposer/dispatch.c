@@ -28,9 +28,8 @@
 #define GS_DEFINE_REAL(name) __typeof__(&name) real_##name;
 GS_HOOKS(GS_DEFINE_REAL)
 GS_USES(GS_DEFINE_REAL)
+GS_NVML_HOOKS(GS_DEFINE_REAL)
 #undef GS_DEFINE_REAL
-__typeof__(&nvmlDeviceGetMemoryInfo) real_nvmlDeviceGetMemoryInfo;
-__typeof__(&nvmlDeviceGetMemoryInfo_v2) real_nvmlDeviceGetMemoryInfo_v2;
 nvmlReturn_t (*real_nvmlDeviceGetUUID)(nvmlDevice_t, char *, unsigned int);
 
 static void *(*real_dlsym)(void *, const char *);
@@ -45,12 +44,7 @@ struct gs_entry {
 };
 
 #define GS_ENTRY(name) {#name, (void **)&real_##name, (void *)&name},
-static const struct gs_entry entries[] = {
-    GS_HOOKS(GS_ENTRY){"nvmlDeviceGetMemoryInfo", (void **)&real_nvmlDeviceGetMemoryInfo,
-                       (void *)&nvmlDeviceGetMemoryInfo},
-    {"nvmlDeviceGetMemoryInfo_v2", (void **)&real_nvmlDeviceGetMemoryInfo_v2,
-     (void *)&nvmlDeviceGetMemoryInfo_v2},
-};
+static const struct gs_entry entries[] = {GS_HOOKS(GS_ENTRY) GS_NVML_HOOKS(GS_ENTRY)};
 #undef GS_ENTRY
 #define NENTRIES (sizeof(entries) / sizeof(entries[0]))
 

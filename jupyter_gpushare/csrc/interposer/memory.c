@@ -6,10 +6,13 @@
  * cap as the device's total.
  */
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "gs.h"
 
@@ -351,10 +354,20 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     return total_mem(real_cuDeviceTotalMem_v2(bytes, dev), bytes, dev);
 }
 
-/* NVML: the GPU is found by UUID. */
+/* -- NVML inside a share ---------------------------------------------------------------------
+ *
+ * On a GPU of this process's share, NVML describes the share, so that memory and process lists
+ * agree with each other (what monitoring tools such as nvitop and gpustat show): the memory total
+ * is the share's cap, "used" is the share's own use (its reservations, or what its processes hold
+ * when that is more), and the process lists show only the share's own processes - those whose
+ * environment names this allocation (GPUSHARE_ALLOCATION_ID). Other tenants are left out, as a
+ * container does not see another container's processes; a process we cannot inspect (another
+ * user's) is never ours. GPUs outside the share are reported as the driver reports them. */
+
+/* The share's GPU behind an NVML handle (found by UUID), or NULL. */
 static struct gs_gpu *nvml_gpu(nvmlDevice_t device) {
     gs_init();
-    if (!gs.enabled || !real_nvmlDeviceGetUUID) return NULL;
+    if (!gs.enabled || !real_nvmlDeviceGetUUID || !gs.allocation[0]) return NULL;
     char uuid[96] = "";
     if (real_nvmlDeviceGetUUID(device, uuid, sizeof uuid) != 0) return NULL;
     for (int i = 0; i < gs.ngpus; i++)
@@ -362,21 +375,90 @@ static struct gs_gpu *nvml_gpu(nvmlDevice_t device) {
     return NULL;
 }
 
+/* Whether process `pid` belongs to this share: this process, or one whose environment holds
+ * GPUSHARE_ALLOCATION_ID=<ours> (read from /proc; a process we may not read is not ours). */
+static int nvml_own_pid(unsigned pid) {
+    if (pid == (unsigned)getpid()) return 1;
+    char want[96], path[48], buf[4096];
+    size_t wn = (size_t)snprintf(want, sizeof want, "GPUSHARE_ALLOCATION_ID=%s", gs.allocation);
+    if (wn >= sizeof want) return 0;
+    snprintf(path, sizeof path, "/proc/%u/environ", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    size_t k = 0; /* bytes of `want` matched by the current entry */
+    int match = 1, found = 0;
+    ssize_t n;
+    while (!found && (n = read(fd, buf, sizeof buf)) > 0) {
+        for (ssize_t i = 0; i < n && !found; i++) {
+            if (buf[i] == 0) {
+                found = match && k == wn;
+                k = 0;
+                match = 1;
+            } else if (match) {
+                match = k < wn && buf[i] == want[k];
+                k += (size_t)match;
+            }
+        }
+    }
+    close(fd);
+    return found;
+}
+
+/* Keeps the share's own entries of an array of `n` entries of `size` bytes whose pid is at
+ * `pid_at`, in order; returns how many are left. */
+static unsigned nvml_keep_own(void *array, unsigned n, size_t size, size_t pid_at) {
+    char *base = array;
+    unsigned kept = 0;
+    for (unsigned i = 0; i < n; i++) {
+        unsigned pid;
+        memcpy(&pid, base + i * size + pid_at, sizeof pid);
+        if (!nvml_own_pid(pid)) continue;
+        if (kept != i) memmove(base + kept * size, base + i * size, size);
+        kept++;
+    }
+    return kept;
+}
+
+/* What the share's processes hold on the device, as the driver counts it (0 if unknown). */
+static unsigned long long nvml_own_bytes(nvmlDevice_t device) {
+    nvmlProcessInfo_t infos[64];
+    unsigned n = 64;
+    unsigned long long sum = 0;
+    if (real_nvmlDeviceGetComputeRunningProcesses_v3) {
+        if (real_nvmlDeviceGetComputeRunningProcesses_v3(device, &n, infos) != 0) return 0;
+    } else if (real_nvmlDeviceGetComputeRunningProcesses_v2) {
+        if (real_nvmlDeviceGetComputeRunningProcesses_v2(device, &n, infos) != 0) return 0;
+    } else {
+        return 0;
+    }
+    for (unsigned i = 0; i < n && i < 64; i++)
+        if (infos[i].usedGpuMemory != ~0ull && nvml_own_pid(infos[i].pid))
+            sum += infos[i].usedGpuMemory;
+    return sum;
+}
+
+/* The share's memory on a GPU of the share: total = cap, used = its own use, free = the rest. */
+static int nvml_share_memory(nvmlDevice_t device, unsigned long long *total,
+                             unsigned long long *free_b, unsigned long long *used) {
+    struct gs_gpu *g = nvml_gpu(device);
+    if (!g) return 0;
+    uint64_t f = *free_b, t = *total;
+    report(g, &f, &t);
+    if (t == *total) return 0; /* no cap below the device's memory */
+    uint64_t own = atomic_load(&atomic_load_explicit(&g->account, memory_order_acquire)->mem_used);
+    unsigned long long held = nvml_own_bytes(device);
+    if (held > own) own = held;
+    *total = t;
+    *used = own < t ? own : t;
+    *free_b = t - *used < f ? t - *used : f;
+    return 1;
+}
+
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
     gs_resolve();
     if (!real_nvmlDeviceGetMemoryInfo) return 13; /* NVML_ERROR_FUNCTION_NOT_FOUND */
     nvmlReturn_t r = real_nvmlDeviceGetMemoryInfo(device, memory);
-    struct gs_gpu *g = r == 0 && memory ? nvml_gpu(device) : NULL;
-    if (g) {
-        uint64_t f = memory->free, t = memory->total;
-        report(g, &f, &t);
-        if (t != memory->total) {
-            uint64_t used = atomic_load(&g->account->mem_used);
-            memory->total = t;
-            memory->used = used < t ? used : t;
-            memory->free = f;
-        }
-    }
+    if (r == 0 && memory) nvml_share_memory(device, &memory->total, &memory->free, &memory->used);
     return r;
 }
 
@@ -384,18 +466,65 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
     gs_resolve();
     if (!real_nvmlDeviceGetMemoryInfo_v2) return 13;
     nvmlReturn_t r = real_nvmlDeviceGetMemoryInfo_v2(device, memory);
-    struct gs_gpu *g = r == 0 && memory ? nvml_gpu(device) : NULL;
-    if (g) {
-        uint64_t f = memory->free, t = memory->total;
-        report(g, &f, &t);
-        if (t != memory->total) {
-            uint64_t used = atomic_load(&g->account->mem_used);
-            memory->total = t;
-            memory->reserved = 0;
-            memory->used = used < t ? used : t;
-            memory->free = f;
-        }
+    if (r == 0 && memory && nvml_share_memory(device, &memory->total, &memory->free, &memory->used))
+        memory->reserved = 0;
+    return r;
+}
+
+/* The process lists: the driver's answer, then only the share's own entries on its GPUs. */
+#define GS_NVML_PROCESS_LIST(name, type)                                                           \
+    nvmlReturn_t name(nvmlDevice_t device, unsigned int *count, type *infos) {                     \
+        gs_resolve();                                                                              \
+        if (!real_##name) return 13;                                                               \
+        nvmlReturn_t r = real_##name(device, count, infos);                                        \
+        if (r == 0 && count && infos && nvml_gpu(device))                                          \
+            *count = nvml_keep_own(infos, *count, sizeof *infos, offsetof(type, pid));             \
+        return r;                                                                                  \
     }
+GS_NVML_PROCESS_LIST(nvmlDeviceGetComputeRunningProcesses, nvmlProcessInfo_v1_t)
+GS_NVML_PROCESS_LIST(nvmlDeviceGetComputeRunningProcesses_v2, nvmlProcessInfo_t)
+GS_NVML_PROCESS_LIST(nvmlDeviceGetComputeRunningProcesses_v3, nvmlProcessInfo_t)
+GS_NVML_PROCESS_LIST(nvmlDeviceGetGraphicsRunningProcesses, nvmlProcessInfo_v1_t)
+GS_NVML_PROCESS_LIST(nvmlDeviceGetGraphicsRunningProcesses_v2, nvmlProcessInfo_t)
+GS_NVML_PROCESS_LIST(nvmlDeviceGetGraphicsRunningProcesses_v3, nvmlProcessInfo_t)
+GS_NVML_PROCESS_LIST(nvmlDeviceGetMPSComputeRunningProcesses, nvmlProcessInfo_v1_t)
+GS_NVML_PROCESS_LIST(nvmlDeviceGetMPSComputeRunningProcesses_v2, nvmlProcessInfo_t)
+GS_NVML_PROCESS_LIST(nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlProcessInfo_t)
+#undef GS_NVML_PROCESS_LIST
+
+nvmlReturn_t nvmlDeviceGetRunningProcessDetailList(nvmlDevice_t device,
+                                                   nvmlProcessDetailList_v1_t *plist) {
+    gs_resolve();
+    if (!real_nvmlDeviceGetRunningProcessDetailList) return 13;
+    nvmlReturn_t r = real_nvmlDeviceGetRunningProcessDetailList(device, plist);
+    if (r == 0 && plist && plist->procArray && nvml_gpu(device))
+        plist->numProcArrayEntries =
+            nvml_keep_own(plist->procArray, plist->numProcArrayEntries, sizeof *plist->procArray,
+                          offsetof(nvmlProcessDetail_v1_t, pid));
+    return r;
+}
+
+nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
+                                             nvmlProcessUtilizationSample_t *samples,
+                                             unsigned int *count, unsigned long long lastSeen) {
+    gs_resolve();
+    if (!real_nvmlDeviceGetProcessUtilization) return 13;
+    nvmlReturn_t r = real_nvmlDeviceGetProcessUtilization(device, samples, count, lastSeen);
+    if (r == 0 && count && samples && nvml_gpu(device))
+        *count = nvml_keep_own(samples, *count, sizeof *samples,
+                               offsetof(nvmlProcessUtilizationSample_t, pid));
+    return r;
+}
+
+nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device,
+                                                   nvmlProcessesUtilizationInfo_v1_t *info) {
+    gs_resolve();
+    if (!real_nvmlDeviceGetProcessesUtilizationInfo) return 13;
+    nvmlReturn_t r = real_nvmlDeviceGetProcessesUtilizationInfo(device, info);
+    if (r == 0 && info && info->procUtilArray && nvml_gpu(device))
+        info->processSamplesCount = nvml_keep_own(info->procUtilArray, info->processSamplesCount,
+                                                  sizeof *info->procUtilArray,
+                                                  offsetof(nvmlProcessUtilizationInfo_v1_t, pid));
     return r;
 }
 

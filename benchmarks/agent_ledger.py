@@ -139,7 +139,16 @@ def summary(times: list[float]) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=500)
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="run the agent under cProfile and profile the root caller: DIR/agent.prof, "
+        "DIR/caller.prof (read with python -m pstats); figures then include profiling overhead",
+    )
     args = parser.parse_args()
+    profile_dir = Path(args.profile).resolve() if args.profile else None
+    if profile_dir is not None:
+        profile_dir.mkdir(parents=True, exist_ok=True)
     directory = Path(tempfile.mkdtemp(prefix="gs-bench-", dir="/tmp"))
     directory.chmod(0o755)
     socket, ledger_path = directory / "daemon.sock", directory / "state" / "ledger.sqlite"
@@ -147,6 +156,7 @@ def main() -> int:
     agent = subprocess.Popen(
         [
             sys.executable,
+            *(["-m", "cProfile", "-o", str(profile_dir / "agent.prof")] if profile_dir else []),
             "-m",
             "jupyter_gpushare.daemon",
             "--system",
@@ -181,7 +191,15 @@ def main() -> int:
         time.sleep(3.0)  # the agent's background (lease ticks, NVML samples) when idle
         idle_rate = (sum(cpu.cpu_times()[:2]) - used) / (time.monotonic() - began)
         used, began = sum(cpu.cpu_times()[:2]), time.monotonic()
-        result["agent_as_root"] = summary(asyncio.run(rounds(through_agent, args.rounds)))
+        if profile_dir is not None:
+            import cProfile
+
+            with cProfile.Profile() as prof:
+                root_times = asyncio.run(rounds(through_agent, args.rounds))
+            prof.dump_stats(profile_dir / "caller.prof")
+        else:
+            root_times = asyncio.run(rounds(through_agent, args.rounds))
+        result["agent_as_root"] = summary(root_times)
         user = bench_user()
         if user is not None:
             result["agent_as_user"] = summary(as_user(user, socket, args.rounds))

@@ -31,6 +31,7 @@ the edge (:func:`caller`); everything behind takes a checked :class:`Caller`.
 from __future__ import annotations
 
 import grp
+import json
 import logging
 import os
 import pwd
@@ -219,14 +220,15 @@ async def handle(daemon: Daemon, client: Client, message: dict[str, Any]) -> dic
     return wire.refusal(wire.E_BAD_REQUEST, f"unknown op {op!r}")
 
 
-#: JSON of records as shown, per record object and viewer kind: the agent's cached ledger hands
-#: out the same objects until they change, so a snapshot is mostly built from here
-_SHOWN: dict[tuple[int, bool], tuple[Allocation, dict[str, Any]]] = {}
+#: records as shown, encoded, per record object and viewer kind: the agent's cached ledger hands
+#: out the same objects until they change, so a snapshot reply is mostly spliced from here
+#: (``wire.Encoded``) instead of encoding every record for every request
+_SHOWN: dict[tuple[int, bool], tuple[Allocation, bytes]] = {}
 _SHOWN_MAX = 8192
 
 
-def _shown(snap: Snapshot, who: Caller) -> list[dict[str, Any]]:
-    """``snap``'s records as ``who`` may see them, as JSON."""
+def _shown(snap: Snapshot, who: Caller) -> wire.Encoded:
+    """``snap``'s records as ``who`` may see them, each encoded as JSON."""
     out = []
     for a in snap.allocations:
         whole = who.admin or owner_uid(a) == who.uid
@@ -235,9 +237,10 @@ def _shown(snap: Snapshot, who: Caller) -> list[dict[str, Any]]:
         if hit is None or hit[0] is not a:
             if len(_SHOWN) >= _SHOWN_MAX:
                 _SHOWN.clear()
-            hit = _SHOWN[key] = (a, (a if whole else redact(a)).to_json())
+            shown = (a if whole else redact(a)).to_json()
+            hit = _SHOWN[key] = (a, json.dumps(shown, separators=(",", ":")).encode())
         out.append(hit[1])
-    return out
+    return wire.Encoded(out)
 
 
 async def _put_gpus(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dict[str, Any]:
@@ -308,7 +311,7 @@ async def _cas(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dict[str
     asked = bounds.from_json(message.get("bound"), "bound")
     snap = await daemon.ledger.snapshot()
     if snap.versions.get(node, 0) != version:
-        return {"ok": True, "swapped": False}
+        return await _with_snapshot(daemon, who, message, {"ok": True, "swapped": False})
     current = snap.on_node(node)
     proposed = _parse_allocations(message.get("allocations"), current)
     inventory = [g for g in await daemon.ledger.gpus() if g.node == node]
@@ -331,15 +334,28 @@ async def _cas(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dict[str
         return {"ok": False, "error": "over_capacity", "message": str(exc)}
     swapped = await daemon.ledger.compare_and_swap(node, version, result)
     if not swapped:
-        return {"ok": True, "swapped": False}
+        return await _with_snapshot(daemon, who, message, {"ok": True, "swapped": False})
     if node == daemon.settings.node:
         await daemon.refresh()  # in force before the caller hears "swapped"
     before = {a.id for a in current}
-    return {
+    reply = {
         "ok": True,
         "swapped": True,
         "added": [a.to_json() for a in result if a.id not in before],
     }
+    return await _with_snapshot(daemon, who, message, reply)
+
+
+async def _with_snapshot(
+    daemon: Daemon, who: Caller, message: dict[str, Any], reply: dict[str, Any]
+) -> dict[str, Any]:
+    """``reply`` with the ledger as ``who`` may see it now, when the request asked for it
+    (``"snapshot": true``): the caller's next change then needs no ``ledger.snapshot``."""
+    if message.get("snapshot") is True:
+        snap = await daemon.ledger.snapshot()
+        reply["allocations"] = _shown(snap, who)
+        reply["versions"] = dict(snap.versions)
+    return reply
 
 
 class NotPermitted(Exception):
@@ -384,6 +400,9 @@ def authorize(
                 )
             continue
         sent = new[a.id]
+        if sent is a:  # sent back as ``{"id", "keep": true}``: the stored record itself
+            result.append(a)
+            continue
         if not mine:
             if redact(sent) != redact(a):
                 raise NotPermitted(

@@ -247,7 +247,9 @@ class Daemon:
         if current == self.allocations:
             return
         for allocation in current.values():
-            if self.allocations.get(allocation.id) != allocation:
+            known = self.allocations.get(allocation.id)
+            # the agent's own cached ledger hands out the same objects until they change
+            if known is not allocation and known != allocation:
                 self._apply(allocation)
         for gone in set(self.allocations) - set(current):
             for gpu in self.gpus.values():

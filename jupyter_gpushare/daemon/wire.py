@@ -253,9 +253,30 @@ HEADER_OFFSETS = {name: getattr(Header, name).offset for name, *_ in Header._fie
 SLOT_OFFSETS = {name: getattr(Slot, name).offset for name, *_ in Slot._fields_}
 
 
+class Encoded:
+    """A JSON array whose items are encoded already: :func:`encode` splices them into the line
+    as they are. The agent's snapshot replies use it (a record is encoded once and sent in
+    every snapshot until it changes), which keeps JSON encoding off the placement path."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[bytes]) -> None:
+        self.items = items
+
+
 def encode(message: dict[str, Any]) -> bytes:
-    """One control message as a line."""
-    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+    """One control message as a line (values that are :class:`Encoded` are spliced in)."""
+    spliced = [(k, v) for k, v in message.items() if isinstance(v, Encoded)]
+    if not spliced:
+        return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+    rest = {k: v for k, v in message.items() if not isinstance(v, Encoded)}
+    parts = [json.dumps(rest, separators=(",", ":")).encode()[:-1]]  # without its "}"
+    for i, (key, value) in enumerate(spliced):
+        if i or rest:
+            parts.append(b",")
+        parts += [json.dumps(key).encode(), b":[", b",".join(value.items), b"]"]
+    parts.append(b"}\n")
+    return b"".join(parts)
 
 
 def decode(line: bytes) -> dict[str, Any]:

@@ -196,6 +196,20 @@ class Ledger(ABC):
     async def gpus(self) -> list[Gpu]:
         """The published inventory of every node."""
 
+    async def snapshot_to_change(self) -> tuple[Snapshot, bool]:
+        """The snapshot a read-modify-CAS loop below starts from, and whether it may be stale.
+
+        A backend that learns the ledger's state from its own compare-and-swap replies
+        (:class:`~jupyter_gpushare.ledger.agent.AgentLedger`) hands that out to save a round
+        trip: the compare-and-swap still checks the node's version, so a stale view only makes
+        it lose and retry on a fresh one, and the loops re-read before any answer a stale view
+        could make wrong (nothing fits, not found, changed meanwhile). Default: a fresh
+        :meth:`snapshot`."""
+        return await self.snapshot(), False
+
+    def forget_snapshot(self) -> None:  # noqa: B027 - optional hook
+        """Drop what :meth:`snapshot_to_change` would hand out (a decision on it was negative)."""
+
     # -- built on the primitives -------------------------------------------------------------
 
     async def list(self, node: str | None = None) -> list[Allocation]:
@@ -221,8 +235,14 @@ class Ledger(ABC):
         fill the :class:`Allocation` (owner, kernel_id, pid, …)."""
         allocation_id = fields.pop("id", None) or Allocation.new_id()
         for attempt in range(self.max_attempts):
-            snap = await self.snapshot()
-            placement = place(inventory, snap.allocations, spec)
+            snap, maybe_stale = await self.snapshot_to_change()
+            try:
+                placement = place(inventory, snap.allocations, spec)
+            except Exception:
+                if not maybe_stale:
+                    raise
+                self.forget_snapshot()  # a refusal is only given on a fresh view
+                continue
             chosen = {g.uuid: g for g in inventory}
             gpu_type = spec.gpu_type or chosen[placement.gpus[0]].type
             allocation = Allocation(
@@ -247,9 +267,12 @@ class Ledger(ABC):
         ``if_unchanged``, only while the record still equals it (a reconciler judged that
         record stale; a kernel restart may have re-pointed it since)."""
         for attempt in range(self.max_attempts):
-            snap = await self.snapshot()
+            snap, maybe_stale = await self.snapshot_to_change()
             found = snap.find(allocation_id)
             if found is None or (if_unchanged is not None and found != if_unchanged):
+                if maybe_stale:
+                    self.forget_snapshot()
+                    continue
                 return None
             rest = [a for a in snap.on_node(found.node) if a.id != allocation_id]
             if await self.compare_and_swap(found.node, snap.versions.get(found.node, 0), rest):
@@ -265,12 +288,20 @@ class Ledger(ABC):
         """Apply ``change(allocation, others_on_its_node)`` atomically; it may raise to refuse
         (for example a resize that no longer fits). Raises :class:`AllocationNotFound`."""
         for attempt in range(self.max_attempts):
-            snap = await self.snapshot()
+            snap, maybe_stale = await self.snapshot_to_change()
             found = snap.find(allocation_id)
-            if found is None:
-                raise AllocationNotFound(allocation_id)
-            others = [a for a in snap.on_node(found.node) if a.id != allocation_id]
-            changed = change(found, others)
+            others = []
+            if found is not None:
+                others = [a for a in snap.on_node(found.node) if a.id != allocation_id]
+            try:
+                if found is None:
+                    raise AllocationNotFound(allocation_id)
+                changed = change(found, others)
+            except Exception:
+                if not maybe_stale:
+                    raise
+                self.forget_snapshot()
+                continue
             if await self.compare_and_swap(
                 found.node, snap.versions.get(found.node, 0), [*others, changed]
             ):

@@ -9,6 +9,18 @@ the node: with 64 live shares that is 64 JSON encodings per change), on one conn
 the file's, in the same ``BEGIN IMMEDIATE`` transaction: if anything else ever wrote the file, a
 stale snapshot only makes a caller's CAS lose and retry (nothing is overwritten), and the cache is
 read again after ``ttl`` seconds at the latest.
+
+Durability: one ``BEGIN IMMEDIATE`` transaction per change, in WAL mode with
+``synchronous=NORMAL``, through statements ``sqlite3`` prepares once and keeps in the
+connection's statement cache. A commit then appends to the WAL without an ``fsync`` (the WAL
+is synced at checkpoints). That is durable enough here because the agent is the ledger's only
+writer and the ledger holds only what the running kernels hold: WAL keeps the file consistent
+through any crash (a commit is all or nothing), an agent crash loses nothing (the WAL is in
+the page cache), and a power loss can lose at most the last changes before it, whose kernels
+died with the machine anyway (reconciliation releases what a lost release left behind, and a
+lost placement belongs to a kernel that never outlived the outage). ``synchronous=FULL``
+would add an ``fsync`` to every placement and release: milliseconds on many disks, for no
+state that outlives the processes it describes.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import getpass
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -48,6 +49,36 @@ class ShareRefused(HTTPError):
     def __init__(self, status: int, body: dict[str, Any]) -> None:
         super().__init__(status, log_message=body["message"], reason=body["error"])
         self.body = body
+        self.logged = False  # RefusalLoggedOnce: said once already
+
+
+class RefusalLoggedOnce(logging.Filter):
+    """A refused share is the user's answer, not a server fault, yet jupyter_client logs a failed
+    start with its traceback in each kernel-manager layer (twice in jupyter_server). On the
+    server's log this filter lets the first record of one refusal through as one warning line
+    without the traceback, and drops the others (:func:`log_refusals_once` installs it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        refusal = record.exc_info[1] if record.exc_info else None
+        if not isinstance(refusal, ShareRefused):
+            return True
+        if refusal.logged:
+            return False
+        refusal.logged = True
+        record.msg = "gpushare: kernel start refused (%s %s): %s"
+        record.args = (refusal.status_code, refusal.body["error"], refusal.body["message"])
+        record.exc_info, record.exc_text = None, None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def log_refusals_once(log: Any) -> None:
+    """Install :class:`RefusalLoggedOnce` on ``log`` (a logger or an adapter), once."""
+    logger = getattr(log, "logger", log)
+    if isinstance(logger, logging.Logger) and not any(
+        isinstance(f, RefusalLoggedOnce) for f in logger.filters
+    ):
+        logger.addFilter(RefusalLoggedOnce())
 
 
 _BASE_KWARGS = {"kernel_id", "kernel_spec", "parent", "config", "log"}
@@ -93,6 +124,7 @@ class GpushareProvisioner(KernelProvisionerBase):
         self._owner = "kernel"  # "pool" for a warm pool kernel (see jupyter_gpushare.pools)
         self._settings: GpuShare | None = None
         self._pool: str | None = None
+        self._notebook: str | None = None  # the session's notebook path (status shows it)
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -165,6 +197,7 @@ class GpushareProvisioner(KernelProvisionerBase):
                 "server_start": process_start_time(os.getpid()),
                 **({"uid": os.getuid()} if backend.name == "local" else {}),  # status: own
                 **({"pool": self._pool} if self._pool else {}),
+                **({"notebook": self._notebook} if self._notebook else {}),  # status shows it
             },
         )
         self.log.info(
@@ -179,9 +212,13 @@ class GpushareProvisioner(KernelProvisionerBase):
     # -- KernelProvisionerBase -------------------------------------------------------------------
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        log_refusals_once(self.log)  # a refusal below: one line on the server's log
         user_share = kwargs.pop("gpushare_share", None)
         self._owner = kwargs.pop("gpushare_owner", None) or "kernel"  # pools start warm kernels
         self._pool = kwargs.pop("gpushare_pool", None)
+        # the notebook this kernel runs for: jupyter_server's sessions pass its path
+        session = (kwargs.get("env") or {}).get("JPY_SESSION_NAME")
+        self._notebook = str(session)[:1024] if session else None
         self._shutdown_asked = False
         if self._crashed:
             await self._release("the kernel process died; reserving again for its restart")

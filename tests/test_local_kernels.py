@@ -151,3 +151,61 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split()[2] != "Z"
+
+
+def test_status_names_the_notebook_and_the_server_logs_each_refusal_once(
+    jupyter_server, gpushare_env
+):
+    """A kernel started for a notebook (jupyter_server's sessions) records the notebook's path
+    on its share, and ``jupyter gpushare status`` shows it; a refused start (REST, a session)
+    is logged by the server once, on one line, without a traceback."""
+    import subprocess
+    import sys
+
+    server = jupyter_server("1xA100")
+    (server.root / "work").mkdir()
+    session = server.post(
+        "/api/sessions",
+        {
+            "path": "work/analysis.ipynb",
+            "name": "analysis.ipynb",
+            "type": "notebook",
+            "kernel": {"name": "gpushare-python"},
+        },
+    )
+    assert session.status_code == 201, session.text
+    [alloc] = _alloc_of(server, session.json()["kernel"]["id"])
+    notebook = str(server.root / "work" / "analysis.ipynb")
+    assert alloc["extra"]["notebook"] == notebook
+    table = subprocess.run(
+        [sys.executable, "-m", "jupyter_gpushare", "status"],
+        env={**gpushare_env, "COLUMNS": "300"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    [row] = [line for line in table.stdout.splitlines() if alloc["id"] in line]
+    assert notebook in row and "25 %" in row and "50 %" in row, table.stdout
+
+    too_big = {"gpu_request": 1.0, "gpu_limit": 1.0}
+    refused = server.post("/gpushare/api/kernels", {"name": "gpushare-python", "share": too_big})
+    assert refused.status_code == 409, refused.text
+    whole = server.post(
+        "/api/sessions",
+        {
+            "path": "whole.ipynb",
+            "name": "whole.ipynb",
+            "type": "notebook",
+            "kernel": {"name": "gpushare-python-whole"},
+        },
+    )
+    assert whole.status_code >= 400, whole.text
+
+    def logged() -> list[str]:
+        return [line for line in server.log().splitlines() if "kernel start refused" in line]
+
+    lines = wait_for(lambda: len(logged()) >= 2 and logged(), timeout=10)
+    log = server.log()
+    assert len(lines) == 2, log  # one line per refusal (jupyter_client logged each twice)
+    assert all("no GPU has 1 free" in line for line in lines), lines
+    assert "Traceback" not in log and "ShareRefused" not in log, log

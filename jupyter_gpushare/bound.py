@@ -8,15 +8,24 @@ allocation — ``PATCH``, the kernel's ``resize``, a ``reserve`` after a release
 against the recorded bound (:func:`check_within`) by whoever writes the ledger (the node agent in
 system mode), and the holder cannot lift it by asking again.
 
-Pure functions over :class:`~jupyter_gpushare.share.ShareSpec`; no I/O.
+Pure functions over :class:`~jupyter_gpushare.share.ShareSpec`; the one reading is
+:func:`share_from_environment` (the user's server reads what JupyterHub passed it, here and not
+in :mod:`jupyter_gpushare.hub`, so the server never imports the Hub's module).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .share import ShareError, ShareSpec, format_bytes
+
+#: JupyterHub -> the user's server: the JSON share kernels get when they ask for nothing, and the
+#: most a kernel of that server may ask for (set by :mod:`jupyter_gpushare.hub`'s profiles)
+ENV_DEFAULT = "GPUSHARE_DEFAULT_SHARE"
+ENV_MAX = "GPUSHARE_MAX_SHARE"
 
 #: ``Allocation.extra`` key holding the recorded bound (``{gpu_request, gpu_limit, gpu_memory}``)
 EXTRA_KEY = "bound"
@@ -117,3 +126,27 @@ def narrowed(spec: ShareSpec, bound: ShareSpec | None, why: str = _WHY) -> Share
         spec = spec.with_changes(gpu_memory=bound.gpu_memory)
     check_within(spec, spec.gpu_memory or 0, bound, why)
     return spec
+
+
+def share_from_environment(name: str, environ: Mapping[str, str] | None = None) -> ShareSpec | None:
+    """The share JupyterHub put in ``GPUSHARE_DEFAULT_SHARE`` / ``GPUSHARE_MAX_SHARE`` (None when
+    unset). Read by the user's server: the default share and the bound of its kernels."""
+    text = (environ if environ is not None else os.environ).get(name, "")
+    if not text.strip():
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        raise ShareError(name, text, "a JSON object with share keys (set by JupyterHub)") from None
+    return ShareSpec.from_mapping({k: v for k, v in data.items() if v is not None})
+
+
+def apply_user_bound(spec: ShareSpec, bound: ShareSpec | None) -> ShareSpec:
+    """``spec`` within the server's upper bound (what the user picked in JupyterHub).
+
+    Over the bound is refused with a :class:`ShareError`; a type or memory cap left open is
+    filled in from the bound. The rules are :func:`narrowed`'s (a node agent holds every later
+    change of the share to the same bound).
+    """
+    why = "(the most this server's kernels may use, picked when it was started in JupyterHub)"
+    return narrowed(spec, bound, why)

@@ -20,10 +20,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from traitlets import Bool, Dict, Enum, Float, List, Unicode, default, validate
+from traitlets import Bool, Dict, Float, List, Unicode, default, validate
 from traitlets.config import SingletonConfigurable
 
-from . import paths
+from . import backends, paths
+from .backends import Backend
+from .bound import ENV_DEFAULT, ENV_MAX, share_from_environment
 from .inventory import (
     DEFAULT_TYPE_ALIASES,
     Gpu,
@@ -38,6 +40,7 @@ from .ledger.agent import AgentLedger
 from .ledger.sqlite import SQLiteLedger
 from .placement import Policy
 from .placement.config import GpusharePlacement
+from .pools.config import parse_pools  # a pure parser (share spec only): refuses bad pools at once
 from .share import SHARE_FIELDS, ShareError, ShareSpec
 
 #: the attribute of a ServerApp that holds its own settings (see GpuShare.for_server)
@@ -73,12 +76,12 @@ class GpuShare(SingletonConfigurable):
             node = getattr(node, "parent", None)
         return cls.instance()
 
-    backend = Enum(
-        ["local", "kubernetes"],
-        default_value="local",
+    backend = Unicode(
+        backends.DEFAULT,
         config=True,
         help="Where kernels run by default: 'local' (processes on this machine, the embedded "
-        "default) or 'kubernetes' (one pod per kernel). A kernelspec's `backend` key overrides.",
+        "default), 'kubernetes' (one pod per kernel), or another backend installed in the "
+        "entry point group 'jupyter_gpushare.backends'. A kernelspec's `backend` key overrides.",
     )
     default_share = Dict(
         default_value={"gpu_request": 0.25, "gpu_limit": 0.5},
@@ -214,18 +217,18 @@ class GpuShare(SingletonConfigurable):
             checked.append(dict(preset))
         return checked
 
+    @validate("backend")
+    def _check_backend(self, proposal: dict) -> str:
+        return backends.check_name(proposal["value"])  # ShareError naming what is installed
+
     @validate("pools")
     def _check_pools(self, proposal: dict) -> list:
-        from .pools.config import parse_pools
-
         parse_pools(proposal["value"])  # raises PoolConfigError naming the pool and key
         return [dict(p) for p in proposal["value"]]
 
     @default("default_share")
     def _default_default_share(self) -> dict:
-        from .hub import ENV_DEFAULT, share_from_environment  # the share picked in JupyterHub
-
-        picked = share_from_environment(ENV_DEFAULT)
+        picked = share_from_environment(ENV_DEFAULT)  # the share picked in JupyterHub
         if picked is None:
             return {"gpu_request": 0.25, "gpu_limit": 0.5}
         return {k: v for k, v in picked.to_json().items() if v is not None}
@@ -247,6 +250,7 @@ class GpuShare(SingletonConfigurable):
         )
         self._discover_lock = threading.Lock()
         self._published = False
+        self._backends: dict[str, Backend] = {}
 
     # -- derived objects -------------------------------------------------------------------------
 
@@ -262,17 +266,26 @@ class GpuShare(SingletonConfigurable):
             {k: v for k, v in self.default_share.items() if k in SHARE_FIELDS}
         )
 
-    async def ledger(self) -> Ledger:
-        """The ledger of this server's backend: the local SQLite ledger, or with backend
-        ``kubernetes`` the API server's (the provisioner's :class:`KubernetesLedger`, from the
-        Kubernetes context this event loop shares: one client, pod watch and Lease)."""
-        if self.backend != "kubernetes":
-            return self.local_ledger()
-        from .k8s.backend import get_context
-        from .k8s.config import KubernetesBackendConfig
+    def get_backend(self, name: str | None = None) -> Backend:
+        """The backend ``name`` (default: :attr:`backend`) for this server, one instance each
+        (found by entry point, :mod:`jupyter_gpushare.backends`). Raises ShareError naming the
+        installed backends for an unknown name."""
+        name = self.backend if name is None else name
+        found = self._backends.get(name)
+        if found is None:
+            found = self._backends[name] = backends.backend_class(name)(self)
+        return found
 
-        config = KubernetesBackendConfig.instance(config=self.config)
-        return (await get_context(config, self.aliases())).ledger
+    async def close_backends(self) -> None:
+        """Close what this server's backends hold (server shutdown, once kernels are down)."""
+        used, self._backends = list(self._backends.values()), {}
+        for backend in used:
+            await backend.close()
+
+    async def ledger(self) -> Ledger:
+        """The ledger of this server's backend: the local SQLite ledger (or the system agent's),
+        or with backend ``kubernetes`` the cluster's (one per event loop)."""
+        return await self.get_backend().ledger()
 
     def system_agent(self) -> bool:
         """Whether the machine's system agent serves ``socket_path`` (``paths.find_agent``; its
@@ -296,8 +309,6 @@ class GpuShare(SingletonConfigurable):
                 isinstance(self._ledger, AgentLedger)
                 and self._ledger.socket_path == Path(self.socket_path)
             ):
-                from .hub import ENV_MAX, share_from_environment
-
                 self._ledger = AgentLedger(self.socket_path, share_from_environment(ENV_MAX))
             return self._ledger
         if not (

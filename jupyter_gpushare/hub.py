@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,14 +43,13 @@ from traitlets import Any as AnyTrait
 from traitlets import Dict, Enum, Float, List, Unicode
 from traitlets.config import LoggingConfigurable
 
+from .bound import ENV_DEFAULT, ENV_MAX, apply_user_bound, share_from_environment
 from .inventory import Gpu, TypeAliases
 from .ledger import Allocation, Ledger
 from .share import ShareError, ShareSpec, format_bytes, parse_memory
 
 GPU_RESOURCE = "nvidia.com/gpu"
 PRODUCT_LABEL = "nvidia.com/gpu.product"
-ENV_DEFAULT = "GPUSHARE_DEFAULT_SHARE"
-ENV_MAX = "GPUSHARE_MAX_SHARE"
 ENV_DISABLED = "GPUSHARE_DISABLED"
 
 #: Option names in the form (and in ``user_options``).
@@ -212,32 +210,6 @@ def share_environment(spec: ShareSpec) -> dict[str, str | None]:
     data.pop("gpu_count", None)
     text = json.dumps(data, sort_keys=True)
     return {ENV_DEFAULT: text, ENV_MAX: text, ENV_DISABLED: None}
-
-
-def share_from_environment(name: str, environ: Mapping[str, str] | None = None) -> ShareSpec | None:
-    """The share JupyterHub put in ``GPUSHARE_DEFAULT_SHARE`` / ``GPUSHARE_MAX_SHARE`` (None when
-    unset). Read by the user's server: the default share and the bound of its kernels."""
-    text = (environ if environ is not None else os.environ).get(name, "")
-    if not text.strip():
-        return None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        raise ShareError(name, text, "a JSON object with share keys (set by JupyterHub)") from None
-    return ShareSpec.from_mapping({k: v for k, v in data.items() if v is not None})
-
-
-def apply_user_bound(spec: ShareSpec, bound: ShareSpec | None) -> ShareSpec:
-    """``spec`` within the server's upper bound (what the user picked in JupyterHub).
-
-    Over the bound is refused with a :class:`ShareError`; a type or memory cap left open is
-    filled in from the bound. The rules are :func:`jupyter_gpushare.bound.narrowed`'s (a node
-    agent holds every later change of the share to the same bound).
-    """
-    from .bound import narrowed
-
-    why = "(the most this server's kernels may use, picked when it was started in JupyterHub)"
-    return narrowed(spec, bound, why)
 
 
 #: What a CPU-only profile applies, whatever was applied before (dict overrides merge).

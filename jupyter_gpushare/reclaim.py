@@ -9,7 +9,8 @@ reads it every ``GpuShare.reclaim_interval`` seconds and applies the admin's pol
 - idle for ``reclaim_idle_after`` seconds: *warn*. The warning is written into the allocation
   (``extra.reclaim_warning``: when, why, when the share goes) with a compare-and-swap, so every
   reader sees it: the daemon's status carries it to the kernel, where the notebook panel shows it
-  and the next cell prints it (:func:`install_notice`); REST shows it in the allocation.
+  and the next cell prints it (:mod:`jupyter_gpushare.notebook.reclaim_notice`); REST shows it
+  in the allocation.
 - still idle ``reclaim_grace`` seconds after the warning: *release* the share the way the panel's
   Release does — it leaves the ledger, the daemon marks it released, the interposer frees the
   process's GPU memory and refuses further CUDA work; the kernel process and its variables live.
@@ -23,17 +24,15 @@ Every warning, withdrawal and release is logged for admins.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .daemon.client import DaemonClient, DaemonUnavailable
 from .ledger import Allocation, AllocationNotFound, Ledger
 from .periodic import PeriodicTask
 from .share import format_bytes
-from .usage import UsageView, is_kubernetes, served_here, usage_source
+from .usage import UsageView
 
 WARN, RELEASE, WITHDRAW = "warn", "release", "withdraw"
 
@@ -115,9 +114,9 @@ class IdleReclaimer(PeriodicTask):
     """The server's background task applying :func:`decide` to its allocations.
 
     Which allocations: locally those on this machine's node; on Kubernetes those of this
-    server's kernels (``extra.k8s_server``), on any node. Idle times come from
-    :func:`jupyter_gpushare.usage.usage_source`: the node daemon's status locally, the nodes'
-    usage ConfigMaps on Kubernetes. An allocation whose node has no current usage (daemon down,
+    server's kernels (``extra.k8s_server``), on any node (the backend's ``records``). Idle times
+    come from the backend's ``usage()``: the node daemon's status locally, the nodes' usage
+    ConfigMaps on Kubernetes. An allocation whose node has no current usage (daemon down,
     report stale) is left alone this pass: nothing is warned, withdrawn or released on old news.
     """
 
@@ -143,7 +142,7 @@ class IdleReclaimer(PeriodicTask):
         return bool(self.settings.reclaim_idle_after > 0)
 
     async def usage(self) -> UsageView:
-        view = await (await usage_source(self.settings)).read()
+        view = await (await self.settings.get_backend().usage()).read()
         # logged when what is missing changes (not every pass; the ages in the message do)
         problem = ",".join(sorted(view.stale)) if view.stale else (None if view.nodes else "all")
         if problem is not None and problem != self._usage_problem:
@@ -154,10 +153,7 @@ class IdleReclaimer(PeriodicTask):
         return view
 
     async def candidates(self, ledger: Ledger) -> list[Allocation]:
-        if is_kubernetes(self.settings):
-            mine = served_here(self.settings)
-            return [a for a in await ledger.list() if mine(a.extra.get("k8s_server"))]
-        return await ledger.list(self.settings.node_name)
+        return await self.settings.get_backend().records(ledger)
 
     async def run_once(self, now: float | None = None) -> dict[str, list[str]]:
         """One pass; returns the allocation ids per action taken."""
@@ -179,7 +175,7 @@ class IdleReclaimer(PeriodicTask):
                 await self._apply(ledger, allocation, action, idle_s or 0.0, policy, now)
                 done[action].append(allocation.id)
         if any(done.values()):
-            await (await usage_source(self.settings)).changed()
+            await (await self.settings.get_backend().usage()).changed()
         return done
 
     async def _apply(
@@ -220,74 +216,3 @@ class IdleReclaimer(PeriodicTask):
             )
         else:
             self.log.info("gpushare: idle warning of %s withdrawn (GPU work again, or exempt)", who)
-
-
-# -- inside the kernel: the warning in the next cell's output ----------------------------------
-
-
-class ReclaimNotice:
-    """Prints the reclaim warning (once per warning) and the release (once) before a cell runs.
-
-    Installed by the notebook extension (``%load_ext jupyter_gpushare``) as a ``pre_run_cell``
-    hook; one status request on the daemon's unix socket per cell (~1 ms), silent when no
-    daemon answers."""
-
-    def __init__(self, allocation_id: str, socket_path: str) -> None:
-        self.allocation_id = allocation_id
-        self.client = DaemonClient(socket_path, timeout=0.5)
-        self.shown_warning: float | None = None
-        self.held = True
-
-    def check(self) -> str | None:
-        """The text to print now, if any."""
-        if not self.held:
-            return None
-        try:
-            status = self.client.status(self.allocation_id)
-        except (DaemonUnavailable, OSError, ValueError):
-            return None
-        if not status.get("ok"):
-            if status.get("error") != "unknown_allocation":
-                return None
-            self.held = False
-            if not (status.get("reclaimed") or self.shown_warning):
-                return None  # released otherwise (Release, REST): the panel says so
-            from .notebook import actions
-
-            # the daemon knew the share (it says so): let the notebook side record the release,
-            # so that `%gpushare request` reserves a new share for the restart
-            actions._state.seen_active = True
-            actions.status()
-            return (
-                f"gpushare: this kernel's GPU share {self.allocation_id} was released by "
-                "idle-GPU reclaim after its warning; the kernel and its variables are still "
-                "here. GPU work needs a new share: `%gpushare request …`, then restart the "
-                "kernel."
-            )
-        [mine] = status.get("allocations") or [{}]
-        warning = mine.get("reclaim_warning")
-        if warning and warning.get("warned_at") != self.shown_warning:
-            self.shown_warning = warning.get("warned_at")
-            return str(warning.get("message"))
-        if not warning:
-            self.shown_warning = None
-        return None
-
-    def __call__(self, *_args: Any) -> None:
-        text = self.check()
-        if text:
-            print(text, flush=True)
-
-
-def install_notice(ipython: Any) -> ReclaimNotice | None:
-    """Register :class:`ReclaimNotice` as a ``pre_run_cell`` hook in a gpushare kernel."""
-    allocation_id = os.environ.get("GPUSHARE_ALLOCATION_ID")
-    socket_path = os.environ.get("GPUSHARE_SOCKET")
-    if not allocation_id or not socket_path:
-        return None
-    for callback in ipython.events.callbacks["pre_run_cell"]:
-        if isinstance(callback, ReclaimNotice):  # loaded twice
-            return callback
-    notice = ReclaimNotice(allocation_id, socket_path)
-    ipython.events.register("pre_run_cell", notice)
-    return notice

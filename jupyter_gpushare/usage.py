@@ -5,18 +5,19 @@
   socket (:class:`DaemonUsage`); on Kubernetes the daemons are on other machines, so each one
   publishes its node's usage into a ConfigMap that the server reads
   (:class:`jupyter_gpushare.k8s.usage.KubernetesUsage`). ``GET /gpushare/api/usage``, idle
-  reclaim and the below-use check of a live resize all read it through :func:`usage_source`.
-- **Scope** (:func:`served_here`): which records are this server's to list and act on. Locally,
-  every record of the machine's ledger (as before: one user's workstation). On Kubernetes the
-  ledger is the cluster's and every user's Jupyter server shares it, so a server lists, resizes,
-  releases and reclaims only the records of its own kernels (``extra.k8s_server`` is its id);
-  the GPU inventory (``/gpus``) still counts everyone's shares, by id only.
+  reclaim and the below-use check of a live resize all read it through the server's backend
+  (``GpuShare.get_backend().usage()``, :mod:`jupyter_gpushare.backends`).
+- **Scope** (``Backend.may_touch``): which records are this server's to list and act on. Locally,
+  every record of the machine's ledger (one user's workstation). On Kubernetes the ledger is the
+  cluster's and every user's Jupyter server shares it, so a server lists, resizes, releases and
+  reclaims only the records of its own kernels (``extra.k8s_server`` is its id); the GPU
+  inventory (``/gpus``) still counts everyone's shares, by id only.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -111,43 +112,9 @@ class DaemonUsage:
         await asyncio.to_thread(refresh)
 
 
-def is_kubernetes(settings: Any) -> bool:
-    return str(settings.backend) == "kubernetes"
-
-
-async def usage_source(settings: Any) -> UsageSource:
-    """The usage of this server's backend (``GpuShare.backend``)."""
-    if is_kubernetes(settings):
-        from .k8s.usage import server_usage
-
-        return await server_usage(settings)
-    return DaemonUsage(str(settings.socket_path), str(settings.node_name))
-
-
-def server_id(settings: Any) -> str | None:
-    """This server's id in the cluster (backend ``kubernetes``), else None."""
-    if not is_kubernetes(settings):
-        return None
-    from .k8s.config import KubernetesBackendConfig
-
-    return str(KubernetesBackendConfig.instance(config=settings.config).server_id)
-
-
-def served_here(settings: Any) -> Callable[[Any], bool]:
-    """A predicate over a record's ``k8s_server`` (an Allocation's ``extra`` entry, or a usage
-    entry's): is it this server's to show and act on? Locally always true."""
-    mine = server_id(settings)
-    if mine is None:
-        return lambda _server: True
-    return lambda server: server == mine
-
-
 __all__ = [
     "USAGE_KEYS",
     "DaemonUsage",
     "UsageSource",
     "UsageView",
-    "served_here",
-    "server_id",
-    "usage_source",
 ]

@@ -1,6 +1,6 @@
 """The ``kubernetes`` backend in controller mode: a thin client of the cluster controller.
 
-Chosen by :func:`jupyter_gpushare.k8s.backend.kernel_backend` when
+Chosen by :class:`jupyter_gpushare.backends.kubernetes.KubernetesBackend` when
 ``c.KubernetesBackendConfig.controller_url`` is set. The server keeps what is its own — the
 kernel's ports and key (its kernel manager's session), the command with the pod's paths, the
 environment it forwards — and asks the controller for everything that needs the cluster:

@@ -309,7 +309,7 @@ async def confirm_applied(
     GpuLedger). Otherwise the reason, for a 503: the change stays recorded in the ledger and
     is enforced as soon as an agent is back, which ``watch`` (the server's supervision) is
     asked to see to at once."""
-    if settings.backend != "local" or not enforcing(settings):
+    if not settings.get_backend().agent_beside_server or not enforcing(settings):
         return None
     try:
         await asyncio.to_thread(await_applied, settings.socket_path, allocation_id, expected)

@@ -33,11 +33,11 @@ from typing import Any
 
 from jupyter_client.connect import KernelConnectionInfo
 
+from ..backends.base import KernelBackend
 from ..inventory import Gpu, simulator_device_list
 from ..ledger import Allocation, Ledger
 from ..progress import pod_phase
 from ..progress import report as report_phase
-from ..provisioner.backend import KernelBackend
 from . import manifests
 from .anchor import ServerAnchor
 from .client import ApiException, ClusterError, Kube, connect
@@ -76,29 +76,9 @@ _context_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Loc
 )
 
 
-def kernel_backend(provisioner: Any) -> KernelBackend:
-    """The ``kubernetes`` backend for ``provisioner``: a thin client of the cluster controller
-    when ``controller_url`` is configured, else this module's direct one."""
-    config = KubernetesBackendConfig.instance(config=provisioner.config)
-    if config.controller_url:
-        from ..controller.backend import ControllerKernelBackend
-
-        return ControllerKernelBackend(provisioner)
-    return KubernetesKernelBackend(provisioner)
-
-
-async def get_context(config: KubernetesBackendConfig, aliases: Any) -> Any:
-    """This loop's shared cluster context: a :class:`KubeContext` (direct mode), or in
-    controller mode a :class:`~jupyter_gpushare.controller.client.ControllerContext`; both
-    have the server's ``ledger``."""
-    if config.controller_url:
-        from ..controller.client import controller_context
-
-        return await controller_context(config)
-    return await _kube_context(config, aliases)
-
-
-async def _kube_context(config: KubernetesBackendConfig, aliases: Any) -> KubeContext:
+async def kube_context(config: KubernetesBackendConfig, aliases: Any) -> KubeContext:
+    """This loop's shared cluster context (direct mode; the controller's client is
+    :mod:`jupyter_gpushare.controller.client`): one client, ledger, pod watch and Lease."""
     loop = asyncio.get_running_loop()
     lock = _context_locks.setdefault(loop, asyncio.Lock())
     async with lock:
@@ -134,10 +114,6 @@ async def close_context(delete_lease: bool = True) -> None:
     ctx = _contexts.pop(asyncio.get_running_loop(), None)
     if ctx is not None:
         await ctx.close(delete_lease)
-    if "jupyter_gpushare.controller.client" in sys.modules:
-        from ..controller.client import close_controller_context
-
-        await close_controller_context()
 
 
 def _free_ports(count: int) -> list[int]:
@@ -173,7 +149,7 @@ class KubernetesKernelBackend(KernelBackend):
 
     async def context(self) -> KubeContext:
         if self._ctx is None:
-            self._ctx = await _kube_context(self.config, self.provisioner.settings.aliases())
+            self._ctx = await kube_context(self.config, self.provisioner.settings.aliases())
         return self._ctx
 
     # -- the share's world ---------------------------------------------------------------------

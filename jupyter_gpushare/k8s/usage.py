@@ -406,23 +406,18 @@ _sources: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, KubernetesUsage] 
 )
 
 
-async def server_usage(settings: Any) -> KubernetesUsage:
-    """This server's reader, on the client of its Kubernetes context (one per event loop)."""
-    from .backend import get_context
-    from .config import KubernetesBackendConfig
-
-    config = KubernetesBackendConfig.instance(config=settings.config)
-    if config.controller_url:
-        return ControllerModeUsage()  # type: ignore[return-value]
-    ctx = await get_context(config, settings.aliases())
+def server_usage(kube: Kube, namespace: str) -> KubernetesUsage:
+    """A server's reader of ``namespace``'s reports on ``kube`` (its Kubernetes context's
+    client): one per event loop, so every poll of the loop shares one LIST per ``ttl``."""
     loop = asyncio.get_running_loop()
     source = _sources.get(loop)
-    if source is None or source.reader.kube is not ctx.kube:
-        source = _sources[loop] = KubernetesUsage(UsageReader(ctx.kube, ctx.config.namespace))
+    if source is None or source.reader.kube is not kube or source.reader.namespace != namespace:
+        source = _sources[loop] = KubernetesUsage(UsageReader(kube, namespace))
     return source
 
 
 __all__ = [
+    "ControllerModeUsage",
     "KubernetesUsage",
     "NodeUsage",
     "UsagePublisher",

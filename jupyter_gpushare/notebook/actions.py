@@ -80,6 +80,14 @@ def released() -> dict[str, Any] | None:
     return _state.released
 
 
+def note_released_by_daemon() -> dict[str, Any]:
+    """The node daemon said this kernel's share is gone after it knew it (idle reclaim released
+    it): record the release as one from outside, so that :func:`request` reserves a new share for
+    the restart. Returns :func:`status`."""
+    _state.seen_active = True
+    return status()
+
+
 def _client(timeout: float = 5.0) -> DaemonClient:
     path = os.environ.get("GPUSHARE_SOCKET")
     if not path:
@@ -469,6 +477,7 @@ __all__ = [
     "allocation_id",
     "describe",
     "gpus",
+    "note_released_by_daemon",
     "release",
     "released",
     "request",

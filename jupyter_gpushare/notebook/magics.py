@@ -21,6 +21,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from ..share import ShareError, ShareSpec, format_bytes
 from . import actions
+from .reclaim_notice import install_notice
 
 ACTIONS = ("status", "gpus", "release", "request")
 
@@ -161,6 +162,4 @@ def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(GpushareMagics)
     if explain_released not in ipython.events.callbacks["post_run_cell"]:
         ipython.events.register("post_run_cell", explain_released)
-    from ..reclaim import install_notice
-
     install_notice(ipython)  # idle-reclaim warning and release, printed before the next cell

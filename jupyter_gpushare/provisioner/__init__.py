@@ -1,9 +1,11 @@
-"""The gpushare kernel provisioner (box 5 of DESIGN.md), entry point ``gpushare-provisioner``.
+"""The gpushare kernel provisioner (DEVELOPING.md "Layout", box 5), entry point
+``gpushare-provisioner``.
 
 It owns the share of one kernel: resolves the spec (server default < kernelspec config < the
 user's choice passed as ``start_kernel(gpushare_share=...)``), refuses bad specs before anything is
-reserved, reserves in the ledger, hands launching to a :class:`~.backend.KernelBackend`
-(``local`` or ``kubernetes``), and releases the share on every exit path:
+reserved, reserves in the ledger, hands launching to the configured backend's
+:class:`~jupyter_gpushare.backends.base.KernelBackend` (``GpuShare.get_backend(name)``, found by
+entry point: :mod:`jupyter_gpushare.backends`), and releases the share on every exit path:
 
 - shutdown and kill: released in :meth:`cleanup`;
 - the kernel process dies (crash, ``kill -9``): jupyter_client's restarter restarts the kernel;
@@ -31,15 +33,16 @@ from tornado.web import HTTPError
 from traitlets import Any as AnyTrait
 from traitlets import Unicode
 
+from .. import backends
+from ..backends.base import KernelBackend
+from ..bound import ENV_MAX, apply_user_bound, share_from_environment
 from ..config import GpuShare
-from ..hub import ENV_MAX, apply_user_bound, share_from_environment
 from ..inventory import check_spec
 from ..ledger import Allocation, AllocationNotFound, Ledger
 from ..ledger.reconcile import process_start_time
 from ..placement import PlacementRefused, allocate
 from ..progress import report as report_phase
 from ..share import SHARE_FIELDS, ShareError, ShareSpec
-from .backend import KernelBackend
 
 
 class ShareRefused(HTTPError):
@@ -99,7 +102,10 @@ class GpushareProvisioner(KernelProvisionerBase):
     gpu_count = _share_trait("Whole GPUs (>1 means that many whole GPUs).")
     gpu_labels = _share_trait("Locality labels: {affinity, anti_affinity, exclusive}.")
     backend = Unicode(
-        None, allow_none=True, config=True, help="'local' or 'kubernetes' (server default)."
+        None,
+        allow_none=True,
+        config=True,
+        help="An installed backend ('local', 'kubernetes', ...); default: the server's.",
     )
 
     def __init__(self, **kwargs: Any) -> None:
@@ -111,8 +117,11 @@ class GpushareProvisioner(KernelProvisionerBase):
                 kwargs[unknown[0]],
                 "known keys are " + ", ".join(CONFIG_KEYS),
             )
-        elif kwargs.get("backend") not in (None, "local", "kubernetes"):
-            problem = ShareError("backend", kwargs["backend"], "'local' or 'kubernetes'")
+        elif kwargs.get("backend") is not None:
+            try:
+                backends.check_name(kwargs["backend"])
+            except ShareError as exc:
+                problem = exc
         if problem is not None:
             raise ShareRefused(400, problem.to_json()) from problem
         super().__init__(**kwargs)
@@ -140,15 +149,8 @@ class GpushareProvisioner(KernelProvisionerBase):
     @property
     def kernel_backend(self) -> KernelBackend:
         if self._kernel_backend is None:
-            name = self.backend or self.settings.backend
-            if name == "kubernetes":
-                from ..k8s.backend import kernel_backend
-
-                self._kernel_backend = kernel_backend(self)  # direct, or the controller's client
-            else:
-                from .local import LocalKernelBackend
-
-                self._kernel_backend = LocalKernelBackend(self)
+            backend = self.settings.get_backend(self.backend or None)
+            self._kernel_backend = backend.kernel_backend(self)
         return self._kernel_backend
 
     def kernelspec_spec(self) -> ShareSpec:
@@ -195,7 +197,7 @@ class GpushareProvisioner(KernelProvisionerBase):
             user=getpass.getuser(),
             extra={
                 "server_start": process_start_time(os.getpid()),
-                **({"uid": os.getuid()} if backend.name == "local" else {}),  # status: own
+                **backend.record_extra(),
                 **({"pool": self._pool} if self._pool else {}),
                 **({"notebook": self._notebook} if self._notebook else {}),  # status shows it
             },

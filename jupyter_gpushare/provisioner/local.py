@@ -16,11 +16,11 @@ from typing import Any
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 
+from ..backends.base import KernelBackend
 from ..daemon.supervisor import enforcing, ensure_agent
 from ..inventory import Gpu
 from ..ledger import Allocation, Ledger
 from ..ledger.reconcile import process_start_time
-from .backend import KernelBackend
 from .environment import kernel_environment
 
 
@@ -34,6 +34,9 @@ class LocalKernelBackend(KernelBackend):
             kernel_spec=provisioner.kernel_spec,
             parent=provisioner.parent,
         )
+
+    def record_extra(self) -> dict[str, Any]:
+        return {"uid": os.getuid()}  # the node agent's status shows a user their own shares
 
     async def ledger(self) -> Ledger:
         return self.provisioner.settings.local_ledger()

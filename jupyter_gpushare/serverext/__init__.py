@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -126,8 +125,9 @@ async def _start(serverapp: Any, settings: GpuShare) -> None:
     serverapp.web_app.settings["gpushare_reconciler"] = reconciler
     reconciler.start()
     interval = agent_check_interval(serverapp)
-    if has_gpus and settings.backend == "local" and interval > 0:  # a dead agent is started
-        watch = AgentWatch(settings, serverapp.log, interval)  # again (Kubernetes: DaemonSet)
+    beside = settings.get_backend().agent_beside_server  # else the nodes' agents (DaemonSet)
+    if has_gpus and beside and interval > 0:  # a dead agent is started again
+        watch = AgentWatch(settings, serverapp.log, interval)
         serverapp.web_app.settings["gpushare_agent_watch"] = watch
         watch.start()
     start_admin_tasks(serverapp, settings)  # warm pools, idle reclaim
@@ -161,9 +161,7 @@ def _close_after_kernels(serverapp: Any) -> None:
     async def cleanup_kernels_then_close() -> None:
         await stop_tasks(serverapp)
         await cleanup_kernels()
-        k8s = sys.modules.get("jupyter_gpushare.k8s.backend")
-        if k8s is not None:
-            await k8s.close_context(delete_lease=True)
+        await GpuShare.for_server(serverapp).close_backends()
 
     serverapp.cleanup_kernels = cleanup_kernels_then_close
 

@@ -20,7 +20,6 @@ from tornado import web
 
 from ..ledger import Allocation
 from ..reclaim import IdleReclaimer, ReclaimPolicy
-from ..usage import served_here
 from .handlers import GpushareHandler
 
 
@@ -49,11 +48,11 @@ class ReclaimHandler(GpushareHandler):
     @authorized
     async def get(self) -> None:
         s = self.gpushare
-        mine = served_here(s)
+        backend = s.get_backend()
         warned = [
             a.to_json()
-            for a in await (await s.ledger()).list()
-            if a.extra.get("reclaim_warning") and mine(a.extra.get("k8s_server"))
+            for a in await (await backend.ledger()).list()
+            if a.extra.get("reclaim_warning") and backend.may_touch(a.extra)
         ]
         self.finish(
             json.dumps(

@@ -5,8 +5,9 @@ for an invalid share, ``field``/``value``/``allowed``.
 
 Every handler works on the ledger of the server's backend (``GpuShare.ledger()``: SQLite, or the
 cluster's GpuLedgers). On Kubernetes, where every user's Jupyter server shares that ledger, a
-server lists and changes only its own kernels' allocations (:func:`~jupyter_gpushare.usage.
-served_here`; 403 ``not_permitted`` for another's), while ``/gpus`` counts everyone's shares.
+server lists and changes only its own kernels' allocations (``Backend.may_touch``,
+:mod:`jupyter_gpushare.backends`; 403 ``not_permitted`` for another's), while ``/gpus`` counts
+everyone's shares.
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 
+from ..backends import Backend
 from ..config import GpuShare
 from ..daemon.supervisor import confirm_applied
-from ..inventory import Gpu, NoGpuError, check_spec
+from ..inventory import Gpu, check_spec
 from ..ledger import Allocation, AllocationNotFound, Ledger, LedgerConflict, LedgerUnavailable
 from ..placement import PlacementRefused
 from ..provisioner import ShareRefused
 from ..resize import BelowUse, UsageUnknown, resize
 from ..share import ShareError, ShareSpec, key_name, shown_value
-from ..usage import is_kubernetes, served_here, usage_source
 
 
 def gpu_usage(gpus: Sequence[Gpu], allocations: Sequence[Allocation]) -> list[dict[str, Any]]:
@@ -154,8 +155,13 @@ class GpushareHandler(APIHandler):
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps(body))
 
+    @property
+    def backend(self) -> Backend:
+        """This server's backend (ledger, inventory, usage, which records it may touch)."""
+        return self.gpushare.get_backend()
+
     async def ledger(self) -> Ledger:
-        return await self.gpushare.ledger()
+        return await self.backend.ledger()
 
     async def check_kernel_name(self, name: object) -> bool:
         """Whether ``name`` is a kernelspec whose provisioner is gpushare's; else False after
@@ -183,18 +189,7 @@ class GpushareHandler(APIHandler):
 
     async def inventory(self) -> tuple[list[Gpu], str | None]:
         """The GPUs placement can use, and why there are none when there are none."""
-        ledger = await self.ledger()
-        if is_kubernetes(self.gpushare):
-            gpus = await ledger.gpus()
-            return gpus, None if gpus else (
-                "no GPU nodes in the cluster (no Node publishes gpushare GPUs: is the node "
-                "daemon's DaemonSet running?)"
-            )
-        try:
-            await self.gpushare.local_gpus()
-        except NoGpuError as exc:
-            return await ledger.gpus(), str(exc)
-        return await ledger.gpus(), None
+        return await self.backend.inventory()
 
     async def own_allocation(self, allocation_id: str) -> Allocation | None:
         """The allocation if this server may show and change it; else None after answering
@@ -203,7 +198,7 @@ class GpushareHandler(APIHandler):
         if found is None:
             self.fail(404, _not_found(allocation_id))
             return None
-        if not served_here(self.gpushare)(found.extra.get("k8s_server")):
+        if not self.backend.may_touch(found.extra):
             self.fail(
                 403,
                 {
@@ -237,9 +232,8 @@ class AllocationsHandler(GpushareHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        mine = served_here(self.gpushare)
         allocations = [
-            a for a in await (await self.ledger()).list() if mine(a.extra.get("k8s_server"))
+            a for a in await (await self.ledger()).list() if self.backend.may_touch(a.extra)
         ]
         self.finish(json.dumps({"allocations": [a.to_json() for a in allocations]}))
 
@@ -303,7 +297,7 @@ class AllocationHandler(GpushareHandler):
                 await self.ledger(),
                 allocation_id,
                 change,
-                await usage_source(self.gpushare),
+                await self.backend.usage(),
                 actor,
                 self.log,
             )

@@ -23,7 +23,7 @@ from jupyter_server.auth.decorator import authorized
 from jupyter_server.utils import url_path_join
 from tornado import web
 
-from ..usage import USAGE_KEYS, served_here, usage_source
+from ..usage import USAGE_KEYS
 from .handlers import GpushareHandler
 
 
@@ -36,15 +36,12 @@ class UsageHandler(GpushareHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        settings = self.gpushare
-        view = await (await usage_source(settings)).read()
-        mine = served_here(settings)
+        backend = self.backend
+        view = await (await backend.usage()).read()
         body: dict[str, Any] = {
             "daemon": bool(view.nodes),
             "source": view.source,
-            "allocations": [
-                dict(u) for u in view.allocations.values() if mine(u.get("k8s_server"))
-            ],
+            "allocations": [dict(u) for u in view.allocations.values() if backend.may_touch(u)],
         }
         if view.stale:
             body["stale"] = dict(view.stale)

@@ -142,7 +142,10 @@ def flag_names(text: str) -> str:
     return _FIELD_RE.sub(lambda m: "--" + m.group(0).replace("_", "-"), text)
 
 
-_FIELD_RE = re.compile(r"(?<![\w-])gpu_(?:request|limit|memory|type|count|labels)\b=?")
+# a name followed by "= in Python" is a hint for Python callers, left as it is
+_FIELD_RE = re.compile(
+    r"(?<![\w-])gpu_(?:request|limit|memory|type|count|labels)\b(?!= in Python)=?"
+)
 
 
 def format_share(fraction: float | None) -> str:

@@ -27,12 +27,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..daemon.client import DaemonClient, DaemonUnavailable
-from ..share import ShareError, ShareSpec, format_bytes
+from ..share import ShareError, ShareSpec, format_bytes, format_share_range
 
-RELEASED_MESSAGE = (
-    "The GPU share of this kernel was released and its GPU memory freed; this process cannot "
-    "use a GPU again. Restart the kernel to get a new share (`%gpushare request` reserves one "
-    "first)."
+#: what a kernel can do once its share is released (said after what was released and freed)
+AFTER_RELEASE = (
+    "This kernel keeps running but cannot use a GPU again. Restart the kernel to get a new "
+    "share (%gpushare request reserves one first)."
+)
+RELEASED_MESSAGE = "The GPU share of this kernel was released and its GPU memory freed. " + (
+    AFTER_RELEASE
 )
 
 
@@ -267,13 +270,11 @@ def release() -> dict[str, Any]:
     with _state.lock:
         _state.released = reply["released"]
         _state.memory_freed = freed
-    text = f"Released {describe(reply['released'])}."
-    if freed:
-        text += f" {format_bytes(freed)} of GPU memory freed."
+    gone = f"{format_bytes(freed)} of GPU memory freed." if freed else "Its GPU memory is freed."
     return {
         "released": reply["released"],
         "memory_freed": freed,
-        "message": f"{text} {RELEASED_MESSAGE}",
+        "message": f"Released {describe(reply['released'])}. {gone} {AFTER_RELEASE}",
     }
 
 
@@ -454,12 +455,11 @@ def _live_change(current: str, share: dict[str, Any]) -> tuple[dict[str, Any], b
 
 
 def describe(allocation: dict[str, Any]) -> str:
-    """``0.25–0.5 of an A100 (a-…, 20GiB, GPU-…)`` for an Allocation JSON."""
+    """``25–50 % of an A100 (a-…, 20GiB, GPU-…)`` for an Allocation JSON."""
     if "gpu_request" not in allocation:
         return f"the share {allocation.get('id')}"
     kind = allocation.get("gpu_type") or "GPU"
-    request, limit = allocation.get("gpu_request"), allocation.get("gpu_limit")
-    part = f"{request:g}" if request == limit else f"{request:g}–{limit:g}"
+    part = format_share_range(float(allocation["gpu_request"]), float(allocation["gpu_limit"]))
     article = "an" if kind[:1].upper() in "AEFHILMNORSX" else "a"
     gpus = ",".join(allocation.get("gpus") or [])
     return (
@@ -469,6 +469,7 @@ def describe(allocation: dict[str, Any]) -> str:
 
 
 __all__ = [
+    "AFTER_RELEASE",
     "RELEASED_MESSAGE",
     "DaemonUnreachable",
     "GpushareError",

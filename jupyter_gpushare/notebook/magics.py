@@ -19,11 +19,21 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..share import ShareError, ShareSpec, format_bytes
+from ..share import ShareError, ShareSpec, flag_names, format_bytes, format_share
 from . import actions
 from .reclaim_notice import install_notice
 
 ACTIONS = ("status", "gpus", "release", "request")
+
+#: what ``%gpushare`` alone prints, and what follows an error
+USAGE = """\
+%gpushare ACTION [options]
+  status    this kernel's GPU share: request, limit, achieved share, memory
+  gpus      every GPU with its free capacity
+  release   give the GPU back (the kernel keeps running, without a GPU)
+  request   change the share live: --gpu-request R  --gpu-limit L  --gpu-memory M
+            (R and L are fractions of the GPU: 0.25 is 25 %; M e.g. 10GiB); after a
+            release it reserves a new share for the restart (--gpu-type T too)"""
 
 
 def _status_text(status: dict[str, Any]) -> str:
@@ -40,18 +50,19 @@ def _status_text(status: dict[str, Any]) -> str:
     a, g = status["allocation"], status.get("gpu") or {}
     nvml = g.get("nvml") or {}
     window = (status.get("daemon") or {}).get("window_ms", 0) / 1000
+    waits, shares = int(a.get("lease_waits") or 0), int(g.get("kernels") or 0)
     lines = [
         f"GPU share: active{sim}  {status['allocation_id']}",
         f"  GPU          {g.get('type', 'GPU')} {g.get('uuid', '')}",
-        f"  request      {a['request']:g}   limit {a['limit']:g}",
-        f"  achieved     {100 * float(a.get('achieved_share') or 0):.0f}% over the last "
+        f"  request      {format_share(a['request'])}   limit {format_share(a['limit'])}",
+        f"  achieved     {format_share(float(a.get('achieved_share') or 0))} over the last "
         f"{window:g} s",
         f"  memory       {format_bytes(int(a.get('memory_used') or 0))} used of "
         f"{format_bytes(int(a.get('memory_cap') or 0))}",
-        f"  waiting      {float(a.get('lease_wait_seconds') or 0):.3f} s "
-        f"({a.get('lease_waits', 0)} waits)",
-        f"  GPU now      utilisation {nvml.get('utilization_gpu', '–')}%, "
-        f"{g.get('kernels', 0)} share(s) on it",
+        f"  waited       {float(a.get('lease_wait_seconds') or 0):.3f} s for its turn on the "
+        f"GPU ({waits} time{'' if waits == 1 else 's'})",
+        f"  GPU now      {nvml.get('utilization_gpu', '–')} % busy, "
+        f"{shares} share{'' if shares == 1 else 's'} on it",
     ]
     return "\n".join(lines)
 
@@ -59,11 +70,11 @@ def _status_text(status: dict[str, Any]) -> str:
 def _gpus_text(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "No GPUs in the ledger."
-    lines = [f"{'node':<16} {'type':<6} {'uuid':<42} {'free':>5} {'free memory':>12}  shares"]
+    lines = [f"{'node':<16} {'type':<6} {'uuid':<42} {'free':>6} {'free memory':>12}  shares"]
     for r in rows:
         sim = " (simulated)" if r.get("simulated") else ""
         lines.append(
-            f"{r['node']:<16} {r['type']:<6} {r['uuid']:<42} {r['free_request']:>5g} "
+            f"{r['node']:<16} {r['type']:<6} {r['uuid']:<42} {format_share(r['free_request']):>6} "
             f"{format_bytes(int(r['free_memory'])):>12}  "
             f"{r.get('shares', len(r.get('allocations') or []))}{sim}"
         )
@@ -88,18 +99,20 @@ class GpushareMagics(Magics):
         """Your GPU share: ``status``, ``gpus`` (with free capacity), ``release`` (give the GPU
         back; the kernel keeps running without one), ``request`` (change the share live, or
         reserve a new one after a release)."""
-        usage = self.gpushare.parser.format_usage()
+        if not line.strip():
+            print(USAGE)
+            return
+
+        def refuse(problem: str) -> None:
+            print(f"%gpushare: error: {flag_names(problem)}\n\n{USAGE}", file=sys.stderr)
+
         try:
             args = parse_argstring(self.gpushare, line)
         except UsageError as exc:
-            print(f"{usage}%gpushare: error: {exc}", file=sys.stderr)
+            refuse(str(exc))
             return
         if args.action not in ACTIONS:
-            print(
-                f"{usage}%gpushare: error: unknown action {args.action!r} (choose from "
-                f"{', '.join(ACTIONS)})",
-                file=sys.stderr,
-            )
+            refuse(f"unknown action {args.action!r} (choose from {', '.join(ACTIONS)})")
             return
         share = {
             "gpu_request": args.gpu_request,
@@ -109,20 +122,18 @@ class GpushareMagics(Magics):
         }
         given = {k: v for k, v in share.items() if v is not None}
         if given and args.action != "request":
-            print(
-                f"{usage}%gpushare: error: --gpu-* options go with 'request' only", file=sys.stderr
-            )
+            refuse("--gpu-* options go with 'request' only")
             return
         if args.action == "request":
             try:  # refuse bad values here, before anything is asked of the daemon
                 ShareSpec.from_mapping(given, defaults=ShareSpec(gpu_request=0.01, gpu_limit=1.0))
             except ShareError as exc:
-                print(f"{usage}%gpushare: error: {exc}", file=sys.stderr)
+                refuse(exc.for_flags())
                 return
         try:
             print(self._run(args.action, given))
-        except actions.GpushareError as exc:
-            print(f"%gpushare {args.action}: {exc}", file=sys.stderr)
+        except actions.GpushareError as exc:  # the daemon's words, in the magic's flags
+            print(f"%gpushare {args.action}: {flag_names(str(exc))}", file=sys.stderr)
 
     @staticmethod
     def _run(action: str, share: dict[str, Any]) -> str:

@@ -1,10 +1,15 @@
 """The live GPU panel: ``jupyter_gpushare.panel()`` (box 9 of DESIGN.md).
 
 An ipywidgets ``VBox`` showing this kernel's share (GPU type and UUID, request / limit, achieved
-share over the daemon's window, memory used / cap, time spent waiting for leases), its GPU (NVML
-utilisation, memory, temperature, power, how many shares it holds), a history plot of the last
-minutes (an SVG drawn here: no plotting library in the kernel), a "simulated GPU" label when it
-is one, and a Release button with a confirmation step.
+share over the daemon's window, memory used / cap, time spent waiting for its turn on the GPU),
+its GPU (NVML utilisation, memory, temperature, power, how many shares it holds), a history plot
+of the last minutes (an SVG drawn here, with axes and a legend: no plotting library in the
+kernel), a "simulated GPU" label when it is one, and a Release button with a confirmation step
+(gone once the share is released).
+
+Units: compute is a share of the GPU in percent, written by :func:`~jupyter_gpushare.share.
+format_share` ("49 %") like every other view. Colours are JupyterLab's CSS variables (with
+fallbacks for other front ends), so the panel reads well in light and dark themes.
 
 Updates come from a daemon thread about once a second, so they keep flowing while another cell
 runs (an asyncio task would go silent during a blocking cell); each round's changes are batched
@@ -23,7 +28,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from ..share import format_bytes
+from ..share import format_bytes, format_share
 from . import actions
 
 #: Seconds between two updates.
@@ -31,13 +36,32 @@ INTERVAL = 1.0
 #: Seconds of history in the plot.
 HISTORY_SECONDS = 300
 
-_STYLE = """<style>
-.gpushare-panel table { border-collapse: collapse; font-size: 12px; }
-.gpushare-panel td { padding: 1px 10px 1px 0; vertical-align: top; }
-.gpushare-panel td.k { color: #666; }
-.gpushare-sim { background: #f4b400; color: #000; border-radius: 3px; padding: 0 5px;
-                font-size: 11px; font-weight: bold; margin-left: 6px; }
-.gpushare-msg { font-size: 12px; }
+#: JupyterLab theme variables the panel draws with (fallbacks: JupyterLab's light theme)
+FG = "var(--jp-ui-font-color1, rgba(0,0,0,.87))"
+FG_DIM = "var(--jp-ui-font-color2, rgba(0,0,0,.54))"
+BORDER = "var(--jp-border-color2, #e0e0e0)"
+#: the plot's series: (data-series name, colour, dash pattern, legend text)
+SERIES = (
+    ("share", "var(--jp-brand-color1, #1976d2)", "", "achieved share"),
+    ("memory", "var(--jp-success-color1, #388e3c)", "", "memory used / cap"),
+    ("request", "var(--jp-info-color1, #0097a7)", "6,3", "request"),
+    ("limit", "var(--jp-error-color1, #d32f2f)", "2,3", "limit"),
+)
+
+_STYLE = f"""<style>
+.gpushare-panel {{ color: {FG}; }}
+.gpushare-panel table {{ border-collapse: collapse; font-size: 12px; color: {FG}; }}
+.gpushare-panel td {{ padding: 1px 10px 1px 0; vertical-align: top; }}
+.gpushare-panel td.k {{ color: {FG_DIM}; }}
+.gpushare-sim {{ border: 1px solid var(--jp-warn-color1, #f57c00); color: {FG};
+                border-radius: 3px; padding: 0 5px; font-size: 11px; font-weight: bold;
+                margin-left: 6px; }}
+.gpushare-msg {{ font-size: 12px; color: {FG}; }}
+.gpushare-note {{ border-left: 3px solid var(--jp-warn-color1, #f57c00); padding-left: 4px; }}
+.gpushare-legend {{ font-size: 11px; color: {FG_DIM}; }}
+.gpushare-legend span {{ margin-right: 10px; white-space: nowrap; }}
+.gpushare-panel code {{ font-family: var(--jp-code-font-family, monospace); }}
+.gpushare-confirm-text {{ font-size: 12px; max-width: 560px; color: {FG}; }}
 </style>"""
 
 
@@ -49,8 +73,8 @@ def _row(label: str, *cells: str) -> str:
     return f'<tr><td class="k">{html.escape(label)}</td>{"".join(cells)}</tr>'
 
 
-def _pct(x: float | None) -> str:
-    return "–" if x is None else f"{100 * x:.0f}%"
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def share_table(status: dict[str, Any]) -> str:
@@ -72,10 +96,14 @@ def share_table(status: dict[str, Any]) -> str:
 
     rows = [
         ("GPU", ("gpu_type", kind), ("gpu_uuid", uuid)),
-        ("request / limit", ("request", f"{a['request']:g}"), ("limit", f"{a['limit']:g}")),
+        (
+            "request / limit",
+            ("request", format_share(a["request"])),
+            ("limit", format_share(a["limit"])),
+        ),
         (
             "achieved share",
-            ("achieved_share", _pct(a.get("achieved_share"))),
+            ("achieved_share", format_share(a.get("achieved_share"))),
             ("window", f"over the last {window:g} s"),
         ),
         (
@@ -84,14 +112,14 @@ def share_table(status: dict[str, Any]) -> str:
             ("memory_cap", size(a.get("memory_cap") or 0)),
         ),
         (
-            "waiting for leases",
+            "waited for its turn on the GPU",
             ("lease_wait_seconds", f"{float(a.get('lease_wait_seconds') or 0):.3f} s"),
-            ("lease_waits", f"{a.get('lease_waits', 0)} waits"),
+            ("lease_waits", _plural(int(a.get("lease_waits") or 0), "time")),
         ),
         (
-            "GPU utilisation",
-            ("gpu_utilization", maybe(nvml.get("utilization_gpu"), "{}%")),
-            ("kernels", f"{g.get('kernels', 0)} share(s) on this GPU"),
+            "GPU busy (all shares)",
+            ("gpu_utilization", maybe(nvml.get("utilization_gpu"), "{} %")),
+            ("kernels", _plural(int(g.get("kernels") or 0), "share") + " on this GPU"),
         ),
         (
             "GPU memory used / total",
@@ -113,36 +141,92 @@ def sparkline(
     request: float,
     limit: float,
     width: int = 360,
-    height: int = 70,
+    height: int = 80,
     span: float = HISTORY_SECONDS,
 ) -> str:
-    """An SVG of ``(t, share, memory fraction)`` points over the last ``span`` seconds: share
-    (blue) and memory (green) on 0–1, request and limit as dashed lines."""
+    """An SVG plot of ``(t, share, memory fraction)`` points over the last ``span`` seconds, with
+    a y axis in percent (0, 50, 100 %), an x axis in time before now, and below it a legend of
+    the four series: achieved share and memory used / cap (solid), request and limit (dashed)."""
     if not points:
         return ""
     now = points[-1][0]
     span = min(span, max(60.0, now - points[0][0]))  # fill the width while history is short
+    left, bottom, top, right = 34, 16, 6, 8
+    inner_w, inner_h = width - left - right, height - top - bottom
 
-    def xy(t: float, v: float) -> str:
-        x = width * (1 - (now - t) / span)
-        y = height - 2 - (height - 4) * max(0.0, min(1.0, v))
-        return f"{x:.1f},{y:.1f}"
+    def x_of(t: float) -> float:
+        return left + inner_w * (1 - (now - t) / span)
 
-    share = " ".join(xy(t, s) for t, s, _ in points)
-    memory = " ".join(xy(t, m) for t, _, m in points)
-    lines = "".join(
-        f'<line x1="0" x2="{width}" y1="{xy(now, v).split(",")[1]}" '
-        f'y2="{xy(now, v).split(",")[1]}" stroke="{c}" stroke-dasharray="3,3"/>'
-        for v, c in ((request, "#9ab"), (limit, "#d88"))
+    def y_of(v: float) -> float:
+        return top + inner_h * (1 - max(0.0, min(1.0, v)))
+
+    def text(x: float, y: float, label: str, anchor: str) -> str:
+        return (
+            f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" '
+            f'style="fill:{FG_DIM};font-size:10px">{html.escape(label)}</text>'
+        )
+
+    axes = []
+    for v in (0.0, 0.5, 1.0):  # y axis: gridlines and their scale
+        y = y_of(v)
+        axes.append(
+            f'<line x1="{left}" x2="{width - right}" y1="{y:.1f}" y2="{y:.1f}" '
+            f'style="stroke:{BORDER};stroke-width:1"/>'
+        )
+        axes.append(text(left - 4, y + 3.5, format_share(v), "end"))
+    for frac in (0.0, 0.5, 1.0):  # x axis: time before now
+        x = left + inner_w * frac
+        ago = span * (1 - frac)
+        label = "now" if ago == 0 else f"−{_span_text(ago)}"
+        anchor = "start" if frac == 0 else ("end" if frac == 1 else "middle")
+        axes.append(text(x, height - 3, label, anchor))
+    axes.append(
+        f'<line x1="{left}" x2="{left}" y1="{top}" y2="{top + inner_h}" '
+        f'style="stroke:{FG_DIM};stroke-width:1"/>'
+    )
+    series = []
+    for name, colour, dash, _label in SERIES:
+        style = f"fill:none;stroke:{colour};stroke-width:1.5"
+        if dash:
+            style += f";stroke-dasharray:{dash}"
+        if name in ("request", "limit"):
+            y = y_of(request if name == "request" else limit)
+            series.append(
+                f'<line data-series="{name}" x1="{left}" x2="{width - right}" '
+                f'y1="{y:.1f}" y2="{y:.1f}" style="{style}"/>'
+            )
+        else:
+            column = 1 if name == "share" else 2
+            line = " ".join(f"{x_of(p[0]):.1f},{y_of(p[column]):.1f}" for p in points)
+            series.append(f'<polyline data-series="{name}" points="{line}" style="{style}"/>')
+    legend = "".join(
+        f'<span><svg width="18" height="8" aria-hidden="true"><line x1="0" x2="18" y1="4" '
+        f'y2="4" style="stroke:{colour};stroke-width:2'
+        + (f";stroke-dasharray:{dash}" if dash else "")
+        + f'"/></svg> {html.escape(label)}</span>'
+        for _name, colour, dash, label in SERIES
     )
     return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'style="background:#fafafa;border:1px solid #ddd">{lines}'
-        f'<polyline fill="none" stroke="#1a73e8" stroke-width="1.5" points="{share}"/>'
-        f'<polyline fill="none" stroke="#188038" stroke-width="1.5" points="{memory}"/></svg>'
-        f'<div style="font-size:11px;color:#666">last {_span_text(span)}: '
-        f'<span style="color:#1a73e8">share</span>, <span style="color:#188038">memory / cap'
-        f"</span>, dashed: request / limit</div>"
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
+        f'aria-label="achieved share and memory over the last {_span_text(span)}" '
+        f'style="background:transparent;border:1px solid {BORDER}">'
+        f"{''.join(axes)}{''.join(series)}</svg>"
+        f'<div class="gpushare-legend">{legend}</div>'
+    )
+
+
+def released_text(status: dict[str, Any]) -> str:
+    """The panel's words (HTML) for a released share: what was released, the memory freed (said
+    once), and what the kernel can do now."""
+    freed = status.get("memory_freed")
+    gone = f"{format_bytes(freed)} of GPU memory freed." if freed else "Its GPU memory is freed."
+    outside = (status.get("message") or "").startswith("It was released from outside")
+    how = " from outside this kernel" if outside else ""
+    return (
+        f"Released {html.escape(actions.describe(status['released']))}{how}. {gone} "
+        + html.escape(actions.AFTER_RELEASE).replace(
+            "%gpushare request", "<code>%gpushare request</code>"
+        )
     )
 
 
@@ -167,10 +251,14 @@ class GpuPanel(widgets.VBox):
         self.confirm_button = widgets.Button(description="Yes, release", button_style="danger")
         self.cancel_button = widgets.Button(description="Cancel")
         self.confirm_text = widgets.HTML(
-            "Release the GPU? Its memory is freed and other kernels can use it; this kernel "
-            "keeps running but cannot use a GPU again until it is restarted."
+            '<div class="gpushare-confirm-text">Release the GPU? Its memory is freed and other '
+            "kernels can use it; this kernel keeps running but cannot use a GPU again until it "
+            "is restarted.</div>"
         )
-        self.confirm = widgets.HBox([self.confirm_text, self.confirm_button, self.cancel_button])
+        # the question above its two buttons (side by side, the text wrapped around them)
+        self.confirm = widgets.VBox(
+            [self.confirm_text, widgets.HBox([self.confirm_button, self.cancel_button])]
+        )
         self.confirm.layout.display = "none"
         super().__init__(
             [
@@ -228,7 +316,10 @@ class GpuPanel(widgets.VBox):
                 self.release_button.hold_sync(),
             ):
                 self.title.value, self.info.value, self.plot.value, self.message.value = views
+                usable = status["state"] in ("active", "unenforced", "unreachable")
                 self.release_button.disabled = status["state"] not in ("active", "unenforced")
+                # nothing to release (never had a share, or released it): no button at all
+                self.release_button.layout.display = None if usable else "none"
             self.updates += 1
 
     def _record(self, status: dict[str, Any]) -> None:
@@ -257,16 +348,14 @@ class GpuPanel(widgets.VBox):
             )
             if a.get("reclaim_warning"):  # idle reclaim (jupyter_gpushare.reclaim)
                 msg += (
-                    ' <span class="gpushare-msg" data-field="reclaim_warning" '
-                    'style="color:#b06000">'
+                    ' <span class="gpushare-msg gpushare-note" data-field="reclaim_warning">'
                     f"{html.escape(str(a['reclaim_warning'].get('message')))}</span>"
                 )
             return title, share_table(status), plot, msg
-        text = html.escape(status.get("message") or state)
         if state == "released":
-            freed = status.get("memory_freed")
-            gone = f" {format_bytes(freed)} of GPU memory freed." if freed else ""
-            text = f"Released {html.escape(actions.describe(status['released']))}.{gone} " + text
+            text = released_text(status)
+        else:
+            text = html.escape(status.get("message") or state)
         if self.note:
             text += " " + html.escape(self.note)
         if state == "released" and status.get("reserved"):
@@ -275,11 +364,10 @@ class GpuPanel(widgets.VBox):
                 + html.escape(actions.describe(status["reserved"]))
                 + "."
             )
-        color = "#b06000" if state == "unreachable" else "#555"
+        note = " gpushare-note" if state == "unreachable" else ""
         msg = (
-            f'<span class="gpushare-msg" data-field="state">{state}</span> '
-            f'<span class="gpushare-msg" style="color:{color}">{text} '
-            f"(checked {stamp})</span>"
+            f'<b class="gpushare-msg" data-field="state">{state}</b> '
+            f'<span class="gpushare-msg{note}">· {text} (checked {stamp})</span>'
         )
         return title, "", "", msg
 

@@ -18,7 +18,7 @@ from nbkit import (
 )
 from support import wait_for
 
-USAGE = "%gpushare [--gpu-request GPU_REQUEST]"
+USAGE = "%gpushare ACTION [options]"
 GIB = 2**30
 
 
@@ -33,8 +33,10 @@ def test_status_gpus_and_live_request_and_refusals(jupyter_server):
     mine = daemon_allocation(server, alloc["id"])
     assert "active [simulated GPU]" in text and alloc["id"] in text
     assert alloc["gpus"][0] in text
-    assert f"request      {mine['request']:g}   limit {mine['limit']:g}" in text
-    assert "used of 20GiB" in text and "2 share(s) on it" in text
+    assert (
+        f"request      {mine['request']:.0%}   limit {mine['limit']:.0%}".replace("%", " %") in text
+    )
+    assert "used of 20GiB" in text and "2 shares on it" in text and "share(s)" not in text
     plain = json.loads(
         client.execute(
             "import jupyter_gpushare, json; s = jupyter_gpushare.status(); "
@@ -46,7 +48,7 @@ def test_status_gpus_and_live_request_and_refusals(jupyter_server):
 
     # gpus: the node's GPUs with their free capacity (0.25 free: 0.25 + 0.5 are held)
     text = client.execute("%gpushare gpus")
-    assert alloc["gpus"][0] in text and " 0.25 " in text and "(simulated)" in text
+    assert alloc["gpus"][0] in text and " 25 % " in text and "(simulated)" in text
 
     # a live change that does not fit on this GPU is refused with the reason; nothing changes
     text = client.execute("%gpushare request --gpu-request 0.6 --gpu-limit 0.6")
@@ -55,7 +57,7 @@ def test_status_gpus_and_live_request_and_refusals(jupyter_server):
     assert daemon_allocation(server, alloc["id"])["request"] == 0.25
     # one that fits takes effect in the ledger and the daemon at once
     text = client.execute("%gpushare request --gpu-request 0.5 --gpu-limit 1")
-    assert "now holds 0.5–1 of an A100" in text and "(changed live)" in text, text
+    assert "now holds 50–100 % of an A100" in text and "(changed live)" in text, text
     [now] = allocations_of(server, kernel["id"])
     assert (now["id"], now["gpu_request"], now["gpu_limit"]) == (alloc["id"], 0.5, 1.0)
     mine = daemon_allocation(server, alloc["id"])
@@ -103,11 +105,12 @@ def test_request_changes_only_what_is_asked(jupyter_server):
 
     assert held() == (0.25, 0.5, 20 * GIB)
     text = client.execute("%gpushare request --gpu-request 0.9")
-    assert "gpu_request 0.9 is above this kernel's limit 0.5" in text, text
+    assert "--gpu-request 0.9 is above this kernel's limit 0.5" in text, text
+    assert "(gpu_limit= in Python)" in text
     assert "--gpu-request 0.9 --gpu-limit 0.9" in text
     assert held() == (0.25, 0.5, 20 * GIB)
     text = client.execute("%gpushare request --gpu-request 0.4")
-    assert "now holds 0.4–0.5 of an A100" in text and "32GiB" in text, text
+    assert "now holds 40–50 % of an A100" in text and "32GiB" in text, text
     assert held() == (0.4, 0.5, 32 * GIB)  # 0.4 × 80GiB: auto memory follows
     client.execute("%gpushare request --gpu-limit 1")
     assert held() == (0.4, 1.0, 32 * GIB)  # only the limit
@@ -132,19 +135,24 @@ def test_bad_arguments_print_usage_and_change_nothing(jupyter_server):
     server = jupyter_server("1xA100")
     kernel, alloc = start_kernel(server)
     client = server.client(kernel["id"])
+    # alone: the list of actions, no error and no "::" from IPython's usage formatting
+    alone = client.execute("%gpushare")
+    assert alone.startswith(USAGE) and "::" not in alone and "error" not in alone, alone
+    for action in ("status", "gpus", "release", "request"):
+        assert f"\n  {action} " in alone
     cases = {
-        "": "the following arguments are required: action",
         "bogus": "unknown action 'bogus'",
         "status --gpu-limit 0.5": "--gpu-* options go with 'request' only",
-        "request --gpu-request 2": "gpu_request='2' is not allowed",
-        "request --gpu-request 0.9 --gpu-limit 0.5": "at most gpu_limit",
-        "request --gpu-memory lots": "gpu_memory",
+        "request --gpu-request 2": "--gpu-request 2 is not allowed",
+        "request --gpu-request 0.9 --gpu-limit 0.5": "at most --gpu-limit (0.5)",
+        "request --gpu-memory lots": "--gpu-memory lots is not allowed",
         "request --gpu-requets 0.3": "unrecognized arguments",
         "release now": "unrecognized arguments",
     }
     for line, error in cases.items():
         text = client.execute(f"%gpushare {line}")
         assert USAGE in text and error in text, (line, text)
+        assert "::" not in text and "gpu_request=" not in text, (line, text)
     # nothing asked of the daemon changes anything: no change given, another type
     assert "Nothing to change" in client.execute("%gpushare request")
     assert "another GPU type needs a new share" in client.execute("%gpushare request --gpu-type T4")
@@ -166,9 +174,9 @@ def test_release_then_request_then_restart_uses_the_new_share(jupyter_server, gp
     wait_for(lambda: (gpu_memory_used(server, uuid) or 0) >= 256 * MIB, timeout=10)
 
     text = client.execute("%gpushare release")
-    assert f"Released 0.25–0.5 of an A100 ({alloc['id']}" in text
-    assert "256MiB of GPU memory freed" in text
-    assert "Restart the kernel to get a new share" in text
+    assert f"Released 25–50 % of an A100 ({alloc['id']}" in text
+    assert "256MiB of GPU memory freed" in text and text.count("freed") == 1, text
+    assert "Restart the kernel to get a new share" in text and "`" not in text
     # the ledger, the daemon and the simulator's memory all show it gone
     assert allocations_of(server, kernel["id"]) == []
     assert daemon_allocation(server, alloc["id"]) is None
@@ -196,7 +204,7 @@ def test_release_then_request_then_restart_uses_the_new_share(jupyter_server, gp
 
     # a new share, reserved now, used by the restart
     text = client.execute("%gpushare request --gpu-request 0.5 --gpu-limit 0.5")
-    assert "Reserved 0.5 of an A100" in text and "restart the kernel" in text, text
+    assert "Reserved 50 % of an A100" in text and "restart the kernel" in text, text
     [reserved] = allocations_of(server, kernel["id"])
     assert (reserved["gpu_request"], reserved["gpu_limit"]) == (0.5, 0.5)
     assert "A new share is already reserved" in client.execute("%gpushare request")
@@ -207,7 +215,7 @@ def test_release_then_request_then_restart_uses_the_new_share(jupyter_server, gp
     client = server.client(kernel["id"])
     assert "alloc 0" in client.execute(ALLOCATE)  # a fresh process: the GPU works again
     text = client.execute("%gpushare status")
-    assert f"active [simulated GPU]  {reserved['id']}" in text and "limit 0.5" in text
+    assert f"active [simulated GPU]  {reserved['id']}" in text and "limit 50 %" in text
     client.close()
     server.delete(f"/api/kernels/{kernel['id']}")
     assert server.allocations() == []
@@ -254,7 +262,7 @@ def test_release_with_enforcement_off_goes_to_the_ledger(jupyter_server):
     text = client.execute("%gpushare status")
     assert "GPU share: unenforced" in text and "not enforced here" in text, text
     text = client.execute("%gpushare release")
-    assert f"Released 0.25–0.5 of an A100 ({alloc['id']}" in text, text
+    assert f"Released 25–50 % of an A100 ({alloc['id']}" in text, text
     assert server.allocations() == []
     assert client.execute("print(1 + 1)").strip() == "2"
     client.close()

@@ -68,16 +68,28 @@ def test_panel_updates_while_a_cell_runs_and_matches_the_daemon(jupyter_server):
     truth = daemon_allocation(server, alloc["id"])
     assert shown["gpu_uuid"] == alloc["gpus"][0] == truth["gpus"][0]["gpu"]
     assert shown["gpu_type"].startswith("A100")
-    assert (shown["request"], shown["limit"]) == (f"{truth['request']:g}", f"{truth['limit']:g}")
+    assert (shown["request"], shown["limit"]) == ("25 %", "50 %")  # one unit: percent
+    assert (truth["request"], truth["limit"]) == (0.25, 0.5)
     assert shown["memory_cap"] == format_bytes(truth["memory_cap"]) == "20GiB"
     assert shown["memory_used"] == format_bytes(truth["memory_used"]) == "256MiB"
-    assert shown["lease_waits"] == f"{truth['lease_waits']} waits"
-    assert shown["kernels"] == "1 share(s) on this GPU"
-    assert shown["achieved_share"].endswith("%")
+    waits = truth["lease_waits"]
+    assert shown["lease_waits"] == f"{waits} time{'' if waits == 1 else 's'}"
+    assert shown["kernels"] == "1 share on this GPU"
+    assert shown["achieved_share"].endswith(" %")
+    info = _latest(everything, ids["info"])
+    assert "leases" not in info and "share(s)" not in info
     assert "simulated GPU" in _latest(everything, ids["title"])
-    assert "<svg" in _latest(everything, ids["plot"]) and "polyline" in _latest(
-        everything, ids["plot"]
-    )
+    plot = _latest(everything, ids["plot"])
+    assert "<svg" in plot and 'data-series="share"' in plot and 'data-series="memory"' in plot
+    # axes with a scale, and a legend naming the dashed request and limit lines
+    for label in (">0 %<", ">50 %<", ">100 %<", ">now<"):
+        assert label in plot, label
+    legend = plot.split('class="gpushare-legend"')[1]
+    for name in ("achieved share", "memory used / cap", "request", "limit"):
+        assert name in legend
+    assert "stroke-dasharray" in plot.split('data-series="request"')[1].split("/>")[0]
+    # theme colours only: JupyterLab's CSS variables, no fixed background
+    assert "#fafafa" not in plot and "var(--jp-brand-color1" in plot
     assert "active" in fields(_latest(everything, ids["message"]))["state"]
     client.close()
 
@@ -94,6 +106,14 @@ def test_release_button_returns_the_share_and_the_kernel_lives_on(jupyter_server
     click(client.client, ids["release_button"])  # asks for confirmation first
     _, seen = run_collecting(client.client, "print(p.confirm.layout.display)")
     assert _latest(seen, ids["confirm"], "display") == "flex"
+    # the question above its buttons (a column), not beside them in one wrapping row
+    layout = json.loads(
+        client.execute(
+            "print(json.dumps([type(p.confirm).__name__, p.confirm.children[0] is p.confirm_text,"
+            " [type(c).__name__ for c in p.confirm.children[1].children]]))"
+        )
+    )
+    assert layout == ["VBox", True, ["Button", "Button"]]
     assert allocations_of(server, kernel["id"]) == [alloc]  # nothing released yet
 
     click(client.client, ids["confirm_button"])
@@ -104,9 +124,15 @@ def test_release_button_returns_the_share_and_the_kernel_lives_on(jupyter_server
     assert daemon_allocation(server, alloc["id"]) is None
     wait_for(lambda: gpu_memory_used(server, uuid) == 0, timeout=10)
     message = _latest(seen, ids["message"])
-    assert "Released 0.25–0.5 of an A100" in message and "256MiB of GPU memory freed" in message
+    assert "Released 25–50 % of an A100" in message and "256MiB of GPU memory freed" in message
+    assert message.count("freed") == 1 and "`" not in message, message
     assert "Restart the kernel to get a new share" in message
-    assert _latest(seen, ids["release_button"], "disabled") is True
+    assert "<code>%gpushare request</code>" in message
+    # the Release button is gone, not left disabled
+    button_layout = json.loads(
+        client.execute("print(json.dumps(p.release_button.layout.model_id))")
+    )
+    assert _latest(seen, button_layout, "display") == "none"
     assert client.execute("1+1").strip() == "2"
     client.close()
 
@@ -154,6 +180,7 @@ def test_panel_without_a_share_says_so_and_keeps_checking(monkeypatch):
         assert fields(panel.message.value)["state"] == "none"
         assert "holds no GPU share" in panel.message.value
         assert panel.release_button.disabled and panel.info.value == ""
+        assert panel.release_button.layout.display == "none"  # nothing to release: no button
     finally:
         panel.close()
     time.sleep(0.2)

@@ -124,7 +124,7 @@ async def test_kernel_pod_is_enforced_and_its_share_is_its_own(
         # Release from inside the kernel: the record and the daemon forget it, the memory is
         # freed, the pod and its Python state live on, CUDA refuses with the reason
         text = await execute(server, first, "%gpushare release")
-        assert f"Released 0.25–1 of an A100 ({record.id}" in text, text
+        assert f"Released 25–100 % of an A100 ({record.id}" in text, text
         assert "256MiB of GPU memory freed" in text, text
         assert await kernel_records(kube, first) == []
         assert daemon.status(record.id).get("error") == wire.E_UNKNOWN_ALLOCATION

@@ -168,17 +168,14 @@ async def _status(
     from .statusview import with_usage
 
     if namespace:  # the cluster's ledger; its reconcilers run in the cluster
-        from .k8s.client import connect
-        from .k8s.ledger import KubernetesLedger
+        # lazy on purpose: only --kubernetes-namespace needs the Kubernetes client
+        from .k8s.ledger import cluster_ledger
         from .k8s.usage import KubernetesUsage, UsageReader
 
-        kube = await connect(kubeconfig)
-        try:
-            cluster = KubernetesLedger(kube, namespace)
+        async with cluster_ledger(namespace, kubeconfig) as cluster:
             status = _status_of(await cluster.gpus(), await cluster.list())
-            view = await KubernetesUsage(UsageReader(kube, namespace)).read(fresh=True)
-        finally:
-            await kube.close()
+            reader = UsageReader(cluster.kube, namespace)
+            view = await KubernetesUsage(reader).read(fresh=True)
     else:
         from .usage import DaemonUsage
 

@@ -124,14 +124,10 @@ def ledger_inventory(ledger: Ledger) -> Callable[[Any], Awaitable[list[TypeOffer
 
 async def kubernetes_inventory(spawner: Any) -> list[TypeOffer]:
     """The default inventory: the cluster's gpushare ledger in the spawner's namespace."""
-    from .k8s.client import connect
-    from .k8s.ledger import KubernetesLedger
+    from .k8s.ledger import cluster_ledger  # lazy on purpose: only this default needs a cluster
 
-    kube = await connect()
-    try:
-        return await ledger_inventory(KubernetesLedger(kube, spawner.namespace))(spawner)
-    finally:
-        await kube.close()
+    async with cluster_ledger(spawner.namespace) as ledger:
+        return await ledger_inventory(ledger)(spawner)
 
 
 # -- parsing the user's choices (pure) ----------------------------------------------------------

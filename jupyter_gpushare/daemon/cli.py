@@ -279,10 +279,9 @@ SIMULATE_LABEL = "gpushare.jupyter.org/simulate"
 async def _ledger(args: argparse.Namespace) -> Ledger:
     """The ledger this daemon follows: the node's GpuLedger records on Kubernetes, else SQLite."""
     if args.kubernetes_namespace:
-        from ..k8s.client import connect
-        from ..k8s.ledger import KubernetesLedger
+        from ..k8s.ledger import connect_ledger  # lazy on purpose: a local agent never needs it
 
-        return KubernetesLedger(await connect(args.kubeconfig), args.kubernetes_namespace)
+        return await connect_ledger(args.kubernetes_namespace, args.kubeconfig)
     from ..ledger.sqlite import SQLiteLedger
 
     if args.system:  # the agent is the file's only writer: reads come from memory

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -33,7 +34,7 @@ from ..ledger import Placer as LedgerPlacer
 from ..placement import Placement, Placer, Policy
 from ..share import ShareSpec
 from . import manifests
-from .client import GROUP, LEDGER_PLURAL, VERSION, ApiException, Kube
+from .client import GROUP, LEDGER_PLURAL, VERSION, ApiException, Kube, connect
 
 
 class KubernetesLedger(Ledger):
@@ -421,4 +422,29 @@ def _read_ledger(obj: dict[str, Any]) -> tuple[str, list[Allocation]]:
     return node, [Allocation.from_json(a) for a in spec.get("allocations") or []]
 
 
-__all__ = ["KubernetesLedger", "WatchedLedger"]
+async def connect_ledger(
+    namespace: str,
+    kubeconfig: str = "",
+    context: str = "",
+    aliases: TypeAliases | None = None,
+) -> KubernetesLedger:
+    """The cluster's ledger in ``namespace`` on an API client of its own (``kubeconfig``, else
+    in-cluster, else the default kubeconfig: :func:`.client.connect`), for a process outside a
+    Jupyter server (the CLI, the Hub, a node agent). Close it with ``await ledger.kube.close()``,
+    or use :func:`cluster_ledger`."""
+    return KubernetesLedger(await connect(kubeconfig, context), namespace, aliases)
+
+
+@contextlib.asynccontextmanager
+async def cluster_ledger(
+    namespace: str, kubeconfig: str = "", context: str = ""
+) -> AsyncIterator[KubernetesLedger]:
+    """:func:`connect_ledger` for one use: the client is closed on the way out."""
+    ledger = await connect_ledger(namespace, kubeconfig, context)
+    try:
+        yield ledger
+    finally:
+        await ledger.kube.close()
+
+
+__all__ = ["KubernetesLedger", "WatchedLedger", "cluster_ledger", "connect_ledger"]

@@ -344,6 +344,7 @@ class Daemon:
             return {
                 "ok": True,
                 "v": wire.VERSION,
+                "v_min": wire.OLDEST_VERSION,
                 "epoch": self.epoch,
                 "pid": os.getpid(),
                 "system": access_of(self).system,
@@ -360,11 +361,10 @@ class Daemon:
                     gpu.done(tenant, int(message.get("lease", 0)))
 
     async def _hello(self, client: Client, message: dict[str, Any]) -> dict[str, Any]:
-        if message.get("v") != wire.VERSION:
-            return wire.refusal(
-                wire.E_BAD_VERSION,
-                f"wire version {message.get('v')} (daemon speaks {wire.VERSION})",
-            )
+        version, refused = wire.negotiate(message)  # a range of versions: upgrades (wire.py)
+        if refused is not None:
+            self.refused_peer_log.failed(f"pid {client.pid}: {refused['message']}")
+            return refused
         if client.allocation is not None:
             return wire.refusal(wire.E_BAD_REQUEST, "hello was already sent")
         allocation, refusal = await self.peer_allocation(
@@ -398,7 +398,7 @@ class Daemon:
         client.send_fds = fds  # with the reply line, in one sendmsg (``shm.send_line``)
         return {
             "ok": True,
-            "v": wire.VERSION,
+            "v": version,  # the version spoken on this connection
             "epoch": self.epoch,
             "quantum_ns": self.settings.quantum_ns,
             "window_ns": self.settings.window_ns,
@@ -592,6 +592,7 @@ class Daemon:
                 "node": self.settings.node,
                 "epoch": self.epoch,
                 "wire_version": wire.VERSION,
+                "wire_oldest_version": wire.OLDEST_VERSION,
                 "uptime_s": round((now - self.started_ns) / 1e9, 3),
                 "clients": len(self.clients),
                 "refused": self.refused,

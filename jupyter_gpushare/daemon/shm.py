@@ -263,10 +263,10 @@ class GpuShm:
         self.policy = _slots(self._policy_map)
         self._accounts: dict[int, tuple[int, mmap.mmap, wire.Slot]] = {}
         h, ph = self.header, self.policy_header
-        self.reused = policy_reused and ph.magic == wire.MAGIC and ph.version == wire.VERSION
+        self.reused = policy_reused and ph.magic == wire.MAGIC and ph.version == wire.LAYOUT_VERSION
         if not self.reused:
             ctypes.memset(ctypes.addressof(ph), 0, wire.FILE_SIZE)
-        if not (board_reused and h.magic == wire.MAGIC and h.version == wire.VERSION):
+        if not (board_reused and h.magic == wire.MAGIC and h.version == wire.LAYOUT_VERSION):
             ctypes.memset(ctypes.addressof(h), 0, wire.FILE_SIZE)
         epoch = max(h.epoch, ph.epoch) + 1
         for header in (h, ph):
@@ -289,7 +289,7 @@ class GpuShm:
                 self.account(i)  # its account as it was (the memory its processes hold)
         self.heartbeat()
         for header in (ph, h):
-            header.version = wire.VERSION
+            header.version = wire.LAYOUT_VERSION
             header.magic = wire.MAGIC  # last: a client checks it before anything else
 
     def heartbeat(self) -> None:

@@ -1,4 +1,5 @@
-"""The wire format between the node daemon and the interposer (boxes 6 and 7), version 3.
+"""The wire format between the node daemon and the interposer (boxes 6 and 7): control version 4
+(served from version 3, see "Versions and upgrades"), shared-memory layout 3.
 
 Written down once here; the C side is ``csrc/include/gpushare_wire.h`` and must match it (the
 tests compare the two: ``tests/enforcement/test_wire.py``).
@@ -13,16 +14,22 @@ Two channels
 
    ``hello`` (client → daemon, first message of an interposed process)::
 
-       {"op": "hello", "v": 3, "allocation": "a-…", "pid": 1234, "gpus": ["GPU-…", …]}
+       {"op": "hello", "v": 4, "v_min": 3, "allocation": "a-…", "pid": 1234, "gpus": ["GPU-…", …]}
+
+   ``v`` is the newest control version the client speaks, ``v_min`` (optional, default ``v``)
+   the oldest; the daemon answers in the newest version both sides speak and names it in the
+   reply's ``v`` (:func:`negotiate`).
 
    The daemon checks the peer's credentials (``SO_PEERCRED``): the connecting pid must be the
    allocation's ``pid`` (with a matching ``pid_start``) or one of its descendants. Reply::
 
-       {"ok": true, "v": 3, "epoch": 7, "quantum_ns": …, "window_ns": …,
+       {"ok": true, "v": 4, "epoch": 7, "quantum_ns": …, "window_ns": …,
         "gpus": [{"uuid": "GPU-…", "board": 0, "policy": 1, "account": 2, "slot": 3,
                   "generation": 12}, …]}
 
-   or ``{"ok": false, "error": "not_permitted" | "unknown_allocation" | "bad_version", …}``.
+   or ``{"ok": false, "error": "not_permitted" | "unknown_allocation" | "bad_version", …}``
+   (``bad_version`` also carries ``"oldest"`` and ``"current"``, the versions this daemon
+   serves, and its message names the client's version and that range).
    **No path crosses the socket**: the lease memory comes as file descriptors (``SCM_RIGHTS``)
    sent in the same ``sendmsg`` as the first byte of this reply line; ``"board"``, ``"policy"``
    and ``"account"`` are indexes into that array (see 2. below). The client receives them with
@@ -42,7 +49,7 @@ Two channels
    process or pod; admins see all); each GPU entry counts every share on it (``shares``,
    ``reserved_request``, ``free_request``, ``reserved_memory``) but names only the caller's
    (``allocations``, ``holder``). ``refresh`` → re-reads the ledger, ``{"ok": true}``;
-   ``ping`` → ``{"ok": true, "v": 3, "epoch": …}``.
+   ``ping`` → ``{"ok": true, "v": 4, "v_min": 3, "epoch": …}`` (the control versions served).
 
    Limits per connection (DEVELOPING.md, "The agent's socket"): a line of at most
    :data:`MAX_LINE` bytes; the agent stops reading a client with 32 requests unanswered or 64 KiB
@@ -152,11 +159,41 @@ launch and allocation path (and from context creation), with one line on stderr 
 (``gpushare: GPU work refused (CUDA_ERROR_NOT_PERMITTED): …``); the interposer never exits or
 aborts the process. Allocations over the cap return ``CUDA_ERROR_OUT_OF_MEMORY`` (2).
 
-Versioning: a change to the header/slot layout or to the meaning of a field bumps
-:data:`VERSION` (``GPUSHARE_WIRE_VERSION`` in C); the daemon refuses a ``hello`` with another
-version (``bad_version``) and a client refuses a board or policy whose ``magic``/``version``
-differ (or whose policy slot names another allocation or generation). Version 3: descriptors
-instead of paths, and the board/policy/account split.
+Versions and upgrades
+=====================
+
+Two numbers, changed for different reasons:
+
+* :data:`VERSION` (``GPUSHARE_WIRE_VERSION`` in C), the **control** version: it must change
+  when a message either side sends changes shape or meaning in a way the other side relies
+  on (a field that becomes required, one removed or renamed, a value read differently, a new
+  step in the ``hello`` exchange). Adding an optional field that the other side may ignore
+  does not change it. Versions: 3, descriptors instead of paths (the board/policy/account
+  split); 4, the ``hello`` names the range it speaks (``v_min``) and the reply names the
+  version chosen.
+* :data:`LAYOUT_VERSION` (``GPUSHARE_WIRE_LAYOUT_VERSION``; ``Header.version`` of the board
+  and policy files), the **shared-memory layout**: it changes with the header/slot layout or
+  the meaning of a field in it. A client refuses a board or policy whose ``magic`` or
+  ``version`` differ (or whose policy slot names another allocation or generation). Since one
+  file is mapped by every tenant of a GPU, an agent cannot serve two layouts from one file:
+  a new layout needs a control version whose ``hello`` hands out files of that layout while
+  the agent keeps the old files for old clients, and until an agent does that the layout
+  stays.
+
+**An agent serves a range of control versions**, [:data:`OLDEST_VERSION`, :data:`VERSION`]
+(:func:`negotiate`): kernels keep the interposer they started with for their whole life, and
+a node's agent is replaced under them (a DaemonSet rollout, a package upgrade of the system
+service), after which every running interposer reconnects and says ``hello`` again at its own
+version. **How long an old version is served**: :data:`OLDEST_VERSION` is raised only in a
+release that comes at least one release after the one that moved :data:`VERSION` past it,
+so an upgrade by one release never strands a running kernel (from N to N+1 an agent of N+1
+serves every interposer of N; a kernel that outlives two upgrades must be restarted). The
+other direction is covered too: a new interposer whose ``hello`` an older agent refuses with
+``bad_version`` says ``hello`` again at its own oldest version (``GPUSHARE_WIRE_OLDEST_VERSION``),
+so kernels started on a node whose agent has not been replaced yet keep working. A ``hello``
+outside the range is refused with ``bad_version``, whose message names the client's version
+and the range served (the interposer prints it with the ``CUDA_ERROR_NOT_PERMITTED`` of its
+launches). Tests: ``tests/enforcement/test_agent_upgrade.py``.
 """
 
 from __future__ import annotations
@@ -165,7 +202,12 @@ import ctypes
 import json
 from typing import Any
 
-VERSION = 3
+#: the control version this agent speaks (``hello``'s ``v``); see "Versions and upgrades"
+VERSION = 4
+#: the oldest control version this agent still serves
+OLDEST_VERSION = 3
+#: the shared-memory layout (``Header.version`` of the board and policy files)
+LAYOUT_VERSION = 3
 MAGIC = 0x48535047  # "GPSH"
 SLOTS = 64
 HEADER_SIZE = 256
@@ -251,6 +293,41 @@ assert ctypes.sizeof(Slot) == SLOT_SIZE
 #: Offsets the C header must reproduce (checked by the tests against ``gpushare_wire.h``).
 HEADER_OFFSETS = {name: getattr(Header, name).offset for name, *_ in Header._fields_}
 SLOT_OFFSETS = {name: getattr(Slot, name).offset for name, *_ in Slot._fields_}
+
+
+def negotiate(message: dict[str, Any]) -> tuple[int, None] | tuple[None, dict[str, Any]]:
+    """The control version to speak with a client whose ``hello`` is ``message`` (the newest
+    one both sides speak), or a ``bad_version`` refusal naming the client's versions and the
+    range this agent serves."""
+    asked, oldest = message.get("v"), message.get("v_min", message.get("v"))
+    served = f"this gpushare agent serves wire versions {OLDEST_VERSION} to {VERSION}"
+    if not isinstance(asked, int) or not isinstance(oldest, int):
+        why = f"hello: v and v_min must be wire versions (integers); got v={asked!r}, "
+        why += f"v_min={oldest!r}; {served}"
+    elif not (_is_version(asked) and _is_version(oldest) and oldest <= asked):
+        why = f"hello: v={asked!r}, v_min={oldest!r} is not a range of wire versions; {served}"
+    else:
+        chosen = min(asked, VERSION)
+        if chosen >= max(oldest, OLDEST_VERSION):
+            return chosen, None
+        if asked < OLDEST_VERSION:
+            why = (
+                f"this process's gpushare interposer speaks wire version {asked}; {served} "
+                f"(version {asked} is no longer served): restart the kernel so that it loads "
+                "the interposer installed with this agent"
+            )
+        else:
+            why = (
+                f"this process's gpushare interposer speaks wire versions {oldest} to {asked}; "
+                f"{served} (it is older than the interposer): upgrade the agent"
+            )
+    refused = refusal(E_BAD_VERSION, why)
+    refused["oldest"], refused["current"] = OLDEST_VERSION, VERSION
+    return None, refused
+
+
+def _is_version(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**31
 
 
 class Encoded:

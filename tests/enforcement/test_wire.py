@@ -22,9 +22,10 @@ PROGRAM = r"""
 #define S(f) P(gpushare_wire_slot, f)
 int main(void) {
     int first = 1;
-    printf("{\"version\":%u,\"magic\":%u,\"slots\":%d,\"file\":%d,\"account\":%d,"
-           "\"header\":{", GPUSHARE_WIRE_VERSION, GPUSHARE_WIRE_MAGIC, GPUSHARE_WIRE_SLOTS,
-           GPUSHARE_WIRE_FILE_SIZE, GPUSHARE_WIRE_ACCOUNT_SIZE);
+    printf("{\"version\":%u,\"oldest\":%u,\"layout\":%u,\"magic\":%u,\"slots\":%d,"
+           "\"file\":%d,\"account\":%d,\"header\":{", GPUSHARE_WIRE_VERSION,
+           GPUSHARE_WIRE_OLDEST_VERSION, GPUSHARE_WIRE_LAYOUT_VERSION, GPUSHARE_WIRE_MAGIC,
+           GPUSHARE_WIRE_SLOTS, GPUSHARE_WIRE_FILE_SIZE, GPUSHARE_WIRE_ACCOUNT_SIZE);
     GPUSHARE_WIRE_HEADER_FIELDS(H)
     printf("},\"slot\":{");
     first = 1;
@@ -53,6 +54,8 @@ def c_layout(tmp_path_factory):
 
 def test_constants_match(c_layout):
     assert c_layout["version"] == wire.VERSION
+    assert c_layout["oldest"] == wire.OLDEST_VERSION
+    assert c_layout["layout"] == wire.LAYOUT_VERSION
     assert c_layout["magic"] == wire.MAGIC
     assert c_layout["slots"] == wire.SLOTS
     assert c_layout["file"] == wire.FILE_SIZE

@@ -1,4 +1,6 @@
-/* gpushare_wire.h - the C side of the daemon <-> interposer wire format, version 3.
+/* gpushare_wire.h - the C side of the daemon <-> interposer wire format: control version 4
+ * (an agent serves 3 and 4; an interposer falls back to 3 with an older agent), shared-memory
+ * layout 3 (wire.py, "Versions and upgrades").
  *
  * The authoritative description is the docstring of jupyter_gpushare/daemon/wire.py; this header
  * reproduces its shared-memory layout field by field (tests/enforcement/test_wire.py compares the
@@ -18,11 +20,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define GPUSHARE_WIRE_VERSION     3u
-#define GPUSHARE_WIRE_MAGIC       0x48535047u /* "GPSH" */
-#define GPUSHARE_WIRE_SLOTS       64
-#define GPUSHARE_WIRE_HEADER_SIZE 256
-#define GPUSHARE_WIRE_SLOT_SIZE   256
+#define GPUSHARE_WIRE_VERSION        4u /* control: the hello's "v" */
+#define GPUSHARE_WIRE_OLDEST_VERSION 3u /* the hello's "v_min", the fallback with an older agent */
+#define GPUSHARE_WIRE_LAYOUT_VERSION 3u /* shared memory: header.version */
+#define GPUSHARE_WIRE_MAGIC          0x48535047u /* "GPSH" */
+#define GPUSHARE_WIRE_SLOTS          64
+#define GPUSHARE_WIRE_HEADER_SIZE    256
+#define GPUSHARE_WIRE_SLOT_SIZE      256
 #define GPUSHARE_WIRE_FILE_SIZE                                                                    \
     (GPUSHARE_WIRE_HEADER_SIZE + GPUSHARE_WIRE_SLOTS * GPUSHARE_WIRE_SLOT_SIZE)
 /* an account file: one slot */

@@ -101,8 +101,8 @@ static int attach(struct gs_gpu *g, const int fd[3], int index, uint64_t generat
         (struct gpushare_wire_slot *)((char *)policy + GPUSHARE_WIRE_HEADER_SIZE);
     int bad =
         board == MAP_FAILED || policy == MAP_FAILED || account == MAP_FAILED || same ||
-        h->magic != GPUSHARE_WIRE_MAGIC || h->version != GPUSHARE_WIRE_VERSION ||
-        ph->magic != GPUSHARE_WIRE_MAGIC || ph->version != GPUSHARE_WIRE_VERSION ||
+        h->magic != GPUSHARE_WIRE_MAGIC || h->version != GPUSHARE_WIRE_LAYOUT_VERSION ||
+        ph->magic != GPUSHARE_WIRE_MAGIC || ph->version != GPUSHARE_WIRE_LAYOUT_VERSION ||
         atomic_load(&pslots[index].generation) != generation ||
         strncmp(pslots[index].allocation, gs.allocation, sizeof pslots[index].allocation - 1) != 0;
     if (bad) {
@@ -175,9 +175,10 @@ static int read_line_fds(int fd, char *buf, size_t n, int timeout_ms, int *fds, 
     return -1;
 }
 
-/* Connects, says hello and attaches the slots; 0 on success, -1 when the daemon is unreachable
- * (fail static), -2 when it refused us (denied). */
-int gs_connect_and_hello(void) {
+/* Connects, says hello at control version `v` (v_min GPUSHARE_WIRE_OLDEST_VERSION) and attaches
+ * the slots; 0 on success, -1 when the daemon is unreachable (fail static), -2 when it refused us
+ * (denied), -3 when it refused the version (an agent older than this interposer). */
+static int hello_at(unsigned v) {
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return -1;
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
@@ -187,9 +188,9 @@ int gs_connect_and_hello(void) {
         return -1;
     }
     char msg[1024];
-    int off =
-        snprintf(msg, sizeof msg, "{\"op\":\"hello\",\"v\":%u,\"allocation\":\"%s\",\"pid\":%d",
-                 GPUSHARE_WIRE_VERSION, gs.allocation, (int)getpid());
+    int off = snprintf(msg, sizeof msg,
+                       "{\"op\":\"hello\",\"v\":%u,\"v_min\":%u,\"allocation\":\"%s\",\"pid\":%d",
+                       v, GPUSHARE_WIRE_OLDEST_VERSION, gs.allocation, (int)getpid());
     if (gs.ngpus > 0) {
         off += snprintf(msg + off, sizeof msg - (size_t)off, ",\"gpus\":[");
         for (int i = 0; i < gs.ngpus; i++)
@@ -207,6 +208,10 @@ int gs_connect_and_hello(void) {
     }
     if (!strstr(reply, "\"ok\":true")) {
         for (int k = 0; k < nfds; k++) close(fds[k]);
+        if (v != GPUSHARE_WIRE_OLDEST_VERSION && strstr(reply, "\"error\":\"bad_version\"")) {
+            close(fd); /* an agent that predates v_min: say hello again at our oldest */
+            return -3;
+        }
         char why[200] = "refused by the gpushare daemon";
         json_string(json_find(reply, "message"), why, sizeof why);
         char reason[256];
@@ -247,8 +252,16 @@ int gs_connect_and_hello(void) {
     pthread_mutex_unlock(&gs.sock_lock);
     atomic_store(&gs.connected, 1);
     atomic_store(&gs.failstatic, 0);
-    gs_log("connected to the daemon (%d GPU%s)", attached, attached == 1 ? "" : "s");
+    gs_log("connected to the daemon (%d GPU%s, wire version %u)", attached,
+           attached == 1 ? "" : "s", v);
     return 0;
+}
+
+/* Says hello at this interposer's control version, and at its oldest one when the agent is
+ * older and refused the version (a rollout that has not reached this node yet; wire.py). */
+int gs_connect_and_hello(void) {
+    int rc = hello_at(GPUSHARE_WIRE_VERSION);
+    return rc == -3 ? hello_at(GPUSHARE_WIRE_OLDEST_VERSION) : rc;
 }
 
 void gs_disconnect(void) {

@@ -24,6 +24,7 @@ from ..inventory import Gpu, NoGpuError
 from ..ledger.reconcile import reconcile
 from ..periodic import PeriodicTask
 from .admin_handlers import admin_handlers, start_admin_tasks
+from .dashboard_handlers import dashboard_handlers
 from .handlers import handlers
 from .ui_handlers import ui_handlers
 
@@ -172,7 +173,11 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
     web_app.settings["gpushare"] = settings
     base_url = web_app.settings["base_url"]
     web_app.add_handlers(
-        ".*$", admin_handlers(base_url) + handlers(base_url) + ui_handlers(base_url)
+        ".*$",
+        admin_handlers(base_url)
+        + handlers(base_url)
+        + ui_handlers(base_url)
+        + dashboard_handlers(base_url),
     )
 
     def begin() -> None:

@@ -92,6 +92,69 @@ export interface IUsageReport {
   allocations: IUsage[];
 }
 
+/** One share on a GPU as the viewer may see it (`GET /gpushare/api/dashboard`). */
+export interface IDashboardShare {
+  mine: boolean;
+  request: number;
+  limit: number;
+  memory_cap: number;
+  gpu_count: number;
+  state: string;
+  /** The rest only where the viewer may see whose it is. */
+  id?: string;
+  user?: string | null;
+  owner?: string;
+  kernel_id?: string | null;
+  node?: string;
+  path?: string | null;
+  command?: string | null;
+  pool?: string | null;
+  achieved_share?: number | null;
+  memory_used?: number | null;
+  idle_s?: number | null;
+  metered?: boolean;
+}
+
+export interface IDashboardGpu {
+  uuid: string;
+  index: number;
+  node: string;
+  name: string;
+  type: string;
+  memory: number;
+  healthy: boolean;
+  simulated: boolean;
+  reserved_request: number;
+  reserved_memory: number;
+  free_request: number;
+  free_memory: number;
+  achieved_share: number | null;
+  memory_used: number | null;
+  shares: IDashboardShare[];
+}
+
+export interface IDashboard {
+  time: number;
+  admin: boolean;
+  simulated: boolean;
+  source: string;
+  metered: boolean;
+  message?: string;
+  gpus: IDashboardGpu[];
+}
+
+/** A kernel start of this server and how far it has got (`GET /gpushare/api/starts`). */
+export interface IStart {
+  kernel_id: string;
+  kernel_name: string;
+  path: string | null;
+  phase: string;
+  message: string;
+  since: number;
+  updated: number;
+  ended: boolean;
+}
+
 export class GpushareAPI {
   constructor(readonly settings: ServerConnection.ISettings) {}
 
@@ -121,6 +184,14 @@ export class GpushareAPI {
 
   usage(): Promise<IUsageReport> {
     return this.request<IUsageReport>('usage');
+  }
+
+  dashboard(): Promise<IDashboard> {
+    return this.request<IDashboard>('dashboard');
+  }
+
+  async starts(): Promise<{ time: number; starts: IStart[] }> {
+    return this.request<{ time: number; starts: IStart[] }>('starts');
   }
 
   release(allocationId: string): Promise<unknown> {

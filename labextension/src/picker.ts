@@ -9,6 +9,7 @@ import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { Widget } from '@lumino/widgets';
 
 import { GpushareAPI, GpushareRefusal, IAllocation, IInventory, IPresets } from './api';
+import { ProgressBody, StartProgress } from './progress';
 import {
   describeShare,
   formatBytes,
@@ -27,6 +28,8 @@ interface IProblem {
 
 interface IPickerOptions {
   kernelLabel: string;
+  /** The kernelspec asks for whole GPUs (request = limit = 1, or several GPUs). */
+  whole?: boolean;
   inventory: IInventory;
   presets: IPresets;
   fields: IShareFields;
@@ -79,9 +82,11 @@ export class SharePicker extends Widget implements Dialog.IBodyWidget<IShareFiel
     root.append(
       el('p', {
         className: 'jp-gpushare-intro',
-        textContent:
-          `${options.kernelLabel} runs on a share of a GPU. ` +
-          'Request is the guaranteed fraction; the kernel may use idle time up to the limit.'
+        textContent: options.whole
+          ? `${options.kernelLabel} runs on a whole GPU. Choose the GPU type; ` +
+            'the request and limit are the whole GPU.'
+          : `${options.kernelLabel} runs on a share of a GPU. ` +
+            'Request is the guaranteed fraction; the kernel may use idle time up to the limit.'
       })
     );
     if (inventory.simulated) {
@@ -250,8 +255,11 @@ export async function pickAndStart(
   kernelName: string,
   kernelLabel: string,
   path: string | undefined,
-  initial?: Partial<IShare>
+  initial?: Partial<IShare> & { gpu_count?: number },
+  progress?: StartProgress
 ): Promise<IStarted | null> {
+  const whole =
+    (initial?.gpu_count ?? 1) > 1 || (initial?.gpu_request === 1 && initial?.gpu_limit === 1);
   let inventory = await api.gpus();
   const presets = await api.presets().catch(
     (): IPresets => ({ default: { gpu_request: 0.25, gpu_limit: 0.5 }, presets: [] })
@@ -260,7 +268,7 @@ export async function pickAndStart(
   let fields = fieldsOf({ ...presets.default, ...(initial ?? {}) });
   let problem: IProblem | null = null;
   for (;;) {
-    const body = new SharePicker({ kernelLabel, inventory, presets, fields, problem });
+    const body = new SharePicker({ kernelLabel, whole, inventory, presets, fields, problem });
     const result = await showDialog({
       title: 'Choose a GPU share',
       body,
@@ -282,7 +290,7 @@ export async function pickAndStart(
       throw err;
     }
     try {
-      return await api.startKernel(kernelName, path, share);
+      return await startWithProgress(api, kernelName, kernelLabel, path, share, progress);
     } catch (err) {
       if (!(err instanceof GpushareRefusal) || ![400, 409].includes(err.status)) {
         throw err;
@@ -294,5 +302,41 @@ export async function pickAndStart(
       };
       inventory = await api.gpus();
     }
+  }
+}
+
+/**
+ * Start the kernel; while the server works, a dialog lists the start's phases as the server
+ * reports them (placing, launching, … ready; on Kubernetes also scheduling and image pulling,
+ * with the cluster's words). It closes by itself when the kernel is up or refused; "Hide" hides
+ * it (the status bar keeps showing the phase).
+ */
+async function startWithProgress(
+  api: GpushareAPI,
+  kernelName: string,
+  kernelLabel: string,
+  path: string | undefined,
+  share: IShare,
+  progress?: StartProgress
+): Promise<IStarted> {
+  const request = api.startKernel(kernelName, path, share);
+  if (!progress) {
+    return request;
+  }
+  const body = new ProgressBody(progress, kernelLabel);
+  const dialog = new Dialog({
+    title: 'Starting kernel',
+    body,
+    buttons: [Dialog.cancelButton({ label: 'Hide', ariaLabel: 'Hide the start progress' })]
+  });
+  dialog.addClass('jp-gpushare-progress-dialog');
+  const shown = dialog.launch();
+  try {
+    return await progress.watch(kernelName, request);
+  } finally {
+    if (!dialog.isDisposed) {
+      dialog.resolve(0);
+    }
+    await shown.catch(() => undefined);
   }
 }

@@ -137,3 +137,18 @@ export function describeShare(share: Partial<IShare>): string {
   }
   return text;
 }
+
+/** A fraction of a GPU as a percent, `0.49` -> `49 %` (the unit every gpushare view uses). */
+export function formatPercent(fraction: number | null | undefined): string {
+  if (fraction === null || fraction === undefined || !Number.isFinite(fraction)) {
+    return '–';
+  }
+  return `${Math.round(fraction * 100)} %`;
+}
+
+/** Request and limit as percents: `25 %` or `25–50 %`. */
+export function formatRange(request: number, limit: number): string {
+  const r = Math.round(request * 100);
+  const l = Math.round(limit * 100);
+  return r === l ? `${r} %` : `${r}–${l} %`;
+}

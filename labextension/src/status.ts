@@ -1,13 +1,16 @@
 /**
- * Status-bar item: the current notebook kernel's GPU, its share and the share it achieves now.
- * Polls `/gpushare/api/allocations` and `/gpushare/api/usage` every 2 s while a gpushare kernel
- * is current; hidden otherwise.
+ * Status-bar item: the current notebook kernel's GPU, its share and the share it achieves now,
+ * all in percent of the GPU. Polls `/gpushare/api/allocations` and `/gpushare/api/usage` every
+ * 2 s while a gpushare kernel is current; hidden otherwise. While a kernel starts it shows the
+ * start's phase (`GET /gpushare/api/starts`, through {@link StartProgress}). Clicking it (or
+ * Enter / Space when focused) opens the GPU dashboard.
  */
 import { ISessionContext } from '@jupyterlab/apputils';
 import { Widget } from '@lumino/widgets';
 
-import { GpushareAPI, IAllocation, IInventory, IUsage } from './api';
-import { describeShare, formatBytes } from './share';
+import { GpushareAPI, IAllocation, IInventory, IStart, IUsage } from './api';
+import { phaseWords, StartProgress } from './progress';
+import { describeShare, formatBytes, formatPercent, formatRange } from './share';
 
 const POLL_MS = 2000;
 
@@ -17,14 +20,38 @@ export class GpuStatus extends Widget {
   private inventory: IInventory | null = null;
   /** The allocation shown now (used by the release command). */
   allocation: IAllocation | null = null;
+  private starting: IStart | null = null;
 
   constructor(
     private api: GpushareAPI,
-    private isGpushare: (kernelName: string) => boolean
+    private isGpushare: (kernelName: string) => boolean,
+    progress: StartProgress,
+    open: () => void
   ) {
     super();
     this.addClass('jp-gpushare-status');
     this.node.title = 'GPU share of this kernel';
+    this.node.tabIndex = 0;
+    this.node.setAttribute('role', 'button');
+    this.node.addEventListener('click', open);
+    this.node.addEventListener('keydown', event => {
+      if (event.key === 'Enter' || event.key === ' ') {
+        event.preventDefault();
+        open();
+      }
+    });
+    progress.changed.connect((_, start) => {
+      this.starting = start && !start.ended ? start : null;
+      if (this.starting) {
+        this.setHidden(false);
+        this.node.textContent = `GPU: ${phaseWords(this.starting.phase)}…`;
+        this.node.dataset.phase = this.starting.phase;
+        this.node.title = this.starting.message;
+      } else {
+        delete this.node.dataset.phase;
+        this.refreshSoon();
+      }
+    });
   }
 
   /** Follow another notebook's session (or none). */
@@ -73,6 +100,9 @@ export class GpuStatus extends Widget {
   }
 
   private render(a: IAllocation | null, live: IUsage | null = null, metered = false): void {
+    if (this.starting) {
+      return; // the start's phase is shown until it ends
+    }
     if (a === null) {
       const kernel = this.context?.session?.kernel;
       const gpushare = kernel && this.isGpushare(kernel.name);
@@ -85,14 +115,17 @@ export class GpuStatus extends Widget {
     const gpus = (this.inventory?.gpus ?? []).filter(g => a.gpus.includes(g.uuid));
     const where = gpus.length ? gpus.map(g => `${g.type}#${g.index}`).join('+') : a.gpus.join(',');
     const achieved =
-      live && live.achieved_share !== null ? `now ${live.achieved_share.toFixed(2)}` : 'no use yet';
-    const spec = `${a.gpu_request}–${a.gpu_limit}`;
-    this.node.textContent = `GPU ${where} · ${spec} · ${metered ? achieved : 'not metered'}`;
+      live && live.achieved_share !== null
+        ? `using ${formatPercent(live.achieved_share)}`
+        : 'no use yet';
+    const spec = formatRange(a.gpu_request, a.gpu_limit);
+    this.node.textContent = `GPU ${where} · ${spec} · ${metered ? achieved : 'not measured'}`;
     this.node.dataset.allocation = a.id;
     this.node.title =
       `Allocation ${a.id}: ${describeShare(a)}` +
       (this.inventory?.simulated ? ' (simulated GPU)' : '') +
-      (live?.memory_used != null ? `; memory in use ${formatBytes(live.memory_used)}` : '');
+      (live?.memory_used != null ? `; memory in use ${formatBytes(live.memory_used)}` : '') +
+      '. Click to open the GPU dashboard.';
   }
 
   dispose(): void {

@@ -1,0 +1,240 @@
+"""REST behind the JupyterLab GPU dashboard (box 10 of DESIGN.md).
+
+``GET /gpushare/api/dashboard`` — the node's (or, on Kubernetes, the cluster's) GPUs and the
+shares on each, with live use: per GPU its type, memory, reserved and free capacity and the sum
+of the achieved shares; per share its request, limit, memory cap, achieved share and memory in
+use, and, where the viewer may see whose it is, the user, the notebook path or command, the kernel
+and the allocation id. It reads what ``/gpus``, ``/allocations`` and ``/usage`` read (the
+backend's ledger and usage source, :mod:`jupyter_gpushare.usage`), so it shows nothing those do
+not; the node agent itself shows a non-admin caller others' shares as capacity only.
+
+Who sees what (the trust edge is :meth:`DashboardHandler.viewer_is_admin`, from the server's
+Authorizer): a viewer the Authorizer allows ``read`` on the resource ``gpushare_admin`` (see
+:data:`ADMIN_RESOURCE`) sees every share whole. Anyone else (``read`` on ``gpushare`` is needed
+for the endpoint at all) sees this server's user's own shares whole and everyone else's as
+capacity only (``mine: false``, no id, user, path, command, kernel or live use) — enough to see
+what is free. jupyter_server's default Authorizer allows everything, so on a one-person server
+its user is the admin; a deployment with several identities grants ``gpushare_admin`` to its
+admins only.
+
+``GET /gpushare/api/starts`` — this server's kernel starts under way and those that ended in the
+last minute, with their phase (placing, placed, launching, scheduling, pulling, starting, ready,
+failed) and the cluster's words when it is slow (:mod:`jupyter_gpushare.progress`). The Lab
+picker and status bar poll it while a kernel starts.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.utils import url_path_join
+from tornado import web
+
+from ..backends import Backend
+from ..daemon.ledger_ops import REDACTED_KEY, UID_KEY
+from ..inventory import Gpu
+from ..ledger import Allocation
+from ..progress import board
+from ..usage import UsageView
+from .handlers import GpushareHandler, gpu_usage
+
+#: The Authorizer resource whose ``read`` lets a viewer see every user's shares whole.
+ADMIN_RESOURCE = "gpushare_admin"
+
+
+def owned_here(backend: Backend) -> Callable[[Allocation], bool]:
+    """Is a record this server's user's own? Where servers share a ledger (Kubernetes): this
+    server's kernels (``Backend.may_touch``); on a machine's ledger: records of this server's
+    Unix user (``extra.uid``, else the user name). A record the node agent redacted is never
+    anyone's here."""
+    shared_ledger = backend.server_id() is not None
+    uid = os.getuid()
+    user = getpass.getuser()
+
+    def own(a: Allocation) -> bool:
+        if a.extra.get(REDACTED_KEY) or not backend.may_touch(a.extra):
+            return False
+        if shared_ledger:
+            return True
+        recorded = a.extra.get(UID_KEY)
+        if isinstance(recorded, int) and not isinstance(recorded, bool):
+            return recorded == uid
+        return a.user in ("", user)
+
+    return own
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def share_entry(
+    a: Allocation,
+    live: Mapping[str, Any] | None,
+    *,
+    mine: bool,
+    whole: bool,
+    paths: Mapping[str, str],
+) -> dict[str, Any]:
+    """One share on a GPU as the viewer may see it (``mine``: this server's user's own;
+    ``whole``: with who holds it and its live use, else its capacity only)."""
+    entry: dict[str, Any] = {
+        "mine": mine,
+        "request": a.request,
+        "limit": a.limit,
+        "memory_cap": a.memory,
+        "gpu_count": a.spec.gpu_count,
+        "state": a.state,
+    }
+    if not whole:
+        return entry
+    command = a.extra.get("command")
+    path = a.extra.get("path") or a.extra.get("notebook_path")
+    if not path and a.kernel_id:
+        path = paths.get(a.kernel_id)
+    entry.update(
+        id=a.id,
+        user=a.user or None,
+        owner=a.owner,
+        kernel_id=a.kernel_id,
+        node=a.node,
+        path=str(path) if path else None,
+        command=" ".join(str(c) for c in command) if isinstance(command, list) else None,
+        pool=a.extra.get("pool") or a.extra.get("claimed_from_pool"),
+        created=a.created,
+        achieved_share=_number((live or {}).get("achieved_share")),
+        memory_used=_number((live or {}).get("memory_used")),
+        idle_s=_number((live or {}).get("idle_s")),
+        metered=live is not None,
+    )
+    return entry
+
+
+def dashboard(
+    gpus: Sequence[Gpu],
+    allocations: Sequence[Allocation],
+    usage: UsageView,
+    *,
+    admin: bool,
+    own: Callable[[Allocation], bool],
+    paths: Mapping[str, str],
+    simulated: bool,
+    now: float | None = None,
+) -> dict[str, Any]:
+    """The dashboard's body (pure): every GPU with the shares on it, as the viewer may see
+    them."""
+    rows = gpu_usage(gpus, allocations)
+    by_id = {a.id: a for a in allocations}
+    out_gpus = []
+    for row in rows:
+        shares = []
+        achieved = 0.0
+        metered = False
+        memory_used = 0.0
+        for allocation_id in row["allocations"]:
+            a = by_id[allocation_id]
+            mine = own(a)
+            whole = admin or mine
+            entry = share_entry(a, usage.get(a.id), mine=mine, whole=whole, paths=paths)
+            if whole and entry["achieved_share"] is not None:
+                per_gpu = entry["achieved_share"] / max(1, len(a.gpus))
+                achieved += per_gpu
+                metered = True
+            if whole and entry["memory_used"] is not None:
+                memory_used += entry["memory_used"] / max(1, len(a.gpus))
+            shares.append(entry)
+        shares.sort(key=lambda s: (not s["mine"], -s["request"]))
+        out_gpus.append(
+            {
+                "uuid": row["uuid"],
+                "index": row["index"],
+                "node": row["node"],
+                "name": row["name"],
+                "type": row["type"],
+                "memory": row["memory"],
+                "healthy": row["healthy"],
+                "simulated": row["simulated"],
+                "reserved_request": row["allocated_request"],
+                "reserved_memory": row["allocated_memory"],
+                "free_request": row["free_request"],
+                "free_memory": row["free_memory"],
+                # the achieved shares the viewer may see, summed (None: none of them metered)
+                "achieved_share": round(achieved, 4) if metered else None,
+                "memory_used": int(memory_used) if metered else None,
+                "shares": shares,
+            }
+        )
+    return {
+        "time": time.time() if now is None else now,
+        "admin": admin,
+        "simulated": simulated,
+        "source": usage.source,
+        "metered": bool(usage.nodes),
+        "gpus": out_gpus,
+        **({"message": usage.message} if usage.message else {}),
+    }
+
+
+class DashboardHandler(GpushareHandler):
+    async def viewer_is_admin(self) -> bool:
+        """Whether the server's Authorizer lets this viewer see every user's shares."""
+        allowed = self.authorizer.is_authorized(self, self.current_user, "read", ADMIN_RESOURCE)
+        if hasattr(allowed, "__await__"):
+            allowed = await allowed
+        return bool(allowed)
+
+    async def session_paths(self) -> dict[str, str]:
+        """This server's sessions: kernel id -> notebook (or console) path."""
+        try:
+            sessions = await self.session_manager.list_sessions()
+        except Exception as exc:  # paths are a nicety; the dashboard answers without
+            self.log.debug("gpushare: dashboard without session paths: %s", exc)
+            return {}
+        return {
+            s["kernel"]["id"]: s["path"]
+            for s in sessions
+            if isinstance(s.get("kernel"), dict) and s["kernel"].get("id") and s.get("path")
+        }
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        settings = self.gpushare
+        admin = await self.viewer_is_admin()
+        gpus, problem = await self.inventory()
+        allocations = await (await self.ledger()).list()
+        usage = await (await self.backend.usage()).read()
+        body = dashboard(
+            gpus,
+            allocations,
+            usage,
+            admin=admin,
+            own=owned_here(self.backend),
+            paths=await self.session_paths(),
+            simulated=bool(settings.simulated or any(g.simulated for g in gpus)),
+        )
+        if problem:
+            body["message"] = problem
+        self.finish(json.dumps(body))
+
+
+class StartsHandler(GpushareHandler):
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        starts = board(self.gpushare).starts()
+        self.finish(json.dumps({"time": time.time(), "starts": [s.to_json() for s in starts]}))
+
+
+def dashboard_handlers(base_url: str) -> list[tuple[str, type]]:
+    api = url_path_join(base_url, "gpushare", "api")
+    return [
+        (url_path_join(api, "dashboard"), DashboardHandler),
+        (url_path_join(api, "starts"), StartsHandler),
+    ]

@@ -358,3 +358,31 @@ def test_status_prints_a_hostile_command_and_notebook_name_literally(monkeypatch
     assert "\\x1b[2J" in out and "[bold red]x[/]" in out
     assert "/home/m/\\x1b[31mred[/].ipynb" in out
     assert "25 %" in out and "50 %" in out and "– / 1GiB" in out
+
+
+def test_kernelspecs_have_logos_drawn_from_their_share(gpushare_env):
+    """Each gpushare kernelspec ships logo-32x32.png, logo-64x64.png and logo-svg.svg, the ones
+    jupyter_gpushare.logos draws from its share (so they cannot drift), and jupyter_client
+    finds them; the whole-GPU kernelspec says nothing of a share."""
+    from pathlib import Path
+
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    from jupyter_gpushare import logos
+
+    root = Path(__file__).resolve().parent.parent / "kernelspecs"
+    folders = sorted(p for p in root.iterdir() if p.is_dir())
+    assert len(folders) == 3
+    for folder in folders:
+        for name, data in logos.files(folder).items():
+            assert (folder / name).read_bytes() == data, f"{folder.name}/{name}: regenerate"
+    png = logos.png(0.25, 0.5, 32)
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and png[16:24] == bytes.fromhex("0000002000000020")
+    assert logos.png(0.25, 0.5, 64) != logos.png(0.5, 1.0, 64)  # the dial shows the share
+    whole = json.loads((root / "gpushare-python-whole" / "kernel.json").read_text())
+    assert "share" not in whole["display_name"].lower()
+    kernels = Path(gpushare_env["JUPYTER_DATA_DIR"]) / "kernels"  # installed as by pip
+    specs = KernelSpecManager(kernel_dirs=[str(kernels)]).get_all_specs()
+    for folder in folders:
+        installed = {f.name for f in Path(specs[folder.name]["resource_dir"]).iterdir()}
+        assert {"logo-32x32.png", "logo-64x64.png", "logo-svg.svg"} <= installed, installed

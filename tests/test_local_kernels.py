@@ -187,6 +187,13 @@ def test_status_names_the_notebook_and_the_server_logs_each_refusal_once(
     [row] = [line for line in table.stdout.splitlines() if alloc["id"] in line]
     assert notebook in row and "25 %" in row and "50 %" in row, table.stdout
 
+    # the kernelspecs' logos reach JupyterLab's launcher and kernel picker
+    specs = server.get("/api/kernelspecs").json()["kernelspecs"]
+    for name in ("gpushare-python", "gpushare-python-half", "gpushare-python-whole"):
+        assert {"logo-32x32", "logo-64x64", "logo-svg"} <= set(specs[name]["resources"])
+    logo = server.get(specs["gpushare-python"]["resources"]["logo-64x64"])
+    assert logo.status_code == 200 and logo.content.startswith(b"\x89PNG")
+
     too_big = {"gpu_request": 1.0, "gpu_limit": 1.0}
     refused = server.post("/gpushare/api/kernels", {"name": "gpushare-python", "share": too_big})
     assert refused.status_code == 409, refused.text

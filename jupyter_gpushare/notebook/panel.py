@@ -141,7 +141,7 @@ def sparkline(
     request: float,
     limit: float,
     width: int = 360,
-    height: int = 80,
+    height: int = 96,
     span: float = HISTORY_SECONDS,
 ) -> str:
     """An SVG plot of ``(t, share, memory fraction)`` points over the last ``span`` seconds, with
@@ -151,7 +151,7 @@ def sparkline(
         return ""
     now = points[-1][0]
     span = min(span, max(60.0, now - points[0][0]))  # fill the width while history is short
-    left, bottom, top, right = 34, 16, 6, 8
+    left, bottom, top, right = 36, 20, 8, 8
     inner_w, inner_h = width - left - right, height - top - bottom
 
     def x_of(t: float) -> float:
@@ -242,9 +242,8 @@ class GpuPanel(widgets.VBox):
         self.info = widgets.HTML()
         self.plot = widgets.HTML()
         self.message = widgets.HTML()
-        self.release_button = widgets.Button(
+        self.release_button = widgets.Button(  # the theme's own button colours: readable
             description="Release",
-            button_style="warning",
             icon="eject",
             tooltip="Give this kernel's GPU back",
         )

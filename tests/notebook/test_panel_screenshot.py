@@ -1,5 +1,7 @@
-"""The panel rendered in a real JupyterLab in headless Chromium, kept as a screenshot for people
-to look at: test-artifacts/notebook/panel.png (the panel) and lab.png (the page).
+"""The panel rendered in a real JupyterLab in headless Chromium, in the light and the dark theme,
+kept as screenshots for people to look at: test-artifacts/notebook/panel-<theme>.png (the panel)
+and lab-<theme>.png (the page); every text in the panel has a contrast of at least 4.5:1 (WCAG
+AA) against what is behind it, computed in the page from getComputedStyle.
 
 Locally the test skips with the reason when Chromium, Node or playwright-core are missing; under
 CI (``CI=true``) it fails instead, so a missing browser is never a silent pass.
@@ -100,30 +102,44 @@ def test_panel_screenshot_in_jupyterlab(lab):
     client.close()
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    (ARTIFACTS / "zz-failure.png").unlink(missing_ok=True)  # only this run's failure, if any
-    env = dict(
-        os.environ,
-        LAB_URL=lab.url,
-        LAB_TOKEN=lab.token,
-        ARTIFACTS=str(ARTIFACTS),
-        CHROMIUM=chromium_path() or "",
-        PLAYWRIGHT_FROM=str(REPO / "tests" / "lab" / "package.json"),
-    )
-    proc = subprocess.run(
-        ["node", str(HERE / "panel_shot.mjs")], env=env, capture_output=True, text=True, timeout=240
-    )
-    (ARTIFACTS / "panel_shot.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{lab.log()}"
-    seen = json.loads(proc.stdout.strip().splitlines()[-1])
-
-    shown = seen["fields"]
     truth = daemon_allocation(lab, alloc["id"])
-    assert shown["state"] == "active" and shown["simulated"] == "simulated GPU"
-    assert shown["gpu_uuid"] == alloc["gpus"][0]
-    assert (shown["request"], shown["limit"]) == ("25 %", "50 %")
-    assert shown["memory_cap"] == format_bytes(truth["memory_cap"])
-    assert shown["memory_used"] == "6GiB"
-    assert shown["achieved_share"] not in ("0 %", "–")  # the busy thread shows
-    assert seen["svg"] == 2 and seen["release"] == 1
-    for name in ("panel.png", "lab.png"):
-        assert (ARTIFACTS / name).stat().st_size > 5000
+    for theme in ("JupyterLab Light", "JupyterLab Dark"):
+        tag = "dark" if "Dark" in theme else "light"
+        (ARTIFACTS / f"zz-failure-{tag}.png").unlink(missing_ok=True)  # only this run's
+        env = dict(
+            os.environ,
+            LAB_URL=lab.url,
+            LAB_TOKEN=lab.token,
+            ARTIFACTS=str(ARTIFACTS),
+            CHROMIUM=chromium_path() or "",
+            PLAYWRIGHT_FROM=str(REPO / "tests" / "lab" / "package.json"),
+            THEME=theme,
+        )
+        proc = subprocess.run(
+            ["node", str(HERE / "panel_shot.mjs")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        log = proc.stdout + "\n--- stderr ---\n" + proc.stderr
+        (ARTIFACTS / f"panel_shot-{tag}.log").write_text(log)
+        assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{lab.log()}"
+        seen = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert seen["theme"] == theme
+
+        shown = seen["fields"]
+        assert shown["state"] == "active" and shown["simulated"] == "simulated GPU"
+        assert shown["gpu_uuid"] == alloc["gpus"][0]
+        assert (shown["request"], shown["limit"]) == ("25 %", "50 %")
+        assert shown["memory_cap"] == format_bytes(truth["memory_cap"])
+        assert shown["memory_used"] == "6GiB"
+        assert shown["achieved_share"] not in ("0 %", "–")  # the busy thread shows
+        assert seen["svg"] == 2 and seen["release"] == 1
+        # readable in this theme: every text, the plot's axis labels and legend included
+        texts = {c["text"] for c in seen["contrast"]}
+        assert {"100 %", "now", "request", "limit", "request / limit"} <= texts, texts
+        low = [c for c in seen["contrast"] if c["ratio"] < 4.5]
+        assert not low, (theme, low)
+        for name in (f"panel-{tag}.png", f"lab-{tag}.png"):
+            assert (ARTIFACTS / name).stat().st_size > 5000

@@ -320,7 +320,7 @@ function plugin(
 
   function addToolbarButtons(panel: NotebookPanel): void {
     const buttons: [string, string, string][] = [
-      [CommandIDs.dashboard, 'gpushare-dashboard', ''],
+      [CommandIDs.dashboard, 'gpushare-dashboard', 'GPUs'],
       [CommandIDs.restart, 'gpushare-restart', 'New GPU share'],
       [CommandIDs.release, 'gpushare-release', 'Release GPU']
     ];
@@ -329,8 +329,8 @@ function plugin(
       const button = new CommandToolbarButton({
         commands: app.commands,
         id,
-        icon: label ? undefined : gpuIcon,
-        label: label || undefined
+        icon: id === CommandIDs.dashboard ? gpuIcon : undefined,
+        label
       });
       button.addClass(`jp-gpushare-toolbar-${name}`);
       panel.toolbar.insertItem(at++, name, button);

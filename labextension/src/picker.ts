@@ -13,6 +13,7 @@ import { ProgressBody, StartProgress } from './progress';
 import {
   describeShare,
   formatBytes,
+  formatPercent,
   IShare,
   IShareFields,
   parseShare,
@@ -118,8 +119,8 @@ export class SharePicker extends Widget implements Dialog.IBodyWidget<IShareFiel
     }
     const form = el('div', { className: 'jp-gpushare-fields' });
     const labels: [keyof IShareFields, string][] = [
-      ['gpu_request', 'Request (fraction)'],
-      ['gpu_limit', 'Limit (fraction)'],
+      ['gpu_request', 'Request (fraction of a GPU, 0.25 = 25 %)'],
+      ['gpu_limit', 'Limit (fraction, empty: same as request)'],
       ['gpu_memory', 'Memory'],
       ['gpu_type', 'GPU type']
     ];
@@ -201,7 +202,7 @@ export class SharePicker extends Widget implements Dialog.IBodyWidget<IShareFiel
         t.type,
         String(t.count),
         formatBytes(t.memory),
-        `${Math.round(t.most_free_request * 100) / 100} of a GPU`,
+        `${formatPercent(t.most_free_request)} of a GPU`,
         formatBytes(t.most_free_memory)
       ]) {
         row.append(el('td', { textContent: cell }));

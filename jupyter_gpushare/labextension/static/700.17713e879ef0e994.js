@@ -146,7 +146,7 @@
   font-size: var(--jp-ui-font-size1);
   padding: 8px 12px;
   overflow-y: auto;
-  min-width: 320px;
+  min-width: 460px;
 }
 
 .jp-gpushare-dashboard:focus-visible,

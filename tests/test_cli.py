@@ -386,3 +386,91 @@ def test_kernelspecs_have_logos_drawn_from_their_share(gpushare_env):
     for folder in folders:
         installed = {f.name for f in Path(specs[folder.name]["resource_dir"]).iterdir()}
         assert {"logo-32x32.png", "logo-64x64.png", "logo-svg.svg"} <= installed, installed
+
+
+def _status_as_this_user(socket: str, node: str) -> dict:
+    """``jupyter gpushare status`` (table and --json) in this process, through the agent on
+    ``socket`` (run in a forked child as another user)."""
+    import contextlib
+    import io
+    import os
+
+    from jupyter_gpushare import cli
+
+    os.environ.update(GPUSHARE_SOCKET=socket, GPUSHARE_NODE_NAME=node, COLUMNS="200")
+    out = {}
+    for key, argv in (("table", ["status"]), ("json", ["status", "--json"])):
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            code = cli.main(argv)
+        out[key] = (code, buffer.getvalue())
+    return out
+
+
+def test_status_through_the_system_agent_shows_a_user_their_own_shares(tmp_path):
+    """Two real users hold shares through a system agent: each one's ``status`` names their own
+    share (user, command, request, limit) and shows the other's only as capacity; root (an
+    admin) sees both, by user and command."""
+    import os
+    import shutil
+
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (useradd, setuid)")
+    from test_system_agent import (
+        ALICE,
+        BOB,
+        NODE,
+        Agent,
+        agent_dir,
+        as_user,
+        gpushare_run,
+        result_of,
+        run_as,
+        unix_user,
+    )
+
+    from jupyter_gpushare.daemon.client import DaemonClient
+
+    alice, bob = unix_user(ALICE), unix_user(BOB)
+    agent = Agent(agent_dir())
+    socket = str(agent.socket)
+    try:
+        runs = [
+            as_user(alice, gpushare_run, socket, "--gpu-request", "0.25", "--", "/bin/sleep", "9"),
+            as_user(bob, gpushare_run, socket, "--gpu-request", "0.5", "--", "/bin/sleep", "8"),
+        ]
+        from support import wait_for
+
+        wait_for(lambda: len(DaemonClient(socket).status().get("allocations", [])) == 2, 30)
+        seen = {
+            name: run_as(user, _status_as_this_user, socket, NODE)
+            for name, user in (("alice", alice), ("bob", bob))
+        }
+        for name, user, other, mine, theirs in (
+            ("alice", ALICE, BOB, "25 %", "50 %"),
+            ("bob", BOB, ALICE, "50 %", "25 %"),
+        ):
+            assert seen[name][0] == "ok", seen[name]
+            (code, table), (jcode, text) = seen[name][1]["table"], seen[name][1]["json"]
+            assert code == 0 and jcode == 0, table
+            rows = [line for line in table.splitlines() if "│ a-" in line]
+            [own] = [r for r in rows if user in r]
+            [other_row] = [r for r in rows if "another user" in r]
+            assert "/bin/sleep" in own and f"{mine} " in own
+            assert f"{theirs} " in other_row and "/bin/sleep" not in other_row
+            assert other not in table
+            assert "25 %, " in table  # the GPU's free capacity: 1 - 0.25 - 0.5
+            records = json.loads(text)["allocations"]
+            assert sorted(bool(r["extra"].get("redacted")) for r in records) == [False, True]
+        import pwd
+
+        root = run_as(pwd.getpwuid(0), _status_as_this_user, socket, NODE)  # an admin
+        admin = root[1]["table"][1]
+        assert ALICE in admin and BOB in admin and admin.count("/bin/sleep") == 2
+        for run in runs:
+            assert result_of(run)[0] == "ok"
+    finally:
+        agent.stop()
+        shutil.rmtree(agent.dir, ignore_errors=True)

@@ -12,6 +12,9 @@
  *   sim_driver_test hold BYTES MS [DEV [fork]] allocate BYTES, keep the device busy for MS,
  *                                              print "ready", then sleep until killed (fork:
  *                                              first fork a child that sleeps; prints child=PID)
+ *   sim_driver_test pulse BYTES PERCENT [DEV]  allocate BYTES, then forever: busy PERCENT of
+ *                                              every 10 ms (a kernel, a sync, a sleep); prints
+ *                                              "ready" after the first period
  *   sim_driver_test selftest                   exercise the whole API surface; exit 0 if all
  *                                              checks pass (used under ASan and TSan too)
  */
@@ -220,6 +223,26 @@ static int cmd_hold(int argc, char **argv) {
         }
     }
     for (;;) pause();
+}
+
+static int cmd_pulse(int argc, char **argv) {
+    size_t bytes = strtoull(argv[2], NULL, 10);
+    uint64_t percent = strtoull(argv[3], NULL, 10);
+    int dev = argc > 4 ? atoi(argv[4]) : 0;
+    if (percent > 100) percent = 100;
+    setup(dev);
+    CUdeviceptr p = 0;
+    if (bytes) CHECK(p_cuMemAlloc_v2(&p, bytes));
+    CUfunction f = busy_fn();
+    for (int first = 1;; first = 0) {
+        launch_busy(f, percent * 100, NULL);
+        CHECK(p_cuCtxSynchronize());
+        if (first) {
+            printf("ready\n");
+            fflush(stdout);
+        }
+        usleep((useconds_t)((100 - percent) * 100));
+    }
 }
 
 /* -- selftest --------------------------------------------------------------------------------- */
@@ -549,9 +572,11 @@ int main(int argc, char **argv) {
     if (argc >= 2 && strcmp(argv[1], "info") == 0) return cmd_info();
     if (argc >= 4 && strcmp(argv[1], "busy") == 0) return cmd_busy(argc, argv);
     if (argc >= 4 && strcmp(argv[1], "hold") == 0) return cmd_hold(argc, argv);
+    if (argc >= 4 && strcmp(argv[1], "pulse") == 0) return cmd_pulse(argc, argv);
     if (argc >= 2 && strcmp(argv[1], "selftest") == 0) return cmd_selftest();
     fprintf(stderr,
             "usage: %s info | busy US COUNT [DEV [nb|b [START_NS]]] | hold BYTES MS [DEV [fork]] | "
+            "pulse BYTES PERCENT [DEV] | "
             "selftest\n",
             argv[0]);
     return 2;

@@ -58,7 +58,7 @@ class KubernetesBackend(Backend):
 
     async def usage(self) -> UsageSource:
         if self.through_controller:
-            return ControllerModeUsage()
+            return ControllerModeUsage(self.config)
         ctx = await kube_context(self.config, self.settings.aliases())
         return server_usage(ctx.kube, ctx.config.namespace)
 

@@ -20,6 +20,8 @@ POST     /api/kernels                        start a kernel pod {allocation_id |
 GET      /api/kernels/{allocation_id}        the pod's state (the server's poll)
 DELETE   /api/kernels/{allocation_id}        stop the pod, keep the share (?grace=seconds)
 PUT      /api/servers/{server_id}            heartbeat: renew the server's Lease
+GET      /api/usage                          live usage of the caller's allocations (admins: all)
+PUT      /api/usage/{node}                   a node daemon's usage report (its SA token)
 =======  ==================================  ==============================================
 """
 
@@ -37,6 +39,7 @@ from ..placement import to_units
 from ..placement.engine import from_units
 from .auth import HubAuth, HubUser, token_from_header
 from .errors import ControllerError, bad_request, from_exception, unavailable
+from .usage import NodeReports, check_report, usage_json
 
 log = logging.getLogger("jupyter_gpushare.controller")
 
@@ -51,6 +54,8 @@ class State:
         self.identity = identity
         self.service: Any = None
         self.leader: Any = None  # LeaderElection, for the standby's reason
+        self.node_auth: Any = None  # .usage.NodeAuth: who may report a node's usage
+        self.reports = NodeReports()  # the nodes' latest usage reports (kept across terms)
 
     def not_leader(self) -> ControllerError:
         holder = getattr(self.leader, "holder", None)
@@ -215,6 +220,46 @@ class ServerHandler(Handler):
         self.reply({"server_id": server_id, "user": self.user.name})
 
 
+class UsageHandler(Handler):
+    async def get(self) -> None:
+        view = await self.service.usage.read()
+        mine = None
+        if not self.user.admin:
+            mine = {a.id for a in await self.service.allocations(self.user)}
+        self.reply(usage_json(view, mine))
+
+
+class UsageReportHandler(Handler):
+    """A node daemon's report (its service-account token, not a Hub token: :mod:`.usage`)."""
+
+    async def prepare(self) -> None:
+        if self.state.service is None or self.state.node_auth is None:
+            raise self.state.not_leader()
+        header = self.request.headers.get("Authorization") or ""
+        scheme, _, token = header.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ControllerError(
+                401, "unauthorized", "send the node daemon's service-account token as Bearer"
+            )
+        node = self.path_args[0] if self.path_args else ""
+        await self.state.node_auth.check(token.strip(), node)
+
+    async def put(self, node: str) -> None:
+        document = check_report(node, self.body())
+        # a node speaks only for the allocations the ledger places on it
+        ledger = self.service.ledger
+        entries = document["allocations"]
+        document["allocations"] = [e for e in entries if ledger.node_of(e["id"]) == node]
+        self.state.reports.put(node, document)
+        self.reply(
+            {
+                "node": node,
+                "allocations": len(document["allocations"]),
+                "ignored": len(entries) - len(document["allocations"]),
+            }
+        )
+
+
 class NotFoundHandler(Handler):
     async def prepare(self) -> None:
         raise ControllerError(404, "not_found", f"no such endpoint: {self.request.path}")
@@ -230,6 +275,12 @@ def make_app(state: State, **settings: Any) -> Application:
         (r"/api/kernels", KernelsHandler, {"state": state}),
         (rf"/api/kernels/{ident}", KernelHandler, {"state": state}),
         (rf"/api/servers/{ident}", ServerHandler, {"state": state}),
+        (r"/api/usage", UsageHandler, {"state": state}),
+        (
+            r"/api/usage/([a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?)",
+            UsageReportHandler,
+            {"state": state},
+        ),
     ]
     default: Callable[..., Any] = NotFoundHandler
     return Application(

@@ -100,6 +100,12 @@ class GpushareController(Configurable):
         help="Seconds a server Lease may be overdue or a kernel pod missing before its share "
         "is reclaimed.",
     )
+    daemon_service_account = Unicode(
+        "gpushare-daemon",
+        config=True,
+        help="Service account (in the controller's namespace) of the node daemons: only its "
+        "tokens may report node usage (PUT /api/usage/<node>, checked with a TokenReview).",
+    )
     connect_timeout = Float(
         30.0, config=True, help="Seconds to wait for the API server's first pod listing."
     )

@@ -74,7 +74,7 @@ class KubernetesLedger(Ledger):
         self, node: str, expected_version: int, allocations: Sequence[Allocation]
     ) -> dict[str, Any] | None:
         """The compare-and-swap: the object written, or None when the race was lost."""
-        records = [a.to_json() for a in allocations]
+        records = [self._encode(a) for a in allocations]
         started = time.monotonic()
         try:
             if expected_version == 0:
@@ -102,6 +102,9 @@ class KubernetesLedger(Ledger):
             raise
         self._streak.pop(node, None)
         return written
+
+    def _encode(self, allocation: Allocation) -> dict[str, Any]:
+        return allocation.to_json()
 
     async def _back_off(self, node: str, round_trip: float) -> None:
         """Randomised exponential backoff in units of the API round trip, per node: placers
@@ -214,6 +217,9 @@ class WatchedLedger(KubernetesLedger):
         self._inventory: list[Gpu] | None = None
         self._placer: Placer | None = None
         self._snap: Snapshot | None = None
+        #: id -> (the allocation, its JSON): a node's write encodes only what changed, and the
+        #: echo of our own write decodes only what changed
+        self._json: dict[str, tuple[Allocation, dict[str, Any]]] = {}
         self.ledgers.subscribe(self._ledger_changed)
         self.nodes.subscribe(self._node_changed)
 
@@ -227,10 +233,29 @@ class WatchedLedger(KubernetesLedger):
 
     # -- the cache, kept by the informers ---------------------------------------------------
 
+    def _encode(self, allocation: Allocation) -> dict[str, Any]:
+        cached = self._json.get(allocation.id)
+        if cached is not None and cached[0] is allocation:
+            return cached[1]
+        data = allocation.to_json()
+        self._json[allocation.id] = (allocation, data)
+        return data
+
+    def _decode(self, data: dict[str, Any]) -> Allocation:
+        cached = self._json.get(data.get("id", ""))
+        if cached is not None and cached[1] == data:
+            return cached[0]
+        allocation = Allocation.from_json(data)
+        self._json[allocation.id] = (allocation, data)
+        return allocation
+
     def _ledger_changed(self, kind: str, obj: dict[str, Any], _before: Any) -> None:
-        node, found = _read_ledger(obj)
+        spec = obj.get("spec") or {}
+        node = spec.get("node") or obj["metadata"]["name"]
         old = self._records.get(node, (0, ()))[1]
-        new: tuple[Allocation, ...] = () if kind == "DELETED" else tuple(found)
+        new: tuple[Allocation, ...] = ()
+        if kind != "DELETED":
+            new = tuple(self._decode(a) for a in spec.get("allocations") or [])
         if kind == "DELETED":
             self._records.pop(node, None)
         else:
@@ -240,6 +265,7 @@ class WatchedLedger(KubernetesLedger):
         for a in old:
             if a.id not in kept and self._ids.get(a.id) is a:
                 del self._ids[a.id]
+                self._json.pop(a.id, None)
                 if placer is not None:
                     placer.remove(a.id)
         for a in new:
@@ -309,6 +335,11 @@ class WatchedLedger(KubernetesLedger):
 
     async def gpus(self) -> builtins.list[Gpu]:
         return builtins.list(self._gpu_list())
+
+    def node_of(self, allocation_id: str) -> str | None:
+        """The node the cache records ``allocation_id`` on (None: no such allocation)."""
+        found = self._ids.get(allocation_id)
+        return found.node if found is not None else None
 
     async def _node_owner(self, node: str) -> dict[str, Any] | None:
         uid = self._node_uids.get(node)

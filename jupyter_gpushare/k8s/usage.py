@@ -1,5 +1,14 @@
 """Live usage on Kubernetes: node daemons publish it, Jupyter servers read it.
 
+Two ways, chosen by the daemon's environment:
+
+- **controller mode** (``$GPUSHARE_CONTROLLER_URL`` set; recommended): the daemon sends its
+  report to the cluster controller (:class:`ControllerReporter`, authenticated with its
+  service-account token), which keeps it in memory; servers read their users' usage with the
+  controller's ``GET /api/usage`` (:class:`ControllerModeUsage`). etcd sees none of it (why:
+  :mod:`jupyter_gpushare.controller.usage`);
+- **direct mode**: the ConfigMaps below.
+
 The server cannot reach a node daemon's unix socket in a cluster, yet idle reclaim, the below-use
 check of a live resize and ``GET /gpushare/api/usage`` need what only the daemon measures
 (achieved share, memory in use, idle time). So each node daemon (``--kubernetes-namespace``)
@@ -34,6 +43,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -240,10 +250,117 @@ class UsagePublisher(PeriodicTask):
         self._last_error = None
 
 
+class ControllerReporter(PeriodicTask):
+    """Sends a node daemon's usage to the cluster controller every ``every`` seconds
+    (``PUT {controller}/api/usage/<node>``, the same document as the ConfigMap), authenticated
+    with the daemon's service-account token; the controller checks it with a TokenReview (see
+    :mod:`jupyter_gpushare.controller.usage`). Nothing is written to the API server.
+
+    The token is read on every report: from ``token_file`` (a projected, pod-bound token the
+    kubelet rotates; the controller then also checks the pod's node) or else the API client's
+    own bearer token. Never fatal to the daemon: failures are logged once per distinct error."""
+
+    what = "usage report to the controller"
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        kube: Kube,
+        node: str,
+        status: Callable[[], Mapping[str, Any]],
+        servers: Callable[[], Mapping[str, str | None]],
+        interval: float = DEFAULT_INTERVAL,
+        token_file: str = "",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(log)
+        self.urls = [u.rstrip("/") for u in urls if u.strip()]
+        self.kube = kube
+        self.node = node
+        self.status = status
+        self.servers = servers
+        self.every = interval
+        self.token_file = token_file
+        self.clock = clock
+        self.published = 0
+        self._last_error: str | None = None
+
+    def interval(self) -> float:
+        return self.every
+
+    def document(self) -> dict[str, Any]:
+        return usage_document(self.status(), self.servers(), self.node, self.every, self.clock())
+
+    async def token(self) -> str:
+        if self.token_file:
+            text = await asyncio.to_thread(Path(self.token_file).read_text)
+            return text.strip()
+        configuration: Any = self.kube.api.configuration
+        value = await configuration.get_api_key_with_prefix("BearerToken") or ""
+        scheme, _, token = str(value).partition(" ")
+        return token.strip() if token else scheme.strip()
+
+    async def publish_once(self) -> None:
+        from urllib.parse import quote
+
+        from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+
+        body = json.dumps(self.document(), separators=(",", ":"))
+        headers = {
+            "Authorization": f"Bearer {await self.token()}",
+            "Content-Type": "application/json",
+        }
+        problems = []
+        for url in self.urls:  # the Service routes to the leader; a list of replicas works too
+            request = HTTPRequest(
+                f"{url}/api/usage/{quote(self.node, safe='')}",
+                method="PUT",
+                headers=headers,
+                body=body,
+                request_timeout=max(2.0, self.every * 2),
+                connect_timeout=2.0,
+            )
+            try:
+                await AsyncHTTPClient().fetch(request)
+                return
+            except HTTPClientError as exc:
+                text = exc.response.body.decode(errors="replace")[:300] if exc.response else ""
+                problems.append(f"{url}: {exc.code} {text}")
+            except OSError as exc:
+                problems.append(f"{url}: {exc}")
+        raise RuntimeError("; ".join(problems))
+
+    async def run_once(self) -> None:
+        try:
+            await self.publish_once()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # never stop the daemon over its usage report
+            text = str(exc) or type(exc).__name__
+            if text != self._last_error:
+                log.warning("usage report to the controller failed (retrying): %s", text)
+            self._last_error = text
+            return
+        self.published += 1
+        if self._last_error is not None:
+            log.info("usage reports reach the controller again")
+        self._last_error = None
+
+
+#: The node daemon reports to the controller (instead of a ConfigMap) when this is set: the
+#: controller's URL(s), comma-separated (the DaemonSet sets it in controller mode).
+CONTROLLER_URL_ENV = "GPUSHARE_CONTROLLER_URL"
+#: optional: a projected service-account token (audience and pod bound) for those reports
+CONTROLLER_TOKEN_ENV = "GPUSHARE_CONTROLLER_TOKEN_FILE"
+
+
 def start_publisher(
     daemon: Any, ledger: Any, interval: float = DEFAULT_INTERVAL
-) -> UsagePublisher | None:
-    """Start publishing ``daemon``'s usage when it follows a Kubernetes ledger (else None)."""
+) -> UsagePublisher | ControllerReporter | None:
+    """Start publishing ``daemon``'s usage when it follows a Kubernetes ledger (else None): to
+    the controller when ``$GPUSHARE_CONTROLLER_URL`` is set, else into its node's ConfigMap."""
+    import os
+
     from .ledger import KubernetesLedger
 
     if not isinstance(ledger, KubernetesLedger) or interval <= 0:
@@ -251,6 +368,21 @@ def start_publisher(
 
     def servers() -> dict[str, str | None]:
         return {a.id: a.extra.get("k8s_server") for a in daemon.allocations.values()}
+
+    controller = os.environ.get(CONTROLLER_URL_ENV, "")
+    if controller.strip():
+        log.info("reporting usage to the controller at %s every %g s", controller, interval)
+        reporter = ControllerReporter(
+            controller.split(","),
+            ledger.kube,
+            daemon.settings.node,
+            daemon.status,
+            servers,
+            interval,
+            token_file=os.environ.get(CONTROLLER_TOKEN_ENV, ""),
+        )
+        reporter.start()
+        return reporter
 
     log.info(
         "publishing usage to ConfigMap %s/%s every %g s",
@@ -387,15 +519,25 @@ class KubernetesUsage:
 
 
 class ControllerModeUsage:
-    """Controller mode: the server cannot read the usage ConfigMaps (no rights), and usage
-    through the controller is not built yet; every reading says so."""
+    """Controller mode: the server holds no Kubernetes rights; it reads the usage of its
+    user's allocations from the controller (``GET /api/usage``), which the node daemons report
+    to (:mod:`jupyter_gpushare.controller.usage`). ``config``: the server's
+    ``KubernetesBackendConfig`` (the controller's URL and the Hub token)."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
 
     async def read(self, fresh: bool = False) -> UsageView:
-        return UsageView(
-            "kubernetes",
-            message="live usage is not available in controller mode "
-            "yet (the server holds no Kubernetes rights to read usage reports)",
-        )
+        from ..controller.client import controller_context
+        from ..controller.usage import view_from_json
+
+        try:
+            remote = await controller_context(self.config)
+            return view_from_json(await remote.client.request("GET", "/api/usage", retry=False))
+        except Exception as exc:  # the controller away: say so, kernels keep running
+            return UsageView(
+                "kubernetes", message=f"usage could not be read from the controller: {exc}"
+            )
 
     async def changed(self) -> None:
         """Nothing to do: node daemons watch their GpuLedger."""
@@ -418,6 +560,7 @@ def server_usage(kube: Kube, namespace: str) -> KubernetesUsage:
 
 __all__ = [
     "ControllerModeUsage",
+    "ControllerReporter",
     "KubernetesUsage",
     "NodeUsage",
     "UsagePublisher",

@@ -191,7 +191,7 @@ def test_conflicts_refresh_from_the_watch_not_a_list(plane: ControlPlane) -> Non
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    hub = start_hub(tmp_path_factory.mktemp("hub"), users={"alice"}, admins=set(), groups={})
+    hub = start_hub(tmp_path_factory.mktemp("hub"), users={"alice", "bob"}, admins=set(), groups={})
     yield hub
     stop_process(hub.proc)
 
@@ -329,3 +329,136 @@ def test_server_lease_is_renewed_with_one_patch(plane: ControlPlane) -> None:
     print("API requests for 3 heartbeats:", changes)
     # (the API server's own loopback client reads namespaces and services now and then)
     assert {k: v for k, v in changes.items() if k[1] == "leases"} == {("PATCH", "leases"): 1}
+
+
+# -- usage: node daemons report to the controller -------------------------------------------------
+
+
+def daemon_status(allocation_id: str, memory_used: int) -> dict[str, Any]:
+    """A node daemon's status, as its ``status()`` answers (the parts a report carries)."""
+    return {
+        "daemon": {"pid": 1, "epoch": 1, "uptime_s": 5.0},
+        "allocations": [
+            {"id": allocation_id, "achieved_share": 0.31, "memory_used": memory_used, "idle_s": 0}
+        ],
+        "gpus": [],
+    }
+
+
+def test_node_usage_reaches_users_through_the_controller_and_forgeries_are_refused(
+    plane: ControlPlane, hub: Hub, controller_url: str
+) -> None:
+    """The node daemon's reporter (its service-account token) reports to the controller; the
+    user reads her allocation's usage with GET /api/usage (nobody else's). Reports with no
+    token, a Hub user's token, another service account's token, a body about another node, or
+    a daemon token bound to a pod on another node are refused and change nothing; a node's
+    report about an allocation the ledger places elsewhere is ignored."""
+    from kubernetes import client, config
+
+    from jupyter_gpushare.k8s.usage import ControllerReporter, usage_document
+
+    token = hub.user_token("alice")
+    headers = {"Authorization": f"token {token}"}
+    placed = requests.post(
+        controller_url + "/api/allocations",
+        json={
+            "kernel_id": "usagekernel1",
+            "server_id": "usage-server",
+            "share": {"gpu_request": 0.25, "gpu_limit": 0.5, "gpu_memory": "1GiB"},
+        },
+        headers=headers,
+        timeout=60,
+    ).json()
+    node = placed["node"]
+    other = next(n for n in NODES if n != node)
+
+    async def report() -> int:
+        kube = await connect(str(plane.kubeconfig("daemon")))
+        try:
+            reporter = ControllerReporter(
+                [controller_url],
+                kube,
+                node,
+                lambda: daemon_status(placed["id"], 3 * 2**20),
+                lambda: {placed["id"]: "usage-server"},
+            )
+            await reporter.publish_once()
+            return reporter.published
+        finally:
+            await kube.close()
+
+    run(report())
+    usage = requests.get(controller_url + "/api/usage", headers=headers, timeout=30).json()
+    mine = usage["allocations"][placed["id"]]
+    assert mine["memory_used"] == 3 * 2**20 and mine["node"] == node, usage
+    assert node in usage["nodes"]
+
+    def forged(bearer: str | None, path_node: str, body_node: str) -> requests.Response:
+        document = usage_document(
+            daemon_status(placed["id"], 70 * 2**30), {}, body_node, 2.0, time.time()
+        )
+        return requests.put(
+            f"{controller_url}/api/usage/{path_node}",
+            json=document,
+            headers={"Authorization": f"Bearer {bearer}"} if bearer else {},
+            timeout=30,
+        )
+
+    assert forged(None, node, node).status_code == 401
+    assert forged(token, node, node).status_code == 401  # a Hub token is no cluster identity
+    for identity in ("server", "controller", "admin"):
+        reply = forged(plane.tokens[identity], node, node)
+        assert reply.status_code == 403, (identity, reply.text)
+        assert "may not report" in reply.json()["message"]
+    reply = forged(plane.tokens["daemon"], node, other)  # body about another node
+    assert reply.status_code == 400 and reply.json()["field"] == "node", reply.text
+
+    # a pod-bound token of the daemon's account (as the DaemonSet mounts it), for a pod on
+    # `other`: it reports for `other`, never for `node`
+    api = config.new_client_from_config(str(plane.kubeconfig("admin")))
+    core = client.CoreV1Api(api)
+    pod = core.create_namespaced_pod(
+        NAMESPACE,
+        {
+            "metadata": {"name": f"daemon-{other}"},
+            "spec": {
+                "nodeName": other,
+                "serviceAccountName": "gpushare-daemon",
+                "containers": [{"name": "daemon", "image": "gpushare:local"}],
+            },
+        },
+    )
+    try:
+        bound = core.create_namespaced_service_account_token(
+            "gpushare-daemon",
+            NAMESPACE,
+            {
+                "spec": {
+                    "audiences": ["https://kubernetes.default.svc"],
+                    "expirationSeconds": 600,
+                    "boundObjectRef": {
+                        "kind": "Pod",
+                        "apiVersion": "v1",
+                        "name": pod.metadata.name,
+                        "uid": pod.metadata.uid,
+                    },
+                }
+            },
+        ).status.token
+        reply = forged(bound, node, node)
+        assert reply.status_code == 403 and f"bound to pod {pod.metadata.name}" in reply.text
+        reply = forged(bound, other, other)  # accepted, but it cannot speak for alice's share
+        assert reply.status_code == 200 and reply.json()["ignored"] == 1, reply.text
+    finally:
+        core.delete_namespaced_pod(pod.metadata.name, NAMESPACE, grace_period_seconds=0)
+        api.close()
+
+    usage = requests.get(controller_url + "/api/usage", headers=headers, timeout=30).json()
+    assert usage["allocations"][placed["id"]]["memory_used"] == 3 * 2**20, usage  # unchanged
+    bob = requests.get(
+        controller_url + "/api/usage",
+        headers={"Authorization": f"token {hub.user_token('bob')}"},
+        timeout=30,
+    ).json()
+    assert bob["allocations"] == {}, bob  # another user sees none of alice's
+    requests.delete(f"{controller_url}/api/allocations/{placed['id']}", headers=headers, timeout=60)

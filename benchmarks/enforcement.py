@@ -3,14 +3,19 @@
 Measures, each side by side with its baseline and the ratio:
   * fast-path cost: ns per launch of a zero-length kernel with and without the interposer, in one
     run (target: <= 100 ns added);
-  * lease handoff gap: previous holder's device end -> next holder's first launch, p50/p99 from
-    the daemon's status (target p99 <= 100 us);
   * wait of a small launch next to a saturating neighbour (target <= one quantum);
-  * accuracy: achieved vs target share over 10 s windows for 2, 3 and 8 saturating tenants, a
-    limit alone and a burstable request alone; without gpushare for comparison (the simulated
-    device time-slices evenly).
+  * the matrix: kernel lengths (10 us .. 100 ms, longer than the 20 ms quantum) x launch patterns
+    (gs_tenant `load`: a sync after every launch, deep asynchronous queues, four non-blocking
+    streams, CUDA graph replays) x tenant sets (a limit alone, 2, 3 and 8 tenants at their
+    limits, elastic requests), and a saturating tenant next to an interactive one: achieved vs
+    promised per cell over 10 s windows, the worst error (target 0.03), the device's busy share
+    (work conservation, target >= 0.97) and its ratio to the same tenants without gpushare;
+  * lease handoff gap (previous holder's device end -> next holder's first launch) p50/p99 next
+    to the host's own timer wake-up p50/p99 measured in the same run, and their ratio (target
+    p99 <= 1.2 x the host's).
 
-Run: python benchmarks/enforcement.py [--seconds 10] [--quantum-ms 20]
+Run: python benchmarks/enforcement.py [--quick] [--seconds 10] [--quantum-ms 20]
+(--quick: a few cells over 4 s, for development; the full matrix takes about 20 minutes.)
 Prints a table and ends with one JSON line of figures.
 """
 
@@ -23,7 +28,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "enforcement"))
@@ -43,23 +50,63 @@ from enforcement_support import (  # noqa: E402
 from jupyter_gpushare.inventory import simulated_gpus  # noqa: E402
 from jupyter_gpushare.ledger.sqlite import SQLiteLedger  # noqa: E402
 
+PATTERNS = ("sync", "deep", "streams", "graph")
+KERNELS_US = (10, 100, 1000, 10000, 50000, 100000)
+QUICK_KERNELS_US = (100, 50000)
+QUICK_PATTERNS = ("sync", "deep")
 
-def run_tenants(daemon, ledger, gpus, tmp, specs, seconds, warmup=1.5):
-    allocations = [add_allocation(ledger, gpus[0], r, lim) for r, lim in specs]
-    argv = ["spin", str(seconds + warmup + 0.3), "1000", "8"]
+
+@dataclass(frozen=True)
+class Case:
+    """A set of tenants sharing one GPU: (request, limit) each, what each should get, and
+    whether together they should keep the device busy (work conservation)."""
+
+    name: str
+    specs: tuple[tuple[float, float], ...]
+    targets: tuple[float, ...]
+    saturating: bool  # the targets add up to the whole device
+
+
+CASES = {
+    "limit": Case("limit 0.5 alone", ((0.5, 0.5),), (0.5,), False),
+    "two": Case("2 tenants 0.3/0.7", ((0.3, 0.3), (0.7, 0.7)), (0.3, 0.7), True),
+    "three": Case(
+        "3 tenants 0.2/0.3/0.5", ((0.2, 0.2), (0.3, 0.3), (0.5, 0.5)), (0.2, 0.3, 0.5), True
+    ),
+    "eight": Case("8 tenants 0.125 each", ((0.125, 0.125),) * 8, (0.125,) * 8, True),
+    "elastic": Case("request 0.3 limit 1.0 alone", ((0.3, 1.0),), (1.0,), True),
+    "elastic2": Case("requests 0.2/0.3, limits 1.0", ((0.2, 1.0), (0.3, 1.0)), (0.4, 0.6), True),
+}
+
+
+def tenant_argv(kernel_us: int, pattern: str, seconds: float | str) -> list[str]:
+    if pattern == "pipelined":  # the original benchmark's shape: batches of 8, two queued
+        return ["spin", str(seconds), str(kernel_us), "8"]
+    return ["load", str(seconds), str(kernel_us), pattern]
+
+
+def window(tenants, seconds: float, warmup: float) -> tuple[int, int]:
+    t0 = max(t.lines[0]["start"] for t in tenants) + int(warmup * 1e9)
+    return t0, t0 + int(seconds * 1e9)
+
+
+def run_tenants(daemon, ledger, gpus, tmp, case, kernel_us, pattern, seconds, warmup=1.5):
+    """Each tenant's share of the device over `seconds` (after a warm-up) and the daemon's
+    status (handoffs) from the middle of the run."""
+    allocations = [add_allocation(ledger, gpus[0], r, lim) for r, lim in case.specs]
+    argv = tenant_argv(kernel_us, pattern, seconds + warmup + 0.3)
     tenants = [spawn_tenant(daemon, ledger, a, gpus, argv, tmp) for a in allocations]
     time.sleep(warmup + seconds / 2)
     status = daemon.client.status()
     for t in tenants:
-        t.finish(timeout=seconds * 4 + 30)
+        t.finish(timeout=seconds * 4 + 60)
     for a in allocations:
         remove_allocation(ledger, a.id)
-    t0 = max(t.lines[0]["start"] for t in tenants) + int(warmup * 1e9)
-    return shares(tenants, t0, t0 + int(seconds * 1e9)), status
+    return shares(tenants, *window(tenants, seconds, warmup)), status
 
 
-def run_plain(gpus, tmp, n, seconds, warmup=1.5):
-    """n saturating tenants without gpushare (no LD_PRELOAD, no daemon)."""
+def run_plain(gpus, tmp, n, kernel_us, pattern, seconds, warmup=1.0):
+    """n tenants of the same shape without gpushare (no LD_PRELOAD, no daemon)."""
     from jupyter_gpushare.daemon.env import simulator_environ
 
     env = dict(os.environ)
@@ -67,27 +114,36 @@ def run_plain(gpus, tmp, n, seconds, warmup=1.5):
     env.update(simulator_environ(gpus, tmp / "daemon.sock"))
     env["CUDA_VISIBLE_DEVICES"] = gpus[0].uuid
     env["GPUSHARE_SIM_STATE"] = str(tmp / "sim.state")
+    argv = tenant_argv(kernel_us, pattern, seconds + warmup + 0.3)
     procs = [
-        subprocess.Popen(
-            [str(TENANT), "spin", str(seconds + warmup + 0.3), "1000", "8"],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
+        subprocess.Popen([str(TENANT), *argv], stdout=subprocess.PIPE, text=True, env=env)
         for _ in range(n)
     ]
-
-    class T:
-        pass
-
     tenants = []
     for p in procs:
-        t = T()
-        out, _ = p.communicate(timeout=seconds * 4 + 30)
-        t.lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
-        tenants.append(t)
-    t0 = max(t.lines[0]["start"] for t in tenants) + int(warmup * 1e9)
-    return shares(tenants, t0, t0 + int(seconds * 1e9))
+        out, _ = p.communicate(timeout=seconds * 4 + 60)
+        tenants.append(
+            SimpleNamespace(lines=[json.loads(x) for x in out.splitlines() if x[:1] == "{"])
+        )
+    return shares(tenants, *window(tenants, seconds, warmup))
+
+
+def run_mixed(daemon, ledger, gpus, tmp, kernel_us, seconds, warmup=1.5):
+    """A saturating tenant (request 0.5, limit 1.0, batches of 8 launches, two queued) next to
+    an interactive one (request 0.5, limit 1.0: bursts of 5 ms every 50 ms). The interactive
+    tenant gets what it asks for (about 0.1) soon; the saturating one gets the rest."""
+    big = add_allocation(ledger, gpus[0], 0.5, 1.0)
+    small = add_allocation(ledger, gpus[0], 0.5, 1.0)
+    span = str(seconds + warmup + 0.3)
+    tb = spawn_tenant(daemon, ledger, big, gpus, tenant_argv(kernel_us, "pipelined", span), tmp)
+    ts = spawn_tenant(daemon, ledger, small, gpus, ["load", span, "1000", "interactive"], tmp)
+    for t in (tb, ts):
+        t.finish(timeout=seconds * 4 + 60)
+    remove_allocation(ledger, big.id)
+    remove_allocation(ledger, small.id)
+    got = shares([tb, ts], *window([tb, ts], seconds, warmup))
+    waits = next(x for x in ts.lines if "wait_p99_us" in x)
+    return got, waits
 
 
 def bench_launch(daemon, ledger, gpus, tmp, n):
@@ -127,17 +183,175 @@ def bench_small(daemon, ledger, gpus, tmp, seconds):
     return result
 
 
+def cells(quick: bool) -> list[tuple[str, int, str]]:
+    """(case, kernel µs, pattern) of the matrix."""
+    if quick:
+        out = [
+            (c, k, p) for c in ("limit", "two") for k in QUICK_KERNELS_US for p in QUICK_PATTERNS
+        ]
+        return [*out, ("three", 1000, "streams"), ("elastic2", 10000, "graph")]
+    out = [(c, k, p) for c in ("limit", "two") for k in KERNELS_US for p in PATTERNS]
+    for c in ("three", "eight", "elastic", "elastic2"):
+        out += [(c, k, p) for k in (100, 50000) for p in ("sync", "deep")]
+    return out
+
+
+def run_matrix(daemon, ledger, gpus, tmp, args) -> dict[str, object]:
+    """Achieved vs promised per cell, the worst error, the device's busy share (work conservation)
+    and the ratio of busy time to the same tenants without gpushare.
+
+    A share is a share of the GPU's time. A host-bound shape (a sync after every short kernel)
+    keeps even a lone tenant's device busy only a fraction ``u`` of the time (measured: the same
+    shape alone without gpushare); leases are exclusive, so what such a tenant can get is its
+    share of that: the device time promised is ``share * u``, and work conservation means
+    ``busy >= 0.97 * u`` (cells marked ``*``)."""
+    seconds = args.seconds
+    print(
+        f"\n{'accuracy over ' + str(seconds) + ' s':<30}{'kernel':>8}{'pattern':>9}  "
+        f"{'promised':<24}{'achieved':<26}{'worst':>7}{'busy':>7}{'plain':>7}{'ratio':>7}"
+    )
+    plain_cache: dict[tuple[int, int, str], float] = {}
+
+    def plain(n: int, kernel_us: int, pattern: str) -> float:
+        if (n, kernel_us, pattern) not in plain_cache:
+            plain_cache[n, kernel_us, pattern] = sum(
+                run_plain(gpus, tmp, n, kernel_us, pattern, min(seconds, 3.0))
+            )
+        return plain_cache[n, kernel_us, pattern]
+
+    rows = []
+    for key, kernel_us, pattern in cells(args.quick):
+        case = CASES[key]
+        got, _ = run_tenants(daemon, ledger, gpus, tmp, case, kernel_us, pattern, seconds)
+        solo = min(1.0, plain(1, kernel_us, pattern))
+        host_bound = solo < 0.97
+        targets = [x * solo for x in case.targets] if host_bound else list(case.targets)
+        base = plain(len(case.specs), kernel_us, pattern)
+        worst = max(abs(a - b) for a, b in zip(got, targets, strict=True))
+        busy = sum(got)
+        conserving = not case.saturating or busy >= 0.97 * solo
+        row = {
+            "case": case.name,
+            "kernel_us": kernel_us,
+            "pattern": pattern,
+            "promised_share": list(case.targets),
+            "solo_busy": round(solo, 4),
+            "promised": [round(x, 4) for x in targets],
+            "achieved": [round(x, 4) for x in got],
+            "worst_error": round(worst, 4),
+            "busy": round(busy, 4),
+            "plain_busy": round(base, 4),
+            "ratio_to_plain": round(busy / base, 4) if base > 0 else None,
+            "saturating": case.saturating,
+            "work_conserving": conserving,
+        }
+        rows.append(row)
+        promised = "/".join(f"{x:.3g}" for x in targets)
+        achieved = "/".join(f"{x:.3f}" for x in got)
+        if len(promised) > 22 or len(achieved) > 24:
+            promised = f"{len(targets)} x {targets[0]:.3g}"
+            achieved = f"{min(got):.3f}..{max(got):.3f}"
+        if host_bound:
+            promised += "*"
+        flag = "" if worst <= 0.03 and conserving else "  <-"
+        print(
+            f"{case.name:<30}{kernel_us / 1000:>6.2g}ms{pattern:>9}  {promised:<24}{achieved:<26}"
+            f"{worst:>7.3f}{busy:>7.3f}{base:>7.3f}{busy / max(base, 1e-9):>7.3f}{flag}",
+            flush=True,
+        )
+    mixed = []
+    for kernel_us in (1000,) if args.quick else (100, 10000, 100000):
+        got, waits = run_mixed(daemon, ledger, gpus, tmp, kernel_us, seconds)
+        mixed.append(
+            {
+                "kernel_us": kernel_us,
+                "achieved": [round(x, 4) for x in got],
+                "busy": round(sum(got), 4),
+                "interactive_wait_p50_us": waits["wait_p50_us"],
+                "interactive_wait_p99_us": waits["wait_p99_us"],
+            }
+        )
+        print(
+            f"{'saturating + interactive':<30}{kernel_us / 1000:>6.2g}ms{'pipeline':>9}  "
+            f"{'rest / its bursts':<24}{got[0]:.3f}/{got[1]:.3f}{'':<15}{'':>7}{sum(got):>7.3f}"
+            f"   interactive wait p50 {waits['wait_p50_us'] / 1e3:.2f} ms"
+            f" p99 {waits['wait_p99_us'] / 1e3:.2f} ms",
+            flush=True,
+        )
+    worst = max(r["worst_error"] for r in rows)
+    conserving = [r["busy"] / r["solo_busy"] for r in rows if r["saturating"]]
+    conserving += [m["busy"] for m in mixed]
+    print(
+        f"worst error {worst:.3f} (target 0.03); lowest busy share of saturating cells "
+        f"{min(conserving):.3f} of what the shape can use (target 0.97); * host-bound shape: "
+        f"promised = share x its busy share alone without gpushare"
+    )
+    return {
+        "cells": rows,
+        "mixed": mixed,
+        "worst_error": worst,
+        "min_busy_saturating": min(conserving),
+    }
+
+
+def run_handoff(tmp: Path, gpus, args) -> dict[str, object]:
+    """Handoff gaps between two saturating tenants (a fresh daemon: its figures are theirs
+    alone) next to the host's own timer wake-up latency measured right after."""
+    sub = tmp / "handoff"
+    sub.mkdir()
+    daemon = start_daemon(sub, quantum_ms=args.quantum_ms, window_ms=args.window_ms)
+    ledger = SQLiteLedger(daemon.ledger_path)
+    try:
+        case = Case("handoff", ((0.5, 0.5), (0.5, 0.5)), (0.5, 0.5), True)
+        seconds = min(args.seconds, 6.0)
+        allocations = [add_allocation(ledger, gpus[0], r, lim) for r, lim in case.specs]
+        argv = tenant_argv(1000, "pipelined", seconds + 1.0)
+        tenants = [spawn_tenant(daemon, ledger, a, gpus, argv, sub) for a in allocations]
+        time.sleep(seconds + 0.5)
+        handoff = daemon.client.status()["gpus"][0]["handoff_us"]
+        for t in tenants:
+            t.finish(timeout=seconds * 4 + 60)
+    finally:
+        daemon.stop()
+    # a handoff is at least one thread noticing the end of the drain and one starting to
+    # launch: how late a plain 2 ms timer sleep wakes on this host, measured now
+    wake = json.loads(
+        subprocess.run(
+            [str(TENANT), "wake", "1000"], check=True, capture_output=True, text=True
+        ).stdout
+    )
+    ratio = handoff["p99"] / wake["p99_us"] if handoff.get("n") and wake["p99_us"] else None
+    print(
+        f"\nlease handoff gap (device end -> next first launch, 2 tenants, 1 ms kernels): "
+        f"p50 {handoff.get('p50')} us, p99 {handoff.get('p99')} us (n={handoff.get('n')})\n"
+        f"host timer wake-up (2 ms sleeps, same run): p50 {wake['p50_us']} us, "
+        f"p99 {wake['p99_us']} us; handoff p99 / wake-up p99 = "
+        f"{'n/a' if ratio is None else f'{ratio:.2f}'} (target <= 1.2)"
+    )
+    return {"handoff_us": handoff, "host_wake_us": wake, "p99_ratio": ratio}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="measurement window (s)")
     parser.add_argument("--quantum-ms", type=float, default=20.0)
     parser.add_argument("--window-ms", type=float, default=1000.0)
     parser.add_argument("--launches", type=int, default=2_000_000)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few cells over 4 s windows (development); the full matrix takes about 20 min",
+    )
     args = parser.parse_args()
+    if args.quick and args.seconds == 10.0:
+        args.seconds = 4.0
+        args.launches = 200_000
     build_c()
     gpus = simulated_gpus("1xA100", NODE)
     figures: dict[str, object] = {
         "seconds": args.seconds,
+        "quick": args.quick,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "quantum_ms": args.quantum_ms,
         "window_ms": args.window_ms,
         "device": "simulated A100",
@@ -183,64 +397,11 @@ def main() -> int:
             )
             figures.update(small_wait_p50_us=small["p50_us"], small_wait_p99_us=small["p99_us"])
 
-            cases = [
-                ("2 tenants 0.3/0.7", [(0.3, 0.3), (0.7, 0.7)], [0.3, 0.7]),
-                ("3 tenants 0.2/0.3/0.5", [(0.2, 0.2), (0.3, 0.3), (0.5, 0.5)], [0.2, 0.3, 0.5]),
-                ("8 tenants 0.125 each", [(0.125, 0.125)] * 8, [0.125] * 8),
-                ("limit 0.5 alone", [(0.5, 0.5)], [0.5]),
-                ("request 0.3 limit 1.0 alone", [(0.3, 1.0)], [1.0]),
-            ]
-            print(
-                f"\n{'accuracy over ' + str(args.seconds) + ' s':<30}{'target':>8}"
-                f"{'achieved':>10}{'error':>8}{'no gpushare':>13}"
-            )
-            accuracy = {}
-            handoff = None
-            for name, specs, targets in cases:
-                got, status = run_tenants(daemon, ledger, gpus, tmp, specs, args.seconds)
-                baseline = (
-                    run_plain(gpus, tmp, len(specs), args.seconds) if len(specs) > 1 else [1.0]
-                )
-                if name.startswith("2 tenants"):
-                    handoff = status["gpus"][0]["handoff_us"]
-                for i, (target, value) in enumerate(zip(targets, got, strict=True)):
-                    base = baseline[i] if i < len(baseline) else float("nan")
-                    label = name if i == 0 else ""
-                    print(
-                        f"{label:<30}{target:>8.3f}{value:>10.3f}{value - target:>+8.3f}"
-                        f"{base:>13.3f}"
-                    )
-                accuracy[name] = {
-                    "target": targets,
-                    "achieved": [round(x, 4) for x in got],
-                    "max_abs_error": round(
-                        max(abs(a - b) for a, b in zip(got, targets, strict=True)), 4
-                    ),
-                    "no_gpushare": [round(x, 4) for x in baseline],
-                }
-            figures["accuracy"] = accuracy
-            if handoff:
-                print(
-                    f"\nlease handoff gap (device end -> next first launch, 2 tenants): "
-                    f"p50 {handoff.get('p50')} us, p99 {handoff.get('p99')} us, "
-                    f"n={handoff.get('n')} (target p99 <= 100 us)"
-                )
-                figures["handoff_us"] = handoff
-            # context, not a figure of ours: a handoff is at least one thread noticing the end
-            # of the drain and one starting to launch; this is how late a plain sleep wakes here
-            wake = json.loads(
-                subprocess.run(
-                    [str(TENANT), "wake", "1000"], check=True, capture_output=True, text=True
-                ).stdout
-            )
-            print(
-                f"host wake-up latency (2 ms sleeps, for reference): p50 {wake['p50_us']} us, "
-                f"p99 {wake['p99_us']} us, max {wake['max_us']} us"
-            )
-            figures["host_wake_us"] = wake
-            figures["load1_end"] = round(os.getloadavg()[0], 2)
+            figures["matrix"] = run_matrix(daemon, ledger, gpus, tmp, args)
         finally:
             daemon.stop()
+        figures["handoff"] = run_handoff(tmp, gpus, args)
+    figures["load1_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(figures))
     return 0
 

@@ -7,7 +7,10 @@ PyTorch tenants as separate processes with the interposer preloaded:
   2. one tenant with limit 0.5 alone (target <= 0.53);
   3. a memory cap: torch.empty within the cap works, beyond it raises OutOfMemoryError, and
      torch.cuda.mem_get_info() reports the cap as the total;
-  4. the slowdown of a small-kernel loop with and without the interposer (target <= 2 %).
+  4. the slowdown of a small-kernel loop with and without the interposer (target <= 2 %);
+  5. the matrix of benchmarks/enforcement.py where PyTorch can express it: matmuls of about
+     0.1 ms, 3 ms and 70 ms (longer than the quantum) x a sync after every launch, a deep queue
+     (a sync every 256), four streams, CUDA graph replays; 0.3/0.7 and a limit 0.5 alone each.
 
 A tenant's share is its matmul throughput divided by the throughput of the same loop running
 alone without gpushare (measured first). Prints a table and ends with one JSON line.
@@ -53,6 +56,54 @@ TENANT = textwrap.dedent(
                 c = a @ b
             torch.cuda.synchronize()
             done += 4
+            print(json.dumps({"t": time.monotonic_ns(), "done": done}), flush=True)
+    elif mode == "shape":
+        # one workload shape of benchmarks/enforcement.py's matrix: n x n matmuls launched as
+        # `pattern` says; progress lines count completed matmuls
+        n, pattern = int(sys.argv[3]), sys.argv[4]
+        a = torch.randn(n, n, device=dev)
+        b = torch.randn(n, n, device=dev)
+        c = torch.empty(n, n, device=dev)
+        streams = [torch.cuda.Stream() for _ in range(4)]
+        graph = None
+        if pattern == "graph":
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    torch.matmul(a, b, out=c)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(8):
+                    torch.matmul(a, b, out=c)
+        torch.cuda.synchronize()
+        start = time.monotonic_ns()
+        end = start + int(seconds * 1e9)
+        done = 0
+        print(json.dumps({"start": start}), flush=True)
+        while time.monotonic_ns() < end:
+            if pattern == "sync":  # a sync after every launch
+                torch.matmul(a, b, out=c)
+                torch.cuda.synchronize()
+                done += 1
+            elif pattern == "deep":  # far ahead: a sync every 256 launches
+                for _ in range(256):
+                    torch.matmul(a, b, out=c)
+                torch.cuda.synchronize()
+                done += 256
+            elif pattern == "streams":  # four streams, 8 launches each, then a sync
+                for s in streams:
+                    with torch.cuda.stream(s):
+                        for _ in range(8):
+                            torch.matmul(a, b, out=c)
+                torch.cuda.synchronize()
+                done += 32
+            else:  # graph: two replays of 8 matmuls, then a sync
+                graph.replay()
+                graph.replay()
+                torch.cuda.synchronize()
+                done += 16
             print(json.dumps({"t": time.monotonic_ns(), "done": done}), flush=True)
     elif mode == "small":
         x = torch.zeros(1, device=dev)
@@ -224,6 +275,53 @@ def rate(lines: list[dict], t0: int, t1: int) -> float:
     return (b[1] - a[1]) / max((b[0] - a[0]) / 1e9, 1e-9)
 
 
+#: the matrix's kernel lengths as matmul sizes (fp32 on an A100/H100: roughly 0.1 ms, 3 ms and
+#: 70 ms per matmul: the last is longer than the 20 ms quantum)
+MATRIX_SIZES = (1024, 4096, 12288)
+MATRIX_PATTERNS = ("sync", "deep", "streams", "graph")
+
+
+def run_matrix(rig: Rig, args: argparse.Namespace, warm: float, span: float) -> list[dict]:
+    """benchmarks/enforcement.py's matrix where PyTorch can express it: matmul sizes x launch
+    patterns, each shape alone without gpushare first (its rate = share 1.0), then two tenants
+    at 0.3/0.7 and a limit 0.5 alone; achieved vs promised (+-0.03) and the busy share."""
+    rows = []
+    print(f"\n{'matrix':<18}{'pattern':>9}{'promised':>14}{'achieved':>16}{'worst':>8}{'busy':>7}")
+    for n in MATRIX_SIZES:
+        for pattern in MATRIX_PATTERNS:
+            argv = ["shape", str(span), str(n), pattern]
+            alone = lines_of(rig.spawn(None, argv), span * 3 + 120)
+            t0 = alone[0]["start"] + int(warm * 1e9)
+            full = rate(alone, t0, t0 + int(args.seconds * 1e9))
+            for specs in (((0.3, 0.3), (0.7, 0.7)), ((0.5, 0.5),)):
+                allocations = [rig.allocate(r, lim) for r, lim in specs]
+                procs = [rig.spawn(x, argv) for x in allocations]
+                lines = [lines_of(p, span * 3 + 120) for p in procs]
+                for x in allocations:
+                    rig.release(x)
+                t0 = max(x[0]["start"] for x in lines) + int(warm * 1e9)
+                got = [rate(x, t0, t0 + int(args.seconds * 1e9)) / full for x in lines]
+                promised = [lim for _, lim in specs]
+                worst = max(abs(g - p) for g, p in zip(got, promised, strict=True))
+                rows.append(
+                    {
+                        "matmul": n,
+                        "pattern": pattern,
+                        "promised": promised,
+                        "achieved": got,
+                        "worst_error": worst,
+                        "busy": sum(got),
+                        "alone_per_s": full,
+                    }
+                )
+                print(
+                    f"{f'matmul {n}':<18}{pattern:>9}{'/'.join(map(str, promised)):>14}"
+                    f"{'/'.join(f'{g:.3f}' for g in got):>16}{worst:>8.3f}{sum(got):>7.3f}",
+                    flush=True,
+                )
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0)
@@ -272,6 +370,8 @@ def main() -> int:
             sc = rate(lc, t0, t0 + int(args.seconds * 1e9)) / full
             print(f"{'  limit 0.5 alone':<28}{'<=0.53':>8}{sc:>10.3f}")
             figures["limit_alone"] = sc
+
+            figures["matrix"] = run_matrix(rig, args, warm, span)
 
             cap = 2 * GiB
             m = rig.allocate(0.2, 1.0, memory=cap)

@@ -112,14 +112,23 @@ class GpuLoop:
         log.info("GPU %s: released %s", self.uuid, allocation)
 
     def _publish_runahead(self, now: int) -> None:
-        """Bound the queue of tenants above their request while others share the GPU: only
-        they can be preempted, and then their queued work is what the waiter waits for."""
-        bound = int(self.quantum_ns * RUNAHEAD_QUANTA) if len(self.tenants) > 1 else 0
+        """Bound the queue of every tenant of a shared GPU, and of a tenant under a limit, so a
+        lease is not charged for seconds of work queued under it (a deep queue of long kernels
+        otherwise runs far past its quantum and puts its tenant that far into debt): tenants
+        above their request (time others may claim back: a waiter below its request preempts
+        them and then waits for their queue) queue at most RUNAHEAD_QUANTA of a quantum, the
+        others one quantum (a short queue costs device time whenever a busy host is late to
+        refill it)."""
+        short = int(self.quantum_ns * RUNAHEAD_QUANTA)
+        shared = len(self.tenants) > 1
         w = self.window_ns
         for t in self.tenants.values():
-            running = self.lease_start if self.holder is t else None
-            over = bound and t.window.used(now, w, running) > t.request * w
-            self.shm.policy[t.slot].runahead_ns = bound if over else 0
+            bound = 0
+            if shared or t.limit < 1.0:
+                running = self.lease_start if self.holder is t else None
+                over = shared and t.window.used(now, w, running) > t.request * w
+                bound = short if over else self.quantum_ns
+            self.shm.policy[t.slot].runahead_ns = bound
 
     def disconnected(self, tenant: Tenant) -> None:
         if tenant.connections == 0:  # nobody can be waiting or draining any more
@@ -262,6 +271,7 @@ class GpuLoop:
         self._deferred = False
         tenant.last_grant_ns = start
         tenant.grants += 1
+        self._credit(tenant).hold(start, tenant.limit)
         self.handoffs += 1
         self._publish_waiting()
         loop = asyncio.get_running_loop()
@@ -282,8 +292,9 @@ class GpuLoop:
         left = max(0, self.lease_until - now)
         views = []
         for v in self._views(now):  # as they will be when the lease ends
-            cap = 2 * self.quantum_ns
-            credit = min(v.credit_ns + int(v.limit * left), cap)
+            credit = v.credit_ns + int(v.limit * left)
+            if v.key != self.holder.allocation:  # the holder's credit is not capped
+                credit = min(credit, self._credit(self.tenants[v.key]).cap_ns)
             if v.key == self.holder.allocation:
                 running = self.holder.window.used(now, self.window_ns, self.lease_start)
                 v = replace(v, used_ns=running + left, credit_ns=credit - left, waiting=True)
@@ -414,7 +425,14 @@ class GpuLoop:
         self._prev_end = end
         self._prev_holder = tenant
         tenant.window.charge(start, end)
-        self._credit(tenant).charge(end - start)
+        credit = self._credit(tenant)
+        # a lease runs at least one kernel: with kernels longer than the quantum a burst cap
+        # of two quanta would throw away credit a tenant earns while it waits for its turn
+        # (tenants whose limits add up to 1 would then all sit in debt: an idle device). The
+        # cap follows the leases' length (an extension splits one kernel's lease in pieces:
+        # the cap shrinks slowly)
+        credit.cap_ns = max(2 * self.quantum_ns, 2 * (end - start), (3 * credit.cap_ns) // 4)
+        credit.charge(end - start, max(end, credit.t), tenant.limit)
         self.shm.policy[tenant.slot].used_ns = tenant.window.total_ns
 
     def _end_lease(self, end: int) -> None:

@@ -73,21 +73,43 @@ def pick(tenants: Sequence[TenantView], quantum_ns: int, window_ns: int) -> Gran
 
 
 class LimitCredit:
-    """How much device time a tenant may still use under its limit."""
+    """How much device time a tenant may still use under its limit.
+
+    Credit accrues at ``limit`` ns per ns and is capped at a burst (``cap_ns``) - except while
+    the tenant holds the GPU: what it earns during its own lease pays for that lease (a lease
+    is charged when it ends, and a kernel longer than the quantum runs on past it), so capping
+    then would throw away credit the lease is about to spend. Debt (negative credit) is carried
+    over: a lease that ran past its quantum is paid back before the next one, whatever window it
+    falls in."""
 
     def __init__(self, now: int, cap_ns: int) -> None:
         self.credit = 0.0
         self.t = now
         self.cap_ns = cap_ns
+        self.holding = False
 
     def value(self, now: int, limit: float) -> int:
         if now > self.t:
-            self.credit = min(self.credit + limit * (now - self.t), float(self.cap_ns))
+            self.credit += limit * (now - self.t)
+            if not self.holding:
+                self.credit = min(self.credit, float(self.cap_ns))
             self.t = now
         return int(self.credit)
 
-    def charge(self, ns: int) -> None:
+    def hold(self, now: int, limit: float) -> None:
+        """The tenant's lease starts at ``now``: no cap until it is charged."""
+        self.value(now, limit)
+        self.holding = True
+
+    def charge(self, ns: int, now: int | None = None, limit: float = 0.0) -> None:
+        """Charge a lease of ``ns`` that ended at ``now`` (accruing up to then, uncapped when it
+        was held), and cap the balance again."""
+        if now is not None:
+            self.value(now, limit)
         self.credit -= ns
+        if self.holding:
+            self.holding = False
+            self.credit = min(self.credit, float(self.cap_ns))
 
     def eligible_at(self, now: int, limit: float) -> int:
         """When the credit turns positive again (assuming no new charges)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -72,6 +73,27 @@ def test_limit_credit_accrues_caps_and_charges():
     assert c.eligible_at(10 * Q, 0.5) == 12 * Q + 1
 
 
+def test_limit_credit_is_not_capped_while_held():
+    c = LimitCredit(0, cap_ns=2 * Q)
+    c.hold(0, 0.5)
+    # a 5-quantum kernel: what the lease earns while it runs pays for it, beyond the cap
+    assert c.value(5 * Q, 0.5) == int(2.5 * Q)
+    c.charge(5 * Q, 5 * Q, 0.5)
+    assert c.value(5 * Q, 0.5) == int(-2.5 * Q)  # the debt is carried over
+    assert c.eligible_at(5 * Q, 0.5) == 10 * Q + 1
+    assert c.value(20 * Q, 0.5) == 2 * Q  # not held: capped again
+
+
+@pytest.mark.parametrize("kernel_ms", [50, 100])
+def test_simulated_shares_with_kernels_longer_than_the_quantum(kernel_ms):
+    """Limits that add up to 1 and leases of one long kernel each: no tenant's credit is lost
+    to the cap, so they never all sit in debt (an idle device)."""
+    shares = simulate({"a": (0.3, 0.3), "b": (0.7, 0.7)}, seconds=30, kernel_ns=kernel_ms * 10**6)
+    assert abs(shares["a"] - 0.3) <= 0.01 and abs(shares["b"] - 0.7) <= 0.01, shares
+    assert shares["a"] + shares["b"] >= 0.99, shares
+    assert simulate({"a": (0.5, 0.5)}, kernel_ns=kernel_ms * 10**6)["a"] <= 0.5 + 0.01
+
+
 def test_usage_window_trims_and_counts_running_lease():
     w = UsageWindow()
     w.charge(0, 100)
@@ -84,8 +106,10 @@ def test_usage_window_trims_and_counts_running_lease():
     assert w.time_when_below(100, 1050, 1000) == 1600
 
 
-def simulate(specs, seconds=10.0, quantum=Q, window=W, idle_after=None):
-    """Saturating tenants on one GPU driven by `pick` (no I/O): each grant runs its full lease."""
+def simulate(specs, seconds=10.0, quantum=Q, window=W, idle_after=None, kernel_ns=0):
+    """Saturating tenants on one GPU driven by `pick` (no I/O): each grant runs its full lease,
+    or one kernel of `kernel_ns` when that is longer (a lease cannot end inside a kernel); the
+    credit is held during the lease and the cap follows the leases' length, as GpuLoop does."""
     windows = {k: UsageWindow() for k in specs}
     credits = {k: LimitCredit(0, 2 * quantum) for k in specs}
     last = dict.fromkeys(specs, 0)
@@ -108,11 +132,14 @@ def simulate(specs, seconds=10.0, quantum=Q, window=W, idle_after=None):
         if grant is None:
             now += 1_000_000  # idle millisecond
             continue
-        windows[grant.key].charge(now, now + grant.lease_ns)
+        ran = max(grant.lease_ns, kernel_ns)
+        credit = credits[grant.key]
+        credit.hold(now, specs[grant.key][1])
+        windows[grant.key].charge(now, now + ran)
         last[grant.key] = now
-        now += grant.lease_ns
-        credits[grant.key].value(now, specs[grant.key][1])
-        credits[grant.key].charge(grant.lease_ns)
+        now += ran
+        credit.cap_ns = max(2 * quantum, 2 * ran, (3 * credit.cap_ns) // 4)
+        credit.charge(ran, now, specs[grant.key][1])
     return {k: w.total_ns / end for k, w in windows.items()}
 
 

@@ -121,6 +121,11 @@ int gs_runahead_bound(struct gs_gpu *g, struct gs_stream *e, uint64_t prior, uin
                 wait = m->event;
                 if (e->count - m->count <= most) break;
             }
+        } else if (!e->launch_ns && e->mlen >= 2) {
+            /* bounded, per-launch time not learnt yet: one launch queued behind the running
+             * one until a busy mark measures it (a deep queue of long kernels would otherwise
+             * run a whole lease's worth of work past its end before the bound applies) */
+            wait = e->marks[(e->mhead + e->mlen - 1) % GS_MARKS].event;
         } else if (e->launch_ns && e->mlen > 0 &&
                    (e->count - (e->ref_valid ? e->ref_count : e->marks[e->mhead].count)) *
                            e->launch_ns >

@@ -4,6 +4,8 @@
  *   gs_tenant spin SECONDS KERNEL_US SYNC_EVERY   saturating loop of busy_us kernels on a
  *                                                 non-blocking stream; prints progress lines
  *   gs_tenant small SECONDS PERIOD_MS             a small kernel every PERIOD_MS: wait stats
+ *   gs_tenant load SECONDS KERNEL_US PATTERN      a workload shape (load() below): sync, deep,
+ *                                                 streams, graph, interactive; progress lines
  *   gs_tenant mem THREADS ITERS MAXBYTES SEED     random alloc/free from threads; invariants
  *   gs_tenant bench N                             ns per launch (busy_us(0)) and per direct call
  *   gs_tenant wake N                              the host's wake-up latency (N sleeps of 2 ms)
@@ -57,6 +59,7 @@ FN(cuGraphLaunch);
 FN(cuEventCreate);
 FN(cuEventRecord);
 FN(cuEventSynchronize);
+FN(cuEventQuery);
 FN(cuLaunchCooperativeKernel);
 FN(cuStreamBeginCapture_v2);
 FN(cuStreamEndCapture);
@@ -122,6 +125,7 @@ static void load(void) {
     LOAD(cuEventCreate);
     LOAD(cuEventRecord);
     LOAD(cuEventSynchronize);
+    LOAD(cuEventQuery);
     LOAD(cuLaunchCooperativeKernel);
     LOAD(cuStreamBeginCapture_v2);
     LOAD(cuStreamEndCapture);
@@ -214,6 +218,161 @@ static int small(double seconds, double period_ms) {
            n ? lat[n / 2] / 1e3 : 0.0, n ? lat[(n * 99) / 100] / 1e3 : 0.0,
            n ? lat[n - 1] / 1e3 : 0.0);
     free(lat);
+    return 0;
+}
+
+/* -- workload shapes (the benchmark matrix) ------------------------------------------------- */
+
+struct progress {
+    uint64_t done_us, next_print;
+};
+
+static void progress_line(struct progress *p, int last) {
+    uint64_t t = now_ns();
+    if (!last && t < p->next_print) return;
+    printf("{\"t\":%llu,\"done_us\":%llu%s}\n", (unsigned long long)t,
+           (unsigned long long)p->done_us, last ? ",\"end\":true" : "");
+    fflush(stdout);
+    p->next_print = t + 50000000ull;
+}
+
+#define RING 64
+
+/* A queue of launches on one stream, `depth` batches of `batch` launches deep: an event after
+ * each batch, the oldest waited for once the ring is full. */
+struct queue {
+    CUstream s;
+    CUevent ev[RING];
+    long head, tail; /* batches recorded [head, tail) */
+};
+
+static void queue_init(struct queue *q) {
+    CHECK(p_cuStreamCreate(&q->s, CU_STREAM_NON_BLOCKING));
+    for (int i = 0; i < RING; i++) CHECK(p_cuEventCreate(&q->ev[i], CU_EVENT_DISABLE_TIMING));
+    q->head = q->tail = 0;
+}
+
+/* Records the end of a batch; waits for the oldest while more than `depth` are queued. */
+static void queue_batch(struct queue *q, long depth, uint64_t batch_us, struct progress *p) {
+    CHECK(p_cuEventRecord(q->ev[q->tail % RING], q->s));
+    q->tail++;
+    /* progress as the device makes it (not as the queue is waited for) */
+    while (q->head < q->tail && p_cuEventQuery(q->ev[q->head % RING]) == CUDA_SUCCESS) {
+        q->head++;
+        p->done_us += batch_us;
+    }
+    while (q->tail - q->head > depth) {
+        CHECK(p_cuEventSynchronize(q->ev[q->head % RING]));
+        q->head++;
+        p->done_us += batch_us;
+    }
+}
+
+static void queue_drain(struct queue *q, uint64_t batch_us, struct progress *p) {
+    while (q->head < q->tail) {
+        CHECK(p_cuEventSynchronize(q->ev[q->head % RING]));
+        q->head++;
+        p->done_us += batch_us;
+    }
+}
+
+/* Workload shapes, each saturating unless said otherwise; progress lines as spin's:
+ *   sync         a cuStreamSynchronize after every launch (nothing queued ahead);
+ *   deep         launches never wait until ~2 s of device time (at most 1024 launches) is
+ *                queued: a framework running far ahead;
+ *   streams      four non-blocking streams, each with two batches queued;
+ *   graph        a CUDA graph of kernels (about 2 ms of device time, at least one kernel)
+ *                replayed, two replays queued;
+ *   interactive  bursts: 5 ms of kernels then a sync and 45 ms of think time (about 0.1 of the
+ *                device when alone); prints the burst latency beyond its device time at the end.
+ */
+static int load_pattern(double seconds, uint64_t kernel_us, const char *pattern) {
+    load();
+    if (kernel_us == 0) kernel_us = 1;
+    struct progress p = {0, 0};
+    uint64_t start = now_ns(), end = start + (uint64_t)(seconds * 1e9);
+    printf("{\"start\":%llu,\"pid\":%d,\"pattern\":\"%s\"}\n", (unsigned long long)start,
+           (int)getpid(), pattern);
+    if (strcmp(pattern, "sync") == 0) {
+        CUstream s;
+        CHECK(p_cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+        while (now_ns() < end) {
+            CHECK(launch_us(s, kernel_us));
+            CHECK(p_cuStreamSynchronize(s));
+            p.done_us += kernel_us;
+            progress_line(&p, 0);
+        }
+    } else if (strcmp(pattern, "deep") == 0) {
+        struct queue q;
+        queue_init(&q);
+        long queued = (long)(2000000 / kernel_us); /* launches in ~2 s of device time */
+        if (queued > 1024) queued = 1024;
+        if (queued < 2) queued = 2;
+        long batch = queued / 32 > 0 ? queued / 32 : 1, depth = queued / batch;
+        while (now_ns() < end) {
+            for (long i = 0; i < batch; i++) CHECK(launch_us(q.s, kernel_us));
+            queue_batch(&q, depth, (uint64_t)batch * kernel_us, &p);
+            progress_line(&p, 0);
+        }
+        queue_drain(&q, (uint64_t)batch * kernel_us, &p);
+    } else if (strcmp(pattern, "streams") == 0) {
+        struct queue q[4];
+        for (int k = 0; k < 4; k++) queue_init(&q[k]);
+        long batch = (long)(2000 / kernel_us) > 1 ? (long)(2000 / kernel_us) : 1;
+        while (now_ns() < end) {
+            for (int k = 0; k < 4; k++) {
+                for (long i = 0; i < batch; i++) CHECK(launch_us(q[k].s, kernel_us));
+                queue_batch(&q[k], 2, (uint64_t)batch * kernel_us, &p);
+            }
+            progress_line(&p, 0);
+        }
+        for (int k = 0; k < 4; k++) queue_drain(&q[k], (uint64_t)batch * kernel_us, &p);
+    } else if (strcmp(pattern, "graph") == 0) {
+        struct queue q;
+        queue_init(&q);
+        CUstream cap;
+        CHECK(p_cuStreamCreate(&cap, CU_STREAM_NON_BLOCKING));
+        long nodes = (long)(2000 / kernel_us) > 1 ? (long)(2000 / kernel_us) : 1;
+        if (nodes > 256) nodes = 256;
+        CUgraph graph = NULL;
+        CUgraphExec exec = NULL;
+        CHECK(p_cuStreamBeginCapture_v2(cap, CU_STREAM_CAPTURE_MODE_RELAXED));
+        for (long i = 0; i < nodes; i++) CHECK(launch_us(cap, kernel_us));
+        CHECK(p_cuStreamEndCapture(cap, &graph));
+        CHECK(p_cuGraphInstantiateWithFlags(&exec, graph, 0));
+        while (now_ns() < end) {
+            CHECK(p_cuGraphLaunch(exec, q.s));
+            queue_batch(&q, 2, (uint64_t)nodes * kernel_us, &p);
+            progress_line(&p, 0);
+        }
+        queue_drain(&q, (uint64_t)nodes * kernel_us, &p);
+    } else if (strcmp(pattern, "interactive") == 0) {
+        CUstream s;
+        CHECK(p_cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+        long burst = (long)(5000 / kernel_us) > 1 ? (long)(5000 / kernel_us) : 1;
+        size_t n = 0, cap = 100000;
+        uint64_t *lat = malloc(cap * sizeof *lat);
+        if (!lat) return 2;
+        while (now_ns() < end && n < cap) {
+            uint64_t t0 = now_ns();
+            for (long i = 0; i < burst; i++) CHECK(launch_us(s, kernel_us));
+            CHECK(p_cuStreamSynchronize(s));
+            uint64_t took = now_ns() - t0, work = (uint64_t)burst * kernel_us * 1000ull;
+            lat[n++] = took > work ? took - work : 0;
+            p.done_us += (uint64_t)burst * kernel_us;
+            progress_line(&p, 0);
+            usleep(45000);
+        }
+        qsort(lat, n, sizeof *lat, cmp_u64);
+        printf("{\"bursts\":%zu,\"burst_us\":%llu,\"wait_p50_us\":%.1f,\"wait_p99_us\":%.1f}\n", n,
+               (unsigned long long)burst * kernel_us, n ? lat[n / 2] / 1e3 : 0.0,
+               n ? lat[(n * 99) / 100] / 1e3 : 0.0);
+        free(lat);
+    } else {
+        fprintf(stderr, "gs_tenant load: unknown pattern %s\n", pattern);
+        return 64;
+    }
+    progress_line(&p, 1);
     return 0;
 }
 
@@ -524,6 +683,8 @@ int main(int argc, char **argv) {
     if (argc >= 5 && strcmp(argv[1], "spin") == 0)
         return spin(atof(argv[2]), strtoull(argv[3], NULL, 10), atoi(argv[4]));
     if (argc >= 4 && strcmp(argv[1], "small") == 0) return small(atof(argv[2]), atof(argv[3]));
+    if (argc >= 5 && strcmp(argv[1], "load") == 0)
+        return load_pattern(atof(argv[2]), strtoull(argv[3], NULL, 10), argv[4]);
     if (argc >= 6 && strcmp(argv[1], "mem") == 0)
         return mem(atoi(argv[2]), atoi(argv[3]), strtoull(argv[4], NULL, 10),
                    (unsigned)atoi(argv[5]));

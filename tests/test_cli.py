@@ -242,25 +242,26 @@ def test_help_has_no_markup_and_lab_says_where_other_options_go():
     assert "Every other option goes to JupyterLab" in " ".join(lab.stdout.split())
 
 
-def test_lab_says_when_the_node_agent_lives_on(gpushare_env):
+def test_lab_says_when_the_node_agent_lives_on(gpushare_env, monkeypatch, capsys):
     """``jupyter gpushare lab`` runs JupyterLab as a child; when it exits and this user's node
-    agent still runs, it says so, with the agent's pid and how to stop it."""
+    agent still runs, it says so, with the agent's pid and how to stop it (nothing when none
+    runs)."""
+    from jupyter_gpushare import cli
     from jupyter_gpushare.daemon.client import DaemonClient
 
-    done = gpushare(gpushare_env, "lab", "--version")  # JupyterLab exits at once: no agent
-    assert done.returncode == 0, done.stderr
-    assert "node agent" not in done.stderr
-    held = gpushare(
-        {**gpushare_env, "GPUSHARE_SIMULATE": "1xA100"}, "run", "--", "true"
-    )  # starts the agent, which stays
-    assert held.returncode == 0, held.stderr
-    pid = DaemonClient(gpushare_env["GPUSHARE_SOCKET"]).ping()["pid"]
-    again = gpushare(gpushare_env, "lab", "--version")
-    assert again.returncode == 0 and again.stdout.strip()[:1].isdigit()
-    assert f"node agent (pid {pid}) keeps running on {gpushare_env['GPUSHARE_SOCKET']}" in (
-        " ".join(again.stderr.split())
-    )
-    assert f"kill {pid}" in again.stderr
+    socket = gpushare_env["GPUSHARE_SOCKET"]
+    monkeypatch.setenv("GPUSHARE_SOCKET", socket)
+    assert cli.say_agent_left_running() is False  # no agent: nothing to say
+    assert capsys.readouterr().err == ""
+    held = gpushare({**gpushare_env, "GPUSHARE_SIMULATE": "1xA100"}, "run", "--", "true")
+    assert held.returncode == 0, held.stderr  # it started the agent, which stays
+    pid = DaemonClient(socket).ping()["pid"]
+    assert cli.say_agent_left_running() is True
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"node agent (pid {pid}) keeps running on {socket}" in said and f"kill {pid}" in said
+    lab = gpushare(gpushare_env, "lab", "--version")  # JupyterLab exits at once
+    assert lab.returncode == 0 and lab.stdout.strip()[:1].isdigit(), lab.stderr
+    assert f"node agent (pid {pid}) keeps running" in " ".join(lab.stderr.split())
 
 
 def test_status_watch_redraws_in_place_until_ctrl_c(gpushare_env):

@@ -9,7 +9,8 @@ Lifecycle, as the kubelet's device manager expects it:
    Unhealthy for an unhealthy GPU; the kubelet sets the Node's capacity from it and the
    kube-scheduler counts kernel pods' requests against it;
 3. ``Allocate``: the kubelet is admitting a container that asks ``n`` units. As HAMi does, the
-   pod is found through the API server: the oldest kernel pod bound to this node, not yet
+   pod is found through the API server: the kernel pod bound to this node first (by when it was
+   bound, :func:`bound_at`: the order the kubelet learns of pods and admits them), not yet
    marked, that asks ``n`` units and carries its allocation label; it is marked
    (``gpushare.jupyter.org/device-allocated``) and gets its GPU (``NVIDIA_VISIBLE_DEVICES``,
    CDI devices on real GPUs), the interposer directory read-only, and a directory of its own in
@@ -21,10 +22,17 @@ Lifecycle, as the kubelet's device manager expects it:
 Trust: the kubelet's socket directory is root's; the pod list and the allocation come from the
 API server and the agent's ledger, never from the pod itself. A pod that copies a kernel's
 allocation label gets nothing: the ledger names the kernel's pod (``allocation_is_the_pods``),
-and ``Allocate`` serves the oldest waiting pod only if it is its allocation's pod (the API does
-not say which pod it is for; the kubelet admits in creation order), so the forged pod fails
-admission and the kernel's own pod is served next. The agent's peer check (the caller's cgroups
-name the record's pod UID) stays the last word on every connection.
+and ``Allocate`` serves the first-bound waiting pod only if it is its allocation's pod (the API
+does not say which pod it is for; the kubelet admits pods in the order they are bound to it), so
+the forged pod fails admission and the kernel's own pod is served next. Pods are ordered by
+when they were bound, not created: a pod created earlier and held back (a scheduling gate, an
+unsatisfiable selector) that copies a newer kernel's labels and is then bound after it would
+otherwise count as the older one, and make the kernel's own admission fail. What is left: a
+forged pod bound in the same second as the kernel pod (timestamps have one-second resolution),
+or one the kubelet rejected before ``Allocate`` whose Failed status is not yet written, can
+still make that kernel's admission fail (it is never handed the kernel's share). The agent's
+peer check (the caller's cgroups name the record's pod UID) stays the last word on every
+connection.
 """
 
 from __future__ import annotations
@@ -107,11 +115,23 @@ def requested_units(pod: Mapping[str, Any], resource: str) -> int:
     return total
 
 
+def bound_at(pod: Mapping[str, Any]) -> str:
+    """When ``pod`` was bound to its node (RFC 3339, comparable as text): the transition of its
+    ``PodScheduled`` condition, which the API server stamps when the scheduler binds the pod
+    (a pod's creator cannot write its status), or its creation for a pod created with its node
+    already named (which the kubelet learns of as it is created)."""
+    created = str((pod.get("metadata") or {}).get("creationTimestamp") or "")
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "True":
+            return max(created, str(condition.get("lastTransitionTime") or ""))
+    return created
+
+
 def pending_pod(
     pods: Sequence[Mapping[str, Any]], node: str, resource: str, units: int
 ) -> Mapping[str, Any] | None:
-    """The kernel pod a container start of ``units`` is for: the oldest of
-    :func:`pending_pods` (the kubelet admits pods in creation order)."""
+    """The kernel pod a container start of ``units`` is for: the first of
+    :func:`pending_pods` (the kubelet admits pods in the order they are bound to it)."""
     found = pending_pods(pods, node, resource, units)
     return found[0] if found else None
 
@@ -120,7 +140,7 @@ def pending_pods(
     pods: Sequence[Mapping[str, Any]], node: str, resource: str, units: int
 ) -> list[Mapping[str, Any]]:
     """Kernel pods that may be waiting for ``units``: bound to ``node``, not yet marked, not
-    finished or being deleted, asking ``units``, with an allocation label; oldest first."""
+    finished or being deleted, asking ``units``, with an allocation label; first bound first."""
     candidates = []
     for pod in pods:
         meta = pod.get("metadata") or {}
@@ -136,7 +156,11 @@ def pending_pods(
             continue
         candidates.append(pod)
     candidates.sort(
-        key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"].get("name", ""))
+        key=lambda p: (
+            bound_at(p),
+            p["metadata"].get("creationTimestamp") or "",
+            p["metadata"].get("name", ""),
+        )
     )
     return candidates
 
@@ -388,7 +412,7 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
                 f"no kernel pod on {self.settings.node} waits for {units} "
                 f"units of {self.settings.resource}"
             )
-        # the oldest is the one being admitted; if the ledger does not name it as its
+        # the first bound is the one being admitted; if the ledger does not name it as its
         # allocation's pod (a copied label), its container gets nothing: never another's share
         pod = pods[0]
         meta = pod["metadata"]
@@ -513,6 +537,7 @@ __all__ = [
     "PluginSettings",
     "SharePlugin",
     "allocation_is_the_pods",
+    "bound_at",
     "container_response",
     "devices",
     "pending_pod",

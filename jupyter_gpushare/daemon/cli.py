@@ -569,8 +569,8 @@ async def _main(args: argparse.Namespace, access: Access) -> None:
 
         plugin = await start_plugin(
             daemon,
-            ledger.kube,
-            PluginSettings(  # type: ignore[attr-defined]
+            ledger.kube,  # type: ignore[attr-defined]  # a KubernetesLedger here
+            PluginSettings(
                 node=node,
                 namespace=args.kubernetes_namespace,
                 kubelet_socket=args.kubelet_socket,

@@ -36,8 +36,7 @@ CUresult sim_ready(void) {
 }
 
 CUresult sim_device_ordinal(CUdevice dev) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     return dev >= 0 && dev < sim_cuda_count() ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
 }
 
@@ -47,8 +46,7 @@ struct CUctx_st *sim_current(void) {
 }
 
 CUresult sim_current_ctx(struct CUctx_st **out) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     *out = sim_current();
     return *out ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
 }
@@ -88,16 +86,14 @@ CUresult cuDriverGetVersion(int *driverVersion) {
 /* -- devices ---------------------------------------------------------------------------------- */
 
 CUresult cuDeviceGetCount(int *count) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!count) return CUDA_ERROR_INVALID_VALUE;
     *count = sim_cuda_count();
     return CUDA_SUCCESS;
 }
 
 CUresult cuDeviceGet(CUdevice *device, int ordinal) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!device) return CUDA_ERROR_INVALID_VALUE;
     if (ordinal < 0 || ordinal >= sim_cuda_count()) return CUDA_ERROR_INVALID_DEVICE;
     *device = ordinal;
@@ -105,8 +101,7 @@ CUresult cuDeviceGet(CUdevice *device, int ordinal) {
 }
 
 CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
-    CUresult r = sim_device_ordinal(dev);
-    if (r) return r;
+    SIM_TRY(sim_device_ordinal(dev));
     if (!name || len <= 0) return CUDA_ERROR_INVALID_VALUE;
     snprintf(name, (size_t)len, "%s", sim_dev(sim_cuda_slot(dev))->name);
     return CUDA_SUCCESS;
@@ -136,8 +131,7 @@ static void uuid_bytes(const char *text, CUuuid *out) {
 }
 
 CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
-    CUresult r = sim_device_ordinal(dev);
-    if (r) return r;
+    SIM_TRY(sim_device_ordinal(dev));
     if (!uuid) return CUDA_ERROR_INVALID_VALUE;
     uuid_bytes(sim_dev(sim_cuda_slot(dev))->uuid, uuid);
     return CUDA_SUCCESS;
@@ -148,16 +142,14 @@ CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev) {
 }
 
 CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
-    CUresult r = sim_device_ordinal(dev);
-    if (r) return r;
+    SIM_TRY(sim_device_ordinal(dev));
     if (!bytes) return CUDA_ERROR_INVALID_VALUE;
     *bytes = sim_dev(sim_cuda_slot(dev))->total_bytes;
     return CUDA_SUCCESS;
 }
 
 CUresult cuDeviceComputeCapability(int *major, int *minor, CUdevice dev) {
-    CUresult r = sim_device_ordinal(dev);
-    if (r) return r;
+    SIM_TRY(sim_device_ordinal(dev));
     if (!major || !minor) return CUDA_ERROR_INVALID_VALUE;
     unsigned tdp;
     sim_product(sim_dev(sim_cuda_slot(dev))->name, major, minor, &tdp);
@@ -165,8 +157,7 @@ CUresult cuDeviceComputeCapability(int *major, int *minor, CUdevice dev) {
 }
 
 CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev) {
-    CUresult r = sim_device_ordinal(dev);
-    if (r) return r;
+    SIM_TRY(sim_device_ordinal(dev));
     if (!pi) return CUDA_ERROR_INVALID_VALUE;
     struct sim_device *d = sim_dev(sim_cuda_slot(dev));
     int major, minor;
@@ -370,17 +361,15 @@ CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev) 
 }
 
 CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev) {
-    CUresult r = sim_device_ordinal(dev);
-    if (r) return r;
+    SIM_TRY(sim_device_ordinal(dev));
     if (!pciBusId || len <= 0) return CUDA_ERROR_INVALID_VALUE;
     snprintf(pciBusId, (size_t)len, "0000:%02x:00.0", sim_cuda_slot(dev) + 1);
     return CUDA_SUCCESS;
 }
 
 CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDev) {
-    CUresult r = sim_device_ordinal(dev);
-    if (!r) r = sim_device_ordinal(peerDev);
-    if (r) return r;
+    SIM_TRY(sim_device_ordinal(dev));
+    SIM_TRY(sim_device_ordinal(peerDev));
     if (!canAccessPeer) return CUDA_ERROR_INVALID_VALUE;
     *canAccessPeer = dev != peerDev;
     return CUDA_SUCCESS;
@@ -439,8 +428,8 @@ static void ctx_forget(struct CUctx_st *c) {
 }
 
 CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
-    CUresult r = sim_device_ordinal(dev);
-    if (r) return r;
+    SIM_TRY(sim_device_ordinal(dev));
+    CUresult r = CUDA_SUCCESS;
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&ctx_lock);
     struct CUctx_st *c = &primary[dev];
@@ -467,8 +456,8 @@ static void primary_destroy(CUdevice dev) {
 }
 
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
-    CUresult r = sim_device_ordinal(dev);
-    if (r) return r;
+    SIM_TRY(sim_device_ordinal(dev));
+    CUresult r = CUDA_SUCCESS;
     pthread_mutex_lock(&ctx_lock);
     if (primary_refs[dev] == 0)
         r = CUDA_ERROR_INVALID_CONTEXT;
@@ -485,8 +474,7 @@ CUresult cuDevicePrimaryCtxRelease(CUdevice dev) {
 }
 
 CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
-    CUresult r = sim_device_ordinal(dev);
-    if (r) return r;
+    SIM_TRY(sim_device_ordinal(dev));
     pthread_mutex_lock(&ctx_lock);
     if (primary_refs[dev] > 0) primary_destroy(dev);
     primary_flags[dev] = 0;
@@ -499,8 +487,7 @@ CUresult cuDevicePrimaryCtxReset(CUdevice dev) {
 }
 
 CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active) {
-    CUresult r = sim_device_ordinal(dev);
-    if (r) return r;
+    SIM_TRY(sim_device_ordinal(dev));
     if (!flags || !active) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&ctx_lock);
     *flags = primary_flags[dev];
@@ -510,8 +497,7 @@ CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *acti
 }
 
 CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags) {
-    CUresult r = sim_device_ordinal(dev);
-    if (r) return r;
+    SIM_TRY(sim_device_ordinal(dev));
     if (flags & ~(unsigned)CU_CTX_FLAGS_MASK) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&ctx_lock);
     primary_flags[dev] = flags;
@@ -525,8 +511,8 @@ CUresult cuDevicePrimaryCtxSetFlags(CUdevice dev, unsigned int flags) {
 }
 
 CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
-    CUresult r = sim_device_ordinal(dev);
-    if (r) return r;
+    SIM_TRY(sim_device_ordinal(dev));
+    CUresult r = CUDA_SUCCESS;
     if (!pctx || (flags & ~(unsigned)CU_CTX_FLAGS_MASK)) return CUDA_ERROR_INVALID_VALUE;
     struct CUctx_st *c = malloc(sizeof *c);
     if (!c) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -562,9 +548,8 @@ CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, uns
 }
 
 CUresult cuCtxDestroy_v2(CUcontext ctx) {
-    CUresult r = sim_ready();
-    if (r) return r;
-    if ((r = check_ctx(ctx))) return r;
+    SIM_TRY(sim_ready());
+    SIM_TRY(check_ctx(ctx));
     if (ctx->primary) return CUDA_ERROR_INVALID_CONTEXT;
     atomic_store(&ctx->alive, 0);
     ctx_forget(ctx);
@@ -578,9 +563,8 @@ CUresult cuCtxDestroy(CUcontext ctx) {
 }
 
 CUresult cuCtxSetCurrent(CUcontext ctx) {
-    CUresult r = sim_ready();
-    if (r) return r;
-    if (ctx && (r = check_ctx(ctx))) return r;
+    SIM_TRY(sim_ready());
+    if (ctx) SIM_TRY(check_ctx(ctx));
     if (ctx_depth == 0) {
         if (ctx) ctx_push(ctx);
     } else if (ctx) {
@@ -592,17 +576,15 @@ CUresult cuCtxSetCurrent(CUcontext ctx) {
 }
 
 CUresult cuCtxGetCurrent(CUcontext *pctx) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
     *pctx = sim_current();
     return CUDA_SUCCESS;
 }
 
 CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
-    CUresult r = sim_ready();
-    if (r) return r;
-    if ((r = check_ctx(ctx))) return r;
+    SIM_TRY(sim_ready());
+    SIM_TRY(check_ctx(ctx));
     ctx_push(ctx);
     return CUDA_SUCCESS;
 }
@@ -612,8 +594,7 @@ CUresult cuCtxPushCurrent(CUcontext ctx) {
 }
 
 CUresult cuCtxPopCurrent_v2(CUcontext *pctx) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (ctx_depth == 0) return CUDA_ERROR_INVALID_CONTEXT;
     struct CUctx_st *c = ctx_stack[--ctx_depth];
     if (pctx) *pctx = c;
@@ -626,8 +607,7 @@ CUresult cuCtxPopCurrent(CUcontext *pctx) {
 
 CUresult cuCtxGetDevice(CUdevice *device) {
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
+    SIM_TRY(sim_current_ctx(&c));
     if (!device) return CUDA_ERROR_INVALID_VALUE;
     *device = c->ordinal;
     return CUDA_SUCCESS;
@@ -635,8 +615,7 @@ CUresult cuCtxGetDevice(CUdevice *device) {
 
 CUresult cuCtxGetFlags(unsigned int *flags) {
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
+    SIM_TRY(sim_current_ctx(&c));
     if (!flags) return CUDA_ERROR_INVALID_VALUE;
     *flags = c->flags;
     return CUDA_SUCCESS;
@@ -644,27 +623,24 @@ CUresult cuCtxGetFlags(unsigned int *flags) {
 
 CUresult cuCtxSetFlags(unsigned int flags) {
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
+    SIM_TRY(sim_current_ctx(&c));
     c->flags = flags;
     return CUDA_SUCCESS;
 }
 
 CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned int *version) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!ctx) ctx = sim_current();
-    if ((r = check_ctx(ctx))) return r;
+    SIM_TRY(check_ctx(ctx));
     if (!version) return CUDA_ERROR_INVALID_VALUE;
     *version = 12000;
     return CUDA_SUCCESS;
 }
 
 CUresult cuCtxGetId(CUcontext ctx, unsigned long long *ctxId) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!ctx) ctx = sim_current();
-    if ((r = check_ctx(ctx))) return r;
+    SIM_TRY(check_ctx(ctx));
     if (!ctxId) return CUDA_ERROR_INVALID_VALUE;
     *ctxId = ctx->id;
     return CUDA_SUCCESS;
@@ -672,16 +648,14 @@ CUresult cuCtxGetId(CUcontext ctx, unsigned long long *ctxId) {
 
 CUresult cuCtxSynchronize(void) {
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
+    SIM_TRY(sim_current_ctx(&c));
     sim_sleep_until(atomic_load(&c->all_end));
     return CUDA_SUCCESS;
 }
 
 CUresult cuCtxGetLimit(size_t *pvalue, CUlimit limit) {
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
+    SIM_TRY(sim_current_ctx(&c));
     if (!pvalue) return CUDA_ERROR_INVALID_VALUE;
     static const size_t defaults[] = {1024, 1048576, 8388608, 2, 2048, 64, 0, 0};
     if (limit < 0 || (size_t)limit >= sizeof defaults / sizeof defaults[0])
@@ -692,25 +666,22 @@ CUresult cuCtxGetLimit(size_t *pvalue, CUlimit limit) {
 
 CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
+    SIM_TRY(sim_current_ctx(&c));
     (void)value;
     return limit >= 0 && limit <= 7 ? CUDA_SUCCESS : CUDA_ERROR_UNSUPPORTED_LIMIT;
 }
 
 CUresult cuCtxGetStreamPriorityRange(int *leastPriority, int *greatestPriority) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (leastPriority) *leastPriority = 0;
     if (greatestPriority) *greatestPriority = -5;
     return CUDA_SUCCESS;
 }
 
 CUresult cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!ctx) return cuCtxGetDevice(device);
-    if ((r = check_ctx(ctx))) return r;
+    SIM_TRY(check_ctx(ctx));
     if (!device) return CUDA_ERROR_INVALID_VALUE;
     *device = ctx->ordinal;
     return CUDA_SUCCESS;
@@ -721,8 +692,7 @@ static __thread CUfunc_cache cache_config;
 
 CUresult cuCtxSetCacheConfig(CUfunc_cache config) {
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
+    SIM_TRY(sim_current_ctx(&c));
     if (config < 0 || config > 3) return CUDA_ERROR_INVALID_VALUE;
     cache_config = config;
     return CUDA_SUCCESS;
@@ -730,8 +700,7 @@ CUresult cuCtxSetCacheConfig(CUfunc_cache config) {
 
 CUresult cuCtxGetCacheConfig(CUfunc_cache *pconfig) {
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
+    SIM_TRY(sim_current_ctx(&c));
     if (!pconfig) return CUDA_ERROR_INVALID_VALUE;
     *pconfig = cache_config;
     return CUDA_SUCCESS;
@@ -740,25 +709,22 @@ CUresult cuCtxGetCacheConfig(CUfunc_cache *pconfig) {
 /* Peer access: every simulated device can reach every other one (memory is host memory). */
 CUresult cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Flags) {
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
-    if ((r = check_ctx(peerContext))) return r;
+    SIM_TRY(sim_current_ctx(&c));
+    SIM_TRY(check_ctx(peerContext));
     if (Flags != 0 || peerContext->ordinal == c->ordinal) return CUDA_ERROR_INVALID_VALUE;
     return CUDA_SUCCESS;
 }
 
 CUresult cuCtxDisablePeerAccess(CUcontext peerContext) {
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
+    SIM_TRY(sim_current_ctx(&c));
     return check_ctx(peerContext);
 }
 
 CUresult cuDeviceGetP2PAttribute(int *value, CUdevice_P2PAttribute attrib, CUdevice srcDevice,
                                  CUdevice dstDevice) {
-    CUresult r = sim_device_ordinal(srcDevice);
-    if (!r) r = sim_device_ordinal(dstDevice);
-    if (r) return r;
+    SIM_TRY(sim_device_ordinal(srcDevice));
+    SIM_TRY(sim_device_ordinal(dstDevice));
     if (!value || srcDevice == dstDevice || attrib < 1 || attrib > 4)
         return CUDA_ERROR_INVALID_VALUE;
     *value = attrib == 1 ? 0 : 1; /* performance rank 0; access, atomics, arrays supported */
@@ -766,8 +732,7 @@ CUresult cuDeviceGetP2PAttribute(int *value, CUdevice_P2PAttribute attrib, CUdev
 }
 
 CUresult cuDeviceGetByPCIBusId(CUdevice *dev, const char *pciBusId) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!dev || !pciBusId) return CUDA_ERROR_INVALID_VALUE;
     for (int i = 0; i < sim_cuda_count(); i++) {
         char id[32];

@@ -12,8 +12,7 @@
 
 CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags) {
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
+    SIM_TRY(sim_current_ctx(&c));
     if (!phEvent || (Flags & ~7u)) return CUDA_ERROR_INVALID_VALUE;
     if ((Flags & CU_EVENT_INTERPROCESS) && !(Flags & CU_EVENT_DISABLE_TIMING))
         return CUDA_ERROR_INVALID_VALUE;
@@ -60,8 +59,7 @@ CUresult cuEventRecordWithFlags_ptsz(CUevent hEvent, CUstream hStream, unsigned 
 }
 
 static CUresult check_event(CUevent e) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     return e && e->magic == MAGIC_EVENT ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
 

@@ -155,8 +155,7 @@ CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode) {
 CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph,
                                      unsigned long long flags) {
     (void)flags;
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!hGraph || hGraph->magic != MAGIC_GRAPH) return CUDA_ERROR_INVALID_HANDLE;
     if (!phGraphExec) return CUDA_ERROR_INVALID_VALUE;
     struct CUgraphExec_st *x = calloc(1, sizeof *x);

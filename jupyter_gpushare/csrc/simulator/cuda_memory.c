@@ -192,44 +192,39 @@ int sim_device_range(uint64_t ptr, uint64_t n) {
 
 CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
+    SIM_TRY(sim_current_ctx(&c));
     return dev_alloc(c, c->slot, bytesize, ALLOC_DEVICE, NULL, dptr);
 }
 
 CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
                             unsigned int ElementSizeBytes) {
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
+    SIM_TRY(sim_current_ctx(&c));
     if (!pPitch || WidthInBytes == 0 || Height == 0 ||
         (ElementSizeBytes != 4 && ElementSizeBytes != 8 && ElementSizeBytes != 16))
         return CUDA_ERROR_INVALID_VALUE;
     size_t pitch = (WidthInBytes + 511) / 512 * 512;
-    if ((r = dev_alloc(c, c->slot, (uint64_t)pitch * Height, ALLOC_DEVICE, NULL, dptr))) return r;
+    SIM_TRY(dev_alloc(c, c->slot, (uint64_t)pitch * Height, ALLOC_DEVICE, NULL, dptr));
     *pPitch = pitch;
     return CUDA_SUCCESS;
 }
 
 CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
+    SIM_TRY(sim_current_ctx(&c));
     if (flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST)
         return CUDA_ERROR_INVALID_VALUE;
     return dev_alloc(c, c->slot, bytesize, ALLOC_MANAGED, NULL, dptr);
 }
 
 CUresult cuMemFree_v2(CUdeviceptr dptr) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     return dev_free(dptr);
 }
 
 CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
+    SIM_TRY(sim_current_ctx(&c));
     if (!free_bytes || !total) return CUDA_ERROR_INVALID_VALUE;
     struct sim_device *d = sim_dev(c->slot);
     uint64_t used = atomic_load(&d->mem_used);
@@ -239,8 +234,7 @@ CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
 }
 
 CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     pthread_mutex_lock(&mem_lock);
     struct alloc *a = containing(dptr, 0);
     if (a) {
@@ -252,8 +246,7 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr 
 }
 
 CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!data) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mem_lock);
     struct alloc *a = containing(ptr, 0);
@@ -345,8 +338,7 @@ CUresult cuMemAdvise_v2(CUdeviceptr devPtr, size_t count, CUmem_advise advice,
 /* -- host memory ------------------------------------------------------------------------------ */
 
 CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!pp || bytesize == 0 || (Flags & ~7u)) return CUDA_ERROR_INVALID_VALUE;
     void *p = NULL;
     if (posix_memalign(&p, 4096, bytesize) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -360,30 +352,26 @@ CUresult cuMemAllocHost_v2(void **pp, size_t bytesize) {
 
 /* Unified addressing: a host allocation's device pointer is its address. */
 CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned int Flags) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!pdptr || !p || Flags != 0) return CUDA_ERROR_INVALID_VALUE;
     *pdptr = (CUdeviceptr)(uintptr_t)p;
     return CUDA_SUCCESS;
 }
 
 CUresult cuMemFreeHost(void *p) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     free(p);
     return CUDA_SUCCESS;
 }
 
 CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags) {
     (void)Flags;
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     return p && bytesize ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 CUresult cuMemHostUnregister(void *p) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     return p ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
@@ -409,8 +397,7 @@ static struct CUmemPoolHandle_st *current_pool(int ordinal) {
 }
 
 static CUresult check_pool(CUmemoryPool pool) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     return pool && pool->magic == MAGIC_POOL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
 
@@ -420,7 +407,7 @@ static CUresult alloc_from_pool(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool
     CUresult r = sim_stream(hStream, ptds, &s);
     if (r) return r;
     if (!pool) pool = current_pool(s->ctx->ordinal);
-    if ((r = check_pool(pool))) return r;
+    SIM_TRY(check_pool(pool));
     return dev_alloc(s->ctx, pool->slot, bytesize, ALLOC_POOL, pool, dptr);
 }
 
@@ -460,8 +447,8 @@ CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream) {
 }
 
 CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
+    CUresult r = CUDA_SUCCESS;
     if (!pool || !poolProps || poolProps->allocType != CU_MEM_ALLOCATION_TYPE_PINNED ||
         poolProps->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
         return CUDA_ERROR_INVALID_VALUE;
@@ -558,25 +545,22 @@ CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void
 }
 
 CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev) {
-    CUresult r = sim_device_ordinal(dev);
-    if (r) return r;
+    SIM_TRY(sim_device_ordinal(dev));
     if (!pool_out) return CUDA_ERROR_INVALID_VALUE;
     *pool_out = default_pool(dev);
     return CUDA_SUCCESS;
 }
 
 CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev) {
-    CUresult r = sim_device_ordinal(dev);
-    if (r) return r;
+    SIM_TRY(sim_device_ordinal(dev));
     if (!pool) return CUDA_ERROR_INVALID_VALUE;
     *pool = current_pool(dev);
     return CUDA_SUCCESS;
 }
 
 CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool) {
-    CUresult r = sim_device_ordinal(dev);
-    if (r) return r;
-    if ((r = check_pool(pool))) return r;
+    SIM_TRY(sim_device_ordinal(dev));
+    SIM_TRY(check_pool(pool));
     if (pool->ordinal != dev) return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&mem_lock);
     current_pools[dev] = pool;
@@ -595,21 +579,19 @@ static CUresult check_prop(const CUmemAllocationProp *prop) {
 
 CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
                                        CUmemAllocationGranularity_flags option) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!granularity || (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM &&
                          option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
         return CUDA_ERROR_INVALID_VALUE;
-    if ((r = check_prop(prop))) return r;
+    SIM_TRY(check_prop(prop));
     *granularity = SIM_VMM_GRANULARITY;
     return CUDA_SUCCESS;
 }
 
 CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                      const CUmemAllocationProp *prop, unsigned long long flags) {
-    CUresult r = sim_ready();
-    if (r) return r;
-    if ((r = check_prop(prop))) return r;
+    SIM_TRY(sim_ready());
+    SIM_TRY(check_prop(prop));
     if (!handle || size == 0 || size % SIM_VMM_GRANULARITY || flags != 0)
         return CUDA_ERROR_INVALID_VALUE;
     int slot = sim_cuda_slot(prop->location.id);
@@ -659,8 +641,7 @@ static void phys_unref(struct phys *ph) {
 }
 
 CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     pthread_mutex_lock(&mem_lock);
     struct phys *ph = find_phys(handle);
     if (ph) phys_unref(ph);
@@ -670,8 +651,7 @@ CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
 
 CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
                                                 CUmemGenericAllocationHandle handle) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!prop) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mem_lock);
     struct phys *ph = find_phys(handle);
@@ -688,8 +668,7 @@ CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
 
 CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
                              unsigned long long flags) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!ptr || size == 0 || size % SIM_VMM_GRANULARITY || flags != 0 ||
         (alignment & (alignment - 1)))
         return CUDA_ERROR_INVALID_VALUE;
@@ -719,8 +698,7 @@ CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CU
 }
 
 CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     pthread_mutex_lock(&mem_lock);
     struct reservation **pp = &reservations;
     while (*pp && ((*pp)->base != ptr || (*pp)->size != size)) pp = &(*pp)->next;
@@ -743,8 +721,8 @@ static int reserved(uint64_t ptr, uint64_t size) {
 
 CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                   unsigned long long flags) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
+    CUresult r = CUDA_SUCCESS;
     if (size == 0 || flags != 0 || ptr % SIM_VMM_GRANULARITY || size % SIM_VMM_GRANULARITY)
         return CUDA_ERROR_INVALID_VALUE;
     struct mapping *m = malloc(sizeof *m);
@@ -776,8 +754,7 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
 }
 
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     int found = 0;
     pthread_mutex_lock(&mem_lock);
     struct mapping **pp = &mappings;
@@ -800,8 +777,7 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
 }
 
 CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!desc || count == 0) return CUDA_ERROR_INVALID_VALUE;
     for (size_t i = 0; i < count; i++)
         if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
@@ -833,8 +809,7 @@ static uint64_t format_bytes(CUarray_format f) {
 static CUresult array_create(CUarray *pHandle, uint64_t w, uint64_t h, uint64_t d, CUarray_format f,
                              unsigned channels) {
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
+    SIM_TRY(sim_current_ctx(&c));
     if (!pHandle || w == 0 || (channels != 1 && channels != 2 && channels != 4))
         return CUDA_ERROR_INVALID_VALUE;
     uint64_t bytes = w * (h ? h : 1) * (d ? d : 1) * channels * format_bytes(f);
@@ -870,8 +845,7 @@ CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pAl
 }
 
 CUresult cuArrayDestroy(CUarray hArray) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!hArray) return CUDA_ERROR_INVALID_HANDLE;
     int found = 0;
     pthread_mutex_lock(&mem_lock);

@@ -31,8 +31,7 @@ static CUresult module_new(CUmodule *out, uint32_t magic) {
 
 static CUresult module_load(CUmodule *module, const void *image) {
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
+    SIM_TRY(sim_current_ctx(&c));
     if (!module || !image) return CUDA_ERROR_INVALID_VALUE;
     return module_new(module, MAGIC_MODULE);
 }
@@ -79,8 +78,7 @@ static void module_free(struct CUmod_st *m) {
 }
 
 CUresult cuModuleUnload(CUmodule hmod) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!hmod || hmod->magic != MAGIC_MODULE) return CUDA_ERROR_INVALID_HANDLE;
     module_free(hmod);
     return CUDA_SUCCESS;
@@ -110,8 +108,7 @@ static CUresult module_function(struct CUmod_st *m, const char *name, struct CUf
 }
 
 CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!hmod || hmod->magic != MAGIC_MODULE) return CUDA_ERROR_INVALID_HANDLE;
     return module_function(hmod, name, hfunc);
 }
@@ -120,8 +117,7 @@ CUresult cuModuleGetGlobal_v2(CUdeviceptr *dptr, size_t *bytes, CUmodule hmod, c
     (void)dptr;
     (void)bytes;
     (void)name;
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!hmod || hmod->magic != MAGIC_MODULE) return CUDA_ERROR_INVALID_HANDLE;
     return CUDA_ERROR_NOT_FOUND; /* simulated modules have no globals */
 }
@@ -142,11 +138,10 @@ CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *j
     (void)libraryOptions;
     (void)libraryOptionValues;
     (void)numLibraryOptions;
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!library || !code) return CUDA_ERROR_INVALID_VALUE;
     CUmodule m;
-    if ((r = module_new(&m, MAGIC_LIBRARY))) return r;
+    SIM_TRY(module_new(&m, MAGIC_LIBRARY));
     *library = (CUlibrary)m;
     return CUDA_SUCCESS;
 }
@@ -229,8 +224,7 @@ CUresult cuOccupancyMaxPotentialBlockSize(int *minGridSize, int *blockSize, CUfu
     (void)blockSizeToDynamicSMemSize;
     (void)dynamicSMemSize;
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
+    SIM_TRY(sim_current_ctx(&c));
     if (!func || func->magic != MAGIC_FUNC) return CUDA_ERROR_INVALID_HANDLE;
     if (!minGridSize || !blockSize) return CUDA_ERROR_INVALID_VALUE;
     int block = blockSizeLimit > 0 && blockSizeLimit < 1024 ? blockSizeLimit : 1024;

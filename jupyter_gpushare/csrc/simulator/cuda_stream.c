@@ -77,11 +77,10 @@ static struct CUstream_st *per_thread_stream(struct CUctx_st *ctx) {
 }
 
 CUresult sim_stream(CUstream h, int ptds, struct CUstream_st **out) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (h == NULL || h == CU_STREAM_LEGACY || h == CU_STREAM_PER_THREAD) {
         struct CUctx_st *c;
-        if ((r = sim_current_ctx(&c))) return r;
+        SIM_TRY(sim_current_ctx(&c));
         if (h == CU_STREAM_PER_THREAD || (h == NULL && ptds)) {
             *out = per_thread_stream(c);
             return *out ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
@@ -192,17 +191,16 @@ static CUresult kernel_ns(struct CUfunc_st *f, void **kernelParams, void **extra
 static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                        unsigned by, unsigned bz, CUstream hStream, void **kernelParams,
                        void **extra, int ptds) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (!f || f->magic != MAGIC_FUNC) return CUDA_ERROR_INVALID_HANDLE;
     if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 ||
         (uint64_t)bx * by * bz > 1024)
         return CUDA_ERROR_INVALID_VALUE;
     if (kernelParams && extra) return CUDA_ERROR_INVALID_VALUE;
     struct CUstream_st *s;
-    if ((r = sim_stream(hStream, ptds, &s))) return r;
+    SIM_TRY(sim_stream(hStream, ptds, &s));
     uint64_t ns;
-    if ((r = kernel_ns(f, kernelParams, extra, &ns))) return r;
+    SIM_TRY(kernel_ns(f, kernelParams, extra, &ns));
     return sim_enqueue(s, ns);
 }
 
@@ -314,8 +312,7 @@ CUresult cuStreamAddCallback_ptsz(CUstream hStream, CUstreamCallback callback, v
 
 CUresult cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority) {
     struct CUctx_st *c;
-    CUresult r = sim_current_ctx(&c);
-    if (r) return r;
+    SIM_TRY(sim_current_ctx(&c));
     if (!phStream || (flags & ~(unsigned)CU_STREAM_NON_BLOCKING)) return CUDA_ERROR_INVALID_VALUE;
     struct CUstream_st *s = malloc(sizeof *s);
     if (!s) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -336,8 +333,7 @@ static int is_special(CUstream h) {
 }
 
 CUresult cuStreamDestroy_v2(CUstream hStream) {
-    CUresult r = sim_ready();
-    if (r) return r;
+    SIM_TRY(sim_ready());
     if (is_special(hStream) || hStream->magic != MAGIC_STREAM) return CUDA_ERROR_INVALID_HANDLE;
     /* Work already queued still completes: the device time line keeps it. */
     hStream->magic = MAGIC_DEAD;

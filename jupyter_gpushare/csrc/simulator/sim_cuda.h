@@ -136,6 +136,14 @@ struct CUarray_st {
 };
 
 /* -- cuda_context.c --------------------------------------------------------------------------- */
+/* The prologue of most entry points: returns the error of `call` (sim_ready(), sim_current_ctx(),
+ * sim_device_ordinal(), a handle check) from the calling function. */
+#define SIM_TRY(call)                                                                              \
+    do {                                                                                           \
+        CUresult try_ = (call);                                                                    \
+        if (try_ != CUDA_SUCCESS) return try_;                                                     \
+    } while (0)
+
 CUresult sim_ready(void);                        /* cuInit done and state open */
 struct CUctx_st *sim_current(void);              /* this thread's current context or NULL */
 CUresult sim_current_ctx(struct CUctx_st **out); /* ... or an error */

@@ -31,6 +31,8 @@ PHASES = ("placing", "placed", "launching", "scheduling", "pulling", "starting",
 KEEP_S = 60.0
 #: at most this many starts are remembered per server (the oldest ended ones go first)
 MAX_STARTS = 200
+#: at most this many steps are kept per start (a pod that changes often repeats its phase)
+MAX_STEPS = 20
 
 
 @dataclass(frozen=True)
@@ -42,13 +44,17 @@ class Start:
     message: str
     since: float  # when the start began (time.time())
     updated: float  # when this phase was reported
+    #: the phases seen so far, in order, with their words and times (repeats folded)
+    steps: tuple[tuple[str, str, float], ...] = ()
 
     @property
     def ended(self) -> bool:
         return self.phase in ("ready", "failed")
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "ended": self.ended}
+        body = asdict(self)
+        body["steps"] = [{"phase": p, "message": m, "at": t} for p, m, t in self.steps]
+        return {**body, "ended": self.ended}
 
 
 class StartBoard:
@@ -71,8 +77,16 @@ class StartBoard:
         now = time.time() if now is None else now
         known = self._starts.get(kernel_id)
         if known is None or (known.ended and phase == "placing"):  # a new start (or restart)
-            start = Start(kernel_id, kernel_name or "", path, phase, message, now, now)
+            first = ((phase, message, now),)
+            start = Start(kernel_id, kernel_name or "", path, phase, message, now, now, first)
         else:
+            steps = known.steps
+            if steps and steps[-1][:2] == (phase, message):
+                pass  # the same news again (a pod update that changed nothing we show)
+            elif steps and steps[-1][0] == phase:
+                steps = (*steps[:-1], (phase, message, now))  # new words for the same phase
+            else:
+                steps = (*steps, (phase, message, now))[-MAX_STEPS:]
             start = replace(
                 known,
                 phase=phase,
@@ -80,6 +94,7 @@ class StartBoard:
                 updated=now,
                 kernel_name=kernel_name or known.kernel_name,
                 path=path if path is not None else known.path,
+                steps=steps,
             )
         self._starts[kernel_id] = start
         self._forget(now)

@@ -244,7 +244,7 @@ class GpushareProvisioner(KernelProvisionerBase):
             self._phase("failed", str(exc))
             raise ShareRefused(409, exc.to_json()) from exc
         where = f"{self.allocation.node} {','.join(self.allocation.gpus)}"
-        self._phase("placed", f"holds {spec.describe()} on {where}")
+        self._phase("placed", f"holds {self.allocation.spec.describe()} on {where}")
         try:
             return await self.kernel_backend.pre_launch(self.allocation, **kwargs)
         except BaseException as exc:

@@ -32,7 +32,9 @@ export function phaseWords(phase: string): string {
 export class StartProgress {
   private timer: number | null = null;
   private watching = 0;
-  private after = 0;
+  /** Starts begun before this server time are not ours (server clock: no client skew). */
+  private after: number | null = null;
+  private began = 0;
   private kernelName = '';
   private _changed = new Signal<this, IStart | null>(this);
   /** Every phase seen of the current start, in order (kept for the status bar's tooltip). */
@@ -49,7 +51,8 @@ export class StartProgress {
   async watch<T>(kernelName: string, done: Promise<T>): Promise<T> {
     this.watching += 1;
     this.kernelName = kernelName;
-    this.after = Date.now() / 1000 - 1;
+    this.after = null;
+    this.began = Date.now() / 1000;
     this.seen = [];
     this.current = null;
     this.poll();
@@ -84,9 +87,14 @@ export class StartProgress {
   }
 
   private async refresh(): Promise<void> {
-    const { starts } = await this.api.starts();
+    const { time, starts } = await this.api.starts();
+    if (this.after === null) {
+      // the server's time when the watch began (its clock, not this browser's)
+      this.after = time - (Date.now() / 1000 - this.began) - 1;
+    }
+    const after = this.after;
     const mine = starts
-      .filter(s => s.since >= this.after && (!this.kernelName || s.kernel_name === this.kernelName))
+      .filter(s => s.since >= after && (!this.kernelName || s.kernel_name === this.kernelName))
       .pop();
     if (!mine) {
       return;

@@ -272,3 +272,34 @@ def test_the_cuda_runtime_is_told_once_why_it_cannot_run(sim_machine: SimMachine
     assert ran.stdout.split() == ["[801,", "801,", "801]", "None"]  # CUDA_ERROR_NOT_SUPPORTED
     assert ran.stderr.count("driver-API programs only") == 1, ran.stderr
     assert "real NVIDIA GPU" in ran.stderr and "--simulate" in ran.stderr
+
+
+def test_a_notebook_user_sees_the_cuda_runtime_note(sim_machine: SimMachine) -> None:
+    """The note is written to the process's stderr descriptor; in a Jupyter kernel (ipykernel
+    forwards what its descriptors get) it reaches the cell's output, where the user looks."""
+    from jupyter_client.manager import start_new_kernel
+
+    # (ipykernel does not forward descriptors while PYTEST_CURRENT_TEST is set)
+    env = {k: v for k, v in sim_machine.env.items() if k != "PYTEST_CURRENT_TEST"}
+    km, kc = start_new_kernel(kernel_name="python3", env=env)
+    streams: list[tuple[str, str]] = []
+    try:
+        kc.execute_interactive(
+            "import ctypes, time\n"
+            "cuda = ctypes.CDLL('libcuda.so.1')\n"
+            "uuid = (ctypes.c_ubyte * 16)()\n"
+            "print(cuda.cuGetExportTable(ctypes.byref(ctypes.c_void_p()), uuid))\n"
+            "time.sleep(0.5)\n",  # ipykernel forwards descriptor output from a thread
+            output_hook=lambda m: (
+                streams.append((m["content"].get("name"), m["content"].get("text")))
+                if m["msg_type"] == "stream"
+                else None
+            ),
+            timeout=60,
+        )
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    stderr = "".join(text for name, text in streams if name == "stderr")
+    assert "driver-API programs only" in stderr and "real NVIDIA GPU" in stderr, streams
+    assert ("stdout", "801\n") in streams

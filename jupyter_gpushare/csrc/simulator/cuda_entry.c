@@ -121,7 +121,6 @@ CUresult cuGetErrorString(CUresult error, const char **pStr) {
     return i >= 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
-/* The simulator has none of the private tables the CUDA runtime asks for. */
 /* The CUDA runtime (libcudart: PyTorch, CuPy, ...) asks for the driver's private export tables
  * first thing; without them it fails every call with cudaErrorNotSupported and says nothing about
  * why. Say it once per process, on stderr, in the user's words. */

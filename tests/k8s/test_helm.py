@@ -523,6 +523,10 @@ def test_helm_install_and_uninstall(helm: str, control_plane: Any) -> None:
         )
         assert install.returncode == 0, install.stdout + install.stderr
         assert f'c.KubernetesBackendConfig.namespace = "{namespace}"' in install.stdout
+        notes = " ".join(install.stdout.split())
+        assert "serves Prometheus metrics on port 9401" in notes, install.stdout
+        assert "Scrape with honor_labels: true" in notes
+        assert 'kernel pods admit only the Jupyter server pods {"namespaceSelector"' in notes
         ds = client.AppsV1Api(api).read_namespaced_daemon_set("gpushare-node", namespace)
         assert ds.spec.template.spec.host_pid is True
         assert ds.spec.template.spec.node_selector == {"gpushare-test/no-such-node": "true"}

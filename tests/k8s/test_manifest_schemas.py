@@ -8,6 +8,7 @@ and ``jupyter gpushare k8s kernel-pod`` prints a kernel pod that passes Pod Secu
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,32 @@ def test_deploy_files_and_z2jh_examples_validate() -> None:
         "ClusterRoleBinding",
     } <= {o["kind"] for o in objs}
     assert [e for o in objs for e in invalid(o)] == []
+
+
+def test_z2jh_network_rules_validate() -> None:
+    """The NetworkPolicy rules of deploy/z2jh/values.yaml, as z2jh renders them (its user pods'
+    egress, the hub's ingress), are valid NetworkPolicy rules."""
+    values = yaml.safe_load((DEPLOY / "z2jh" / "values.yaml").read_text())
+    rules = {
+        ("singleuser", "egress"): values["singleuser"]["networkPolicy"]["egress"],
+        ("hub", "ingress"): values["hub"]["networkPolicy"]["ingress"],
+    }
+    for (component, direction), items in rules.items():
+        policy = {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": component, "namespace": "jhub"},
+            "spec": {
+                "podSelector": {"matchLabels": {"component": component}},
+                "policyTypes": [direction.capitalize()],
+                direction: items,
+            },
+        }
+        assert items and invalid(policy) == [], (component, invalid(policy))
+    broken = copy.deepcopy(rules[("singleuser", "egress")])
+    broken[0]["from"] = broken[0].pop("to")  # an egress rule has no "from": refused
+    policy["spec"] = {"podSelector": {}, "egress": broken}
+    assert invalid(policy) != []
 
 
 @pytest.mark.parametrize("values", [None, NON_DEFAULT], ids=["default", "non-default"])

@@ -150,6 +150,12 @@ class Daemon:
             path.unlink()  # the caller checked that no live daemon answers on it
         self.server = Listener(str(path), LISTEN_BACKLOG, self._accepted)
         os.chmod(path, 0o666)  # peers are authenticated by credentials, not by file mode
+        hold = getattr(self.ledger, "hold_open", None)
+        if hold is not None:  # SQLite: no checkpoint + fsync on each caller's close (sqlite.py)
+            try:
+                await asyncio.to_thread(hold)
+            except Exception as exc:  # reading it is retried (and its failures logged) below
+                log.warning("could not hold the ledger open: %s", exc)
         await self.refresh()
         follow = self._watch_ledger if hasattr(self.ledger, "watch_node") else self._poll_ledger
         self._tasks.append(asyncio.create_task(follow()))

@@ -7,7 +7,18 @@ atomic across threads and processes and survives a crash of any of them (WAL jou
 
 Calls run in a worker thread (``asyncio.to_thread``), never on the event loop; each call opens its
 own connection, so the ledger is safe to share between threads and to fork. Creating the object
-touches nothing; the file and its schema are made on first use.
+touches nothing; the file and its schema are made on first use. The node agent, which follows
+the file for its whole life, holds one more connection open, unused
+(:meth:`SQLiteLedger.hold_open`): SQLite checkpoints the WAL into the database, with an
+``fsync`` of each, whenever the file's last connection closes, which made every call of every
+other process cost ~4 ms of waiting on the disk (a kernel's placement and its record are on the
+kernel start's path, issue 12). Checkpoints then happen as commits grow the log (SQLite's
+``wal_autocheckpoint``) and when the agent exits. Other processes do not hold the file (a
+remount read-only or an unmount stays possible while no agent runs).
+
+Durability: WAL with ``synchronous=NORMAL``: a commit is atomic and survives a crash of any
+process; a power loss can lose the last commits before it, which describe processes that the
+power loss ended too (reconciliation releases what a lost release left).
 
 Failures: any SQLite error (a full disk, ``SQLITE_FULL``; a read-only file or directory; a file
 that is not a database) is raised as :class:`~jupyter_gpushare.ledger.LedgerUnavailable` with
@@ -138,6 +149,33 @@ def _initialize(db: sqlite3.Connection, patience: float = 30.0) -> None:
             time.sleep(random.uniform(0.005, 0.05))
 
 
+#: (pid, file) -> a connection held open and never used (``hold_open``); a forked child
+#: keeps its parent's entry, never closing it (closing a descriptor of the file would drop the
+#: child's own POSIX locks on it) and opens its own
+_HELD: dict[tuple[int, str], sqlite3.Connection] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def _hold_open(path: Path) -> None:
+    """Keep one connection to ``path`` open for the rest of this process (best effort)."""
+    key = (os.getpid(), str(path))
+    if key in _HELD:
+        return
+    with _HELD_LOCK:
+        if key in _HELD:
+            return
+        try:
+            db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error:
+            return
+        try:
+            db.execute("SELECT 1 FROM nodes LIMIT 1").fetchall()  # opens the file and its WAL
+        except sqlite3.Error:
+            db.close()
+            return
+        _HELD[key] = db
+
+
 class SQLiteLedger(Ledger):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -162,6 +200,13 @@ class SQLiteLedger(Ledger):
             db.close()
             raise
         return db
+
+    def hold_open(self) -> None:
+        """Keep a connection to the file open, unused, for the rest of this process (blocking;
+        the node agent calls it once at start: see the module's doc). Raises SQLite's error
+        when the file cannot be opened."""
+        self._connect().close()
+        _hold_open(self.path)
 
     @contextmanager
     def _transaction(self, db: sqlite3.Connection, kind: str = "") -> Iterator[None]:

@@ -18,8 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from . import paths
 from .config import GpuShare
-from .daemon.supervisor import AgentWatch, ensure_agent
+from .daemon.client import DaemonClient
+from .daemon.supervisor import AgentWatch, _simulate_arg, ensure_agent
 from .inventory import Gpu, NoGpuError, check_spec, parse_simulate
 from .ledger import Allocation, LedgerUnavailable
 from .ledger.reconcile import process_start_time, reconcile
@@ -27,6 +29,8 @@ from .placement import PlacementRefused, allocate
 from .provisioner.environment import kernel_environment
 from .serverext.handlers import gpu_usage
 from .share import ShareError, ShareSpec, format_bytes, format_share
+from .statusview import render, with_usage
+from .usage import DaemonUsage
 
 DESCRIPTION = (
     "Fractional GPU shares for Jupyter kernels: JupyterLab with GPU shares (lab), the GPUs and "
@@ -100,9 +104,6 @@ def say_agent_left_running() -> bool:
     """When this user's node agent still runs (it outlives JupyterLab: it enforces shares of
     kernels and ``run`` commands still alive and serves the next start), say so on stderr and
     how to stop it; True if said. A system agent (a service) is not ours to mention."""
-    from . import paths
-    from .daemon.client import DaemonClient
-
     found = paths.find_agent(fresh=True)  # JupyterLab had our environment: the same agent
     if found.system:
         return False
@@ -165,8 +166,6 @@ async def _status(
 ) -> dict[str, Any]:
     """The status document of :mod:`.statusview`: this machine's ledger and its node agent's
     live use, or with ``namespace`` the cluster's ledger and the nodes' usage reports."""
-    from .statusview import with_usage
-
     if namespace:  # the cluster's ledger; its reconcilers run in the cluster
         # lazy on purpose: only --kubernetes-namespace needs the Kubernetes client
         from .k8s.ledger import cluster_ledger
@@ -177,8 +176,6 @@ async def _status(
             reader = UsageReader(cluster.kube, namespace)
             view = await KubernetesUsage(reader).read(fresh=True)
     else:
-        from .usage import DaemonUsage
-
         ledger = settings.local_ledger()
         problem = None
         try:
@@ -208,8 +205,6 @@ def _status_of(
 def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .statusview import render
-
     settings = _settings(args.simulate)
     read = functools.partial(_status, settings, args.kubernetes_namespace, args.kubeconfig)
     if args.json:
@@ -235,8 +230,6 @@ async def _watch(console: Any, read: Any, interval: float) -> int:
     """``status --watch``: the tables redrawn in place every ``interval`` seconds (like nvitop)
     until Ctrl-C."""
     from rich.live import Live
-
-    from .statusview import render
 
     if not 0.2 <= interval <= 3600:
         print(f"gpushare status: --watch {interval:g}: give 0.2 to 3600 seconds", file=sys.stderr)
@@ -333,9 +326,6 @@ async def _inventory(settings: GpuShare) -> Sequence[Gpu]:
 async def _running_simulation(settings: GpuShare) -> str | None:
     """The ``--simulate`` value of the simulated GPUs this node's ledger lists, when a node
     agent answers here to enforce them; None otherwise (no agent, or no simulated GPUs)."""
-    from .daemon.client import DaemonClient
-    from .daemon.supervisor import _simulate_arg
-
     if not await asyncio.to_thread(DaemonClient(settings.socket_path, timeout=2.0).alive):
         return None
     gpus = [g for g in await settings.local_ledger().gpus() if g.node == settings.node_name]

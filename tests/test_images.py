@@ -8,6 +8,8 @@ keeps the base image's user; the node image's tag is the chart's image."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import re
 import shlex
@@ -27,7 +29,7 @@ IMAGES = ROOT / "deploy" / "images"
 CHART = ROOT / "deploy" / "helm" / "jupyter-gpushare"
 sys.path.insert(0, str(IMAGES))
 
-from check_wheel import check  # noqa: E402
+from check_wheel import check, retag  # noqa: E402
 
 
 @dataclass
@@ -108,7 +110,18 @@ def wheel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "interposer needs glibc <= 2.28" in result.stdout
+    # one wheel for every Python 3 of the images (Jupyter images ship 3.12, 3.13)
+    [wheel] = out.glob("*.whl")
+    assert (
+        wheel.name
+        == f"jupyter_gpushare-{version()}-py3-none-manylinux_2_28_{os.uname().machine}.whl"
+    )
     return out
+
+
+def version() -> str:
+    text = (ROOT / "jupyter_gpushare" / "__init__.py").read_text()
+    return re.search(r'__version__ = "([^"]+)"', text).group(1)  # type: ignore[union-attr]
 
 
 def run_install(image: str, wheels: Path, tmp_path: Path) -> tuple[str, Path]:
@@ -184,6 +197,27 @@ def test_kernel_layer_installs_magics_and_kernelspecs(wheel_dir: Path, tmp_path:
     assert (venv / "share" / "jupyter" / "kernels" / "gpushare-python" / "kernel.json").exists()
 
 
+def test_hub_image_installs_the_hub_extra(wheel_dir: Path, tmp_path: Path) -> None:
+    out, venv = run_install("hub", wheel_dir, tmp_path)
+    [line] = [ln for ln in out.splitlines() if ln.startswith("hub image:")]
+    assert str(venv) in line, line
+
+
+def test_hub_image_ends_as_the_hub_user() -> None:
+    final = parse(IMAGES / "hub" / "Dockerfile").stages[-1]
+    assert final.base == "${BASE}"
+    assert [op for op, _ in final.instructions] == ["USER", "RUN", "USER"]
+    assert final.instructions[-1] == ("USER", "1000")  # z2jh's hub runs as uid 1000
+
+
+def test_z2jh_values_name_the_images_the_recipes_build() -> None:
+    values = yaml.safe_load((ROOT / "deploy" / "z2jh" / "values.yaml").read_text())
+    for image, key in (("hub", "hub"), ("kernel", "singleuser")):
+        ref = values[key]["image"]
+        comments = parse(IMAGES / image / "Dockerfile").comments
+        assert f"-t {ref['name']}:{ref['tag']} ." in comments, (image, ref)
+
+
 def test_kernel_layer_goes_on_any_jupyter_image_and_keeps_its_user() -> None:
     recipe = parse(IMAGES / "kernel" / "Dockerfile")
     assert recipe.args["BASE"].startswith("quay.io/jupyter/"), recipe.args
@@ -195,7 +229,7 @@ def test_kernel_layer_goes_on_any_jupyter_image_and_keeps_its_user() -> None:
 
 
 def test_images_build_the_wheel_on_the_glibc_baseline() -> None:
-    for image in ("node", "kernel"):
+    for image in ("node", "kernel", "hub"):
         recipe = parse(IMAGES / image / "Dockerfile")
         builder = recipe.stages[0]
         assert builder.name == "wheel" and builder.base == "${BUILDER}"
@@ -230,7 +264,7 @@ def test_build_context_keeps_what_the_wheel_needs() -> None:
         "deploy/images/build-wheel.sh",
         "deploy/images/check_wheel.py",
     ]
-    for image in ("node", "kernel"):
+    for image in ("node", "kernel", "hub"):
         ignore = IMAGES / image / "Dockerfile.dockerignore"
         patterns = [
             p.strip()
@@ -245,6 +279,28 @@ def test_build_context_keeps_what_the_wheel_needs() -> None:
                 if fnmatch(path, p) or fnmatch(path, p + "/*") or path.startswith(p + "/")
             ]
             assert not excluded, (image, path, excluded)
+
+
+def test_retag_keeps_the_record_true(wheel_dir: Path, tmp_path: Path) -> None:
+    [built] = wheel_dir.glob("*.whl")
+    copy = tmp_path / built.name
+    shutil.copy(built, copy)
+    out = retag(copy, "py3-none-any")
+    assert out.name.endswith("-py3-none-any.whl") and not copy.exists()
+    with zipfile.ZipFile(out) as archive:
+        dist_info = next(n.split("/")[0] for n in archive.namelist() if ".dist-info/" in n)
+        tags = [
+            ln
+            for ln in archive.read(f"{dist_info}/WHEEL").decode().splitlines()
+            if ln.startswith("Tag:")
+        ]
+        assert tags == ["Tag: py3-none-any"]
+        for line in archive.read(f"{dist_info}/RECORD").decode().splitlines():
+            path, digest, _size = line.rsplit(",", 2)
+            if digest:  # every file's recorded hash is its content's
+                data = archive.read(path)
+                want = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+                assert digest == f"sha256={want.decode()}", path
 
 
 def test_check_wheel_refuses_a_newer_glibc_and_missing_libraries(tmp_path: Path) -> None:

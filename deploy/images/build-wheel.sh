@@ -17,4 +17,5 @@ mkdir -p "$out"
 "$python" -m pip wheel --no-deps --disable-pip-version-check ${GPUSHARE_WHEEL_ARGS:-} \
     --wheel-dir "$out" "$src"
 wheel=$(ls "$out"/jupyter_gpushare-*.whl)
-"$python" "$(dirname "$0")/check_wheel.py" "$wheel"
+# checked, then tagged for any Python 3 on glibc >= 2.28 (the C libraries are no extensions)
+"$python" "$(dirname "$0")/check_wheel.py" --retag "py3-none-manylinux_2_28_$(uname -m)" "$wheel"

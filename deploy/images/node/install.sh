@@ -16,6 +16,7 @@ python=${PYTHON:-python3}
     "$wheels"/jupyter_gpushare-*.whl
 bin=$(dirname "$("$python" -c 'import sys; print(sys.executable)')")
 "$bin/jupyter-gpushare" daemon --help >/dev/null  # what `jupyter gpushare daemon` runs
+"$bin/jupyter-gpushare" controller --help >/dev/null  # the chart's controller Deployment
 "$python" -m jupyter_gpushare.k8s.reconcile --help >/dev/null
 "$python" - <<'PY'
 import grpc  # noqa: F401  (the device plugin's gRPC)

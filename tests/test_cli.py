@@ -242,10 +242,9 @@ def test_help_has_no_markup_and_lab_says_where_other_options_go():
     assert "Every other option goes to JupyterLab" in " ".join(lab.stdout.split())
 
 
-def test_lab_says_when_the_node_agent_lives_on(gpushare_env, monkeypatch, capsys):
-    """``jupyter gpushare lab`` runs JupyterLab as a child; when it exits and this user's node
-    agent still runs, it says so, with the agent's pid and how to stop it (nothing when none
-    runs)."""
+def test_the_node_agent_notice(gpushare_env, monkeypatch, capsys):
+    """What ``jupyter gpushare lab`` says after JupyterLab exits: when this user's node agent
+    still runs, that it does, its pid and how to stop it; nothing when none runs."""
     from jupyter_gpushare import cli
     from jupyter_gpushare.daemon.client import DaemonClient
 
@@ -259,9 +258,6 @@ def test_lab_says_when_the_node_agent_lives_on(gpushare_env, monkeypatch, capsys
     assert cli.say_agent_left_running() is True
     said = " ".join(capsys.readouterr().err.split())
     assert f"node agent (pid {pid}) keeps running on {socket}" in said and f"kill {pid}" in said
-    lab = gpushare(gpushare_env, "lab", "--version")  # JupyterLab exits at once
-    assert lab.returncode == 0 and lab.stdout.strip()[:1].isdigit(), lab.stderr
-    assert f"node agent (pid {pid}) keeps running" in " ".join(lab.stderr.split())
 
 
 def test_status_watch_redraws_in_place_until_ctrl_c(gpushare_env):
@@ -475,3 +471,44 @@ def test_status_through_the_system_agent_shows_a_user_their_own_shares(tmp_path)
     finally:
         agent.stop()
         shutil.rmtree(agent.dir, ignore_errors=True)
+
+
+def test_lab_passes_sigterm_on_and_says_its_agent_lives_on(gpushare_env, tmp_path):
+    """The real thing: ``jupyter gpushare lab --simulate`` starts JupyterLab (whose server starts
+    the node agent); SIGTERM to the command reaches JupyterLab, which stops; the command then
+    says the agent keeps running and how to stop it."""
+    import signal
+    import time
+
+    from support import free_port, wait_for
+
+    from jupyter_gpushare.daemon.client import DaemonClient
+
+    port = free_port()
+    log = tmp_path / "lab.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "jupyter_gpushare", "lab", "--simulate", "1xA100"),
+                *("--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1"),
+                *("--IdentityProvider.token=t", f"--ServerApp.root_dir={tmp_path}"),
+            ],
+            env=gpushare_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    socket = gpushare_env["GPUSHARE_SOCKET"]
+    try:
+        wait_for(lambda: DaemonClient(socket, timeout=1).alive(), timeout=90)
+        pid = DaemonClient(socket).ping()["pid"]
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) in (0, 128 + signal.SIGTERM, -signal.SIGTERM), log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = " ".join(log.read_text().split())
+    assert "SIMULATED GPUs (1xA100)" in text
+    assert f"node agent (pid {pid}) keeps running on {socket}" in text, text[-3000:]
+    assert DaemonClient(socket).alive()  # it did keep running (the fixture stops it)

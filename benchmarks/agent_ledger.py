@@ -213,6 +213,7 @@ def main() -> int:
         result["agent_cpu_per_round_ms"] = round(per_round * 1000, 3)
         # the same data in a SQLite file opened directly (the per-user agent's way)
         direct = SQLiteLedger(directory / "direct.sqlite")
+        direct.hold_open()  # as the per-user agent that follows it does (ledger/sqlite.py)
         asyncio.run(direct.put_gpus(NODE, asyncio.run(through_agent.gpus())))
         asyncio.run(fill(direct))
         result["sqlite_direct"] = summary(asyncio.run(rounds(direct, args.rounds)))

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from .errors import GpushareError
 from .share import ShareError, ShareSpec, format_bytes
 
 GiB = 2**30
@@ -51,8 +52,11 @@ SIMULATED_PRODUCTS: dict[str, tuple[str, int, int]] = {
 }
 
 
-class NoGpuError(RuntimeError):
+class NoGpuError(GpushareError, RuntimeError):
     """This machine has no usable GPU (and no simulated GPUs were asked for)."""
+
+    code = "no_gpu"
+    status = 409
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from .errors import GpushareError
 from .inventory import Gpu
 from .ledger import Allocation, Ledger
 from .placement import place
@@ -35,26 +36,24 @@ log = logging.getLogger("jupyter_gpushare.resize")
 RESIZABLE = ("gpu_request", "gpu_limit", "gpu_memory")
 
 
-class BelowUse(Exception):
+class BelowUse(GpushareError):
     """A memory cap below what the kernel uses now."""
+
+    code = "below_use"
+    status = 409
 
     def __init__(self, cap: int, used: int) -> None:
         super().__init__(
             f"gpu_memory {format_bytes(cap)} is below the {format_bytes(used)} "
             "the kernel uses on its GPU now; free memory first or ask for at least "
-            f"{format_bytes(used)}"
+            f"{format_bytes(used)}",
+            field="gpu_memory",
+            value=cap,
+            allowed=f"at least {format_bytes(used)} (in use now)",
+            memory_used=used,
         )
         self.cap = cap
         self.used = used
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "error": "below_use",
-            "message": str(self),
-            "field": "gpu_memory",
-            "value": self.cap,
-            "memory_used": self.used,
-        }
 
 
 def parse_change(current: ShareSpec, change: Mapping[str, Any]) -> ShareSpec:
@@ -90,25 +89,22 @@ def resized(
     )
 
 
-class UsageUnknown(Exception):
+class UsageUnknown(GpushareError):
     """A lower memory cap asked for while the node's usage report is too old to check it."""
+
+    code = "usage_unknown"
+    status = 503
 
     def __init__(self, node: str, age: float) -> None:
         super().__init__(
             f"the memory in use on node {node} is not known now (its daemon's last "
             f"usage report is {age:.0f} s old), so a lower gpu_memory cannot be "
-            "checked against it; try again, or change only request and limit"
+            "checked against it; try again, or change only request and limit",
+            node=node,
+            age_s=age,
         )
         self.node = node
         self.age = age
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "error": "usage_unknown",
-            "message": str(self),
-            "node": self.node,
-            "age_s": self.age,
-        }
 
 
 async def resize(

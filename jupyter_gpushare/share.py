@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
+from .errors import GpushareError
+
 #: The public field names (kernelspec ``metadata.kernel_provisioner.config`` keys and REST JSON).
 SHARE_FIELDS = (
     "gpu_request",
@@ -69,8 +71,13 @@ _NUMBER_RE = re.compile(
 _LABEL_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?\Z")
 
 
-class ShareError(ValueError):
+class ShareError(GpushareError, ValueError):
     """A share that cannot be accepted; the message names field, value and what is allowed."""
+
+    code = "invalid_share"
+    status = 400
+    field: str
+    allowed: str
 
     def __init__(self, field: str, value: object, allowed: str) -> None:
         self.field = field
@@ -84,14 +91,8 @@ class ShareError(ValueError):
         value = self.value if isinstance(self.value, str) else repr(self.value)
         return flag_names(f"{self.field} {value} is not allowed: {self.allowed}")
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "error": "invalid_share",
-            "field": self.field,
-            "value": _jsonable(self.value),
-            "allowed": self.allowed,
-            "message": str(self),
-        }
+    def json_value(self) -> Any:
+        return _jsonable(self.value)
 
 
 def shown_value(value: object) -> object:

@@ -34,6 +34,7 @@ from typing import Any
 
 from tornado.web import Application, HTTPError, RequestHandler
 
+from ..errors import write_error
 from ..ledger import Allocation
 from ..placement import to_units
 from ..placement.engine import from_units
@@ -124,8 +125,7 @@ class Handler(RequestHandler):
             return
         self.clear()
         self.set_default_headers()
-        self.set_status(mapped.status)
-        self.finish(json.dumps(mapped.to_json()))
+        write_error(self, mapped)
 
 
 def allocation_json(allocation: Allocation) -> dict[str, Any]:

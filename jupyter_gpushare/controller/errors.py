@@ -1,7 +1,9 @@
-"""The controller's one error model: :class:`ControllerError` ``(status, code, message, fields)``.
+"""The controller's refusals: :class:`ControllerError` ``(status, code, message, fields)``, a
+:class:`~jupyter_gpushare.errors.GpushareError` like every refusal of the package.
 
-Every refusal of the HTTP API is one of these, written as JSON by one function
-(:func:`error_body`): ``{"error": code, "message": ..., **fields}``. The user-server side
+Every refusal of the HTTP API is a GpushareError, written as JSON by the package's one
+:func:`~jupyter_gpushare.errors.write_error`: ``{"error": code, "message": ..., **fields}``. The
+user-server side
 (:mod:`.client`) turns the same body back into an exception, so a refused share reaches the
 notebook with the controller's words.
 """
@@ -10,22 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..ledger import AllocationNotFound, LedgerConflict, LedgerUnavailable
-from ..placement import PlacementRefused
-from ..resize import BelowUse, UsageUnknown
-from ..share import ShareError
+from ..errors import GpushareError
+from ..ledger import AllocationNotFound, LedgerConflict
+from ..share import shown_value
 
 
-class ControllerError(Exception):
+class ControllerError(GpushareError):
     def __init__(self, status: int, code: str, message: str, **fields: Any) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.fields = fields
-
-    def to_json(self) -> dict[str, Any]:
-        return {"error": self.code, "message": self.message, **self.fields}
+        super().__init__(message, code=code, status=status, **fields)
 
 
 def unauthorized(message: str) -> ControllerError:
@@ -51,6 +45,7 @@ def bad_request(field: str, value: Any, allowed: str) -> ControllerError:
         "invalid",
         f"{field}: {shown} is not allowed; expected {allowed}",
         field=field,
+        value=shown_value(value),
         allowed=allowed,
     )
 
@@ -59,43 +54,25 @@ def unavailable(code: str, message: str, **fields: Any) -> ControllerError:
     return ControllerError(503, code, message, **fields)
 
 
-def from_exception(exc: BaseException) -> ControllerError | None:
-    """The error a known exception of the share, placement and ledger boxes maps to (None for
-    anything else: a bug, answered 500 without details)."""
-    if isinstance(exc, ControllerError):
-        return exc
-    if isinstance(exc, ShareError):
-        body = exc.to_json()
-        return ControllerError(
-            400, str(body.pop("error", "invalid_share")), str(body.pop("message", exc)), **body
-        )
-    if isinstance(exc, (PlacementRefused, BelowUse, UsageUnknown)):
-        body = exc.to_json()
-        status = 503 if isinstance(exc, UsageUnknown) else 409
-        return ControllerError(status, str(body.pop("error")), str(body.pop("message")), **body)
+def from_exception(exc: BaseException) -> GpushareError | None:
+    """The refusal a known exception answers with (None for anything else: a bug, answered 500
+    without details). Every refusal of the share, placement, resize and ledger boxes is a
+    :class:`GpushareError` already; an unknown allocation also says it may be another's."""
     if isinstance(exc, AllocationNotFound):
         return not_found("allocation", str(exc.args[0]) if exc.args else "")
-    if isinstance(exc, LedgerUnavailable):
-        body = exc.to_json()
-        return ControllerError(
-            503, str(body.pop("error", "ledger_unavailable")), str(body.pop("message", exc)), **body
-        )
     if isinstance(exc, LedgerConflict):
         return ControllerError(503, "ledger_busy", str(exc))
+    if isinstance(exc, GpushareError):
+        return exc
     return None
 
 
 __all__ = [
     "ControllerError",
     "bad_request",
-    "error_body",
     "forbidden",
     "from_exception",
     "not_found",
     "unauthorized",
     "unavailable",
 ]
-
-
-def error_body(exc: ControllerError) -> dict[str, Any]:
-    return exc.to_json()

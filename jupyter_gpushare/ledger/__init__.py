@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..errors import GpushareError
 from ..inventory import Gpu
 from ..share import GpuLabels, ShareSpec
 
@@ -36,32 +37,36 @@ class PlacementLike:  # the shape the ledger needs from a placement result
     memory: int
 
 
-class LedgerConflict(RuntimeError):
+class LedgerConflict(GpushareError, RuntimeError):
     """A compare-and-swap kept losing (very heavy contention); nothing was changed."""
 
+    code = "busy"
+    status = 503
 
-class LedgerUnavailable(RuntimeError):
+
+class LedgerUnavailable(GpushareError, RuntimeError):
     """The ledger cannot be read or written (a full disk, a read-only or corrupt file); nothing
     was changed. REST answers 503 ``ledger_unavailable``, the CLI prints one line."""
 
+    code = "ledger_unavailable"
+    status = 503
+
     def __init__(self, where: str, reason: str) -> None:
-        super().__init__(f"the ledger {where} is unavailable: {reason}")
+        super().__init__(
+            f"the ledger {where} is unavailable: {reason}", ledger=where, reason=reason
+        )
         self.where = where
         self.reason = reason
 
-    def to_json(self) -> dict[str, str]:
-        return {
-            "error": "ledger_unavailable",
-            "message": str(self),
-            "ledger": self.where,
-            "reason": self.reason,
-        }
 
+class AllocationNotFound(GpushareError, KeyError):
+    code = "not_found"
+    status = 404
 
-class AllocationNotFound(KeyError):
     def __init__(self, allocation_id: str) -> None:
-        super().__init__(allocation_id)
+        super().__init__(allocation_id)  # args[0]: the id, as for a KeyError
         self.allocation_id = allocation_id
+        self.message = f"no allocation {allocation_id!r}"
 
     def __str__(self) -> str:
         return f"no allocation {self.allocation_id!r}"

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..errors import GpushareError
 from ..inventory import Gpu
 from ..share import ShareError, ShareSpec
 from . import Allocation, Ledger, LedgerUnavailable, Placer, Snapshot
@@ -119,20 +120,13 @@ class _Connection:
         self.sock.close()  # in a forked child: its own copy (the parent's stays open)
 
 
-class AgentRefused(RuntimeError):
+class AgentRefused(GpushareError, RuntimeError):
     """The agent refused a request (another user's share, a bound, over capacity)."""
 
     def __init__(self, error: str, message: str, reply: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
+        super().__init__(message, code=error, status=403 if error == "not_permitted" else 409)
         self.error = error
         self.reply = reply or {}
-
-    @property
-    def status(self) -> int:
-        return 403 if self.error == "not_permitted" else 409
-
-    def to_json(self) -> dict[str, Any]:
-        return {"error": self.error, "message": str(self)}
 
 
 class AgentLedger(Ledger):

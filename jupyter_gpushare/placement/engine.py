@@ -36,8 +36,9 @@ import threading
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ..errors import GpushareError
 from ..inventory import Gpu
 from ..share import ShareError, ShareSpec, format_bytes
 from .policy import Kind, Policy, TypeFilter, resolve_types
@@ -71,16 +72,15 @@ class Placement:
     memory: int
 
 
-class PlacementRefused(Exception):
+class PlacementRefused(GpushareError):
     """Nothing fits now. ``message`` says why in user terms; ``suggestions`` what would fit."""
 
-    def __init__(self, message: str, suggestions: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.message = message
-        self.suggestions = list(suggestions)
+    code = "no_fit"
+    status = 409
 
-    def to_json(self) -> dict[str, Any]:
-        return {"error": "no_fit", "message": self.message, "suggestions": self.suggestions}
+    def __init__(self, message: str, suggestions: Sequence[str] = ()) -> None:
+        self.suggestions = list(suggestions)
+        super().__init__(message, suggestions=self.suggestions)
 
 
 class GpuState:

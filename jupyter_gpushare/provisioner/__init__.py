@@ -37,6 +37,7 @@ from .. import backends
 from ..backends.base import KernelBackend
 from ..bound import ENV_MAX, apply_user_bound, share_from_environment
 from ..config import GpuShare
+from ..errors import GpushareError
 from ..inventory import check_spec
 from ..ledger import Allocation, AllocationNotFound, Ledger
 from ..ledger.reconcile import process_start_time
@@ -49,8 +50,10 @@ class ShareRefused(HTTPError):
     """A refused share (invalid, or nothing fits) as an HTTP error, so that jupyter_server's own
     ``POST /api/kernels`` answers 400/409 with our message instead of "Unhandled error"."""
 
-    def __init__(self, status: int, body: dict[str, Any]) -> None:
-        super().__init__(status, log_message=body["message"], reason=body["error"])
+    def __init__(self, error: GpushareError) -> None:
+        body = error.to_json()
+        super().__init__(error.status, log_message=body["message"], reason=body["error"])
+        self.error = error
         self.body = body
         self.logged = False  # RefusalLoggedOnce: said once already
 
@@ -123,7 +126,7 @@ class GpushareProvisioner(KernelProvisionerBase):
             except ShareError as exc:
                 problem = exc
         if problem is not None:
-            raise ShareRefused(400, problem.to_json()) from problem
+            raise ShareRefused(problem) from problem
         super().__init__(**kwargs)
         self.connection_info: KernelConnectionInfo = {}  # the base class's is shared
         self.allocation: Allocation | None = None
@@ -238,11 +241,11 @@ class GpushareProvisioner(KernelProvisionerBase):
         except ShareError as exc:
             self._forget_refused_start()
             self._phase("failed", str(exc))
-            raise ShareRefused(400, exc.to_json()) from exc
+            raise ShareRefused(exc) from exc
         except PlacementRefused as exc:
             self._forget_refused_start()
             self._phase("failed", str(exc))
-            raise ShareRefused(409, exc.to_json()) from exc
+            raise ShareRefused(exc) from exc
         where = f"{self.allocation.node} {','.join(self.allocation.gpus)}"
         self._phase("placed", f"holds {self.allocation.spec.describe()} on {where}")
         try:
@@ -353,15 +356,18 @@ class GpushareProvisioner(KernelProvisionerBase):
                         "gpushare: released %s of kernel %s (%s)", leftover.id, self.kernel_id, why
                     )
 
-    async def claim_from_pool(self, pool: str) -> Allocation:
+    async def claim_from_pool(self, pool: str, notebook: str | None = None) -> Allocation:
         """A warm pool kernel is handed to a user (:mod:`jupyter_gpushare.pools`): its share is
-        the kernel's from now on (owner ``kernel``), and a later re-reservation is a user's."""
+        the kernel's from now on (owner ``kernel``), and a later re-reservation is a user's;
+        ``notebook``: the session's notebook path, recorded as a cold start records it."""
         if self.allocation is None:
             raise AllocationNotFound("(none)")
 
         def claimed(current: Allocation, _others: list[Allocation]) -> Allocation:
             extra = {k: v for k, v in current.extra.items() if k != "pool"}
             extra["claimed_from_pool"] = pool
+            if notebook:  # jupyter gpushare status shows it
+                extra["notebook"] = str(notebook)[:1024]
             return replace(current, owner="kernel", extra=extra)
 
         self.allocation = await (await self._ledger()).update(self.allocation.id, claimed)

@@ -25,11 +25,11 @@ from tornado import web
 from ..backends import Backend
 from ..config import GpuShare
 from ..daemon.supervisor import confirm_applied
+from ..errors import GpushareError, write_error
 from ..inventory import Gpu, check_spec
-from ..ledger import Allocation, AllocationNotFound, Ledger, LedgerConflict, LedgerUnavailable
-from ..placement import PlacementRefused
+from ..ledger import Allocation, AllocationNotFound, Ledger, LedgerConflict
 from ..provisioner import ShareRefused
-from ..resize import BelowUse, UsageUnknown, resize
+from ..resize import resize
 from ..share import ShareError, ShareSpec, key_name, shown_value
 
 
@@ -100,60 +100,46 @@ class GpushareHandler(APIHandler):
             body = json.loads(self.request.body or b"{}", parse_int=_json_int)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError too
             reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
-            self.fail(
-                400,
-                {"error": "bad_json", "message": f"the request body is not valid JSON: {reason}"},
-            )
+            self.fail(_bad_json(f"the request body is not valid JSON: {reason}"))
             return None
         if not isinstance(body, dict):
-            self.fail(
-                400,
-                {
-                    "error": "bad_json",
-                    "message": f"the request body must be a JSON object, not {_json_kind(body)}",
-                },
-            )
+            self.fail(_bad_json(f"the request body must be a JSON object, not {_json_kind(body)}"))
             return None
         return body
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
-        """An API server that cannot be reached or refuses (backend ``kubernetes``) is the
-        cluster's problem, not a bug here: 503 ``cluster_unavailable`` with its words, instead
-        of 500 "Unhandled error"."""
+        """Every refusal raised in a handler (a :class:`GpushareError`: a bad share, nothing
+        fits, an unavailable ledger, ...) is answered by the one ``write_error`` with its status
+        and JSON. An API server that cannot be reached or refuses (backend ``kubernetes``) is
+        the cluster's problem, not a bug here: 503 ``cluster_unavailable`` with its words,
+        instead of 500 "Unhandled error"."""
         exc = (kwargs.get("exc_info") or (None, None, None))[1]
-        if isinstance(exc, LedgerUnavailable):  # a full disk, a read-only or corrupt ledger
-            self.set_status(503)
-            self.set_header("Content-Type", "application/json")
-            self.finish(json.dumps(exc.to_json()))
-            return
+        if isinstance(exc, ShareRefused):
+            exc = exc.error
+        if isinstance(exc, GpushareError):
+            return write_error(self, exc)
         if exc is not None and type(exc).__module__.split(".")[0] in CLUSTER_ERROR_MODULES:
             status = getattr(exc, "status", None)
             reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
             detail = f"{status} {reason}" if status else str(reason)
-            self.set_status(503)
-            self.set_header("Content-Type", "application/json")
-            self.finish(
-                json.dumps(
-                    {
-                        "error": "cluster_unavailable",
-                        "message": f"the Kubernetes API server: {detail}",
-                    }
-                )
+            return write_error(
+                self,
+                GpushareError(
+                    f"the Kubernetes API server: {detail}", code="cluster_unavailable", status=503
+                ),
             )
-            return
         super().write_error(status_code, **kwargs)
 
     def log_exception(self, typ: Any, value: BaseException | None, tb: Any) -> None:
-        """An unavailable ledger is no bug here: the ledger logs it (one line a minute) and the
-        caller gets 503 with the reason, so no traceback per request."""
-        if isinstance(value, LedgerUnavailable):
+        """A refusal is no bug here (an unavailable ledger logs itself, one line a minute): the
+        caller gets its status and reason, so no traceback per request."""
+        if isinstance(value, GpushareError):
             return
         super().log_exception(typ, value, tb)
 
-    def fail(self, status: int, body: dict[str, Any]) -> None:
-        self.set_status(status)
-        self.set_header("Content-Type", "application/json")
-        self.finish(json.dumps(body))
+    def fail(self, error: GpushareError) -> None:
+        """Answer a refusal found here (the same as raising it)."""
+        write_error(self, error)
 
     @property
     def backend(self) -> Backend:
@@ -184,7 +170,7 @@ class GpushareHandler(APIHandler):
             else "a gpushare kernelspec, and none is installed (jupyter gpushare "
             "kernelspec install)"
         )
-        self.fail(400, _field_error("name", name, allowed))
+        self.fail(_field_error("name", name, allowed))
         return False
 
     async def inventory(self) -> tuple[list[Gpu], str | None]:
@@ -196,16 +182,15 @@ class GpushareHandler(APIHandler):
         404 (unknown) or 403 (another Jupyter server's kernel, on a shared cluster ledger)."""
         found = (await (await self.ledger()).snapshot()).find(allocation_id)
         if found is None:
-            self.fail(404, _not_found(allocation_id))
+            self.fail(AllocationNotFound(allocation_id))
             return None
         if not self.backend.may_touch(found.extra):
             self.fail(
-                403,
-                {
-                    "error": "not_permitted",
-                    "message": f"allocation {allocation_id!r} "
-                    "belongs to a kernel of another Jupyter server",
-                },
+                GpushareError(
+                    f"allocation {allocation_id!r} belongs to a kernel of another Jupyter server",
+                    code="not_permitted",
+                    status=403,
+                )
             )
             return None
         return found
@@ -256,7 +241,7 @@ class AllocationHandler(GpushareHandler):
             return None
         released = await (await self.ledger()).release(allocation_id)
         if released is None:
-            return self.fail(404, _not_found(allocation_id))
+            return self.fail(AllocationNotFound(allocation_id))
         actor = getattr(self.current_user, "username", None) or "REST"
         self.log.info(
             "gpushare: allocation %s (kernel %s) released over REST by %s",
@@ -268,7 +253,7 @@ class AllocationHandler(GpushareHandler):
             self.gpushare, allocation_id, None, self.settings.get("gpushare_agent_watch")
         )
         if problem is not None:  # released in the ledger; the agent is not there to see it
-            return self.fail(503, {"error": "not_applied", "message": problem})
+            return self.fail(_not_applied(problem))
         self.set_status(204)
         self.finish()
 
@@ -285,10 +270,7 @@ class AllocationHandler(GpushareHandler):
         if change is None:
             return None
         if not change:
-            return self.fail(
-                400,
-                {"error": "bad_json", "message": "give gpu_request, gpu_limit and/or gpu_memory"},
-            )
+            return self.fail(_bad_json("give gpu_request, gpu_limit and/or gpu_memory"))
         actor = getattr(self.current_user, "username", None) or "REST"
         if await self.own_allocation(allocation_id) is None:
             return None
@@ -301,21 +283,13 @@ class AllocationHandler(GpushareHandler):
                 actor,
                 self.log,
             )
-        except AllocationNotFound:
-            return self.fail(404, _not_found(allocation_id))
-        except ShareError as exc:
-            return self.fail(400, exc.to_json())
-        except (PlacementRefused, BelowUse) as exc:
-            return self.fail(409, exc.to_json())
-        except UsageUnknown as exc:
-            return self.fail(503, exc.to_json())
-        except LedgerConflict as exc:
-            return self.fail(503, {"error": "busy", "message": str(exc)})
+        except GpushareError as exc:  # unknown, bad share, no fit, below use, usage unknown, busy
+            return self.fail(exc)
         problem = await confirm_applied(
             self.gpushare, allocation_id, after, self.settings.get("gpushare_agent_watch")
         )
         if problem is not None:  # 200 only for a share the node agent enforces
-            return self.fail(503, {"error": "not_applied", "message": problem})
+            return self.fail(_not_applied(problem))
         self.finish(json.dumps(after.to_json()))
 
 
@@ -349,18 +323,16 @@ class KernelsHandler(GpushareHandler):
         unknown = sorted(set(body) - {"name", "path", "share"})
         if unknown:
             return self.fail(
-                400,
                 _field_error(
                     key_name(unknown[0]), body[unknown[0]], "known keys are name, path, share"
-                ),
+                )
             )
         if not await self.check_kernel_name(body.get("name")):
             return None
         path = body.get("path")
         if path is not None and not isinstance(path, str):
             return self.fail(
-                400,
-                _field_error("path", path, "a path under the server's root (a string), or absent"),
+                _field_error("path", path, "a path under the server's root (a string), or absent")
             )
         share = body.get("share")
         if share is None:
@@ -369,19 +341,19 @@ class KernelsHandler(GpushareHandler):
             spec = ShareSpec.from_mapping(share, defaults=self.gpushare.default_spec())
             gpus, problem = await self.inventory()
             if problem and not gpus:
-                return self.fail(409, {"error": "no_gpu", "message": problem})
+                return self.fail(GpushareError(problem, code="no_gpu", status=409))
             check_spec(spec, gpus, self.gpushare.aliases())
         except ShareError as exc:
-            return self.fail(400, exc.to_json())
+            return self.fail(exc)
         km = self.kernel_manager
         try:
             kernel_id = await km.start_kernel(
                 kernel_name=body.get("name"), path=body.get("path"), gpushare_share=share
             )
         except ShareRefused as exc:
-            return self.fail(exc.status_code, exc.body)
+            return self.fail(exc.error)
         except LedgerConflict as exc:
-            return self.fail(503, {"error": "busy", "message": str(exc)})
+            return self.fail(exc)
         model = await _maybe_await(km.kernel_model(kernel_id))
         allocation = await _allocation_of(self.gpushare, kernel_id)
         model["allocation"] = allocation.to_json() if allocation else None
@@ -408,16 +380,26 @@ async def _maybe_await(value: Any) -> Any:
 PROVISIONER = "gpushare-provisioner"
 
 
-def _field_error(field: str, value: object, allowed: str) -> dict[str, Any]:
-    """A 400 body for a request field outside the share (same shape as ShareError's)."""
+def _field_error(field: str, value: object, allowed: str) -> GpushareError:
+    """A request field outside the share, refused by name (400, the shape of ShareError's)."""
     shown = shown_value(value)
-    return {
-        "error": "invalid_request",
-        "field": field,
-        "value": shown,
-        "allowed": allowed,
-        "message": f"{field}={shown!r} is not allowed: {allowed}",
-    }
+    return GpushareError(
+        f"{field}={shown!r} is not allowed: {allowed}",
+        code="invalid_request",
+        status=400,
+        field=field,
+        value=shown,
+        allowed=allowed,
+    )
+
+
+def _bad_json(message: str) -> GpushareError:
+    return GpushareError(message, code="bad_json", status=400)
+
+
+def _not_applied(problem: str) -> GpushareError:
+    """Recorded in the ledger, not (yet) enforced by the node agent (see confirm_applied)."""
+    return GpushareError(problem, code="not_applied", status=503)
 
 
 def _json_int(text: str) -> int | str:
@@ -435,10 +417,6 @@ def _json_kind(value: object) -> str:
         int: "a number",
         float: "a number",
     }.get(type(value), type(value).__name__)
-
-
-def _not_found(allocation_id: str) -> dict[str, str]:
-    return {"error": "not_found", "message": f"no allocation {allocation_id!r}"}
 
 
 def handlers(base_url: str) -> list[tuple[str, type]]:

@@ -211,6 +211,10 @@ def test_pool_serves_two_warm_then_cold_and_refills(jupyter_server, gpushare_env
 
     owners = {a["kernel_id"]: a["owner"] for a in server.allocations()}
     assert owners[first] == owners[second] == owners[third] == "kernel"
+    # the session's notebook is recorded on the claimed share (jupyter gpushare status)
+    extras = {a["kernel_id"]: a["extra"] for a in server.allocations()}
+    assert extras[first]["notebook"] == str(server.root / "work" / "analysis.ipynb")
+    assert "notebook" not in extras[second]  # a plain kernel start: no notebook
     refilled = ready_ids(server, 2)  # the pool refills in the background
     assert not set(refilled) & {first, second, third}
     view = pool_view(server)

@@ -291,7 +291,7 @@ class PoolManager:
         # releases its share, so no flip needs undoing)
         applied, _allocation = await asyncio.gather(
             bind_session(warm.client, km, cwd, env, session_name),
-            provisioner.claim_from_pool(warm.pool),
+            provisioner.claim_from_pool(warm.pool, session_name),
         )
         provisioner.bind_cwd(cwd)  # paths resolve in the session's directory (resolvePath)
         # a restart of this kernel must look like the user's own start

@@ -73,7 +73,9 @@ nvmlDeviceGetGraphicsRunningProcesses_v3 nvmlDeviceGetMPSComputeRunningProcesses
 nvmlDeviceGetRunningProcessDetailList nvmlDeviceGetProcessUtilization
 nvmlDeviceGetProcessesUtilizationInfo nvmlDeviceGetAccountingMode nvmlDeviceGetFieldValues
 nvmlDeviceGetSupportedEventTypes nvmlEventSetCreate nvmlDeviceRegisterEvents
-nvmlEventSetWait_v2 nvmlEventSetFree
+nvmlEventSetWait_v2 nvmlEventSetFree nvmlDeviceGetCpuAffinity nvmlDeviceGetMemoryAffinity
+nvmlDeviceGetTopologyCommonAncestor nvmlDeviceGetTopologyNearestGpus nvmlSystemGetTopologyGpuSet
+nvmlDeviceGetP2PStatus
 """.split()
 
 
@@ -262,6 +264,13 @@ def test_each_product_answers_like_the_real_board(a100_and_t4: Any) -> None:
         with pytest.raises(nvml.NVMLError_Timeout):
             nvml.nvmlEventSetWait(events, 10)
         nvml.nvmlEventSetFree(events)
+    # topology (device plugins' aligned allocation, `nvidia-smi topo`): one node, PCIe peers
+    assert nvml.nvmlDeviceGetTopologyCommonAncestor(a100, a100) == nvml.NVML_TOPOLOGY_INTERNAL
+    assert nvml.nvmlDeviceGetTopologyCommonAncestor(a100, t4) == nvml.NVML_TOPOLOGY_NODE
+    assert len(nvml.nvmlSystemGetTopologyGpuSet(0)) == 2
+    assert nvml.nvmlDeviceGetP2PStatus(a100, t4, nvml.NVML_P2P_CAPS_INDEX_WRITE) == 0
+    assert nvml.nvmlDeviceGetP2PStatus(a100, t4, nvml.NVML_P2P_CAPS_INDEX_NVLINK) == 5
+    assert nvml.nvmlDeviceGetCpuAffinity(a100, 1)[0] & 1
     assert nvml.nvmlDeviceGetPowerManagementLimitConstraints(t4) == [60_000, 70_000]
     assert nvml.nvmlDeviceGetMaxClockInfo(t4, nvml.NVML_CLOCK_SM) == 1590
     assert nvml.nvmlDeviceGetMaxClockInfo(a100, nvml.NVML_CLOCK_MEM) == 1593

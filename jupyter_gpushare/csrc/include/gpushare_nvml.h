@@ -317,6 +317,22 @@ nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device,
                                       nvmlProcessesUtilizationInfo_v1_t *procesesUtilInfo);
 nvmlReturn_t nvmlDeviceGetAccountingMode(nvmlDevice_t device, int *mode);
 
+nvmlReturn_t nvmlDeviceGetCpuAffinity(nvmlDevice_t device, unsigned int cpuSetSize,
+                                      unsigned long *cpuSet);
+nvmlReturn_t nvmlDeviceGetCpuAffinityWithinScope(nvmlDevice_t device, unsigned int cpuSetSize,
+                                                 unsigned long *cpuSet, unsigned int scope);
+nvmlReturn_t nvmlDeviceGetMemoryAffinity(nvmlDevice_t device, unsigned int nodeSetSize,
+                                         unsigned long *nodeSet, unsigned int scope);
+nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device, unsigned int *node);
+nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1, nvmlDevice_t device2,
+                                                 int *pathInfo);
+nvmlReturn_t nvmlDeviceGetTopologyNearestGpus(nvmlDevice_t device, int level, unsigned int *count,
+                                              nvmlDevice_t *deviceArray);
+nvmlReturn_t nvmlSystemGetTopologyGpuSet(unsigned int cpuNumber, unsigned int *count,
+                                         nvmlDevice_t *deviceArray);
+nvmlReturn_t nvmlDeviceGetP2PStatus(nvmlDevice_t device1, nvmlDevice_t device2, int p2pIndex,
+                                    int *p2pStatus);
+
 /* -- clocks, power, thermals, errors, links, MIG, fields, events (simulator/nvml_telemetry.c) -- */
 nvmlReturn_t nvmlDeviceGetPowerState(nvmlDevice_t device, int *pState);
 nvmlReturn_t nvmlDeviceGetClock(nvmlDevice_t device, int clockType, int clockId,

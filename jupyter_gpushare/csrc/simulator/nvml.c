@@ -397,6 +397,106 @@ nvmlReturn_t nvmlDeviceGetConfComputeMemSizeInfo(nvmlDevice_t h,
     return not_supported(h, memInfo != NULL);
 }
 
+/* -- topology: one node, every GPU under the same NUMA node; SXM boards also reach each other
+ * over NVLink --------------------------------------------------------------------------------- */
+
+#define TOPOLOGY_INTERNAL 0  /* NVML_TOPOLOGY_INTERNAL: the same device */
+#define TOPOLOGY_NODE     40 /* NVML_TOPOLOGY_NODE: through the CPU's host bridges, one node */
+
+static nvmlReturn_t cpu_set(unsigned int size, unsigned long *set) {
+    if (!set || size == 0) return NVML_ERROR_INVALID_ARGUMENT;
+    long cpus = sysconf(_SC_NPROCESSORS_CONF);
+    unsigned bits = 8 * sizeof(unsigned long);
+    for (unsigned i = 0; i < size; i++) {
+        long first = (long)i * bits;
+        long n = cpus - first;
+        set[i] = n <= 0 ? 0 : (n >= (long)bits ? ~0ul : (1ul << n) - 1);
+    }
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetCpuAffinity(nvmlDevice_t h, unsigned int cpuSetSize,
+                                      unsigned long *cpuSet) {
+    SIM_NVML_DEVICE(h, d, 1);
+    return cpu_set(cpuSetSize, cpuSet);
+}
+
+nvmlReturn_t nvmlDeviceGetCpuAffinityWithinScope(nvmlDevice_t h, unsigned int cpuSetSize,
+                                                 unsigned long *cpuSet, unsigned int scope) {
+    SIM_NVML_DEVICE(h, d, scope <= 1);
+    return cpu_set(cpuSetSize, cpuSet);
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryAffinity(nvmlDevice_t h, unsigned int nodeSetSize,
+                                         unsigned long *nodeSet, unsigned int scope) {
+    SIM_NVML_DEVICE(h, d, nodeSet && nodeSetSize > 0 && scope <= 1);
+    memset(nodeSet, 0, nodeSetSize * sizeof *nodeSet);
+    nodeSet[0] = 1; /* NUMA node 0 */
+    return NVML_SUCCESS;
+}
+
+/* Only coherently attached GPUs (Grace Hopper) are NUMA nodes of their own. */
+nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t h, unsigned int *node) {
+    SIM_NVML_DEVICE(h, d, node);
+    return NVML_ERROR_NOT_SUPPORTED;
+}
+
+nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1, nvmlDevice_t device2,
+                                                 int *pathInfo) {
+    SIM_NVML_DEVICE(device1, d1, pathInfo);
+    SIM_NVML_DEVICE(device2, d2, 1);
+    *pathInfo = device1 == device2 ? TOPOLOGY_INTERNAL : TOPOLOGY_NODE;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetTopologyNearestGpus(nvmlDevice_t h, int level, unsigned int *count,
+                                              nvmlDevice_t *deviceArray) {
+    SIM_NVML_DEVICE(h, d, count && level >= 0);
+    unsigned n = 0;
+    for (int i = 0; i < sim_machine_count(); i++) {
+        if (&handles[i] == h || level < TOPOLOGY_NODE) continue;
+        if (deviceArray && n < *count) deviceArray[n] = &handles[i];
+        n++;
+    }
+    if (deviceArray && n > *count) {
+        *count = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlSystemGetTopologyGpuSet(unsigned int cpuNumber, unsigned int *count,
+                                         nvmlDevice_t *deviceArray) {
+    nvmlReturn_t r = sim_nvml_ready();
+    if (r) return r;
+    if (!count || cpuNumber >= (unsigned)sysconf(_SC_NPROCESSORS_CONF))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned n = (unsigned)sim_machine_count();
+    if (deviceArray) {
+        if (n > *count) {
+            *count = n;
+            return NVML_ERROR_INSUFFICIENT_SIZE;
+        }
+        for (unsigned i = 0; i < n; i++) deviceArray[i] = &handles[i];
+    }
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+/* index: 0 read, 1 write, 2 NVLink, 3 atomics, 4 prop (PCIe). Peers reach each other over PCIe
+ * (the simulated driver lets every pair access each other), over NVLink when both have it. */
+nvmlReturn_t nvmlDeviceGetP2PStatus(nvmlDevice_t device1, nvmlDevice_t device2, int p2pIndex,
+                                    int *p2pStatus) {
+    SIM_NVML_DEVICE(device1, d1, p2pStatus && p2pIndex >= 0 && p2pIndex <= 4);
+    SIM_NVML_DEVICE(device2, d2, 1);
+    int ok = device1 != device2;
+    if (p2pIndex == 2)
+        ok = ok && sim_product_of(d1->name)->nvlinks && sim_product_of(d2->name)->nvlinks;
+    *p2pStatus = ok ? 0 : 5; /* NVML_P2P_STATUS_OK, _NOT_SUPPORTED */
+    return NVML_SUCCESS;
+}
+
 /* -- memory ----------------------------------------------------------------------------------- */
 
 static void memory(struct sim_device *d, unsigned long long *total, unsigned long long *free_b,

@@ -1,4 +1,4 @@
-"""Inventory: the GPUs that exist (box 2 of DESIGN.md).
+"""Inventory: the GPUs that exist (DEVELOPING.md, box 2).
 
 A :class:`Gpu` is one physical (or simulated) device on one node. Type aliases (``A100``,
 ``H100``, ``T4``) map NVML product names and the ``nvidia.com/gpu.product`` node label to the

@@ -1,4 +1,4 @@
-"""Share spec: what a kernel asks for (box 1 of DESIGN.md).
+"""Share spec: what a kernel asks for (DEVELOPING.md, box 1).
 
 One immutable model, :class:`ShareSpec`, with one parser per entry point (kernelspec config, REST
 JSON, command-line flags) and one validator. Every refusal is a :class:`ShareError` that names the

@@ -1,4 +1,4 @@
-"""The cluster control point (box 12 of DESIGN.md): the only holder of Kubernetes rights.
+"""The cluster control point (DEVELOPING.md, box 12): the only holder of Kubernetes rights.
 
 Users' Jupyter servers call it over HTTP as their JupyterHub user; it places shares, writes the
 GpuLedgers, builds and creates kernel pods and their Secrets, watches and reconciles them.

@@ -1,6 +1,6 @@
 """What the active controller does for users: place shares, run kernel pods, resize, release.
 
-:class:`KernelService` is the only holder of the cluster rights (box 12 of DESIGN.md). It takes
+:class:`KernelService` is the only holder of the cluster rights (DEVELOPING.md, box 12). It takes
 an already-authenticated :class:`~.auth.HubUser` on every call and authorizes by the record: a
 user sees and changes only allocations whose ``user`` is their Hub name; Hub admins all.
 

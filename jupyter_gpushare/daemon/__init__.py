@@ -1,4 +1,4 @@
-"""The node daemon (box 6 of DESIGN.md): leases of GPU time and memory caps for the kernels of
+"""The node daemon (DEVELOPING.md, box 6): leases of GPU time and memory caps for the kernels of
 one node, enforced together with the interposer ``libgpushare.so`` (box 7).
 
 Modules: :mod:`.wire` (the versioned wire format, shared with ``gpushare_wire.h``),

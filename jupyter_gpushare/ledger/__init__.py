@@ -1,4 +1,4 @@
-"""Ledger: the single source of truth for allocations (box 3 of DESIGN.md).
+"""Ledger: the single source of truth for allocations (DEVELOPING.md, box 3).
 
 One primitive carries every change: :meth:`Ledger.compare_and_swap` replaces the allocations of
 one node if, and only if, that node's version is still the one the caller read. Reserving,

@@ -1,4 +1,4 @@
-"""The notebook side (box 9 of DESIGN.md): what a kernel shows and does about its own GPU share.
+"""The notebook side (DEVELOPING.md, box 9): what a kernel shows and does about its own GPU share.
 
 :mod:`.actions` (``status``, ``gpus``, ``release``, ``request``: plain Python, for scripts),
 :mod:`.panel` (the live ipywidgets panel with its Release button), :mod:`.magics` (``%gpushare``).

@@ -1,4 +1,4 @@
-"""What a kernel can do about its own GPU share, in plain Python (box 9 of DESIGN.md).
+"""What a kernel can do about its own GPU share, in plain Python (DEVELOPING.md, box 9).
 
 ``status()``, ``gpus()``, ``release()`` and ``request(...)`` are what the panel's Release button
 and the ``%gpushare`` magics call, and what scripts use (``jupyter_gpushare.status()``). They

@@ -1,4 +1,4 @@
-"""``%gpushare`` line magics (box 9 of DESIGN.md), loaded in gpushare kernels by
+"""``%gpushare`` line magics (DEVELOPING.md, box 9), loaded in gpushare kernels by
 ``--ext=jupyter_gpushare`` (``GpuShare.extra_kernel_args``) or ``%load_ext jupyter_gpushare``.
 
 ``%gpushare status`` · ``%gpushare gpus`` · ``%gpushare release`` ·

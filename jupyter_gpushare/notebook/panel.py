@@ -1,4 +1,4 @@
-"""The live GPU panel: ``jupyter_gpushare.panel()`` (box 9 of DESIGN.md).
+"""The live GPU panel: ``jupyter_gpushare.panel()`` (DEVELOPING.md, box 9).
 
 An ipywidgets ``VBox`` showing this kernel's share (GPU type and UUID, request / limit, achieved
 share over the daemon's window, memory used / cap, time spent waiting for its turn on the GPU),

@@ -1,4 +1,4 @@
-"""Placement: where a share goes (box 4 of DESIGN.md). Pure functions over plain data.
+"""Placement: where a share goes (DEVELOPING.md, box 4). Pure functions over plain data.
 
 Interface (stable; the engine behind it may grow):
 

@@ -1,4 +1,4 @@
-"""The Jupyter server extension (box 10 of DESIGN.md): config, REST API and reconciliation.
+"""The Jupyter server extension (DEVELOPING.md, box 10): config, REST API and reconciliation.
 
 On load it creates the :class:`~jupyter_gpushare.config.GpuShare` settings from the server's
 config, discovers this machine's GPUs (or simulated ones) and publishes them to the ledger,

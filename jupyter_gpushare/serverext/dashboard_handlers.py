@@ -1,4 +1,4 @@
-"""REST behind the JupyterLab GPU dashboard (box 10 of DESIGN.md).
+"""REST behind the JupyterLab GPU dashboard (DEVELOPING.md, box 10).
 
 ``GET /gpushare/api/dashboard`` — the node's (or, on Kubernetes, the cluster's) GPUs and the
 shares on each, with live use: per GPU its type, memory, reserved and free capacity and the sum

@@ -1,4 +1,4 @@
-"""REST endpoints the JupyterLab extension needs beyond the core API (box 10 of DESIGN.md).
+"""REST endpoints the JupyterLab extension needs beyond the core API (DEVELOPING.md, box 10).
 
 ``GET /gpushare/api/usage`` — live use of each allocation, as the node daemons measure it
 (achieved share over the daemon's window, memory in use, idle time …). The Lab status bar polls

@@ -1,4 +1,4 @@
-/* gs.h - internals of libgpushare.so, the CUDA interposer (box 7 of DESIGN.md).
+/* gs.h - internals of libgpushare.so, the CUDA interposer (DEVELOPING.md, box 7).
  *
  * Files: dispatch.c (real symbols, dlsym and cuGetProcAddress); leases: admit.c (the slow path:
  * waiting for a lease, joining it, fail static), runahead.c (queued device time: marks, backlog,

@@ -18,7 +18,6 @@ import ctypes
 import mmap
 import os
 import subprocess
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,10 +42,6 @@ def nvml_library() -> Path:
 def cuda_library() -> Path:
     """The simulated CUDA driver."""
     return sim_lib_dir() / "libcuda.so.1"
-
-
-def is_built() -> bool:
-    return cuda_library().exists() and nvml_library().exists()
 
 
 def build(target: str = "all") -> None:
@@ -189,11 +184,6 @@ class SimDevice:
     busy_total_ns: int  # all kernel time ever scheduled on it
     busy_until_ns: int  # CLOCK_MONOTONIC instant its last scheduled kernel ends
     launches: int
-
-    def busy_done_ns(self, now_ns: int | None = None) -> int:
-        """Kernel time completed by ``now_ns`` (work ahead of now is one contiguous stretch)."""
-        now_ns = time.monotonic_ns() if now_ns is None else now_ns
-        return max(0, self.busy_total_ns - max(0, self.busy_until_ns - now_ns))
 
 
 @dataclass(frozen=True)

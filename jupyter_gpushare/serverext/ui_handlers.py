@@ -23,13 +23,7 @@ from jupyter_server.auth.decorator import authorized
 from jupyter_server.utils import url_path_join
 from tornado import web
 
-from ..usage import USAGE_KEYS
 from .handlers import GpushareHandler
-
-
-def usage_from_status(status: dict[str, Any]) -> list[dict[str, Any]]:
-    """The per-allocation part of a daemon status answer, in the REST shape."""
-    return [{k: a.get(k) for k in USAGE_KEYS} for a in status.get("allocations", [])]
 
 
 class UsageHandler(GpushareHandler):

@@ -825,8 +825,12 @@ class NodeAgent:
             for a in [*(container.get("command") or []), *(container.get("args") or [])]
         ]
         # Every pod here shares this machine's network (podIP 127.0.0.1): a fixed port such as
-        # the node daemon's metrics port would collide between nodes, so it gets a free one.
-        argv = [METRICS_PORT.sub("--metrics-port=-1", a) for a in argv]
+        # the node daemon's metrics port would collide between nodes, so it gets a free one,
+        # on loopback (not every address of this shared machine).
+        argv = [
+            "--metrics-host=127.0.0.1" if a.startswith("--metrics-host=") else a
+            for a in (METRICS_PORT.sub("--metrics-port=-1", a) for a in argv)
+        ]
         if argv and argv[0] == "python":
             argv[0] = sys.executable
         elif argv and shutil.which(argv[0], path=str(Path(sys.executable).parent)):

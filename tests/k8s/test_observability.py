@@ -5,6 +5,7 @@ dashboard in deploy/grafana asks only for series the daemon exports, by labels i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -149,6 +150,56 @@ def test_metrics_name_the_kernel_pod_user_and_gpu(
         if name.startswith("gpushare_daemon_"):
             want = {"Hostname"}
         assert all(set(s.labels) == want for s in samples), (name, samples)
+
+
+async def test_the_node_daemon_names_a_kernel_pod_in_its_metrics(
+    control_plane: Any, node_agent: Path, jupyter_server_factory: Any
+) -> None:
+    """End to end on the cluster: a kernel started through the Jupyter server runs in its pod,
+    and the DaemonSet's daemon on that node exports its share labelled with the pod, the
+    namespace, the kernel id, the record's user and the GPU."""
+    from cluster import NAMESPACE, node_daemon_socket
+    from test_kernels import admin, eventually, kernel_pods, kernel_records, shut_down
+
+    kube = await admin(control_plane)
+    server = jupyter_server_factory()
+    reply = await asyncio.to_thread(
+        server.request,
+        "POST",
+        "/gpushare/api/kernels",
+        json={"name": "gpushare-k8s-t4", "share": {"gpu_request": 0.3, "gpu_limit": 0.5}},
+    )
+    assert reply.status_code == 201, reply.text
+    kernel = reply.json()["id"]
+    try:
+        [record] = await kernel_records(kube, kernel)
+        [pod] = await kernel_pods(kube, kernel)
+        client = DaemonClient(str(node_daemon_socket(node_agent, record.node)))
+
+        async def labelled() -> Any:
+            series = await asyncio.to_thread(scrape, client)
+            found = [
+                s
+                for s in series.get("gpushare_allocation_request", [])
+                if s.labels["allocation"] == record.id
+            ]
+            return found[0] if found else None
+
+        sample = await eventually(labelled, 30, "the kernel's share in the daemon's metrics")
+        assert sample.value == pytest.approx(0.3)
+        assert sample.labels == {
+            "allocation": record.id,
+            "kernel_id": kernel,
+            "user": record.user,
+            "pod": pod["metadata"]["name"],
+            "namespace": NAMESPACE,
+            "gpu": sample.labels["gpu"],  # the simulated NVML's index on that node
+            "UUID": record.gpus[0],
+            "Hostname": record.node,
+        }
+        assert record.user and sample.labels["gpu"].isdigit()
+    finally:
+        await shut_down(server, kube, kernel)
 
 
 # -- the Grafana dashboard ----------------------------------------------------------------------

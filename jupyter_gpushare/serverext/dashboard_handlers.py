@@ -15,7 +15,10 @@ for the endpoint at all) sees this server's user's own shares whole and everyone
 capacity only (``mine: false``, no id, user, path, command, kernel or live use) — enough to see
 what is free. jupyter_server's default Authorizer allows everything, so on a one-person server
 its user is the admin; a deployment with several identities grants ``gpushare_admin`` to its
-admins only.
+admins only. Where every user's server reads one cluster ledger (Kubernetes), other servers'
+shares stay capacity only even for such an admin unless ``GpushareDashboard.show_other_servers``
+is set: JupyterHub's single-user Authorizer allows every action to a server's owner, so without
+that switch every user would see everyone's notebooks.
 
 ``GET /gpushare/api/starts`` — this server's kernel starts under way and those that ended in the
 last minute, with their phase (placing, placed, launching, scheduling, pulling, starting, ready,
@@ -35,6 +38,8 @@ from typing import Any
 from jupyter_server.auth.decorator import authorized
 from jupyter_server.utils import url_path_join
 from tornado import web
+from traitlets import Bool
+from traitlets.config import Configurable
 
 from ..backends import Backend
 from ..daemon.ledger_ops import REDACTED_KEY, UID_KEY
@@ -46,6 +51,21 @@ from .handlers import GpushareHandler, gpu_usage
 
 #: The Authorizer resource whose ``read`` lets a viewer see every user's shares whole.
 ADMIN_RESOURCE = "gpushare_admin"
+
+
+class GpushareDashboard(Configurable):
+    """What the GPU dashboard (``GET /gpushare/api/dashboard``) shows."""
+
+    show_other_servers = Bool(
+        False,
+        config=True,
+        help="Where every user's Jupyter server reads one cluster ledger (Kubernetes): show "
+        "the shares of other servers' kernels whole (user, notebook, live use) to viewers the "
+        "Authorizer allows 'read' on 'gpushare_admin'. Off: they show as capacity only to "
+        "everyone. Leave off under JupyterHub unless its Authorizer grants 'gpushare_admin' to "
+        "admins only (the default single-user Authorizer allows every action to a server's "
+        "owner).",
+    )
 
 
 def owned_here(backend: Backend) -> Callable[[Allocation], bool]:
@@ -123,12 +143,13 @@ def dashboard(
     *,
     admin: bool,
     own: Callable[[Allocation], bool],
+    visible: Callable[[Allocation], bool] = lambda _a: True,
     paths: Mapping[str, str],
     simulated: bool,
     now: float | None = None,
 ) -> dict[str, Any]:
     """The dashboard's body (pure): every GPU with the shares on it, as the viewer may see
-    them."""
+    them: ``own`` records whole; with ``admin`` also the others that are ``visible``."""
     rows = gpu_usage(gpus, allocations)
     by_id = {a.id: a for a in allocations}
     out_gpus = []
@@ -140,7 +161,7 @@ def dashboard(
         for allocation_id in row["allocations"]:
             a = by_id[allocation_id]
             mine = own(a)
-            whole = admin or mine
+            whole = mine or (admin and visible(a))
             entry = share_entry(a, usage.get(a.id), mine=mine, whole=whole, paths=paths)
             if whole and entry["achieved_share"] is not None:
                 per_gpu = entry["achieved_share"] / max(1, len(a.gpus))
@@ -189,6 +210,14 @@ class DashboardHandler(GpushareHandler):
             allowed = await allowed
         return bool(allowed)
 
+    def admin_may_see(self) -> Callable[[Allocation], bool]:
+        """Which records an admin sees whole: all on a machine's ledger; on a ledger that many
+        servers share, this server's own unless ``GpushareDashboard.show_other_servers``."""
+        backend = self.backend
+        if backend.server_id() is None or GpushareDashboard(config=self.config).show_other_servers:
+            return lambda _a: True
+        return lambda a: backend.may_touch(a.extra)
+
     async def session_paths(self) -> dict[str, str]:
         """This server's sessions: kernel id -> notebook (or console) path."""
         try:
@@ -216,6 +245,7 @@ class DashboardHandler(GpushareHandler):
             usage,
             admin=admin,
             own=owned_here(self.backend),
+            visible=self.admin_may_see(),
             paths=await self.session_paths(),
             simulated=bool(settings.simulated or any(g.simulated for g in gpus)),
         )

@@ -153,6 +153,8 @@ export interface IStart {
   since: number;
   updated: number;
   ended: boolean;
+  /** The phases seen so far, in order, with the words reported for each. */
+  steps?: { phase: string; message: string; at: number }[];
 }
 
 export class GpushareAPI {

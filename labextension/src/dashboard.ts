@@ -399,10 +399,11 @@ export class GpuDashboard extends Widget {
       card.append(el('p', '', 'No share on this GPU: all of it is free.'));
       return card;
     }
+    // two columns, so it reads in a narrow side bar: who and what | share, use, memory
     const table = el('table', 'jp-gpushare-shares');
     const caption = el('caption', '', `Shares on ${gpu.type} #${gpu.index}`);
     const head = el('tr');
-    for (const h of ['Whose', 'Notebook or command', 'Request', 'Limit', 'Using', 'Memory']) {
+    for (const h of ['Whose, notebook or command', 'Request–limit, using, memory']) {
       const th = el('th', '', h);
       th.scope = 'col';
       head.append(th);
@@ -415,21 +416,24 @@ export class GpuDashboard extends Widget {
         row.dataset.allocation = share.id;
       }
       const using =
-        share.id === undefined ? '–' : share.metered ? formatPercent(share.achieved_share) : 'not measured';
+        share.id === undefined
+          ? 'use not shown'
+          : share.metered
+            ? `using ${formatPercent(share.achieved_share)}`
+            : 'use not measured';
       const memory =
         share.memory_used !== null && share.memory_used !== undefined
           ? `${formatBytes(share.memory_used)} / ${formatBytes(share.memory_cap)}`
-          : formatBytes(share.memory_cap);
-      for (const text of [
-        whose(share),
-        what(share),
-        formatPercent(share.request),
-        formatPercent(share.limit),
-        using,
-        memory
-      ]) {
-        row.append(el('td', '', text));
-      }
+          : `up to ${formatBytes(share.memory_cap)}`;
+      const who = el('td');
+      who.append(el('div', 'jp-gpushare-whose', whose(share)), el('div', '', what(share)));
+      const numbers = el('td');
+      numbers.append(
+        el('div', '', formatRange(share.request, share.limit)),
+        el('div', '', using),
+        el('div', '', memory)
+      );
+      row.append(who, numbers);
       table.tBodies[0].append(row);
     }
     card.append(table);

@@ -131,7 +131,8 @@ export class ProgressBody extends Widget {
     const reached = PHASES.findIndex(([p]) => p === current?.phase);
     list.replaceChildren();
     for (const [index, [phase, words]] of PHASES.entries()) {
-      if ((phase === 'scheduling' || phase === 'pulling') && !this.progress.seen.includes(phase)) {
+      const seen = current?.steps?.map(step => step.phase) ?? this.progress.seen;
+      if ((phase === 'scheduling' || phase === 'pulling') && !seen.includes(phase)) {
         continue; // Kubernetes only
       }
       const item = document.createElement('li');

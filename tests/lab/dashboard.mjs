@@ -5,8 +5,9 @@
 // last stdout line is a JSON object of what was seen.
 import { chromium } from 'playwright-core';
 
-const { LAB_URL, LAB_TOKEN, ARTIFACTS, CHROMIUM } = process.env;
+const { LAB_URL, ARTIFACTS, CHROMIUM } = process.env;
 const params = JSON.parse(process.env.PARAMS || '{}');
+const LAB_TOKEN = params.token || process.env.LAB_TOKEN; // whose browser this is
 const tag = params.theme.includes('Dark') ? 'dark' : 'light';
 const seen = { theme: params.theme };
 
@@ -39,10 +40,14 @@ const rest = async (path, init = {}) => {
 };
 
 // the theme, through Lab's settings API, before the page loads
-await rest('/lab/api/settings/@jupyterlab/apputils-extension:themes', {
+const themed = await fetch(`${LAB_URL}/lab/api/settings/@jupyterlab/apputils-extension:themes`, {
   method: 'PUT',
+  headers: { Authorization: `token ${LAB_TOKEN}`, 'Content-Type': 'application/json' },
   body: JSON.stringify({ raw: JSON.stringify({ theme: params.theme }) })
 });
+if (!themed.ok) {
+  throw new Error(`setting the theme: ${themed.status} ${await themed.text()}`);
+}
 
 const browser = await chromium.launch({
   executablePath: CHROMIUM,
@@ -220,11 +225,13 @@ try {
     const m = facts && /Using now\s*(\d+) %/.exec(facts.textContent);
     return !!m && Number(m[1]) > 0;
   });
-  await board.locator('tr', { hasText: params.otherUser }).waitFor();
+  await board.locator('table.jp-gpushare-shares tbody tr').nth(1).waitFor();
   await page.waitForTimeout(4500); // two more samples: the charts draw a line
   seen.dashboardKernel = await board.locator('.jp-gpushare-this-kernel').innerText();
   seen.dashboardRows = await board.locator('table.jp-gpushare-shares tbody tr').allInnerTexts();
   seen.dashboardHeadings = await board.locator('h2, h3, h4').allInnerTexts();
+  seen.dashboardNote = await board.locator('.jp-gpushare-note').innerText();
+  seen.dashboardText = await board.innerText();
   seen.chartLabels = await board.locator('svg text').allTextContents();
   seen.legends = await board.locator('.jp-gpushare-legend').allInnerTexts();
   seen.polylines = await board.locator('svg polyline').count();

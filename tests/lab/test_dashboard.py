@@ -5,9 +5,10 @@ Per theme: a refused pick shows its explanation readably; a pick that fits start
 phases reported by the server; the Kernel menu and the notebook toolbar carry release, restart
 with a new share and the dashboard; Enter on the status-bar item opens the dashboard, which shows
 this kernel's share live (no notebook cell is added) and the GPU with both users' shares (the
-server's default Authorizer makes this viewer an admin: another Unix user's ``gpushare run``
-share is listed with its user and command); the charts have axes, scale and legends; its buttons
-are reachable with Tab; Escape in the picker leaves the notebook without a kernel, quietly.
+server's Authorizer makes ada an admin: she sees another Unix user's ``gpushare run`` share
+with its user and command; uma, a user, sees it as capacity only); the charts have axes, scale
+and legends; its buttons are reachable with Tab; Escape in the picker leaves the notebook without
+a kernel, quietly.
 Every text of the picker, the progress dialog, the status bar and the dashboard has a WCAG AA
 contrast of at least 4.5:1 on its background (computed in the page). Screenshots:
 test-artifacts/lab/<test>/<theme>-*.png.
@@ -23,7 +24,7 @@ from typing import Any
 import pytest
 from labdriver import LabServer, driver_missing, run_driver
 from support import ARTIFACTS
-from test_dashboard_api import COMMAND, _record_other_users_share
+from test_dashboard_api import COMMAND, IDENTITIES, _record_other_users_share
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -58,7 +59,14 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LabServer, d
     env.pop("GPUSHARE_SIMULATE", None)
     for source in (REPO / "kernelspecs").iterdir():
         shutil.copytree(source, tmp / "data" / "kernels" / source.name)
-    server = LabServer(env, "1xA100,1xT4").start(timeout=90)
+    (tmp / "twoids.py").write_text(IDENTITIES)  # ada (admin) and uma (a user), by token
+    env["PYTHONPATH"] = f"{tmp}:{env.get('PYTHONPATH', '')}"
+    server = LabServer(
+        env,
+        "1xA100,1xT4",
+        "--ServerApp.identity_provider_class=twoids.TwoTokens",
+        "--ServerApp.authorizer_class=twoids.AdaIsAdmin",
+    ).start(timeout=90)
     holder = subprocess.Popen(["sleep", "900"])
     try:
         wait_for(lambda: server.get("/gpushare/api/gpus").json()["gpus"] or None, timeout=60)
@@ -76,9 +84,14 @@ def _low(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r["ratio"] < AA]
 
 
-@pytest.mark.parametrize("theme", ["JupyterLab Light", "JupyterLab Dark"])
-def test_dashboard_and_messages_in_theme(lab: Any, theme: str) -> None:
+#: the light theme as ada, whom the Authorizer makes an admin; the dark one as uma, a user
+VIEWS = [("JupyterLab Light", "tok-ada"), ("JupyterLab Dark", "tok-uma")]
+
+
+@pytest.mark.parametrize(("theme", "token"), VIEWS)
+def test_dashboard_and_messages_in_theme(lab: Any, theme: str, token: str) -> None:
     server, _env = lab
+    admin = token == "tok-ada"
     tag = "dark" if "Dark" in theme else "light"
     artifacts = ARTIFACTS / "lab" / "dashboard"
     artifacts.mkdir(parents=True, exist_ok=True)
@@ -89,6 +102,7 @@ def test_dashboard_and_messages_in_theme(lab: Any, theme: str) -> None:
         artifacts,
         timeout=400,
         theme=theme,
+        token=token,
         kernelLabel=spec["spec"]["display_name"],
         otherUser="gs-bob",
     )
@@ -130,10 +144,17 @@ def test_dashboard_and_messages_in_theme(lab: Any, theme: str) -> None:
     kernel = seen["dashboardKernel"]
     assert "A100 #0" in kernel and "25–50 % of the GPU" in kernel
     assert "Using now" in kernel and "Memory" in kernel
-    # the GPU: both users' shares (an admin's view), whose and what
+    # the GPU: both users' shares; whose and what for the admin, capacity only for a user
     rows = seen["dashboardRows"]
-    assert any("gs-bob" in r and " ".join(COMMAND) in r for r in rows), rows
+    assert len(rows) >= 2, rows
     assert any("(you)" in r and ".ipynb" in r for r in rows), rows
+    if admin:
+        assert "every user" in seen["dashboardNote"]
+        assert any("gs-bob" in r and " ".join(COMMAND) in r for r in rows), rows
+    else:
+        assert "your own shares" in seen["dashboardNote"]
+        assert any("another user" in r and "(hidden)" in r and "25–50 %" in r for r in rows)
+        assert "gs-bob" not in seen["dashboardText"] and "train.py" not in seen["dashboardText"]
     # plots with axes, scale and legends
     labels = seen["chartLabels"]
     for tick in ("0 %", "50 %", "100 %", "−2 min", "now"):

@@ -37,12 +37,17 @@ IDENTITIES = textwrap.dedent('''
     TOKENS = {"tok-ada": "ada", "tok-uma": "uma"}
 
     class TwoTokens(IdentityProvider):
-        """ada and uma by their tokens; the test helper's own token as before."""
+        """ada and uma by their tokens (header, or ?token= for a browser, which then keeps the
+        login cookie); the test helper's own token as before."""
 
         def get_user(self, handler):
             given = handler.request.headers.get("Authorization", "").removeprefix("token ")
+            given = given or handler.get_argument("token", "")
             if given in TOKENS:
-                return User(username=TOKENS[given])
+                user = User(username=TOKENS[given])
+                handler._token_authenticated = True  # as jupyter_server's own token (no XSRF)
+                self.set_login_cookie(handler, user)
+                return user
             return super().get_user(handler)
 
     class AdaIsAdmin(Authorizer):
@@ -261,3 +266,55 @@ def test_start_phases_are_reported_in_order() -> None:
         "status": {"containerStatuses": [{"state": {"running": {}}}]},
     }
     assert pod_phase(running) == ("starting", "running on gpu-1")
+
+
+def test_shared_ledger_hides_other_servers_even_from_an_admin_unless_configured() -> None:
+    """The body (pure): on a ledger many servers share, another server's share is capacity only
+    for everyone unless the admin may see other servers (``show_other_servers``); a share the
+    node agent redacted is never anyone's own."""
+    from jupyter_gpushare.serverext.dashboard_handlers import dashboard
+    from jupyter_gpushare.usage import UsageView
+
+    gpu = Gpu(node="n1", uuid="GPU-1", index=0, name="NVIDIA A100", type="A100", memory=80 << 30)
+
+    def share(aid: str, server: str, **extra: Any) -> Allocation:
+        return Allocation(
+            id=aid,
+            node="n1",
+            gpus=("GPU-1",),
+            spec=ShareSpec.from_mapping({"gpu_request": 0.25, "gpu_limit": 0.5}),
+            memory=20 << 30,
+            kernel_id=f"k-{aid}",
+            user=f"user-{aid}",
+            extra={"k8s_server": server, "path": f"{aid}.ipynb", **extra},
+        )
+
+    records = [
+        share("a-mine", "me"),
+        share("a-theirs", "them"),
+        share("a-red", "me", redacted=True),
+    ]
+    usage = UsageView("kubernetes", {"a-theirs": {"achieved_share": 0.2, "memory_used": 1}})
+
+    def body(admin: bool, show_others: bool) -> dict[str, Any]:
+        here = lambda a: a.extra.get("k8s_server") == "me"  # noqa: E731
+        return dashboard(
+            [gpu],
+            records,
+            usage,
+            admin=admin,
+            own=lambda a: here(a) and not a.extra.get("redacted"),
+            visible=(lambda _a: True) if show_others else here,
+            paths={},
+            simulated=False,
+        )
+
+    def ids(b: dict[str, Any]) -> list[str | None]:
+        return sorted(s.get("id") or "-" for s in b["gpus"][0]["shares"])
+
+    assert ids(body(admin=False, show_others=True)) == ["-", "-", "a-mine"]
+    assert ids(body(admin=True, show_others=False)) == ["-", "a-mine", "a-red"]
+    assert ids(body(admin=True, show_others=True)) == ["a-mine", "a-red", "a-theirs"]
+    hidden = json.dumps(body(admin=True, show_others=False))
+    assert "user-a-theirs" not in hidden and "a-theirs.ipynb" not in hidden
+    assert body(admin=False, show_others=False)["gpus"][0]["free_request"] == 0.25

@@ -146,7 +146,7 @@
   font-size: var(--jp-ui-font-size1);
   padding: 8px 12px;
   overflow-y: auto;
-  min-width: 460px;
+  min-width: 260px;
 }
 
 .jp-gpushare-dashboard:focus-visible,
@@ -336,6 +336,14 @@
   padding: 2px 6px;
   border-bottom: 1px solid var(--jp-border-color2);
   overflow-wrap: anywhere;
+}
+
+.jp-gpushare-shares td {
+  vertical-align: top;
+}
+
+.jp-gpushare-whose {
+  font-weight: bold;
 }
 
 .jp-gpushare-shares tr.jp-mod-mine td:first-child {

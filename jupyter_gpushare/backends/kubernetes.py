@@ -22,10 +22,11 @@ from typing import Any
 
 from ..controller.backend import ControllerKernelBackend
 from ..controller.client import close_controller_context, controller_context
+from ..controller.usage import ControllerModeUsage
 from ..inventory import Gpu
 from ..k8s.backend import KubernetesKernelBackend, close_context, kube_context
 from ..k8s.config import KubernetesBackendConfig
-from ..k8s.usage import ControllerModeUsage, server_usage
+from ..k8s.usage import server_usage
 from ..ledger import Ledger
 from ..usage import UsageSource
 from .base import Backend, KernelBackend

@@ -38,6 +38,7 @@ from typing import Any
 from ..k8s.client import ApiException, Kube
 from ..k8s.usage import FORMAT, NodeUsage, view_of
 from ..usage import UsageSource, UsageView
+from .client import controller_context
 from .errors import bad_request, forbidden, unauthorized, unavailable
 
 log = logging.getLogger("jupyter_gpushare.controller")
@@ -212,7 +213,30 @@ def view_from_json(data: Mapping[str, Any]) -> UsageView:
     )
 
 
+class ControllerModeUsage:
+    """Controller mode: the server holds no Kubernetes rights; it reads the usage of its
+    user's allocations from the controller (``GET /api/usage``), which the node daemons report
+    to (this module). ``config``: the server's
+    ``KubernetesBackendConfig`` (the controller's URL and the Hub token)."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    async def read(self, fresh: bool = False) -> UsageView:
+        try:
+            remote = await controller_context(self.config)
+            return view_from_json(await remote.client.request("GET", "/api/usage", retry=False))
+        except Exception as exc:  # the controller away: say so, kernels keep running
+            return UsageView(
+                "kubernetes", message=f"usage could not be read from the controller: {exc}"
+            )
+
+    async def changed(self) -> None:
+        """Nothing to do: node daemons watch their GpuLedger."""
+
+
 __all__ = [
+    "ControllerModeUsage",
     "NodeAuth",
     "NodeReports",
     "check_report",

@@ -5,8 +5,8 @@ Two ways, chosen by the daemon's environment:
 - **controller mode** (``$GPUSHARE_CONTROLLER_URL`` set; recommended): the daemon sends its
   report to the cluster controller (:class:`ControllerReporter`, authenticated with its
   service-account token), which keeps it in memory; servers read their users' usage with the
-  controller's ``GET /api/usage`` (:class:`ControllerModeUsage`). etcd sees none of it (why:
-  :mod:`jupyter_gpushare.controller.usage`);
+  controller's ``GET /api/usage`` (:class:`~jupyter_gpushare.controller.usage.
+  ControllerModeUsage`). etcd sees none of it (why: :mod:`jupyter_gpushare.controller.usage`);
 - **direct mode**: the ConfigMaps below.
 
 The server cannot reach a node daemon's unix socket in a cluster, yet idle reclaim, the below-use
@@ -518,31 +518,6 @@ class KubernetesUsage:
         """Nothing to do: node daemons watch their GpuLedger and apply changes themselves."""
 
 
-class ControllerModeUsage:
-    """Controller mode: the server holds no Kubernetes rights; it reads the usage of its
-    user's allocations from the controller (``GET /api/usage``), which the node daemons report
-    to (:mod:`jupyter_gpushare.controller.usage`). ``config``: the server's
-    ``KubernetesBackendConfig`` (the controller's URL and the Hub token)."""
-
-    def __init__(self, config: Any) -> None:
-        self.config = config
-
-    async def read(self, fresh: bool = False) -> UsageView:
-        from ..controller.client import controller_context
-        from ..controller.usage import view_from_json
-
-        try:
-            remote = await controller_context(self.config)
-            return view_from_json(await remote.client.request("GET", "/api/usage", retry=False))
-        except Exception as exc:  # the controller away: say so, kernels keep running
-            return UsageView(
-                "kubernetes", message=f"usage could not be read from the controller: {exc}"
-            )
-
-    async def changed(self) -> None:
-        """Nothing to do: node daemons watch their GpuLedger."""
-
-
 _sources: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, KubernetesUsage] = (
     weakref.WeakKeyDictionary()
 )
@@ -559,7 +534,6 @@ def server_usage(kube: Kube, namespace: str) -> KubernetesUsage:
 
 
 __all__ = [
-    "ControllerModeUsage",
     "ControllerReporter",
     "KubernetesUsage",
     "NodeUsage",

@@ -14,7 +14,8 @@ Two runs:
    - ``requests_per_kernel_start``: kernel starts through the controller (place + record +
      Secret + Pod + the record's pod fields), per start; a user's server makes none in
      controller mode;
-   - ``requests_per_idle_server_minute`` / ``bytes_per_idle_server_minute``: ``--servers``
+   - ``requests_per_idle_server_minute`` / ``bytes_per_idle_server_minute`` (bodies sent and
+     received by the controller's client, watch events included: :class:`WireBytes`): ``--servers``
      simulated servers heartbeating every 10 s and half as many open tabs polling
      ``/api/allocations``, ``/api/usage`` and ``/api/kernels/{id}`` every 2 s, for ``--window``
      seconds, while every node's daemon reports its usage to the controller every 2 s (their
@@ -43,6 +44,7 @@ import argparse
 import asyncio
 import gc
 import json
+import logging
 import random
 import statistics
 import sys
@@ -157,6 +159,8 @@ NOT_OURS = {
     "resourcequotas",
     "limitranges",
     "endpoints",
+    "flowschemas",  # the API server's priority-and-fairness configuration
+    "prioritylevelconfigurations",
     "",  # /metrics, /healthz
 }
 
@@ -167,6 +171,29 @@ def counted(before: dict, after: dict) -> dict[tuple[str, str], int]:
         for k, v in after.items()
         if v != before.get(k, 0) and k[1] not in NOT_OURS and k[0] != "WATCH"
     }
+
+
+class WireBytes:
+    """Body bytes a :class:`Kube` sends and receives (requests, responses, watch events),
+    counted by the aiohttp session underneath it: ``apiserver_response_sizes`` in this API
+    server covers reads only."""
+
+    def __init__(self, kube: Kube) -> None:
+        import aiohttp
+
+        self.total = 0
+        trace = aiohttp.TraceConfig()
+        trace.on_request_chunk_sent.append(self._sent)
+        trace.on_response_chunk_received.append(self._received)
+        trace.freeze()
+        session: Any = kube.api.rest_client.pool_manager
+        session._trace_configs.append(trace)
+
+    async def _sent(self, _session: Any, _ctx: Any, params: Any) -> None:
+        self.total += len(params.chunk)
+
+    async def _received(self, _session: Any, _ctx: Any, params: Any) -> None:
+        self.total += len(params.chunk)
 
 
 def p99(values: list[float]) -> float:
@@ -234,6 +261,7 @@ async def apiserver_run(plane: ControlPlane, args: argparse.Namespace) -> dict[s
     rng = random.Random(7)
     admin = await connect(str(plane.kubeconfig("admin")))
     kube = await connect(str(plane.kubeconfig("controller")))
+    wire = WireBytes(kube)
     nodes = [f"sim-{n:04d}" for n in range(args.nodes)]
     # ledgers and usage ConfigMaps as the node daemons and earlier starts left them
     core: Any = admin.core
@@ -360,37 +388,40 @@ async def apiserver_run(plane: ControlPlane, args: argparse.Namespace) -> dict[s
             dict,
             REPORT_S,
         )
-        for node in nodes
+        for node in nodes[: args.report_nodes]
     ]
 
     async def reporting(reporter: ControllerReporter) -> None:
         await asyncio.sleep(rng.uniform(0, REPORT_S))
         while time.monotonic() < deadline:
-            await reporter.publish_once()
+            await reporter.run_once()  # a failure is logged and counted, as in the daemon
             await asyncio.sleep(REPORT_S)
 
-    before, before_bytes = await asyncio.to_thread(metrics, plane)
+    before, _ = await asyncio.to_thread(metrics, plane)
+    wire_before = wire.total
     await asyncio.gather(
         *(heartbeat(s, t) for s, t in servers),
         *(tab() for _ in range(args.servers // 2)),
         *(reporting(r) for r in reporters),
     )
     await daemon_kube.close()
-    after, after_bytes = await asyncio.to_thread(metrics, plane)
+    after, _ = await asyncio.to_thread(metrics, plane)
+    wire_idle = wire.total - wire_before
     idle_all = counted(before, after)
     idle = {k: v for k, v in idle_all.items() if k[1] != "tokenreviews"}
-    idle_bytes = {k: v for k, v in counted(before_bytes, after_bytes).items() if k in idle}
     minutes = args.window / 60.0
-    usage_per_node_minute = idle_all.get(("POST", "tokenreviews"), 0) / len(nodes) / minutes
+    usage_per_node_minute = idle_all.get(("POST", "tokenreviews"), 0) / len(reporters) / minutes
     per_idle_minute = sum(idle.values()) / args.servers / minutes
-    bytes_idle_minute = sum(idle_bytes.values()) / args.servers / minutes
+    bytes_idle_minute = wire_idle / args.servers / minutes
 
     # -- the old approach, replayed on the same objects --------------------------------------
     old_ledger = KubernetesLedger(kube, NAMESPACE, inventory_ttl=2.0)
     reader = UsageReader(kube, NAMESPACE, ttl=0.0)
     lease = manifests.server_lease("old-server", NAMESPACE, "old", 30.0)
     await admin.create_lease(NAMESPACE, lease)
-    before, before_bytes = await asyncio.to_thread(metrics, plane)
+    before, _ = await asyncio.to_thread(metrics, plane)
+    await asyncio.sleep(1.0)  # the informers' echoes of the window's writes are in
+    wire_before = wire.total
     for _ in range(int(60 / HEARTBEAT_S)):  # the server's Lease: GET + PUT every 10 s
         current = await kube.get_lease(NAMESPACE, "gpushare-server-old-server")
         assert current is not None
@@ -399,9 +430,9 @@ async def apiserver_run(plane: ControlPlane, args: argparse.Namespace) -> dict[s
     for _ in range(tab_polls):
         await old_ledger.list()  # GET /allocations: LIST every GpuLedger
         await reader.reports(fresh=True)  # GET /usage: LIST every usage ConfigMap
-    after, after_bytes = await asyncio.to_thread(metrics, plane)
+    after, _ = await asyncio.to_thread(metrics, plane)
     old_idle = counted(before, after)
-    old_idle_bytes = counted(before_bytes, after_bytes)
+    old_bytes_idle_minute = wire.total - wire_before
     old_per_idle_minute = sum(old_idle.values()) + 0.25  # + the pod watch's re-list / 240 s
     publisher = UsagePublisher(  # (the daemon's rights; admin here)
         admin, NAMESPACE, nodes[0], lambda: {"allocations": [], "gpus": []}, dict
@@ -412,7 +443,6 @@ async def apiserver_run(plane: ControlPlane, args: argparse.Namespace) -> dict[s
         await publisher.publish_once()
     after, _ = await asyncio.to_thread(metrics, plane)
     old_usage_per_node_minute = sum(counted(before, after).values())
-    old_bytes_idle_minute = sum(old_idle_bytes.values())
 
     before, _ = await asyncio.to_thread(metrics, plane)
     old_starts = 5
@@ -454,6 +484,7 @@ async def apiserver_run(plane: ControlPlane, args: argparse.Namespace) -> dict[s
         "window_s": args.window,
         "tab_polls": polls,
         "node_usage_reports": state.reports.received,
+        "node_usage_reports_failed": sum(1 for r in reporters if r._last_error),
         "token_reviews": state.node_auth.reviews,
         "requests_per_idle_server_minute": round(per_idle_minute, 3),
         "bytes_per_idle_server_minute": round(bytes_idle_minute),
@@ -570,8 +601,12 @@ def main() -> None:
     parser.add_argument("--cache-nodes", type=int, default=1000)
     parser.add_argument("--cache-allocations", type=int, default=10000)
     parser.add_argument("--places", type=int, default=2000)
+    parser.add_argument(
+        "--report-nodes", type=int, default=50, help="nodes whose daemon reports usage (2 s)"
+    )
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
     if args.quick:
         args.nodes, args.servers, args.window, args.starts = 20, 10, 10.0, 5
         args.places_apiserver, args.places = 50, 300

@@ -27,6 +27,8 @@ from jupyter_gpushare.paths import lib_dir
 
 #: Marker set in every simulated process's environment; UIs show "simulated" when they see it.
 SIMULATED_MARKER = "GPUSHARE_SIMULATED"
+#: the simulator's shared state file, next to the node agent's socket (also in kernel pods)
+SIM_STATE_NAME = "sim.state"
 
 
 def sim_lib_dir() -> Path:

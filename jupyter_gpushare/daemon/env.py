@@ -10,10 +10,7 @@ from pathlib import Path
 from .. import paths
 from ..inventory import Gpu
 from ..ledger import Allocation
-from ..simulator import simulator_env
-
-#: the simulator's shared state file, next to the daemon's socket (also in kernel pods)
-SIM_STATE_NAME = "sim.state"
+from ..simulator import SIM_STATE_NAME, simulator_env
 
 
 def interposer_path() -> Path:

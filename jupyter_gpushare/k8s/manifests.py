@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ..daemon.env import SIM_STATE_NAME
 from ..inventory import Gpu, TypeAliases
+from ..simulator import SIM_STATE_NAME
 
 GROUP = "gpushare.jupyter.org"
 LEDGER_API = f"{GROUP}/v1alpha1"

@@ -520,6 +520,10 @@ static void test_nvml(CUfunction f) {
     NV(nvmlInit_v2) NV(nvmlShutdown) NV(nvmlDeviceGetCount_v2) NV(nvmlDeviceGetHandleByIndex_v2)
     NV(nvmlDeviceGetName) NV(nvmlDeviceGetComputeRunningProcesses_v3)
     NV(nvmlDeviceGetUtilizationRates) NV(nvmlDeviceGetMemoryInfo)
+    NV(nvmlDeviceGetRunningProcessDetailList) NV(nvmlDeviceGetProcessUtilization)
+    NV(nvmlDeviceGetFieldValues) NV(nvmlDeviceGetPerformanceState) NV(nvmlDeviceGetClockInfo)
+    NV(nvmlEventSetCreate) NV(nvmlDeviceRegisterEvents) NV(nvmlEventSetWait_v2)
+    NV(nvmlEventSetFree) NV(nvmlDeviceGetTopologyNearestGpus) NV(nvmlDeviceGetMigMode)
         /* clang-format on */
         CUdeviceptr p;
     CHECK(p_cuMemAlloc_v2(&p, 3u << 20));
@@ -541,6 +545,31 @@ static void test_nvml(CUfunction f) {
     nvmlMemory_t mem;
     TRUE(nv_nvmlDeviceGetMemoryInfo(h, &mem) == NVML_SUCCESS);
     TRUE(mem.used >= 3u << 20 && mem.total == mem.used + mem.free);
+    /* the calls monitoring tools make, from several threads' view of the same state */
+    nvmlProcessDetail_v1_t detail[8];
+    nvmlProcessDetailList_v1_t list = {nvmlProcessDetailList_v1, 0, 8, detail};
+    TRUE(nv_nvmlDeviceGetRunningProcessDetailList(h, &list) == NVML_SUCCESS);
+    TRUE(list.numProcArrayEntries == k);
+    nvmlProcessUtilizationSample_t samples[8];
+    unsigned ns = 8;
+    TRUE(nv_nvmlDeviceGetProcessUtilization(h, samples, &ns, 0) == NVML_SUCCESS && ns == k);
+    nvmlFieldValue_t fields[3] = {{.fieldId = 91}, {.fieldId = 83}, {.fieldId = 100000}};
+    TRUE(nv_nvmlDeviceGetFieldValues(h, 3, fields) == NVML_SUCCESS);
+    TRUE(fields[0].nvmlReturn == NVML_SUCCESS && fields[2].nvmlReturn == NVML_ERROR_NOT_SUPPORTED);
+    int pstate;
+    unsigned clock, current, pending;
+    launch_busy(f, 200000, NULL); /* busy now, however slowly the checks above ran */
+    TRUE(nv_nvmlDeviceGetPerformanceState(h, &pstate) == NVML_SUCCESS && pstate == 0);
+    TRUE(nv_nvmlDeviceGetClockInfo(h, 1, &clock) == NVML_SUCCESS && clock > 210);
+    TRUE(nv_nvmlDeviceGetMigMode(h, &current, &pending) == NVML_SUCCESS && current == 0);
+    nvmlEventSet_t set;
+    nvmlEventData_t event;
+    TRUE(nv_nvmlEventSetCreate(&set) == NVML_SUCCESS);
+    TRUE(nv_nvmlDeviceRegisterEvents(h, 8, set) == NVML_SUCCESS); /* XID critical errors */
+    TRUE(nv_nvmlEventSetWait_v2(set, &event, 1) == NVML_ERROR_TIMEOUT);
+    TRUE(nv_nvmlEventSetFree(set) == NVML_SUCCESS);
+    unsigned near = 0;
+    TRUE(nv_nvmlDeviceGetTopologyNearestGpus(h, 50, &near, NULL) == NVML_SUCCESS && near == n - 1);
     TRUE(nv_nvmlShutdown() == NVML_SUCCESS);
     CHECK(p_cuMemFree_v2(p));
     CHECK(p_cuCtxSynchronize());

@@ -524,8 +524,8 @@ static void test_nvml(CUfunction f) {
     NV(nvmlDeviceGetFieldValues) NV(nvmlDeviceGetPerformanceState) NV(nvmlDeviceGetClockInfo)
     NV(nvmlEventSetCreate) NV(nvmlDeviceRegisterEvents) NV(nvmlEventSetWait_v2)
     NV(nvmlEventSetFree) NV(nvmlDeviceGetTopologyNearestGpus) NV(nvmlDeviceGetMigMode)
-        /* clang-format on */
-        CUdeviceptr p;
+    CUdeviceptr p;
+    /* clang-format on */
     CHECK(p_cuMemAlloc_v2(&p, 3u << 20));
     launch_busy(f, 200000, NULL);
     TRUE(nv_nvmlInit_v2() == NVML_SUCCESS);

@@ -249,7 +249,17 @@ try {
   }
   seen.tabReached = reached;
 
-  // 5. Escape in the picker: no error dialog, no kernel chooser, the notebook has no kernel
+  // 5. the in-notebook ipywidgets panel (jupyter_gpushare.panel()) in this theme
+  await runCell('import jupyter_gpushare\njupyter_gpushare.panel()');
+  const panel = page.locator('.jp-NotebookPanel:not(.lm-mod-hidden) .gpushare-panel').first();
+  await panel.waitFor();
+  await page.waitForTimeout(3000); // a few updates: the plot and the live numbers
+  seen.panelText = await panel.innerText();
+  seen.panelContrast = await contrast('.jp-NotebookPanel:not(.lm-mod-hidden) .gpushare-panel');
+  await panel.scrollIntoViewIfNeeded();
+  await shot('06-panel');
+
+  // 6. Escape in the picker: no error dialog, no kernel chooser, the notebook has no kernel
   const kernelsBefore = (await rest('/api/kernels')).length;
   await newNotebook();
   await picker.waitFor();

@@ -8,10 +8,10 @@ this kernel's share live (no notebook cell is added) and the GPU with both users
 server's Authorizer makes ada an admin: she sees another Unix user's ``gpushare run`` share
 with its user and command; uma, a user, sees it as capacity only); the charts have axes, scale
 and legends; its buttons are reachable with Tab; Escape in the picker leaves the notebook without
-a kernel, quietly.
-Every text of the picker, the progress dialog, the status bar and the dashboard has a WCAG AA
-contrast of at least 4.5:1 on its background (computed in the page). Screenshots:
-test-artifacts/lab/<test>/<theme>-*.png.
+a kernel, quietly. Every text of the picker, the progress dialog, the status bar, the dashboard
+and the notebook's GPU panel (ipywidgets, ``jupyter_gpushare.panel()``) has a WCAG AA contrast of
+at least 4.5:1 on its background (computed in the page). Screenshots:
+test-artifacts/lab/dashboard/<theme>-*.png.
 """
 
 from __future__ import annotations
@@ -168,10 +168,14 @@ def test_dashboard_and_messages_in_theme(lab: Any, theme: str, token: str) -> No
     # keyboard: Tab from the panel reaches its buttons
     assert "gpushare:release" in seen["tabReached"], seen["tabReached"]
 
+    # the ipywidgets panel in the notebook: readable in this theme too
+    assert seen["panelContrast"], seen.get("panelText")
+    assert not _low(seen["panelContrast"]), _low(seen["panelContrast"])
+
     # Escape in the picker: quietly no kernel
     assert seen["dialogsAfterCancel"] == []
     assert seen["kernelsAfterCancel"] == 0
     assert "No Kernel" in seen["kernelNameAfterCancel"] or not seen["kernelNameAfterCancel"]
 
-    for name in ("01-picker-refusal", "03-kernel-menu", "04-dashboard", "05-cancelled"):
+    for name in ("01-picker-refusal", "03-kernel-menu", "04-dashboard", "06-panel", "05-cancelled"):
         assert (artifacts / f"{tag}-{name}.png").stat().st_size > 10_000

@@ -4,7 +4,10 @@
 The simulator itself is C (``csrc/simulator/``, built into ``_lib/sim/``). Every process that
 loads it maps one state file (``GPUSHARE_SIM_STATE``) holding the simulated devices' time lines,
 memory in use and per-process accounting; :class:`SimState` reads that file with the same layout
-(``csrc/simulator/sim_state.h``), for tests and diagnostics.
+(``csrc/simulator/sim_state.h``), for tests and diagnostics. The simulated NVML answers what
+monitoring tools ask (nvitop, gpustat, DCGM-style collectors) the way the real board of each
+product does (``csrc/simulator/product.c``), with P-state, clocks, power and temperature
+following the device's load.
 
 Tunables (environment of the processes using the simulated driver): ``GPUSHARE_SIM_KERNEL_US``
 (duration of kernels other than ``busy_us``, default 5), ``GPUSHARE_SIM_QUEUE_AHEAD_US`` (work a

@@ -11,6 +11,10 @@ Users' servers, ``jupyter gpushare run``, provisioners and kernels reach it thro
 ``ledger.cas`` ``{"node", "version", "allocations": [...], "bound": {...}|null}`` (a record
     kept as it is may be sent as ``{"id", "keep": true}``) →
     ``{"ok": true, "swapped": bool, "added": [the new records as stamped]}`` or a refusal.
+    With ``"snapshot": true`` a swap that took effect also says the node's new ``"version"``
+    (it holds what was proposed, new records as in ``added``), and a lost one carries the
+    ledger as the caller may see it (``allocations``, ``versions``), so that the caller's next
+    change needs no ``ledger.snapshot``.
     Authorized by diffing the node's current allocations against the proposed ones
     (:func:`authorize`): a non-admin may add, change or remove only allocations whose owner
     uid (``extra["uid"]``) is its own; added records are stamped with the caller's uid and
@@ -343,14 +347,19 @@ async def _cas(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dict[str
         "swapped": True,
         "added": [a.to_json() for a in result if a.id not in before],
     }
-    return await _with_snapshot(daemon, who, message, reply)
+    if message.get("snapshot") is True:
+        # the node now holds exactly what the caller proposed, new records as in "added",
+        # at this version: the caller's view of it without sending the node back
+        reply["version"] = version + 1
+    return reply
 
 
 async def _with_snapshot(
     daemon: Daemon, who: Caller, message: dict[str, Any], reply: dict[str, Any]
 ) -> dict[str, Any]:
-    """``reply`` with the ledger as ``who`` may see it now, when the request asked for it
-    (``"snapshot": true``): the caller's next change then needs no ``ledger.snapshot``."""
+    """A lost swap's ``reply`` with the ledger as ``who`` may see it now, when the request
+    asked for it (``"snapshot": true``): the caller's next try then needs no
+    ``ledger.snapshot``."""
     if message.get("snapshot") is True:
         snap = await daemon.ledger.snapshot()
         reply["allocations"] = _shown(snap, who)

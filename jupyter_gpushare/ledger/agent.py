@@ -241,17 +241,20 @@ class AgentLedger(Ledger):
 
     def _remember(self, reply: dict[str, Any]) -> Snapshot:
         """The snapshot in ``reply`` (a ``ledger.snapshot`` reply, or a ``ledger.cas`` reply
-        that carries the ledger after the swap), kept for the next change."""
+        that lost its swap and carries the ledger as it is), kept for the next change."""
         snap = Snapshot(
             allocations=tuple(self._parse(a) for a in reply.get("allocations", [])),
             versions={str(k): int(v) for k, v in (reply.get("versions") or {}).items()},
         )
+        self._keep_view(snap)
+        return snap
+
+    def _keep_view(self, snap: Snapshot) -> None:
         for a in snap.allocations:  # sent back unchanged, a record goes by its id alone
             self._seen[a.id] = a
         while len(self._seen) > 4096:
             self._seen.pop(next(iter(self._seen)))
         self._last = (snap, time.monotonic(), os.getpid())
-        return snap
 
     async def snapshot_to_change(self) -> tuple[Snapshot, bool]:
         """The ledger as this process last saw it, if within :data:`LAST_SEEN_S` (a change then
@@ -295,19 +298,32 @@ class AgentLedger(Ledger):
                     for a in allocations
                 ],
                 "bound": to_json(self.bound) if self.bound is not None else None,
-                "snapshot": True,  # the ledger after the swap, for the next change
+                "snapshot": True,  # what the node holds afterwards, for the next change
             }
         )
-        if "versions" in reply:
-            self._remember(reply)
-        else:  # an agent that does not send it
-            self._last = None
+        added: dict[str, Allocation] = {}
         for data in reply.get("added") or []:  # the agent's stamped copies of new records
-            added = Allocation.from_json(data)
-            self._recorded[added.id] = added
+            made = Allocation.from_json(data)
+            self._recorded[made.id] = added[made.id] = made
         while len(self._recorded) > 256:  # only allocate() collects them
             self._recorded.pop(next(iter(self._recorded)))
-        return bool(reply.get("swapped"))
+        swapped = bool(reply.get("swapped"))
+        last, version = self._last, reply.get("version")
+        if "versions" in reply:  # lost: the ledger as it is now
+            self._remember(reply)
+        elif swapped and isinstance(version, int) and last is not None and last[2] == os.getpid():
+            # took effect: the node holds what was proposed (new records as stamped) at
+            # ``version``; other nodes as last seen (a stale view only costs a lost swap)
+            mine = tuple(added.get(a.id, a) for a in allocations)
+            self._keep_view(
+                Snapshot(
+                    allocations=tuple(a for a in last[0].allocations if a.node != node) + mine,
+                    versions={**last[0].versions, node: version},
+                )
+            )
+        else:  # an agent that does not send it
+            self._last = None
+        return swapped
 
     async def put_gpus(self, node: str, gpus: Sequence[Gpu]) -> None:
         await self.request(

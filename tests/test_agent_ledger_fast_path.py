@@ -49,6 +49,17 @@ def _kept_fd(ledger: AgentLedger) -> int:
     return conn.sock.fileno()
 
 
+async def _view_matches_the_agents(ledger: AgentLedger) -> None:
+    """The view ``ledger`` built from its last swap's reply is what a snapshot shows."""
+    assert ledger._last is not None
+    built = ledger._last[0]
+    fresh = await ledger.snapshot()
+    assert sorted(built.allocations, key=lambda a: a.id) == sorted(
+        fresh.allocations, key=lambda a: a.id
+    )
+    assert dict(built.versions) == dict(fresh.versions)
+
+
 def test_a_kept_connection_serves_many_changes_and_survives_an_agent_restart(
     system_agent: Agent,
 ) -> None:
@@ -62,6 +73,7 @@ def test_a_kept_connection_serves_many_changes_and_survives_an_agent_restart(
             extra = await allocate(ledger, spec, gpus, None, owner="run", server_pid=os.getpid())
             assert await ledger.release(extra.id) == extra
             assert _kept_fd(ledger) == kept
+        await _view_matches_the_agents(ledger)
         # the agent is replaced (a rollout): the next call finds the kept connection closed
         system_agent.stop()
         system_agent.__init__(system_agent.dir)  # a new agent on the same socket and ledger
@@ -122,6 +134,7 @@ def test_a_forked_child_that_became_another_user_never_uses_the_parents_connecti
         made = await allocate(
             ledger, ShareSpec(0.1, 0.1), gpus, None, owner="kernel", server_pid=os.getpid()
         )
+        await _view_matches_the_agents(ledger)  # others' records redacted in both
         snap = await ledger.snapshot()
         return made.user, [a.owner for a in snap.allocations if a.id != made.id]
 

@@ -238,12 +238,22 @@ async def _watch(console: Any, read: Any, interval: float) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+    async def pause() -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
+
     try:
+        if not console.is_terminal:  # a pipe or a file: one drawing after the other
+            while not stop.is_set():
+                console.print(render(await read(), watching=interval))
+                console.file.flush()
+                await pause()
+            return 0
         with Live(console=console, auto_refresh=False, transient=False) as live:
             while not stop.is_set():
                 live.update(render(await read(), watching=interval), refresh=True)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), interval)
+                await pause()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

@@ -512,3 +512,27 @@ def test_lab_passes_sigterm_on_and_says_its_agent_lives_on(gpushare_env, tmp_pat
     assert "SIMULATED GPUs (1xA100)" in text
     assert f"node agent (pid {pid}) keeps running on {socket}" in text, text[-3000:]
     assert DaemonClient(socket).alive()  # it did keep running (the fixture stops it)
+
+
+def test_status_watch_into_a_pipe_appends_plain_drawings(gpushare_env):
+    """``status --watch`` into a pipe (``| tee log``): each drawing follows the last, plain text
+    without cursor movement, until SIGINT ends it with status 0."""
+    import signal
+    import time
+
+    env = {**gpushare_env, "GPUSHARE_SIMULATE": "1xA100"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyter_gpushare", "status", "--watch", "0.3"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline()  # the first drawing is out: the loop runs
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    text = first + out
+    assert text.count("every 0.3 s") >= 2 and "\x1b" not in text, text[-2000:]

@@ -84,20 +84,33 @@ def cmd_lab(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _run_foreground(argv: list[str], env: dict[str, str]) -> int:
-    """Run ``argv`` as the terminal's foreground job: Ctrl-C reaches it directly (JupyterLab asks
-    to confirm), SIGTERM and SIGHUP sent to us are passed on; its exit status (128+N for
-    signal N)."""
+    """Run ``argv`` as the terminal's foreground job: Ctrl-C reaches it directly from the
+    terminal (JupyterLab asks to confirm), SIGTERM, SIGHUP and a SIGINT sent to us alone (``kill
+    -INT``, a container's stop signal) are passed on; its exit status (128+N for signal N)."""
     proc = subprocess.Popen(argv, env=env)
-    passed = (signal.SIGTERM, signal.SIGHUP)
-    previous = {sig: signal.signal(sig, lambda s, _f: proc.send_signal(s)) for sig in passed}
-    previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child has it too
+
+    def pass_on(sig: int, _frame: Any) -> None:
+        if sig == signal.SIGINT and _terminal_delivers_sigint():
+            return  # Ctrl-C: the terminal sent it to JupyterLab as well
+        proc.send_signal(sig)
+
+    passed = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+    previous = {sig: signal.signal(sig, pass_on) for sig in passed}
     try:
         code = proc.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        signal.signal(signal.SIGINT, previous_int)
     return code if code >= 0 else 128 - code
+
+
+def _terminal_delivers_sigint() -> bool:
+    """Whether a SIGINT came from this terminal's Ctrl-C (our process group is the terminal's
+    foreground group, which the child shares), not from ``kill`` aimed at us."""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def say_agent_left_running() -> bool:

@@ -494,6 +494,7 @@ def test_lab_passes_sigterm_on_and_says_its_agent_lives_on(gpushare_env, tmp_pat
                 *("--IdentityProvider.token=t", f"--ServerApp.root_dir={tmp_path}"),
             ],
             env=gpushare_env,
+            stdin=subprocess.DEVNULL,  # no terminal: a SIGINT to the command is passed on
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -502,6 +503,8 @@ def test_lab_passes_sigterm_on_and_says_its_agent_lives_on(gpushare_env, tmp_pat
         wait_for(lambda: DaemonClient(socket, timeout=1).alive(), timeout=90)
         pid = DaemonClient(socket).ping()["pid"]
         time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)  # to the command alone (no terminal): passed on too
+        time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) in (0, 128 + signal.SIGTERM, -signal.SIGTERM), log.read_text()
     finally:
@@ -509,7 +512,7 @@ def test_lab_passes_sigterm_on_and_says_its_agent_lives_on(gpushare_env, tmp_pat
             proc.kill()
             proc.wait(10)
     text = " ".join(log.read_text().split())
-    assert "SIMULATED GPUs (1xA100)" in text
+    assert "SIMULATED GPUs (1xA100)" in text and "Interrupted" in text  # SIGINT reached it
     assert f"node agent (pid {pid}) keeps running on {socket}" in text, text[-3000:]
     assert DaemonClient(socket).alive()  # it did keep running (the fixture stops it)
 

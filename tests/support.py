@@ -99,7 +99,31 @@ def stop_daemons(socket_path: str) -> None:
 
 
 class JupyterServer:
-    """A real ``jupyter server`` subprocess with the gpushare extension enabled."""
+    """A real ``jupyter server`` subprocess with the gpushare extension enabled: the one test
+    helper for a server (started here with :meth:`start`, or one started by a test with a
+    config file of its own and taken over with :meth:`adopt`, e.g. tests/k8s/servers.py)."""
+
+    #: seconds a request may take (a kernel pod's start takes longer than a local kernel's)
+    timeout = 60.0
+
+    @classmethod
+    def adopt(
+        cls,
+        proc: subprocess.Popen[bytes],
+        url: str,
+        token: str,
+        log_path: Path,
+        env: dict[str, str],
+        timeout: float = 60.0,
+    ) -> JupyterServer:
+        """A server already started (``proc``), answering on ``url`` with ``token``."""
+        server = cls.__new__(cls)
+        server.env, server.url, server.token = env, url, token
+        server.port = int(url.rsplit(":", 1)[1])
+        server.root = Path(env.get("JUPYTER_CONFIG_DIR", log_path.parent))
+        server.log_path, server.argv, server.proc = log_path, list(proc.args), proc
+        server.timeout = timeout
+        return server
 
     def __init__(self, env: dict[str, str], simulate: str = "1xA100", *extra: str) -> None:
         self.env = env
@@ -146,9 +170,15 @@ class JupyterServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
 
+    def log_text(self) -> str:
+        """The whole log (:meth:`log` is its end)."""
+        return self.log_path.read_text(errors="replace")
+
     def request(self, method: str, path: str, **kw: Any) -> requests.Response:
         headers = {"Authorization": f"token {self.token}"}
-        return requests.request(method, self.url + path, headers=headers, timeout=60, **kw)
+        return requests.request(
+            method, self.url + path, headers=headers, timeout=self.timeout, **kw
+        )
 
     def get(self, path: str) -> requests.Response:
         return self.request("GET", path)

@@ -15,6 +15,9 @@ from typing import Any
 import requests
 from cluster import NAMESPACE, ControlPlane, free_port
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the shared helpers
+from support import JupyterServer  # the one server helper
+
 
 def spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     with open(log, "ab") as out:
@@ -53,21 +56,6 @@ def kernelspec(root: Path, name: str = "gpushare-k8s", **share: Any) -> Path:
         )
     )
     return spec_dir
-
-
-class JupyterServer:
-    def __init__(self, proc: subprocess.Popen, url: str, token: str, log: Path) -> None:
-        self.proc = proc
-        self.url = url
-        self.token = token
-        self.log = log
-
-    def request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
-        headers = {"Authorization": f"token {self.token}"}
-        return requests.request(method, self.url + path, headers=headers, timeout=120, **kwargs)
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
 
 
 def start_jupyter_server(
@@ -127,7 +115,7 @@ c.GpuShare.simulate = {simulate!r}
     env.pop("GPUSHARE_SIMULATE", None)
     log = root / "server.log"
     proc = spawn([sys.executable, "-m", "jupyter_server", f"--config={config}"], log, env)
-    server = JupyterServer(proc, f"http://127.0.0.1:{port}", token, log)
+    server = JupyterServer.adopt(proc, f"http://127.0.0.1:{port}", token, log, env, timeout=120)
     deadline = time.monotonic() + 60
     while True:
         try:

@@ -212,8 +212,25 @@ try {
   seen.dialogsAfterCancel = await page.locator('.jp-Dialog').allInnerTexts();
   await shot('08-cancelled');
 
-  // 5. Kernel › Change Kernel… to another gpushare kernelspec: the picker again
+  // 5. Kernel › Change Kernel… to another gpushare kernelspec: the picker again. First Escape
+  // in it: the running kernel stays and nothing pops up; then the change itself.
   await page.locator('.lm-TabBar-tab', { hasText: 'Untitled1.ipynb' }).click();
+  const kernelOf = sessions => sessions.find(x => x.path === 'Untitled1.ipynb')?.kernel?.id;
+  const before = kernelOf(await rest('/api/sessions'));
+  await palette('Change Kernel');
+  const chooser0 = page.locator('.jp-Dialog select');
+  await chooser0.waitFor();
+  await chooser0.selectOption({ label: params.otherKernelLabel });
+  await dialog.locator('button.jp-Dialog-button.jp-mod-accept').click();
+  await picker.waitFor();
+  await page.keyboard.press('Escape');
+  await picker.waitFor({ state: 'detached' });
+  await page.waitForTimeout(2000);
+  seen.changeCancelled = {
+    dialogs: await page.locator('.jp-Dialog').allInnerTexts(),
+    kept: kernelOf(await rest('/api/sessions')) === before && !!before,
+    status: await page.locator('.jp-gpushare-status').innerText()
+  };
   await palette('Change Kernel');
   const chooser = page.locator('.jp-Dialog select');
   await chooser.waitFor();

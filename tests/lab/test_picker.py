@@ -113,7 +113,10 @@ def test_pick_share_in_lab(lab_server: Any, artifacts: Path) -> None:
     }
     assert state[kernel2] != "dead"
 
-    # 5. Change Kernel to another gpushare kernelspec went through the picker: T4, 0.25-0.5
+    # 5. Escape in the picker of a Change Kernel kept the running kernel, quietly
+    assert seen["changeCancelled"]["dialogs"] == []
+    assert seen["changeCancelled"]["kept"] is True
+    # then Change Kernel to another gpushare kernelspec went through the picker: T4, 0.25-0.5
     changed = _kernel_of(server, "Untitled1.ipynb")
     assert changed != kernel2
     assert server.get(f"/api/kernels/{kernel2}").status_code == 404  # replaced

@@ -318,6 +318,21 @@ async def test_usage_configmap_tracks_a_daemons_allocation(
             "idleness in the report",
         )
         assert idle["last_launch_ago_s"] >= 2.0 and idle["memory_used"] == 256 * MIB
+        # jupyter gpushare status --kubernetes-namespace shows the same live use per share
+        shown = await asyncio.to_thread(
+            subprocess.run,
+            [
+                *(sys.executable, "-m", "jupyter_gpushare", "status", "--json"),
+                *("--kubernetes-namespace", USAGE_NS),
+                *("--kubeconfig", str(control_plane.kubeconfig("admin"))),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert shown.returncode == 0, shown.stderr
+        [listed] = [a for a in json.loads(shown.stdout)["allocations"] if a["id"] == allocation.id]
+        assert listed["usage"]["memory_used"] == 256 * MIB, listed
 
         # usage writes leave the GpuLedger alone (no CAS retries for placements there)
         ledger_rv = (await ledger.snapshot()).versions[USAGE_NODE]

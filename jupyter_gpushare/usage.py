@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .daemon.client import DaemonClient, DaemonUnavailable
+from .daemon.client import DaemonClient, DaemonUnreachable
 
 #: The per-allocation fields of a usage entry (REST ``/gpushare/api/usage``, the usage
 #: ConfigMaps); all but ``id``/``kernel_id`` come from the node daemon's status.
@@ -89,7 +89,7 @@ class DaemonUsage:
     async def read(self, fresh: bool = False) -> UsageView:
         try:
             status = await asyncio.to_thread(self._client().status)
-        except (DaemonUnavailable, OSError, ValueError) as exc:
+        except (DaemonUnreachable, OSError, ValueError) as exc:
             return UsageView("daemon", message=f"no node daemon answers: {exc}")
         return UsageView(
             "daemon",
@@ -106,7 +106,7 @@ class DaemonUsage:
         def refresh() -> None:
             try:
                 self._client().refresh()
-            except (DaemonUnavailable, OSError, ValueError):
+            except (DaemonUnreachable, OSError, ValueError):
                 pass
 
         await asyncio.to_thread(refresh)

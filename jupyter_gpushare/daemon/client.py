@@ -14,8 +14,9 @@ from typing import Any
 from . import wire
 
 
-class DaemonUnavailable(ConnectionError):
-    """Nothing answers on the daemon's socket."""
+class DaemonUnreachable(ConnectionError):
+    """Nothing answers on the node agent's socket (the notebook side's refusal of the same name
+    subclasses it)."""
 
 
 class DaemonClient:
@@ -30,7 +31,7 @@ class DaemonClient:
             try:
                 sock.connect(str(self.socket_path))
             except OSError as exc:
-                raise DaemonUnavailable(
+                raise DaemonUnreachable(
                     f"no gpushare daemon answers on {self.socket_path}: {exc}"
                 ) from exc
             sock.sendall(wire.encode(message))
@@ -38,7 +39,7 @@ class DaemonClient:
             while b"\n" not in data:
                 chunk = sock.recv(65536)
                 if not chunk:
-                    raise DaemonUnavailable("the gpushare daemon closed the connection")
+                    raise DaemonUnreachable("the gpushare daemon closed the connection")
                 data += chunk
             return wire.decode(bytes(data[: data.index(b"\n")]))
         finally:
@@ -80,5 +81,5 @@ class DaemonClient:
     def alive(self) -> bool:
         try:
             return bool(self.ping().get("ok"))
-        except (DaemonUnavailable, OSError, ValueError):
+        except (DaemonUnreachable, OSError, ValueError):
             return False

@@ -38,7 +38,7 @@ from traitlets.config import Configurable
 from .. import paths
 from ..inventory import Gpu
 from ..periodic import PeriodicTask
-from .client import DaemonClient, DaemonUnavailable
+from .client import DaemonClient, DaemonUnreachable
 from .env import interposer_path
 
 if TYPE_CHECKING:
@@ -288,7 +288,7 @@ def await_applied(
             reason = _mismatch(status, expected)
             if reason is None:
                 return
-        except (DaemonUnavailable, OSError, ValueError) as exc:
+        except (DaemonUnreachable, OSError, ValueError) as exc:
             reason = f"it does not answer ({exc})"
         if time.monotonic() >= deadline:
             raise NotApplied(

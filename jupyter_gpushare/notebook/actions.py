@@ -26,7 +26,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..daemon.client import DaemonClient, DaemonUnavailable
+from ..daemon import client as daemon_client
+from ..daemon.client import DaemonClient
 from ..share import ShareError, ShareSpec, format_bytes, format_share_range
 
 #: what a kernel can do once its share is released (said after what was released and freed)
@@ -52,8 +53,9 @@ class NoShare(GpushareError):
     """This kernel holds no GPU share (never had one, or released it)."""
 
 
-class DaemonUnreachable(GpushareError):
-    """No gpushare daemon answers on the kernel's socket."""
+class DaemonUnreachable(GpushareError, daemon_client.DaemonUnreachable):
+    """No gpushare daemon answers on the kernel's socket (the client's error, as the notebook
+    side says it)."""
 
 
 @dataclass
@@ -105,7 +107,7 @@ def _client(timeout: float = 5.0) -> DaemonClient:
 def _ask(call: Any, *args: Any) -> dict[str, Any]:
     try:
         return call(*args)
-    except (DaemonUnavailable, OSError) as exc:
+    except OSError as exc:  # DaemonUnreachable too
         raise DaemonUnreachable(f"The gpushare daemon is unreachable: {exc}", "daemon") from exc
 
 
@@ -177,7 +179,7 @@ def status() -> dict[str, Any]:
         if reply.get("error") == "unknown_allocation":  # the daemon may not have polled yet
             _client(timeout=2.0).refresh()
             reply = _client(timeout=2.0).status(current)
-    except (DaemonUnavailable, OSError) as exc:
+    except OSError as exc:  # DaemonUnreachable too
         if not _interposed():
             return {
                 **base,

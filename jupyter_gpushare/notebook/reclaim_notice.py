@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..daemon.client import DaemonClient, DaemonUnavailable
+from ..daemon.client import DaemonClient, DaemonUnreachable
 from . import actions
 
 
@@ -34,7 +34,7 @@ class ReclaimNotice:
             return None
         try:
             status = self.client.status(self.allocation_id)
-        except (DaemonUnavailable, OSError, ValueError):
+        except (DaemonUnreachable, OSError, ValueError):
             return None
         if not status.get("ok"):
             if status.get("error") != "unknown_allocation":

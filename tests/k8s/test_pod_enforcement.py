@@ -29,7 +29,7 @@ from test_kernels import (
 
 import jupyter_gpushare
 from jupyter_gpushare.daemon import wire
-from jupyter_gpushare.daemon.client import DaemonClient, DaemonUnavailable
+from jupyter_gpushare.daemon.client import DaemonClient, DaemonUnreachable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "enforcement"))
 from enforcement_support import Tenant, build_c, shares
@@ -159,7 +159,7 @@ async def test_kernel_pod_survives_its_node_daemon_being_killed(
         def reconnected() -> dict[str, Any] | None:
             try:
                 now = daemon.status(record.id)
-            except (DaemonUnavailable, OSError):
+            except (DaemonUnreachable, OSError):
                 return None
             mine = (now.get("allocations") or [{}])[0]
             restarted = now.get("daemon", {}).get("pid") != before["daemon"]["pid"]

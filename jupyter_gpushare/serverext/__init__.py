@@ -26,6 +26,7 @@ from ..periodic import PeriodicTask
 from .admin_handlers import admin_handlers, start_admin_tasks
 from .dashboard_handlers import dashboard_handlers
 from .handlers import handlers
+from .session_handlers import session_handlers
 from .ui_handlers import ui_handlers
 
 
@@ -177,7 +178,8 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
         admin_handlers(base_url)
         + handlers(base_url)
         + ui_handlers(base_url)
-        + dashboard_handlers(base_url),
+        + dashboard_handlers(base_url)
+        + session_handlers(base_url),
     )
 
     def begin() -> None:

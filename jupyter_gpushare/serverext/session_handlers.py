@@ -34,7 +34,7 @@ def refusal_behind(error: BaseException | None) -> ShareRefused | None:
     return None
 
 
-class GpuShareSessionRootHandler(SessionRootHandler):  # type: ignore[misc]
+class GpuShareSessionRootHandler(SessionRootHandler):
     """jupyter_server's ``/api/sessions`` with refused shares answered as 400/409."""
 
     def log_exception(

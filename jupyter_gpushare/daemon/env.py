@@ -9,12 +9,13 @@ from pathlib import Path
 
 from .. import paths
 from ..inventory import Gpu
+from ..kernel_env import INTERPOSER, Simulated, preload_last, share_environment
 from ..ledger import Allocation
 from ..simulator import SIM_STATE_NAME, simulator_env
 
 
 def interposer_path() -> Path:
-    return paths.lib_dir() / "libgpushare.so"
+    return paths.lib_dir() / INTERPOSER
 
 
 def sim_state_path(socket_path: Path) -> Path:
@@ -40,20 +41,18 @@ def kernel_env(
     ``allocation``: ``gpus`` are the node's GPUs (simulated or not); only the allocation's ones
     are made visible. ``LD_PRELOAD`` keeps what ``base`` (default: this process) preloads."""
     base = os.environ if base is None else base
-    env = {
-        "GPUSHARE_ALLOCATION_ID": allocation.id,
-        "GPUSHARE_SOCKET": str(socket_path),
-        "GPUSHARE_NODE": allocation.node,
-        "CUDA_VISIBLE_DEVICES": ",".join(allocation.gpus),
-        # what the interposer enforces on its own while the daemon is unreachable (fail static)
-        "GPUSHARE_GPU_REQUEST": repr(float(allocation.request)),
-        "GPUSHARE_GPU_MEMORY": str(int(allocation.memory)),
-    }
-    # last: libgpushare defines dlsym, and a dlsym(RTLD_NEXT, …) that goes through it resolves
-    # after libgpushare; preloads that look themselves up that way must come before it
-    ours = str(interposer_path())
-    preload = [p for p in base.get("LD_PRELOAD", "").split(":") if p and p != ours]
-    env["LD_PRELOAD"] = ":".join([*preload, ours])
+    simulated = None
     if any(g.simulated for g in gpus):
-        env.update(simulator_environ(gpus, socket_path))
-    return env
+        sim = simulator_environ(gpus, socket_path)
+        simulated = Simulated(
+            sim["GPUSHARE_SIM_DEVICES"], sim["GPUSHARE_SIM_STATE"], sim["LD_LIBRARY_PATH"]
+        )
+    return share_environment(  # the one builder (jupyter_gpushare.kernel_env)
+        allocation_id=allocation.id,
+        node=allocation.node,
+        socket=str(socket_path),
+        visible=("CUDA_VISIBLE_DEVICES", ",".join(allocation.gpus)),
+        interposer=preload_last(str(interposer_path()), base.get("LD_PRELOAD", "")),
+        fail_static=(allocation.request, allocation.memory),
+        simulated=simulated,
+    )

@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..inventory import Gpu, TypeAliases
+from ..kernel_env import INTERPOSER, Simulated, share_environment
 from ..simulator import SIM_STATE_NAME
 
 GROUP = "gpushare.jupyter.org"
@@ -168,25 +169,21 @@ def kernel_environment(request: KernelPodRequest, settings: PodSettings) -> dict
         if not settings.preload_interposer:  # the spec's env overrides the plugin's
             env["LD_PRELOAD"] = ""
         return env
-    env.update(
-        {
-            "GPUSHARE_ALLOCATION_ID": request.allocation_id,
-            "GPUSHARE_SOCKET": settings.socket_path,
-            "GPUSHARE_NODE": request.node,
-            "NVIDIA_VISIBLE_DEVICES": visible_devices(request.gpus),
-        }
-    )
-    if request.gpu_memory:  # fail static (see daemon.env.kernel_env)
-        env["GPUSHARE_GPU_REQUEST"] = repr(float(request.gpu_request))
-        env["GPUSHARE_GPU_MEMORY"] = str(int(request.gpu_memory))
     lib = settings.interposer_mount_path.rstrip("/")
-    if settings.preload_interposer:
-        env["LD_PRELOAD"] = f"{lib}/libgpushare.so"
-    if request.simulated_devices:
-        env["GPUSHARE_SIMULATED"] = "1"
-        env["GPUSHARE_SIM_DEVICES"] = request.simulated_devices
-        env["GPUSHARE_SIM_STATE"] = f"{settings.socket_mount_path.rstrip('/')}/{SIM_STATE_NAME}"
-        env["LD_LIBRARY_PATH"] = f"{lib}/sim"
+    sim_state = f"{settings.socket_mount_path.rstrip('/')}/{SIM_STATE_NAME}"
+    env.update(
+        share_environment(  # the one builder (jupyter_gpushare.kernel_env)
+            allocation_id=request.allocation_id,
+            node=request.node,
+            socket=settings.socket_path,
+            visible=("NVIDIA_VISIBLE_DEVICES", visible_devices(request.gpus)),
+            interposer=f"{lib}/{INTERPOSER}" if settings.preload_interposer else None,
+            fail_static=(request.gpu_request, request.gpu_memory) if request.gpu_memory else None,
+            simulated=Simulated(request.simulated_devices, sim_state, f"{lib}/sim")
+            if request.simulated_devices
+            else None,
+        )
+    )
     return env
 
 

@@ -52,6 +52,7 @@ import grpc
 
 from ...daemon.lock import ensure_private_dir
 from ...inventory import Gpu
+from ...kernel_env import INTERPOSER, Simulated, share_environment
 from ...ledger import Allocation
 from .. import manifests
 from . import api_pb2, api_pb2_grpc
@@ -183,13 +184,19 @@ def container_response(
 ) -> dict[str, Any]:
     """What the container of ``allocation``'s pod gets: env, mounts, CDI devices (as a dict of
     ``ContainerAllocateResponse`` fields)."""
-    envs = {
-        "GPUSHARE_ALLOCATION_ID": allocation.id,
-        "GPUSHARE_NODE": allocation.node,
-        "GPUSHARE_SOCKET": f"{CONTAINER_SOCKET_DIR}/{SOCKET_NAME}",
-        "NVIDIA_VISIBLE_DEVICES": manifests.visible_devices(allocation.gpus),
-        "LD_PRELOAD": f"{CONTAINER_LIB_DIR}/libgpushare.so",
-    }
+    simulated = None
+    if settings.simulated_devices:
+        simulated = Simulated(
+            settings.simulated_devices, CONTAINER_SIM_STATE, f"{CONTAINER_LIB_DIR}/sim"
+        )
+    envs = share_environment(  # the one builder (jupyter_gpushare.kernel_env)
+        allocation_id=allocation.id,
+        node=allocation.node,
+        socket=f"{CONTAINER_SOCKET_DIR}/{SOCKET_NAME}",
+        visible=("NVIDIA_VISIBLE_DEVICES", manifests.visible_devices(allocation.gpus)),
+        interposer=f"{CONTAINER_LIB_DIR}/{INTERPOSER}",
+        simulated=simulated,
+    )
     mounts = [
         {
             "container_path": CONTAINER_LIB_DIR,
@@ -199,15 +206,7 @@ def container_response(
         {"container_path": CONTAINER_SOCKET_DIR, "host_path": str(socket_dir), "read_only": False},
     ]
     cdi: list[str] = []
-    if settings.simulated_devices:
-        envs.update(
-            {
-                "GPUSHARE_SIMULATED": "1",
-                "GPUSHARE_SIM_DEVICES": settings.simulated_devices,
-                "GPUSHARE_SIM_STATE": CONTAINER_SIM_STATE,
-                "LD_LIBRARY_PATH": f"{CONTAINER_LIB_DIR}/sim",
-            }
-        )
+    if simulated is not None:
         if settings.sim_state:
             mounts.append(
                 {

@@ -157,7 +157,7 @@ class _ProcDevice(ctypes.Structure):
 class _Proc(ctypes.Structure):
     _fields_ = [
         ("pid", ctypes.c_int32),
-        ("reserved", ctypes.c_uint32),
+        ("host_pid", ctypes.c_int32),
         ("start_time", ctypes.c_uint64),
         ("instance", ctypes.c_uint64),
         ("dev", _ProcDevice * MAX_DEVICES),

@@ -552,7 +552,8 @@ static unsigned list_processes(int slot, unsigned cap, unsigned *pids, unsigned 
         uint64_t bytes = atomic_load(&pd->mem);
         if (atomic_load(&pd->contexts) == 0 && bytes == 0) continue;
         if (n < cap) {
-            pids[n] = (unsigned)pid;
+            int32_t host = atomic_load(&p->host_pid); /* the driver reports host pids */
+            pids[n] = (unsigned)(host > 0 ? host : pid);
             mem[n] = bytes;
         }
         n++;
@@ -695,7 +696,8 @@ static unsigned process_samples(int slot, unsigned cap, unsigned *pids, unsigned
     for (int i = 0; i < SIM_MAX_PROCS && k < n && k < cap; i++) {
         struct sim_proc *p = &sim_state->proc[i];
         int32_t pid = atomic_load(&p->pid);
-        if (pid <= 0 || (unsigned)pid != all[k]) continue;
+        int32_t host = atomic_load(&p->host_pid);
+        if (pid <= 0 || (unsigned)(host > 0 ? host : pid) != all[k]) continue;
         pids[k] = all[k];
         sm[k] = process_util(&p->dev[slot], now);
         k++;

@@ -133,6 +133,7 @@ static void release_record(struct sim_proc *p) {
     }
     atomic_store(&p->start_time, 0);
     atomic_store(&p->instance, 0);
+    atomic_store(&p->host_pid, 0);
 }
 
 /* Takes record p (holding pid) away from its owner and frees it. */
@@ -197,6 +198,21 @@ void sim_reap(void) {
     }
 }
 
+/* This process's pid as the host's pid namespace sees it, which is what a real driver reports
+ * (it sees every process from there, also those in a container's namespace): the "self" link of
+ * GPUSHARE_SIM_HOST_PROC, a procfs mounted in the host's pid namespace (a pod's own /proc shows
+ * its own namespace only), by default /proc. 0 if unknown. */
+static int32_t host_pid(void) {
+    const char *proc = getenv("GPUSHARE_SIM_HOST_PROC");
+    char path[4096], link[32];
+    snprintf(path, sizeof path, "%s/self", proc && *proc ? proc : "/proc");
+    ssize_t n = readlink(path, link, sizeof link - 1);
+    if (n <= 0) return 0;
+    link[n] = 0;
+    long v = strtol(link, NULL, 10);
+    return v > 0 && v <= INT32_MAX ? (int32_t)v : 0;
+}
+
 static struct sim_proc *claim_self(void) {
     pid_t me = getpid();
     uint64_t st = sim_proc_start_time(me);
@@ -228,6 +244,7 @@ static struct sim_proc *claim_self(void) {
                 release_record(p); /* clean slate (a reaper zeroed it already; be sure) */
                 atomic_store(&p->start_time, st ? st : 1);
                 atomic_store(&p->instance, self_instance);
+                atomic_store(&p->host_pid, host_pid());
                 atomic_store(&self_pid, me);
                 atomic_fetch_add(&self_generation, 1);
                 atomic_store_explicit(&self_index, i, memory_order_release);

@@ -74,8 +74,8 @@ struct sim_proc_device {
  * whoever can take that lock frees the record and gives its memory back. start_time and instance
  * serve the fallback (kill(pid, 0)) on kernels without OFD locks. */
 struct sim_proc {
-    ai32 pid; /* 0: free; -pid: being reaped */
-    a32 reserved;
+    ai32 pid;       /* 0: free; -pid: being reaped */
+    ai32 host_pid;  /* the pid the driver reports: as the host's pid namespace sees it (0: pid) */
     a64 start_time; /* process start time (clock ticks since boot), guards against pid reuse */
     a64 instance;   /* random per library load: tells an exec'd image from its predecessor */
     struct sim_proc_device dev[SIM_MAX_DEVICES];

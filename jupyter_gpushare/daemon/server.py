@@ -334,6 +334,8 @@ class Daemon:
         if op == "refresh":
             await self.refresh()
             return {"ok": True}
+        if op == "pids":
+            return await self._pids(client, message)
         if op in ("release", "resize", "reserve", "gpus"):  # a kernel's own share (box 9)
             from . import kernel_ops
 
@@ -410,6 +412,33 @@ class Daemon:
             "window_ns": self.settings.window_ns,
             "gpus": gpus,
         }
+
+    async def _pids(self, client: Client, message: dict[str, Any]) -> dict[str, Any]:
+        """``pids``: the pids, as this agent sees them (``SO_PEERCRED``; the host's on a node
+        whose agent runs with hostPID), of the processes connected for the caller's own
+        allocation - for the interposer's NVML process lists inside a kernel pod, whose /proc
+        cannot see the host pids the driver reports. Peer-checked like ``hello``; a connection
+        that said ``hello`` asks for its own allocation only."""
+        allocation_id = message.get("allocation")
+        if not isinstance(allocation_id, str) or not allocation_id:
+            return wire.refusal(
+                wire.E_BAD_REQUEST,
+                f"pids: allocation must be an allocation id (a string); got {allocation_id!r:.80}",
+            )
+        if client.allocation is not None and client.allocation != allocation_id:
+            self.refused += 1
+            return wire.refusal(
+                wire.E_NOT_PERMITTED,
+                "pids: this connection belongs to another allocation; ask for your own",
+            )
+        if client.allocation is None:
+            _, refused = await self.peer_allocation(client, allocation_id)
+            if refused is not None:
+                return refused
+        pids = sorted({c.pid for c in self.clients if c.allocation == allocation_id})
+        # and the caller's own pid as the agent sees it: a caller whose getpid() differs runs in
+        # a pid namespace of its own (a pod), where only this list tells its processes apart
+        return {"ok": True, "pids": pids, "pid": client.pid}
 
     async def peer_allocation(
         self, client: Client, allocation_id: str

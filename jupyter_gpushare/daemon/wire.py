@@ -62,6 +62,17 @@ Two channels
    a release) and ``gpus`` (every GPU with its free capacity and number of ``shares``, naming
    only the caller's own ``allocations``).
 
+   ``pids`` (``"allocation"``) → ``{"ok": true, "pids": [1234, …], "pid": 1240}``: the pids, as
+   the agent sees them (``SO_PEERCRED``; host pids where the agent runs with hostPID), of the
+   processes connected (``hello``) for that allocation, and the caller's own (a caller whose
+   ``getpid()`` differs runs in a pid namespace of its own, a pod, and tells its processes in
+   NVML's lists apart by this list only). Peer-checked like ``hello``, and a connection
+   that said ``hello`` may ask only for its own allocation; another allocation's pids are never
+   answered (``not_permitted``). The interposer asks on a connection of its own, at most about
+   once a second, so that NVML's process lists inside a kernel pod (host pids, which the pod's
+   /proc cannot see) show the share's own processes. A new request, not a new version: an older
+   agent answers ``bad_request`` (unknown op), which the interposer takes as no pids.
+
 2. **Hot state: shared memory, split by who may write it** (created by the agent, passed as
    descriptors, ``mmap``-ed ``MAP_SHARED``). One layout, :class:`Slot`, is used by three
    mappings; each uses only its own fields of it:

@@ -264,6 +264,41 @@ int gs_connect_and_hello(void) {
     return rc == -3 ? hello_at(GPUSHARE_WIRE_OLDEST_VERSION) : rc;
 }
 
+/* The agent's `pids` request (wire.py), on a connection of its own (the agent thread owns the
+ * hello connection and reads what comes on it): the pids of the processes connected for our
+ * allocation as the agent sees them - the host's in a kernel pod - into pids[0..max), and in
+ * *self this process's pid as the agent sees it. Returns how many, or -1 when the agent did not
+ * answer them (unreachable, or an older agent without the request). */
+int gs_agent_pids(unsigned *pids, int max, unsigned *self) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    snprintf(addr.sun_path, sizeof addr.sun_path, "%s", gs.socket_path);
+    char msg[160], reply[8192];
+    int n = snprintf(msg, sizeof msg, "{\"op\":\"pids\",\"allocation\":\"%s\"}\n", gs.allocation);
+    int none[1], nfds = 0, count = -1;
+    if (n > 0 && (size_t)n < sizeof msg &&
+        connect(fd, (struct sockaddr *)&addr, sizeof addr) == 0 &&
+        send(fd, msg, (size_t)n, MSG_NOSIGNAL) == n &&
+        read_line_fds(fd, reply, sizeof reply, 1000, none, &nfds, 0) == 0 &&
+        strstr(reply, "\"ok\":true")) {
+        const char *p = json_find(reply, "pids"), *me = json_find(reply, "pid");
+        if (p && *p == '[' && me) {
+            *self = (unsigned)strtoul(me, NULL, 10);
+            count = 0;
+            for (p++; *p && *p != ']';) {
+                char *end;
+                unsigned long v = strtoul(p, &end, 10);
+                if (end == p) break;
+                if (count < max && v > 0 && v <= 0x7fffffffUL) pids[count++] = (unsigned)v;
+                p = *end == ',' ? end + 1 : end;
+            }
+        }
+    }
+    close(fd);
+    return count;
+}
+
 void gs_disconnect(void) {
     pthread_mutex_lock(&gs.sock_lock);
     if (gs.sock >= 0) close(gs.sock);

@@ -313,6 +313,7 @@ void gs_dec_floor(_Atomic uint32_t *p);
 /* connect.c: 0 connected, -1 daemon unreachable (fail static), -2 refused (denied) */
 int gs_connect_and_hello(void);
 void gs_disconnect(void);
+int gs_agent_pids(unsigned *pids, int max, unsigned *self); /* the agent's `pids` (NVML) */
 void gs_send_line(const char *line);
 void gs_send_lease_msg(const char *op, struct gs_gpu *g, uint64_t lease);
 /* agent.c */

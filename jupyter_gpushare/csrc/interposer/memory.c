@@ -375,9 +375,55 @@ static struct gs_gpu *nvml_gpu(nvmlDevice_t device) {
     return NULL;
 }
 
-/* Whether process `pid` belongs to this share: this process, or one whose environment holds
- * GPUSHARE_ALLOCATION_ID=<ours> (read from /proc; a process we may not read is not ours). */
+/* The agent's list of the share's connected processes (gs_agent_pids; host pids in a kernel
+ * pod), asked at most about once a second. The lock is the NVML hooks' alone (never on a launch
+ * path) and is not held while asking. `self` is this process's pid as the agent sees it: when it
+ * is not getpid(), we run in a pid namespace of our own (a pod) whose /proc cannot see the pids
+ * the driver reports, and only this list tells our processes apart. */
+#define NVML_PIDS_MAX      256
+#define NVML_PIDS_EVERY_NS 1000000000ull
+static struct {
+    pthread_mutex_t lock;
+    uint64_t asked_ns; /* 0: never */
+    int n;             /* -1: the agent gave no list */
+    unsigned self;
+    unsigned pid[NVML_PIDS_MAX];
+} nvml_pids = {.lock = PTHREAD_MUTEX_INITIALIZER, .n = -1};
+
+/* 1: `pid` is in the agent's list (or is us as the agent sees us); 0: it is not; -1: we share
+ * the agent's pid namespace or it gave no list (look in /proc instead). */
+static int nvml_agent_says(unsigned pid) {
+    pthread_mutex_lock(&nvml_pids.lock);
+    uint64_t now = gs_now();
+    int ask = !nvml_pids.asked_ns || now - nvml_pids.asked_ns >= NVML_PIDS_EVERY_NS;
+    if (ask) nvml_pids.asked_ns = now ? now : 1;
+    pthread_mutex_unlock(&nvml_pids.lock);
+    if (ask) {
+        unsigned got[NVML_PIDS_MAX], self = 0;
+        int n = gs_agent_pids(got, NVML_PIDS_MAX, &self);
+        pthread_mutex_lock(&nvml_pids.lock);
+        nvml_pids.n = n;
+        nvml_pids.self = self;
+        if (n > 0) memcpy(nvml_pids.pid, got, (size_t)n * sizeof *got);
+        pthread_mutex_unlock(&nvml_pids.lock);
+    }
+    int says = -1;
+    pthread_mutex_lock(&nvml_pids.lock);
+    if (nvml_pids.n >= 0 && nvml_pids.self != (unsigned)getpid()) {
+        says = pid == nvml_pids.self;
+        for (int i = 0; i < nvml_pids.n && !says; i++) says = nvml_pids.pid[i] == pid;
+    }
+    pthread_mutex_unlock(&nvml_pids.lock);
+    return says;
+}
+
+/* Whether process `pid` (as the driver reports it) belongs to this share. In a pid namespace of
+ * our own (a kernel pod; the driver reports host pids): whether the agent lists it. Otherwise:
+ * this process, or one whose environment holds GPUSHARE_ALLOCATION_ID=<ours> (read from /proc; a
+ * process we may not read is not ours). */
 static int nvml_own_pid(unsigned pid) {
+    int says = nvml_agent_says(pid);
+    if (says >= 0) return says;
     if (pid == (unsigned)getpid()) return 1;
     char want[96], path[48], buf[4096];
     size_t wn = (size_t)snprintf(want, sizeof want, "GPUSHARE_ALLOCATION_ID=%s", gs.allocation);

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from jupyter_gpushare.daemon.client import DaemonClient
+from jupyter_gpushare.k8s.manifests import SHARE_RESOURCE, SHARE_UNITS_PER_GPU
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -100,9 +101,55 @@ def node_agent(control_plane: ControlPlane) -> Iterator[Path]:
                 + log.read_text(errors="replace")[-6000:]
             )
         time.sleep(0.3)
+    try:
+        wait_share_resources(control_plane, NODES, deadline=time.monotonic() + 60)
+    except AssertionError as exc:
+        stop_process(proc)
+        pytest.fail(f"{exc}\nnode agent log:\n" + log.read_text(errors="replace")[-6000:])
     yield workdir
     stop_process(proc)
     shutil.rmtree(workdir, ignore_errors=True)
+
+
+def expected_share_units(simulate: str) -> str:
+    """The share units the device plugin advertises for ``simulate`` (``2xA100``: 2 GPUs)."""
+    return str(int(simulate.split("x", 1)[0]) * SHARE_UNITS_PER_GPU)
+
+
+def wait_share_resources(plane: ControlPlane, nodes: dict[str, str], deadline: float) -> None:
+    """Wait until every node's status.allocatable has the device plugin's share resource at its
+    full count: a daemon that answers on its socket may not have registered its device plugin
+    with the kubelet yet, nor the kubelet published the resource (a kernel pod asking for it
+    would then stay Pending). Times out with the resource, the node and what it showed."""
+    from kubernetes import client, config
+
+    api = config.new_client_from_config(str(plane.kubeconfig("admin")))
+    core = client.CoreV1Api(api)
+    try:
+        while True:
+            shown = {}
+            for name in nodes:
+                allocatable = core.read_node(name).status.allocatable or {}
+                shown[name] = allocatable.get(SHARE_RESOURCE)
+            missing = {
+                name: value
+                for name, value in shown.items()
+                if value != expected_share_units(nodes[name])
+            }
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"the device plugin's {SHARE_RESOURCE} never reached the Nodes' "
+                    "status.allocatable: "
+                    + ", ".join(
+                        f"{name} shows {value!r}, expected {expected_share_units(nodes[name])!r}"
+                        for name, value in missing.items()
+                    )
+                )
+            time.sleep(0.3)
+    finally:
+        api.close()
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,8 @@ import getpass
 import json
 import os
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -66,6 +68,47 @@ class GpushareDashboard(Configurable):
         "admins only (the default single-user Authorizer allows every action to a server's "
         "owner).",
     )
+
+
+#: how far back the dashboard's history goes, and the closest two samples may be
+HISTORY_S = 120.0
+SAMPLE_MIN_GAP_S = 1.0
+
+
+class UsageHistory:
+    """The last :data:`HISTORY_S` seconds of live use of one server's allocations (achieved
+    share by allocation id), sampled whenever the server reads its usage source for a viewer
+    (``/usage``: the status bar's poll; ``/dashboard``). Which part a viewer sees is decided
+    when it is shown (:func:`dashboard`), never stored per viewer."""
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[float, dict[str, float]]] = deque()
+
+    def add(self, view: UsageView, now: float | None = None) -> None:
+        if not view.nodes:
+            return  # nothing measured: no sample (a gap, not zeros)
+        now = time.time() if now is None else now
+        if self.samples and now - self.samples[-1][0] < SAMPLE_MIN_GAP_S:
+            return
+        achieved = {
+            aid: float(u["achieved_share"])
+            for aid, u in view.allocations.items()
+            if _number(u.get("achieved_share")) is not None
+        }
+        self.samples.append((now, achieved))
+        while self.samples and now - self.samples[0][0] > HISTORY_S:
+            self.samples.popleft()
+
+
+_HISTORIES: weakref.WeakKeyDictionary[Any, UsageHistory] = weakref.WeakKeyDictionary()
+
+
+def usage_history(settings: Any) -> UsageHistory:
+    """The usage history of the server whose settings (``GpuShare``) these are."""
+    found = _HISTORIES.get(settings)
+    if found is None:
+        found = _HISTORIES[settings] = UsageHistory()
+    return found
 
 
 def owned_here(backend: Backend) -> Callable[[Allocation], bool]:
@@ -146,13 +189,20 @@ def dashboard(
     visible: Callable[[Allocation], bool] = lambda _a: True,
     paths: Mapping[str, str],
     simulated: bool,
+    history: Sequence[tuple[float, Mapping[str, float]]] = (),
     now: float | None = None,
 ) -> dict[str, Any]:
     """The dashboard's body (pure): every GPU with the shares on it, as the viewer may see
     them: ``own`` records whole; with ``admin`` also the others that are ``visible``."""
+
+    def admin_or_own(a: Allocation) -> bool:
+        return own(a) or (admin and visible(a))
+
     rows = gpu_usage(gpus, allocations)
     by_id = {a.id: a for a in allocations}
     out_gpus = []
+    shown_history: dict[str, list[list[float]]] = {}  # allocation id -> [[time, achieved]]
+    gpu_history: dict[str, list[list[float]]] = {}  # GPU uuid -> [[time, sum shown]]
     for row in rows:
         shares = []
         achieved = 0.0
@@ -161,7 +211,7 @@ def dashboard(
         for allocation_id in row["allocations"]:
             a = by_id[allocation_id]
             mine = own(a)
-            whole = mine or (admin and visible(a))
+            whole = admin_or_own(a)
             entry = share_entry(a, usage.get(a.id), mine=mine, whole=whole, paths=paths)
             if whole and entry["achieved_share"] is not None:
                 per_gpu = entry["achieved_share"] / max(1, len(a.gpus))
@@ -170,6 +220,17 @@ def dashboard(
             if whole and entry["memory_used"] is not None:
                 memory_used += entry["memory_used"] / max(1, len(a.gpus))
             shares.append(entry)
+        seen_here = [a for a in (by_id[i] for i in row["allocations"]) if admin_or_own(a)]
+        points = []
+        for t, values in history:
+            known = [values[a.id] / max(1, len(a.gpus)) for a in seen_here if a.id in values]
+            if known:
+                points.append([round(t, 3), round(sum(known), 4)])
+        gpu_history[row["uuid"]] = points
+        for a in seen_here:
+            shown_history[a.id] = [
+                [round(t, 3), round(values[a.id], 4)] for t, values in history if a.id in values
+            ]
         shares.sort(key=lambda s: (not s["mine"], -s["request"]))
         out_gpus.append(
             {
@@ -198,6 +259,7 @@ def dashboard(
         "source": usage.source,
         "metered": bool(usage.nodes),
         "gpus": out_gpus,
+        "history": {"window_s": HISTORY_S, "gpus": gpu_history, "shares": shown_history},
         **({"message": usage.message} if usage.message else {}),
     }
 
@@ -239,6 +301,8 @@ class DashboardHandler(GpushareHandler):
         gpus, problem = await self.inventory()
         allocations = await (await self.ledger()).list()
         usage = await (await self.backend.usage()).read()
+        history = usage_history(settings)
+        history.add(usage)
         body = dashboard(
             gpus,
             allocations,
@@ -248,6 +312,7 @@ class DashboardHandler(GpushareHandler):
             visible=self.admin_may_see(),
             paths=await self.session_paths(),
             simulated=bool(settings.simulated or any(g.simulated for g in gpus)),
+            history=list(history.samples),
         )
         if problem:
             body["message"] = problem

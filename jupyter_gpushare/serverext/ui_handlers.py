@@ -23,6 +23,7 @@ from jupyter_server.auth.decorator import authorized
 from jupyter_server.utils import url_path_join
 from tornado import web
 
+from .dashboard_handlers import usage_history
 from .handlers import GpushareHandler
 
 
@@ -32,6 +33,7 @@ class UsageHandler(GpushareHandler):
     async def get(self) -> None:
         backend = self.backend
         view = await (await backend.usage()).read()
+        usage_history(self.gpushare).add(view)  # the GPU dashboard's history
         body: dict[str, Any] = {
             "daemon": bool(view.nodes),
             "source": view.source,

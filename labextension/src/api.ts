@@ -141,6 +141,13 @@ export interface IDashboard {
   metered: boolean;
   message?: string;
   gpus: IDashboardGpu[];
+  /** The last two minutes as the server sampled them: [time, achieved share] per GPU (the
+   * shares this viewer sees, summed) and per share this viewer sees whole. */
+  history?: {
+    window_s: number;
+    gpus: Record<string, [number, number][]>;
+    shares: Record<string, [number, number][]>;
+  };
 }
 
 /** A kernel start of this server and how far it has got (`GET /gpushare/api/starts`). */

@@ -231,6 +231,19 @@ export class GpuDashboard extends Widget {
   }
 
   private record(data: IDashboard): void {
+    if (data.history) {
+      // the server's history (also sampled while this panel was closed)
+      this.history.clear();
+      for (const [kind, series] of [
+        ['gpu', data.history.gpus],
+        ['share', data.history.shares]
+      ] as [string, Record<string, [number, number][]>][]) {
+        for (const [key, points] of Object.entries(series)) {
+          this.history.set(`${kind}:${key}`, points.map(([t, v]) => ({ t, v })));
+        }
+      }
+      return;
+    }
     const add = (key: string, v: number | null | undefined) => {
       const samples = this.history.get(key) ?? [];
       samples.push({ t: data.time, v: v ?? null });

@@ -164,6 +164,19 @@ def test_admin_sees_every_share_a_user_their_own(
     live = wait_for(metered, timeout=30)
     assert 0 <= live["achieved_share"] <= 1 and live["memory_used"] is not None
 
+    # the server keeps the last two minutes, sampled as usage is read (status bar, dashboard)
+    def with_history() -> dict[str, Any] | None:
+        server.get("/gpushare/api/usage")  # the status bar's poll samples too
+        body = _as(server, "tok-ada", "/gpushare/api/dashboard").json()
+        return body if len(body["history"]["shares"].get(mine, [])) >= 3 else None
+
+    history = wait_for(with_history, timeout=30, interval=1.1)["history"]
+    assert history["window_s"] == 120
+    times = [t for t, _v in history["shares"][mine]]
+    assert times == sorted(times) and times[-1] - times[0] <= 120
+    assert all(0 <= v <= 1 for _t, v in history["shares"][mine])
+    assert len(history["gpus"][gpu["uuid"]]) >= 3
+
     # a user: the server user's kernel whole, the other user's share as capacity only
     uma = wait_for(lambda: both_listed("tok-uma"), timeout=30)
     assert uma["admin"] is False
@@ -182,6 +195,7 @@ def test_admin_sees_every_share_a_user_their_own(
             "state": "active",
         }
     ]
+    assert set(uma["history"]["shares"]) == {mine}  # the other user's use is not in it
     text = json.dumps(uma)
     for secret in (other, "gs-bob", "train.py", str(OTHER_UID), str(other_users_run.pid)):
         assert secret not in text, secret
@@ -296,6 +310,11 @@ def test_shared_ledger_hides_other_servers_even_from_an_admin_unless_configured(
     ]
     usage = UsageView("kubernetes", {"a-theirs": {"achieved_share": 0.2, "memory_used": 1}})
 
+    history = [
+        (100.0, {"a-mine": 0.25, "a-theirs": 0.5}),
+        (102.0, {"a-mine": 0.3, "a-theirs": 0.5}),
+    ]
+
     def body(admin: bool, show_others: bool) -> dict[str, Any]:
         here = lambda a: a.extra.get("k8s_server") == "me"  # noqa: E731
         return dashboard(
@@ -307,6 +326,7 @@ def test_shared_ledger_hides_other_servers_even_from_an_admin_unless_configured(
             visible=(lambda _a: True) if show_others else here,
             paths={},
             simulated=False,
+            history=history,
         )
 
     def ids(b: dict[str, Any]) -> list[str | None]:
@@ -318,3 +338,9 @@ def test_shared_ledger_hides_other_servers_even_from_an_admin_unless_configured(
     hidden = json.dumps(body(admin=True, show_others=False))
     assert "user-a-theirs" not in hidden and "a-theirs.ipynb" not in hidden
     assert body(admin=False, show_others=False)["gpus"][0]["free_request"] == 0.25
+    # history: a viewer sees the use over time of what it sees whole, summed per GPU
+    user_view = body(admin=False, show_others=False)["history"]
+    assert user_view["shares"] == {"a-mine": [[100.0, 0.25], [102.0, 0.3]]}
+    assert user_view["gpus"]["GPU-1"] == [[100.0, 0.25], [102.0, 0.3]]
+    admin_view = body(admin=True, show_others=True)["history"]
+    assert admin_view["gpus"]["GPU-1"] == [[100.0, 0.75], [102.0, 0.8]]

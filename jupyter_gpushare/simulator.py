@@ -12,7 +12,10 @@ following the device's load.
 Tunables (environment of the processes using the simulated driver): ``GPUSHARE_SIM_KERNEL_US``
 (duration of kernels other than ``busy_us``, default 5), ``GPUSHARE_SIM_QUEUE_AHEAD_US`` (work a
 stream may queue beyond now before a launch blocks, default 1 s; a few ms interleaves processes
-like time slices) and ``GPUSHARE_SIM_CONTEXT_BYTES`` (device memory each context takes, default 0).
+like time slices), ``GPUSHARE_SIM_CONTEXT_BYTES`` (device memory each context takes, default 0)
+and ``GPUSHARE_SIM_HOST_PROC`` (a procfs of the host's pid namespace, default ``/proc``: NVML
+reports each process by the pid its "self" link gives, the host's, as a real driver does for a
+process in a container's pid namespace).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import logging
 import os
@@ -162,6 +163,10 @@ class Daemon:
         self._tasks.append(asyncio.create_task(self._tick()))
         if self.settings.nvml_library is not None or os.environ.get("GPUSHARE_SIMULATED"):
             self._tasks.append(asyncio.create_task(self._sample_nvml()))
+        # what start built (modules, the ledger, the GPUs' state) lives as long as the agent:
+        # the garbage collector's full passes need not scan it again (a pause of milliseconds
+        # in some request's way otherwise; issue 12's p99)
+        gc.freeze()
         log.info(
             "gpushare daemon on %s (node %s, quantum %.0f ms, window %.0f ms, state %s)",
             path,

@@ -39,7 +39,7 @@ GiB = 1 << 30
 #: Runs as pid 1 of the "pod": a process of the share holding 1 GiB, then what nvitop and
 #: gpustat ask NVML (the process list and memory of GPU 0), then gpustat itself.
 IN_POD = textwrap.dedent("""
-    import json, os, subprocess, sys
+    import json, os, subprocess, sys, time
     import pynvml
 
     host_proc = os.environ["GPUSHARE_SIM_HOST_PROC"]
@@ -62,7 +62,13 @@ IN_POD = textwrap.dedent("""
 
     pynvml.nvmlInit()
     gpu = pynvml.nvmlDeviceGetHandleByIndex(0)
-    procs = [(p.pid, p.usedGpuMemory) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(gpu)]
+    deadline = time.monotonic() + 20  # the agent's list is asked about once a second; a loaded
+    while True:                       # machine may take a while to connect the holder
+        procs = [(p.pid, p.usedGpuMemory)
+                 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(gpu)]
+        if procs or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
     memory = pynvml.nvmlDeviceGetMemoryInfo(gpu)
     gpustat = subprocess.run([sys.executable, "-m", "gpustat", "--json"], capture_output=True,
                              text=True)

@@ -27,6 +27,7 @@ from typing import Any
 
 from traitlets import TraitError
 
+from .. import backends
 from ..share import SHARE_FIELDS, ShareError, ShareSpec
 
 #: Most warm kernels one pool may keep (each holds a real share and a process).
@@ -131,8 +132,8 @@ def parse_profile(index: int, item: Mapping[str, Any]) -> PoolProfile:
     if not isinstance(kernelspec, str) or not kernelspec:
         raise PoolConfigError(f"{where}.kernelspec: {kernelspec!r} is not a kernelspec name")
     backend = item.get("backend")
-    if backend not in (None, "local", "kubernetes"):
-        raise PoolConfigError(f"{where}.backend: {backend!r}; allowed: 'local' or 'kubernetes'")
+    if backend is not None and backend not in backends.names():
+        raise PoolConfigError(f"{where}.backend: {backend!r}; allowed: {backends.allowed()}")
     return PoolProfile(
         name=name,
         kernelspec=kernelspec,

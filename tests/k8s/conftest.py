@@ -111,6 +111,13 @@ def node_agent(control_plane: ControlPlane) -> Iterator[Path]:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def share_resources_wait() -> Any:
+    """:func:`wait_share_resources` and the fixture's ``NODES``, for tests of that wait (test
+    modules cannot import this conftest by name: each test directory has one)."""
+    return wait_share_resources, dict(NODES)
+
+
 def expected_share_units(simulate: str) -> str:
     """The share units the device plugin advertises for ``simulate`` (``2xA100``: 2 GPUs)."""
     return str(int(simulate.split("x", 1)[0]) * SHARE_UNITS_PER_GPU)

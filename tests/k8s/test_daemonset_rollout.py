@@ -217,3 +217,18 @@ async def test_a_daemonset_rollout_under_a_running_kernel_pod_keeps_it_launching
         if tenant_started:
             await execute(server, kernel, STOP_TENANT)
         await shut_down(server, kube, kernel)
+
+
+def test_the_node_fixture_names_a_share_resource_the_nodes_lack(
+    control_plane: ControlPlane, node_agent: Path, share_resources_wait: Any
+) -> None:
+    """The ``node_agent`` fixture waits for the device plugin's resource on the Nodes (not only
+    for the daemons to answer); a count never reached times out naming node, resource, values."""
+    wait_share_resources, nodes = share_resources_wait
+    wait_share_resources(control_plane, nodes, deadline=time.monotonic() + 30)  # as they are
+    with pytest.raises(AssertionError) as missing:
+        wait_share_resources(control_plane, {NODE: "3xT4"}, deadline=time.monotonic() + 1)
+    assert str(missing.value) == (
+        f"the device plugin's {RES} never reached the Nodes' status.allocatable: "
+        f"{NODE} shows '100', expected '300'"
+    )

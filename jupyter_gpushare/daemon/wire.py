@@ -202,9 +202,10 @@ version. **How long an old version is served**: :data:`OLDEST_VERSION` is raised
 release that comes at least one release after the one that moved :data:`VERSION` past it,
 so an upgrade by one release never strands a running kernel (from N to N+1 an agent of N+1
 serves every interposer of N; a kernel that outlives two upgrades must be restarted). The
-other direction is covered too: a new interposer whose ``hello`` an older agent refuses with
-``bad_version`` says ``hello`` again at its own oldest version (``GPUSHARE_WIRE_OLDEST_VERSION``),
-so kernels started on a node whose agent has not been replaced yet keep working. A ``hello``
+other direction is covered too: a new interposer whose ``hello`` an agent from before version
+ranges refuses with ``bad_version`` (a refusal without ``"current"``) says ``hello`` again at its
+own oldest version (``GPUSHARE_WIRE_OLDEST_VERSION``), so kernels started on a node whose agent
+has not been replaced yet keep working; an agent that serves ranges chose from ``v_min`` already. A ``hello``
 outside the range is refused with ``bad_version``, whose message names the client's version
 and the range served (the interposer prints it with the ``CUDA_ERROR_NOT_PERMITTED`` of its
 launches). Tests: ``tests/enforcement/test_agent_upgrade.py``.
@@ -314,7 +315,7 @@ def negotiate(message: dict[str, Any]) -> tuple[int, None] | tuple[None, dict[st
     one both sides speak), or a ``bad_version`` refusal naming the client's versions and the
     range this agent serves."""
     asked, oldest = message.get("v"), message.get("v_min", message.get("v"))
-    served = f"this gpushare agent serves wire versions {OLDEST_VERSION} to {VERSION}"
+    served = f"this agent serves versions {OLDEST_VERSION} to {VERSION}"
     if not isinstance(asked, int) or not isinstance(oldest, int):
         why = f"hello: v and v_min must be wire versions (integers); got v={asked!r}, "
         why += f"v_min={oldest!r}; {served}"
@@ -324,17 +325,12 @@ def negotiate(message: dict[str, Any]) -> tuple[int, None] | tuple[None, dict[st
         chosen = min(asked, VERSION)
         if chosen >= max(oldest, OLDEST_VERSION):
             return chosen, None
+        spoken = f"version {asked}" if oldest == asked else f"versions {oldest} to {asked}"
+        spoken = f"the gpushare interposer speaks wire {spoken}; {served}"
         if asked < OLDEST_VERSION:
-            why = (
-                f"this process's gpushare interposer speaks wire version {asked}; {served} "
-                f"(version {asked} is no longer served): restart the kernel so that it loads "
-                "the interposer installed with this agent"
-            )
+            why = f"{spoken}: restart the kernel to load the interposer installed with this agent"
         else:
-            why = (
-                f"this process's gpushare interposer speaks wire versions {oldest} to {asked}; "
-                f"{served} (it is older than the interposer): upgrade the agent"
-            )
+            why = f"{spoken} (it is older than the interposer): upgrade the agent"
     refused = refusal(E_BAD_VERSION, why)
     refused["oldest"], refused["current"] = OLDEST_VERSION, VERSION
     return None, refused

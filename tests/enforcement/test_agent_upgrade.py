@@ -106,6 +106,7 @@ def test_hello_versions_in_the_range_are_served_and_others_refused_in_words(daem
     served = f"versions {wire.OLDEST_VERSION} to {wire.VERSION}"
     assert f"wire version {old}" in below["message"] and served in below["message"], below
     assert "restart the kernel" in below["message"]
+    assert len(below["message"]) < 200  # the interposer prints up to 199 characters of it
 
     above = _hello(daemon.socket, {**hello, "v": wire.VERSION + 2, "v_min": wire.VERSION + 1})
     assert not above["ok"] and above["error"] == "bad_version", above
@@ -156,3 +157,35 @@ def test_a_new_interposer_falls_back_to_its_oldest_version_with_an_older_agent(
         assert share <= REQUEST + 0.05, share
     finally:
         old.stop()
+
+
+#: an agent two versions ahead: it no longer serves anything this interposer speaks
+NEWER_AGENT = """
+import sys
+from jupyter_gpushare.daemon import wire
+wire.OLDEST_VERSION, wire.VERSION = wire.VERSION + 1, wire.VERSION + 2
+from jupyter_gpushare.daemon.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_an_agent_that_no_longer_serves_the_interposer_refuses_it_in_words(
+    daemon, ledger, gpus, tmp_path
+):
+    daemon.stop()
+    module = daemon.args.index("-m")
+    args = [sys.executable, "-c", NEWER_AGENT, *daemon.args[module + 2 :]]
+    newer = _spawn_daemon(args, daemon.socket, daemon.ledger_path, daemon.state_dir, daemon.log)
+    try:
+        a = add_allocation(ledger, gpus[0], REQUEST, REQUEST)
+        t = spawn_tenant(newer, ledger, a, gpus, ["spin", "2", "1000", "4"], tmp_path)
+        lines = t.finish()
+        assert t.proc.returncode != 0, lines[-3:]
+        assert any(x.get("error") == 800 for x in lines), lines[-3:]  # NOT_PERMITTED ...
+        # ... with words: the interposer's versions, the agent's range and what to do
+        spoken = f"wire versions {wire.OLDEST_VERSION} to {wire.VERSION}"
+        served = f"serves versions {wire.VERSION + 1} to {wire.VERSION + 2}"
+        assert spoken in t.stderr and served in t.stderr, t.stderr
+        assert "restart the kernel" in t.stderr, t.stderr
+    finally:
+        newer.stop()

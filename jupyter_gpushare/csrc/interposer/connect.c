@@ -208,7 +208,8 @@ static int hello_at(unsigned v) {
     }
     if (!strstr(reply, "\"ok\":true")) {
         for (int k = 0; k < nfds; k++) close(fds[k]);
-        if (v != GPUSHARE_WIRE_OLDEST_VERSION && strstr(reply, "\"error\":\"bad_version\"")) {
+        if (v != GPUSHARE_WIRE_OLDEST_VERSION && strstr(reply, "\"error\":\"bad_version\"") &&
+            !json_find(reply, "current")) {
             close(fd); /* an agent that predates v_min: say hello again at our oldest */
             return -3;
         }

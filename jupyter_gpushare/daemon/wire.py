@@ -205,10 +205,10 @@ serves every interposer of N; a kernel that outlives two upgrades must be restar
 other direction is covered too: a new interposer whose ``hello`` an agent from before version
 ranges refuses with ``bad_version`` (a refusal without ``"current"``) says ``hello`` again at its
 own oldest version (``GPUSHARE_WIRE_OLDEST_VERSION``), so kernels started on a node whose agent
-has not been replaced yet keep working; an agent that serves ranges chose from ``v_min`` already. A ``hello``
-outside the range is refused with ``bad_version``, whose message names the client's version
-and the range served (the interposer prints it with the ``CUDA_ERROR_NOT_PERMITTED`` of its
-launches). Tests: ``tests/enforcement/test_agent_upgrade.py``.
+has not been replaced yet keep working; an agent that serves ranges chose from ``v_min``
+already. A ``hello`` outside the range is refused with ``bad_version``, whose message names the
+client's versions and the range served (the interposer prints it with the
+``CUDA_ERROR_NOT_PERMITTED`` of its launches). Tests: ``tests/enforcement/test_agent_upgrade.py``.
 """
 
 from __future__ import annotations

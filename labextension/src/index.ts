@@ -20,8 +20,7 @@ import {
   JupyterFrontEnd,
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
-import { ICommandPalette, SessionContext } from '@jupyterlab/apputils';
-import { Notification } from '@jupyterlab/apputils';
+import { ICommandPalette, Notification, SessionContext } from '@jupyterlab/apputils';
 import { ILauncher } from '@jupyterlab/launcher';
 import { IMainMenu } from '@jupyterlab/mainmenu';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';

@@ -158,9 +158,9 @@ def share_entry(
     if not whole:
         return entry
     command = a.extra.get("command")
-    path = a.extra.get("path") or a.extra.get("notebook_path")
-    if not path and a.kernel_id:
-        path = paths.get(a.kernel_id)
+    # this server's sessions name the notebook relative to its root; another server's kernel
+    # carries the path its provisioner recorded (``extra.notebook``, as `gpushare status` shows)
+    path = (paths.get(a.kernel_id) if a.kernel_id else None) or a.extra.get("notebook")
     entry.update(
         id=a.id,
         user=a.user or None,

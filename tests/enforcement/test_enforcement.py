@@ -104,6 +104,14 @@ def test_deep_queues_are_bounded_on_a_shared_gpu(daemon, ledger, gpus, tmp_path)
     assert a + b >= 0.92, (a, b)
 
 
+def test_spare_time_follows_requests_with_long_kernels(daemon, ledger, gpus, tmp_path):
+    """Requests 0.2/0.3 with limits 1.0 share the device 0.4/0.6. With 50 ms kernels and a
+    sync after each, a holder waiting for its kernel is not idle: its lease is extended when
+    the daemon ranks it next (it was handed to the other tenant at every kernel: 0.5/0.5)."""
+    a, b = run_shape(daemon, ledger, gpus, tmp_path, [(0.2, 1.0), (0.3, 1.0)], 50_000, "sync")
+    assert abs(a - 0.4) <= 0.05 and abs(b - 0.6) <= 0.05, (a, b)
+
+
 def test_idle_tenant_time_is_taken_up(daemon, ledger, gpus, tmp_path):
     a = add_allocation(ledger, gpus[0], 0.3, 1.0)
     b = add_allocation(ledger, gpus[0], 0.7, 1.0)

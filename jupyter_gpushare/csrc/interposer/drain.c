@@ -286,8 +286,11 @@ int gs_try_extend(struct gs_gpu *g, uint64_t lease) {
         return -1;
     uint64_t now = gs_now(), lease_ns = atomic_load(&h->next_lease_ns);
     if (atomic_load(&g->last_launch_ns) < atomic_load(&s->lease_start_ns) &&
-        atomic_load(&s->waiters) == 0)
-        return -1; /* no launch during this lease: let it end (the process went idle) */
+        atomic_load(&s->waiters) == 0 && !gs_streams_busy(g, lease))
+        return -1; /* no launch during this lease and nothing queued: the process went idle.
+                    * (A process waiting for a kernel longer than the quantum is not idle: it
+                    * launches again as soon as the kernel ends; ending its lease then would
+                    * hand the GPU to whoever waits next, whatever the daemon ranked.) */
     if (lease_ns == 0 || lease_ns > 1000000000ull) return -1;
     uint64_t until = now + lease_ns;
     pthread_mutex_lock(&g->streams_lock);

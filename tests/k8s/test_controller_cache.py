@@ -186,6 +186,43 @@ def test_conflicts_refresh_from_the_watch_not_a_list(plane: ControlPlane) -> Non
     assert changes.get(("GET", "gpuledgers"), 0) <= sum(ledger.conflicts for ledger in ledgers)
 
 
+def test_server_lease_is_renewed_with_one_patch(plane: ControlPlane) -> None:
+    """A heartbeat older than half the Lease renews it with one PATCH (no GET, no PUT); a
+    Lease of another user is refused without a write."""
+    from jupyter_gpushare.controller.auth import HubUser
+    from jupyter_gpushare.controller.errors import ControllerError
+    from jupyter_gpushare.controller.servers import ServerLeases
+
+    async def scenario() -> dict:
+        kube = await connect(str(plane.kubeconfig("controller")))
+        leases = ServerLeases(kube, NAMESPACE, duration=8.0, holder="test")
+        try:
+            await leases.start(30)
+            alice, bob = HubUser("alice"), HubUser("bob")
+            await leases.touch(alice, "renew-server")  # created
+            before = await asyncio.to_thread(plane.metrics)
+            await leases.touch(alice, "renew-server")  # fresh: nothing to do
+            with pytest.raises(ControllerError) as refused:
+                await leases.touch(bob, "renew-server")
+            assert refused.value.status == 403
+            await asyncio.sleep(4.1)  # over half of 8 s
+            await leases.touch(alice, "renew-server")
+            after = await asyncio.to_thread(plane.metrics)
+            lease = leases.leases.get(manifests.lease_name("renew-server"))
+            assert lease is not None
+            renewed = manifests.parse_time(lease["spec"]["renewTime"])
+            assert renewed is not None and time.time() - renewed.timestamp() < 4.0
+            return delta(before, after)
+        finally:
+            await leases.stop()
+            await kube.close()
+
+    changes = run(scenario())
+    print("API requests for 3 heartbeats:", changes)
+    # (the API server's own loopback client reads namespaces and services now and then)
+    assert {k: v for k, v in changes.items() if k[1] == "leases"} == {("PATCH", "leases"): 1}
+
+
 # -- the controller process: REST from the caches ------------------------------------------------
 
 
@@ -305,43 +342,6 @@ def test_rest_reads_from_a_warm_cache_make_no_api_requests(
     ] == pytest.approx(0.5)
     call("DELETE", f"/api/allocations/{placed['id']}")
     assert call("GET", "/api/allocations")["allocations"] == []
-
-
-def test_server_lease_is_renewed_with_one_patch(plane: ControlPlane) -> None:
-    """A heartbeat older than half the Lease renews it with one PATCH (no GET, no PUT); a
-    Lease of another user is refused without a write."""
-    from jupyter_gpushare.controller.auth import HubUser
-    from jupyter_gpushare.controller.errors import ControllerError
-    from jupyter_gpushare.controller.servers import ServerLeases
-
-    async def scenario() -> dict:
-        kube = await connect(str(plane.kubeconfig("controller")))
-        leases = ServerLeases(kube, NAMESPACE, duration=8.0, holder="test")
-        try:
-            await leases.start(30)
-            alice, bob = HubUser("alice"), HubUser("bob")
-            await leases.touch(alice, "renew-server")  # created
-            before = await asyncio.to_thread(plane.metrics)
-            await leases.touch(alice, "renew-server")  # fresh: nothing to do
-            with pytest.raises(ControllerError) as refused:
-                await leases.touch(bob, "renew-server")
-            assert refused.value.status == 403
-            await asyncio.sleep(4.1)  # over half of 8 s
-            await leases.touch(alice, "renew-server")
-            after = await asyncio.to_thread(plane.metrics)
-            lease = leases.leases.get(manifests.lease_name("renew-server"))
-            assert lease is not None
-            renewed = manifests.parse_time(lease["spec"]["renewTime"])
-            assert renewed is not None and time.time() - renewed.timestamp() < 4.0
-            return delta(before, after)
-        finally:
-            await leases.stop()
-            await kube.close()
-
-    changes = run(scenario())
-    print("API requests for 3 heartbeats:", changes)
-    # (the API server's own loopback client reads namespaces and services now and then)
-    assert {k: v for k, v in changes.items() if k[1] == "leases"} == {("PATCH", "leases"): 1}
 
 
 # -- usage: node daemons report to the controller -------------------------------------------------

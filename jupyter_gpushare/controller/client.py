@@ -30,8 +30,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.web import HTTPError
 
 from ..inventory import Gpu
-from ..ledger import Allocation, AllocationNotFound, Ledger, Snapshot
-from ..ledger import Placer as LedgerPlacer
+from ..ledger import Allocation, AllocationNotFound, Ledger, PlaceFunction, Snapshot
 from ..placement import PlacementRefused
 from ..resize import RESIZABLE
 from ..share import ShareError, ShareSpec
@@ -178,7 +177,7 @@ class ControllerLedger(Ledger):
         )
 
     async def allocate(
-        self, spec: ShareSpec, inventory: Sequence[Gpu], place: LedgerPlacer, **fields: Any
+        self, spec: ShareSpec, inventory: Sequence[Gpu], place: PlaceFunction, **fields: Any
     ) -> Allocation:
         body = {
             "share": spec.to_json(),

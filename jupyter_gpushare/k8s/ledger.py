@@ -29,8 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..inventory import Gpu, TypeAliases
-from ..ledger import Allocation, AllocationNotFound, Ledger, LedgerConflict, Snapshot
-from ..ledger import Placer as LedgerPlacer
+from ..ledger import Allocation, AllocationNotFound, Ledger, LedgerConflict, PlaceFunction, Snapshot
 from ..placement import Placement, Placer, Policy
 from ..share import ShareSpec
 from . import manifests
@@ -392,7 +391,7 @@ class WatchedLedger(KubernetesLedger):
             await self.ledgers.note(obj)
 
     async def allocate(
-        self, spec: ShareSpec, inventory: Sequence[Gpu], place: LedgerPlacer, **fields: Any
+        self, spec: ShareSpec, inventory: Sequence[Gpu], place: PlaceFunction, **fields: Any
     ) -> Allocation:
         """As :meth:`Ledger.allocate`, on the index and one node's cached records when ``place``
         is :meth:`indexed`'s (no snapshot of every allocation is built)."""

@@ -27,8 +27,9 @@ from ..errors import GpushareError
 from ..inventory import Gpu
 from ..share import GpuLabels, ShareSpec
 
-#: How a placement is decided: (gpus, live allocations, spec) -> Placement (see .placement).
-Placer = Callable[[Sequence[Gpu], Sequence["Allocation"], ShareSpec], "PlacementLike"]
+#: How a placement is decided: (gpus, live allocations, spec) -> Placement, a function (e.g.
+#: :func:`jupyter_gpushare.placement.place`; not the indexed ``placement.Placer`` class).
+PlaceFunction = Callable[[Sequence[Gpu], Sequence["Allocation"], ShareSpec], "PlacementLike"]
 
 
 class PlacementLike:  # the shape the ledger needs from a placement result
@@ -231,7 +232,7 @@ class Ledger(ABC):
         self,
         spec: ShareSpec,
         inventory: Sequence[Gpu],
-        place: Placer,
+        place: PlaceFunction,
         **fields: Any,
     ) -> Allocation:
         """Place ``spec`` and record it atomically; retried while other placers win the race.

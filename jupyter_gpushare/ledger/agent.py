@@ -40,7 +40,7 @@ from typing import Any
 from ..errors import GpushareError
 from ..inventory import Gpu
 from ..share import ShareError, ShareSpec
-from . import Allocation, Ledger, LedgerUnavailable, Placer, Snapshot
+from . import Allocation, Ledger, LedgerUnavailable, PlaceFunction, Snapshot
 
 #: seconds one request may take (connect, send, read the reply)
 TIMEOUT_S = 30.0
@@ -218,7 +218,7 @@ class AgentLedger(Ledger):
         return reply
 
     async def allocate(
-        self, spec: ShareSpec, inventory: Sequence[Gpu], place: Placer, **fields: Any
+        self, spec: ShareSpec, inventory: Sequence[Gpu], place: PlaceFunction, **fields: Any
     ) -> Allocation:
         """As :meth:`Ledger.allocate`; returns the allocation as the agent recorded it (owner
         uid and user name, the bound that applies)."""

@@ -26,9 +26,6 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-#: Shorter leases than this are not worth a handoff.
-MIN_LEASE_NS = 1_000_000
-
 
 @dataclass(frozen=True)
 class TenantView:

@@ -243,7 +243,6 @@ E_NOT_PERMITTED = "not_permitted"
 E_UNKNOWN_ALLOCATION = "unknown_allocation"
 E_BAD_VERSION = "bad_version"
 E_BAD_REQUEST = "bad_request"
-E_FULL = "no_free_slot"
 
 
 class Header(ctypes.Structure):

@@ -61,9 +61,14 @@ static void failstatic_grant(struct gs_gpu *g, uint64_t now) {
     }
     uint64_t q = gs.quantum_ns ? gs.quantum_ns : GS_DEFAULT_QUANTUM_NS;
     uint64_t until = now + q;
+    /* A lease of q leaves up to the runahead bound the agent last published queued at its end
+     * (the policy stays mapped): the device runs up to q + bound per lease, so the next one
+     * starts (q + bound) / r after this one (q / r ran a saturating tenant at twice its
+     * request). No bound (a lone tenant without a limit): q / r, as nobody is to be kept out. */
+    uint64_t bound = atomic_load(&g->policy->runahead_ns);
     uint64_t old = atomic_load(&s->lease_until_ns);
     if (old <= now && atomic_compare_exchange_strong(&s->lease_until_ns, &old, until)) {
-        atomic_store(&g->fs_next_on, until + (uint64_t)((double)q * (1.0 - r) / r));
+        atomic_store(&g->fs_next_on, now + (uint64_t)((double)(q + bound) / r));
         atomic_store(&s->lease_start_ns, now);
     }
 }

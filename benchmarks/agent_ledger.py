@@ -155,6 +155,11 @@ def main() -> int:
         profile_dir.mkdir(parents=True, exist_ok=True)
     directory = Path(tempfile.mkdtemp(prefix="gs-bench-", dir="/tmp"))
     directory.chmod(0o755)
+    # the lease state on tmpfs, as the agent's default (XDG_RUNTIME_DIR or /dev/shm) has it:
+    # each new share's account file is created there, on the placement's path
+    shm_root = Path(
+        tempfile.mkdtemp(prefix="gs-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    )
     socket, ledger_path = directory / "daemon.sock", directory / "state" / "ledger.sqlite"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
     agent = subprocess.Popen(
@@ -173,7 +178,7 @@ def main() -> int:
             "--simulate",
             "8xA100",
             "--state-dir",
-            str(directory / "shm"),
+            str(shm_root / "state"),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -262,6 +267,7 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             agent.kill()
         shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(shm_root, ignore_errors=True)
     return 0
 
 

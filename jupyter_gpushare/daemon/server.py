@@ -26,7 +26,7 @@ import psutil
 from ..ledger import Allocation, Ledger
 from . import wire
 from .admission import Admins, Admission, Listener, Peer, raise_fd_limit, read_peer, user_name
-from .gpu import GpuLoop, Tenant
+from .gpu_loop import GpuLoop, Tenant
 from .identity import pod_uid_of
 from .ratelog import RateLimitedLog
 from .shm import GpuShm, StateDir, fallback_state_dir, is_private_dir, monotonic_ns, send_line

@@ -193,14 +193,16 @@ async def test_a_daemonset_rollout_under_a_running_kernel_pod_keeps_it_launching
         assert end - lo >= int(4.0e9), "too short a window after the new agent took over"
         (after,) = shares([run], lo, end)
         (baseline,) = shares([run], rollout_ns - int(2.0e9), rollout_ns)
+        (alone,) = shares([run], last_old, first_new)  # fail static: at its request share
         print(
             f"DaemonSet rollout under a kernel pod at {SHARE} of a T4: no agent on the node for "
             f"<= {no_agent:.2f} s (polled every 0.1 s), share taken back "
             f"{(taken_back - first_new) / 1e9:.2f} s after the new agent answered; the longest "
             f"pause between the kernel's progress reports {launch_gap:.2f} s; share "
-            f"{baseline:.3f} before, {after:.3f} after"
+            f"{baseline:.3f} before, {alone:.3f} with no agent, {after:.3f} after"
         )
         assert launch_gap < 5.0, launch_gap  # it kept launching while no agent existed
+        assert SHARE - 0.1 <= alone <= SHARE + 0.1, alone  # ... at its request share
         assert after <= SHARE + 0.05, after  # the limit holds under the new agent
         assert after >= SHARE - 0.1, after  # ... and the kernel still gets its share
 

@@ -9,6 +9,7 @@ papermill, ``jupyter console``).
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -47,15 +48,21 @@ class LocalKernelBackend(KernelBackend):
     async def pre_launch(self, allocation: Allocation, **kwargs: Any) -> dict[str, Any]:
         settings = self.provisioner.settings
         inventory = await self.inventory()
-        await self._ensure_agent(inventory)
-        env = dict(kwargs.get("env") or os.environ)
-        env.update(kernel_environment(allocation, inventory, settings))
-        kwargs["env"] = env
-        given = list(kwargs.get("extra_arguments", []))
-        kwargs["extra_arguments"] = given + [
-            a for a in settings.extra_kernel_args if a not in given
-        ]
-        return await self.process.pre_launch(**kwargs)
+        # the agent check (a ping in a thread) runs alongside the launch preparation below: the
+        # kernel's environment does not depend on it (issue 12, kernel start)
+        agent = asyncio.ensure_future(self._ensure_agent(inventory))
+        try:
+            env = dict(kwargs.get("env") or os.environ)
+            env.update(kernel_environment(allocation, inventory, settings))
+            kwargs["env"] = env
+            given = list(kwargs.get("extra_arguments", []))
+            kwargs["extra_arguments"] = given + [
+                a for a in settings.extra_kernel_args if a not in given
+            ]
+            prepared = await self.process.pre_launch(**kwargs)
+        finally:
+            await agent  # before the kernel starts, as before
+        return prepared
 
     async def _ensure_agent(self, inventory: Sequence[Gpu]) -> None:
         """The node agent answers before the kernel starts, whoever starts it: a Jupyter server

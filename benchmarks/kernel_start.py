@@ -103,6 +103,26 @@ def _mark_process_starts() -> None:
     LocalProvisioner.launch_kernel = marked  # type: ignore[method-assign]
 
 
+def _stop_agent(socket: Path) -> None:
+    """Stops the per-user agent the gpushare starts brought up on this run's socket (it runs
+    detached, in a session of its own, and would outlive the run)."""
+    import signal
+
+    from jupyter_gpushare.daemon.client import DaemonClient
+
+    try:
+        pid = int(DaemonClient(socket, timeout=2.0).ping()["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except OSError:
+        return
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and DaemonClient(socket, timeout=0.5).alive():
+        time.sleep(0.1)
+
+
 def _compile_package() -> str:
     """Byte-compiles the package's modules, as an install does."""
     import compileall
@@ -254,5 +274,6 @@ if __name__ == "__main__":
     try:
         result = asyncio.run(main(args.rounds, tmp))
     finally:
+        _stop_agent(Path(os.environ["GPUSHARE_SOCKET"]))
         shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps({"benchmark": "kernel_start", "bytecode": bytecode, **result}))

@@ -202,7 +202,8 @@ async def test_a_daemonset_rollout_under_a_running_kernel_pod_keeps_it_launching
             f"{baseline:.3f} before, {alone:.3f} with no agent, {after:.3f} after"
         )
         assert launch_gap < 5.0, launch_gap  # it kept launching while no agent existed
-        assert SHARE - 0.1 <= alone <= SHARE + 0.1, alone  # ... at its request share
+        if no_agent >= 1.5:  # long enough to measure: at its request share (fail static)
+            assert SHARE - 0.1 <= alone <= SHARE + 0.05, alone
         assert after <= SHARE + 0.05, after  # the limit holds under the new agent
         assert after >= SHARE - 0.1, after  # ... and the kernel still gets its share
 

@@ -348,9 +348,12 @@ async def _cas(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dict[str
         "added": [a.to_json() for a in result if a.id not in before],
     }
     if message.get("snapshot") is True:
-        # the node now holds exactly what the caller proposed, new records as in "added",
-        # at this version: the caller's view of it without sending the node back
-        reply["version"] = version + 1
+        # the node holds what the caller proposed, new records as in "added": its view of the
+        # node without sending the node back, when the ledger (in memory: no read) shows the
+        # swap's own version, one past the one it replaced, and so nothing after it
+        after = (await daemon.ledger.snapshot()).versions.get(node)
+        if after == version + 1:
+            reply["version"] = after
     return reply
 
 

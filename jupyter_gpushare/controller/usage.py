@@ -67,6 +67,7 @@ class NodeAuth:
         # sha256(token) -> (expires, username or None, bound pod or None)
         self._cache: OrderedDict[str, tuple[float, str | None, str | None]] = OrderedDict()
         self._pods: dict[str, tuple[float, str | None]] = {}  # pod -> (expires, its node)
+        self._inflight: dict[str, asyncio.Future[tuple[str | None, str | None]]] = {}
 
     async def check(self, token: str, node: str) -> None:
         """Return when ``token`` is the node daemon's and may report for ``node``; raise 401 /
@@ -75,7 +76,16 @@ class NodeAuth:
         now = time.monotonic()
         cached = self._cache.get(key)
         if cached is None or cached[0] <= now:
-            username, pod = await self._review(token)
+            pending = self._inflight.get(key)
+            if pending is None:  # one review per token at a time, however many reports wait
+                pending = asyncio.ensure_future(self._review(token))
+                self._inflight[key] = pending
+                try:
+                    username, pod = await pending
+                finally:
+                    self._inflight.pop(key, None)
+            else:
+                username, pod = await pending
             ttl = self.ttl if username else min(self.ttl, 5.0)
             cached = (now + ttl, username, pod)
             self._cache[key] = cached

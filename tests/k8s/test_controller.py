@@ -218,6 +218,7 @@ def test_user_servers_hold_no_rights_the_controller_does(control_plane: ControlP
         ("gpushare.jupyter.org", "gpuledgers", "create"),
         ("gpushare.jupyter.org", "gpuledgers", "patch"),
         ("coordination.k8s.io", "leases", "update"),
+        ("coordination.k8s.io", "leases", "patch"),
     ]
     for group, resource, verb in denied:
         assert not review(api, user_server, sa_groups, group, resource, verb), (resource, verb)
@@ -228,6 +229,8 @@ def test_user_servers_hold_no_rights_the_controller_does(control_plane: ControlP
         ("gpushare.jupyter.org", "gpuledgers", "update"),
         ("gpushare.jupyter.org", "gpuledgers", "create"),
         ("coordination.k8s.io", "leases", "update"),
+        ("coordination.k8s.io", "leases", "patch"),  # a server's Lease renewal
+        ("authentication.k8s.io", "tokenreviews", "create"),  # who reports node usage
     ]:
         assert review(api, controller, sa_groups, group, resource, verb), (resource, verb)
     # nor does the controller read Secrets back (it writes connection files only)
@@ -238,8 +241,18 @@ def test_user_servers_hold_no_rights_the_controller_does(control_plane: ControlP
     assert not single.get("serviceAccountName")
     assert single["extraPodConfig"]["automountServiceAccountToken"] is False
     assert single["extraEnv"]["GPUSHARE_CONTROLLER_URL"].startswith("http")
-    egress = single["networkPolicy"]["egress"]  # z2jh blocks private IPs: the controller only
-    assert [p["port"] for rule in egress for p in rule["ports"]] == [8081]
+    # z2jh blocks private IPs: users' pods may reach the controller's port and kernel pods (their
+    # ZMQ ports are per kernel), both in namespace gpushare, and nothing else there
+    egress = single["networkPolicy"]["egress"]
+    by_component = {}
+    for rule in egress:
+        for to in rule["to"]:
+            assert to["namespaceSelector"]["matchLabels"] == {
+                "kubernetes.io/metadata.name": "gpushare"
+            }, to
+            by_component[to["podSelector"]["matchLabels"]["app.kubernetes.io/component"]] = rule
+    assert sorted(by_component) == ["controller", "gpushare-kernel"], egress
+    assert [p["port"] for p in by_component["controller"]["ports"]] == [8081]
 
 
 # -- two Hub users through the controller --------------------------------------------------------

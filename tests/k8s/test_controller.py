@@ -539,6 +539,18 @@ c.KubernetesBackendConfig.lease_renew_interval = 2
             )
         ).json()
         assert seen["gpu_request"] == 0.3, seen
+        # live usage reaches the server through the controller (GET /api/usage: the node
+        # daemons here still write their ConfigMaps, which the controller reads for them)
+        deadline = time.monotonic() + 30
+        while True:
+            reply = await asyncio.to_thread(server.request, "GET", "/gpushare/api/usage")
+            assert reply.status_code == 200, reply.text
+            usage = reply.json()
+            if any(u["id"] == records[0]["id"] for u in usage["allocations"]):
+                break
+            assert time.monotonic() < deadline, usage
+            await asyncio.sleep(1.0)
+        assert usage["source"] == "kubernetes" and usage["daemon"], usage
         # shutdown releases through the controller: pod, Secret and record go
         reply = await asyncio.to_thread(server.request, "DELETE", f"/api/kernels/{kernel_id}")
         assert reply.status_code == 204, reply.text

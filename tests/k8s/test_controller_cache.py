@@ -125,6 +125,55 @@ def test_cache_resumes_a_dropped_watch_without_listing(plane: ControlPlane) -> N
     assert changes.get(("LIST", "gpuledgers"), 0) == 0, changes
 
 
+def test_cache_lists_again_only_when_its_version_is_gone(plane: ControlPlane) -> None:
+    """A watch from a version the API server no longer has answers 410 Gone: then, and only
+    then, the informer lists again (one LIST), and what changed meanwhile is in the cache."""
+
+    async def scenario() -> tuple[dict, WatchedLedger]:
+        kube = await connect(str(plane.kubeconfig("controller")))
+        admin = await connect(str(plane.kubeconfig("admin")))
+        ledger = WatchedLedger(kube, NAMESPACE)
+        try:
+            await ledger.start(30)
+            before = await asyncio.to_thread(plane.metrics)
+            ledger.ledgers.resource_version = "1"  # long compacted away: the resume gets 410
+            ledger.ledgers.drop_watch()
+            record = Allocation(
+                id="after-gone",
+                node="cache-node-2",
+                gpus=("GPU-cache-2-1",),
+                spec=ShareSpec(gpu_request=0.1, gpu_limit=0.1),
+                memory=GiB,
+            )
+            existing = ledger.ledgers.get("cache-node-2")
+            body = manifests.ledger_object(
+                "cache-node-2",
+                NAMESPACE,
+                [*(a.to_json() for a in await ledger.list("cache-node-2")), record.to_json()],
+            )
+            if existing is None:
+                await admin.create_ledger(NAMESPACE, body)
+            else:
+                body["metadata"]["resourceVersion"] = existing["metadata"]["resourceVersion"]
+                await admin.replace_ledger(NAMESPACE, body)
+            deadline = time.monotonic() + 20
+            while record.id not in {a.id for a in await ledger.list("cache-node-2")}:
+                assert time.monotonic() < deadline, "the change never reached the cache"
+                await asyncio.sleep(0.05)
+            after = await asyncio.to_thread(plane.metrics)
+            await ledger.release(record.id)
+            return delta(before, after), ledger
+        finally:
+            await ledger.stop()
+            await kube.close()
+            await admin.close()
+
+    changes, ledger = run(scenario())
+    print("API requests around a 410:", changes)
+    assert ledger.ledgers.lists == 2, ledger.ledgers.lists
+    assert changes.get(("LIST", "gpuledgers"), 0) == 1, changes
+
+
 def test_conflicts_refresh_from_the_watch_not_a_list(plane: ControlPlane) -> None:
     """Two controllers' ledgers place 24 shares at once on the same 6 GPUs: their CAS writes
     collide, each loser catches up from its watch, none of them LISTs, and the GPUs hold

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -93,9 +94,13 @@ async def test_pool_of_kernel_pods_serves_warm_then_cold_and_refills(
             capture_output=True,
             text=True,
             timeout=60,
+            env={**os.environ, "COLUMNS": "300"},  # one table row per share, not folded
         )
         assert status.stdout.count("warm pool kernel") == 2, status.stdout + status.stderr
-        assert "gpu-node-1 GPU 1 A100" in status.stdout and "gpu-node-2 GPU 0 T4" in status.stdout
+        # the GPUs table comes first: its T4 row counts both warm pods' shares
+        gpu_row = next(line for line in status.stdout.splitlines() if "gpu-node-2:0" in line)
+        assert "T4" in gpu_row and " 2 " in gpu_row, status.stdout
+        assert "gpu-node-1:1" in status.stdout, status.stdout
         root = next(p for p in tmp_path.iterdir() if (p / "server.log").exists())
         (root / "work").mkdir()
         first, first_s = await timed_start(server, "work/analysis.ipynb")

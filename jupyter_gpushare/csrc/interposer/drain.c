@@ -285,12 +285,18 @@ int gs_try_extend(struct gs_gpu *g, uint64_t lease) {
         atomic_load(&g->policy->state) != GPUSHARE_SLOT_ACTIVE)
         return -1;
     uint64_t now = gs_now(), lease_ns = atomic_load(&h->next_lease_ns);
+    /* No launch during this lease and nobody waiting to: the process went idle, let the lease
+     * end. A process waiting for a kernel longer than the quantum is not idle (it launches
+     * again as soon as the kernel ends): without a limit, where the daemon's ranking alone
+     * shares spare time, its lease is extended while its streams still have work queued
+     * (else it went to whoever waited next at every kernel: requests 0.2/0.3 got 0.5/0.5).
+     * Under a limit the credit keeps the proportions, and extending a limited holder that
+     * waits on several streams left the device idle (4 streams of 50 ms kernels at 0.3/0.7:
+     * 0.29/0.60), so there it ends as before. */
     if (atomic_load(&g->last_launch_ns) < atomic_load(&s->lease_start_ns) &&
-        atomic_load(&s->waiters) == 0 && !gs_streams_busy(g, lease))
-        return -1; /* no launch during this lease and nothing queued: the process went idle.
-                    * (A process waiting for a kernel longer than the quantum is not idle: it
-                    * launches again as soon as the kernel ends; ending its lease then would
-                    * hand the GPU to whoever waits next, whatever the daemon ranked.) */
+        atomic_load(&s->waiters) == 0 &&
+        !(atomic_load(&g->policy->limit_ppm) >= 1000000u && gs_streams_busy(g, lease)))
+        return -1;
     if (lease_ns == 0 || lease_ns > 1000000000ull) return -1;
     uint64_t until = now + lease_ns;
     pthread_mutex_lock(&g->streams_lock);

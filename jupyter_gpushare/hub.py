@@ -9,7 +9,9 @@ In ``jupyterhub_config.py`` (or z2jh ``hub.extraConfig``, see ``deploy/z2jh/valu
 
 The list is rebuilt each time the form is shown and again when the server starts, so the GPU
 types and their free capacity come from the live inventory (the gpushare ledger: GPUs published
-by the node daemons and the allocations held now) and from the admin's config. The GPU profile
+by the node daemons and the allocations held now) and from the admin's config. The inventory is
+read at most once per ``GpuProfiles.inventory_ttl`` seconds (default 5) for all users of the
+Hub (:class:`OffersCache`), so the free capacity shown is at most that old. The GPU profile
 offers a GPU type, a share (request, limit) and a memory cap, each with a custom value allowed;
 the user's pick becomes the default share *and* the upper bound of the kernels in their server,
 passed to the single-user server as environment variables:
@@ -32,8 +34,10 @@ and a ``nvidia.com/gpu.product`` node selector) and gpushare shares it among tha
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -128,6 +132,72 @@ async def kubernetes_inventory(spawner: Any) -> list[TypeOffer]:
 
     async with cluster_ledger(spawner.namespace) as ledger:
         return await ledger_inventory(ledger)(spawner)
+
+
+class OffersCache:
+    """The offers of one Hub, read at most once per ``ttl`` seconds per key and shared by every
+    spawner of that Hub. JupyterHub's config deep-copies ``gpu.profile_list`` (and with it the
+    :class:`GpuProfiles`) into each spawner; a deep copy of this cache is the cache itself, so
+    the copies share it.
+
+    Why an in-process cache and not the controller's ``GET /api/gpus``: the controller
+    authenticates each request as a JupyterHub *user* (their API token) and is not always
+    deployed (the Hub also serves single-machine spawners); asking it would give the Hub a
+    service token, a chart change and a dependency on the controller being up to render a form.
+    A short TTL in the Hub turns ~5,000 users opening the form into at most one inventory read
+    (a LIST of Nodes and one of GpuLedgers) per namespace per ``ttl``, and the free capacity on
+    the form is at most ``ttl`` (plus one read) old; placement checks the real capacity when a
+    kernel starts either way.
+
+    Concurrent opens while nothing fresh is kept share one read in flight (one open being
+    cancelled does not cancel it); a failed read is not kept (every open waiting on it gets the
+    error, the next open reads again). ``clock`` is the time source (seconds, monotonic).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._kept: dict[Any, tuple[float, list[TypeOffer]]] = {}
+        self._reading: dict[Any, asyncio.Future[list[TypeOffer]]] = {}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OffersCache:
+        return self  # shared by every copy of its GpuProfiles (see above)
+
+    def __copy__(self) -> OffersCache:
+        return self
+
+    async def get(
+        self, key: Any, ttl: float, read: Callable[[], Awaitable[list[TypeOffer]]]
+    ) -> list[TypeOffer]:
+        """The offers for ``key`` read less than ``ttl`` seconds ago, else from ``read()``."""
+        kept = self._kept.get(key)
+        if kept is not None and self.clock() - kept[0] < ttl:
+            return list(kept[1])
+        reading = self._reading.get(key)
+        if reading is None:
+            reading = asyncio.ensure_future(self._read(key, ttl, read))
+            reading.add_done_callback(_retrieved)
+            self._reading[key] = reading
+        # shielded: one user closing the page does not cancel the read the others wait on
+        return list(await asyncio.shield(reading))
+
+    async def _read(
+        self, key: Any, ttl: float, read: Callable[[], Awaitable[list[TypeOffer]]]
+    ) -> list[TypeOffer]:
+        started = self.clock()
+        try:
+            offers = list(await read())
+        finally:
+            self._reading.pop(key, None)
+        now = self.clock()
+        self._kept = {k: v for k, v in self._kept.items() if now - v[0] < ttl}
+        self._kept[key] = (started, offers)  # kept only when the read succeeded
+        return offers
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Marks a shared read's error as seen (every open waiting on it may have gone)."""
+    if not future.cancelled():
+        future.exception()
 
 
 # -- parsing the user's choices (pure) ----------------------------------------------------------
@@ -240,6 +310,16 @@ class GpuProfiles(LoggingConfigurable):
         "(jupyter_gpushare.hub.kubernetes_inventory); jupyter_gpushare.hub.ledger_inventory "
         "wraps any ledger.",
     )
+    inventory_ttl = Float(
+        5.0,
+        min=0.0,
+        config=True,
+        help="Seconds the GPU offers read from the inventory are reused for every spawn form "
+        "this Hub shows (one read per namespace per period instead of one per open: with the "
+        "default inventory each read LISTs Nodes and GpuLedgers). Opens while a read is under "
+        "way share it; a failed read is not kept. The free capacity shown is at most this "
+        "old. 0: read on every open.",
+    )
     offered_types = List(
         Unicode(),
         default_value=[],
@@ -305,6 +385,11 @@ class GpuProfiles(LoggingConfigurable):
         "built-in aliases.",
     )
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        #: the offers read from the inventory, shared by every spawner of this Hub
+        self.offers_cache = OffersCache()
+
     # -- the two callables KubeSpawner is given -------------------------------------------------
 
     async def profile_list(self, spawner: Any) -> list[dict[str, Any]]:
@@ -331,11 +416,18 @@ class GpuProfiles(LoggingConfigurable):
     # -- building blocks ----------------------------------------------------------------------
 
     async def offers(self, spawner: Any) -> list[TypeOffer]:
+        """The offers for ``spawner``'s form, through this Hub's :class:`OffersCache` (keyed by
+        the spawner's namespace, which is what the default inventory reads)."""
         source = self.inventory or kubernetes_inventory
-        found = source(spawner)
-        if inspect.isawaitable(found):
-            found = await found
-        offers = list(found)
+
+        async def read() -> list[TypeOffer]:
+            found = source(spawner)
+            if inspect.isawaitable(found):
+                found = await found
+            return list(found)
+
+        namespace = getattr(spawner, "namespace", None)
+        offers = await self.offers_cache.get(namespace, self.inventory_ttl, read)
         aliases = TypeAliases(self.type_aliases or None)
         if self.offered_types:
             wanted = {(aliases.canonical(t) or t).lower() for t in self.offered_types}
@@ -502,6 +594,7 @@ __all__ = [
     "ENV_MAX",
     "GpuOptionError",
     "GpuProfiles",
+    "OffersCache",
     "TypeOffer",
     "apply_user_bound",
     "kubernetes_inventory",

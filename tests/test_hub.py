@@ -8,6 +8,7 @@ before starting a server (no Kubernetes API is contacted: only the kubeconfig is
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
@@ -29,6 +30,7 @@ from jupyter_gpushare.hub import (
     PRODUCT_LABEL,
     GpuOptionError,
     GpuProfiles,
+    TypeOffer,
     apply_user_bound,
     ledger_inventory,
     share_environment,
@@ -112,7 +114,8 @@ def gpu_form(**options: str) -> dict[str, str]:
 
 
 async def test_form_lists_live_inventory(tmp_path: Path, ledger: SQLiteLedger) -> None:
-    spawner, _ = make_spawner(tmp_path, ledger)
+    # inventory_ttl=0: every open reads (the cache's period is tested below)
+    spawner, _ = make_spawner(tmp_path, ledger, inventory_ttl=0)
     html = await spawner.get_options_form()
     snap = await ledger.snapshot()
     gpus = await ledger.gpus()
@@ -321,3 +324,117 @@ async def test_inventory_down_keeps_cpu_profiles(tmp_path: Path, ledger: SQLiteL
     assert spawner.environment["GPUSHARE_DISABLED"] == "1"
     with pytest.raises(GpuOptionError, match="no GPUs available"):
         await submit(spawner, gpu_form(gpu_type="any", gpu_share="0.25-0.5"))
+
+
+class CountingInventory:
+    """The test ledger as the inventory, counting reads; ``fail`` makes the next reads fail;
+    ``gate`` holds every read until it is set (so opens overlap a read in flight)."""
+
+    def __init__(self, ledger: SQLiteLedger) -> None:
+        self.read = ledger_inventory(ledger)
+        self.reads = 0
+        self.fail: str = ""
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.reading = asyncio.Event()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CountingInventory:
+        return self  # traitlets' Config deep-copies values: the Hub must call this one
+
+    async def __call__(self, spawner: Any) -> list[TypeOffer]:
+        self.reads += 1
+        self.reading.set()
+        await self.gate.wait()
+        if self.fail:
+            raise ConnectionRefusedError(self.fail)
+        return await self.read(spawner)
+
+
+async def test_concurrent_form_opens_share_one_inventory_read(
+    tmp_path: Path, ledger: SQLiteLedger
+) -> None:
+    """50 users opening the form at once (one GpuProfiles, as a Hub's config builds it, 50
+    spawners): one inventory read (with the default inventory: one LIST of Nodes and one of
+    GpuLedgers instead of 50 of each), and every form shows the offers."""
+    inventory = CountingInventory(ledger)
+    c = Config()
+    c.GpuProfiles.inventory = inventory
+    c.GpuProfiles.inventory_ttl = 60.0  # a window no loaded machine runs past
+    gpu = GpuProfiles(config=c)
+    c.KubeSpawner.profile_list = gpu.profile_list
+    c.KubeSpawner.options_from_form = gpu.options_from_form
+    spawners = [spawner_for(c) for _ in range(50)]
+    inventory.gate.clear()  # the read stays in flight until every open has been started
+    opens = [asyncio.ensure_future(s.get_options_form()) for s in spawners]
+    await asyncio.wait_for(inventory.reading.wait(), 60)
+    await asyncio.sleep(0.2)  # every other open reaches the cache while the read is held
+    assert not any(o.done() for o in opens)
+    inventory.gate.set()
+    pages = await asyncio.gather(*opens)
+    assert inventory.reads == 1
+    assert all("T4 (15GiB) — 1 GPU, up to 1 of a GPU free now" in p for p in pages)
+    # the start-time check (KubeSpawner builds the list again) reads nothing more either
+    await submit(spawners[7], gpu_form(gpu_type="T4", gpu_share="0.25-0.5"))
+    assert json.loads(spawners[7].environment[ENV_DEFAULT])["gpu_type"] == "T4"
+    assert inventory.reads == 1
+
+
+async def test_inventory_read_again_after_ttl(tmp_path: Path, ledger: SQLiteLedger) -> None:
+    """Within the TTL the kept offers are shown (the ledger changed meanwhile); after it the
+    next open reads again and shows the change."""
+    inventory = CountingInventory(ledger)
+    spawner, gpu = make_spawner(tmp_path, ledger, inventory=inventory, inventory_ttl=5.0)
+    now = [1000.0]
+    gpu.offers_cache.clock = lambda: now[0]  # the time under the test's control
+    assert "T4 (15GiB) — 1 GPU, up to 1 of a GPU free now" in await spawner.get_options_form()
+    gpus = await ledger.gpus()
+    await ledger.allocate(ShareSpec(1.0, 1.0, gpu_type="T4"), gpus, place, owner="kernel")
+    now[0] += 4.9
+    assert "T4 (15GiB) — 1 GPU, up to 1 of a GPU free now" in await spawner.get_options_form()
+    assert inventory.reads == 1
+    now[0] += 0.2  # 5.1 s after the read
+    assert "T4 (15GiB) — 1 GPU, full now" in await spawner.get_options_form()
+    assert inventory.reads == 2
+
+
+async def test_failed_inventory_read_is_not_kept(tmp_path: Path, ledger: SQLiteLedger) -> None:
+    """Opens waiting on a read that fails all show the reason (one read); the next open reads
+    again (the error was not kept) and shows the offers, which are then kept."""
+    inventory = CountingInventory(ledger)
+    spawner, gpu = make_spawner(tmp_path, ledger, inventory=inventory, inventory_ttl=60.0)
+    others = [spawner_for(gpu.config) for _ in range(4)]
+    inventory.fail = "kube-apiserver: connection refused"
+    inventory.gate.clear()
+    opens = [asyncio.ensure_future(s.get_options_form()) for s in [spawner, *others]]
+    await asyncio.wait_for(inventory.reading.wait(), 60)
+    await asyncio.sleep(0.2)
+    inventory.gate.set()
+    for page in await asyncio.gather(*opens):
+        assert "GPU inventory unavailable (kube-apiserver: connection refused)" in page
+        assert "CPU only" in page
+    assert inventory.reads == 1
+    inventory.fail = ""
+    page = await spawner.get_options_form()
+    assert inventory.reads == 2 and "GPU inventory unavailable" not in page
+    assert "T4 (15GiB) — 1 GPU, up to 1 of a GPU free now" in page
+    assert "T4 (15GiB)" in await others[0].get_options_form()
+    assert inventory.reads == 2
+
+
+async def test_a_closed_form_does_not_cancel_the_shared_read(
+    tmp_path: Path, ledger: SQLiteLedger
+) -> None:
+    """The user who started the read closes the page (JupyterHub cancels that request): the
+    others waiting on the same read still get the offers, from that one read."""
+    inventory = CountingInventory(ledger)
+    first, gpu = make_spawner(tmp_path, ledger, inventory=inventory, inventory_ttl=60.0)
+    second = spawner_for(gpu.config)
+    inventory.gate.clear()
+    leaving = asyncio.ensure_future(first.get_options_form())
+    await asyncio.wait_for(inventory.reading.wait(), 60)
+    staying = asyncio.ensure_future(second.get_options_form())
+    await asyncio.sleep(0.1)
+    leaving.cancel()
+    inventory.gate.set()
+    assert "T4 (15GiB)" in await staying
+    assert leaving.cancelled() and inventory.reads == 1

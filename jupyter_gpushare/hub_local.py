@@ -8,7 +8,7 @@ its environment (``GPUSHARE_DEFAULT_SHARE``, ``GPUSHARE_MAX_SHARE``). In
 
     from jupyter_gpushare.hub_local import LocalGpuForm
     gpu = LocalGpuForm(config=c)
-    c.Spawner.options_form = gpu.options_form            # rendered per request (live inventory)
+    c.Spawner.options_form = gpu.options_form            # per request (inventory_ttl cache)
     c.Spawner.options_from_form = gpu.options_from_form  # refuses bad values on the form
     c.Spawner.environment.update(gpu.environment())      # the pick, checked again at start
 

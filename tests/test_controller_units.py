@@ -4,7 +4,10 @@ on the real control plane in tests/k8s/test_controller.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -127,3 +130,89 @@ def test_quotas_smallest_of_user_and_groups_else_default() -> None:
         with pytest.raises(ShareError) as caught:
             Quotas({}, {"g": bad}, None)
         assert caught.value.field == "group_quotas['g']"
+
+
+def _unschedulable_pod() -> dict[str, Any]:
+    return {
+        "metadata": {"name": "gpushare-kernel-a1", "namespace": "gpushare"},
+        "spec": {},
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/3 nodes are available: 3 Insufficient cpu.",
+                }
+            ],
+        },
+    }
+
+
+def test_kernel_status_names_the_pods_start_phase_in_the_clusters_words() -> None:
+    from jupyter_gpushare.controller.kernels import KernelService
+
+    service = KernelService.__new__(KernelService)
+    service.watcher = SimpleNamespace(get=lambda name: _unschedulable_pod())  # type: ignore[assignment]
+    allocation = SimpleNamespace(id="a-1", extra={"k8s_pod": "gpushare-kernel-a1"})
+    status = service.kernel_status(allocation)  # type: ignore[arg-type]
+    assert status["start_phase"] == "scheduling", status
+    assert "Insufficient cpu" in status["start_message"], status
+    assert status["exit_code"] is None
+
+
+async def test_a_start_through_the_controller_shows_the_pods_phases_while_it_waits() -> None:
+    """The thin client's start waits for ``POST /api/kernels`` (answered once the pod runs) and
+    meanwhile shows the pod's phases, read from ``GET /api/kernels/{allocation}``, on the
+    server's start board - the board the Lab picker and status bar poll."""
+    from jupyter_gpushare.controller.backend import ControllerKernelBackend
+    from jupyter_gpushare.progress import board
+
+    answers = [
+        RuntimeError("controller busy"),  # a failed read is skipped, the start goes on
+        {"start_phase": "scheduling", "start_message": "0/3 nodes are available"},
+        {"start_phase": "scheduling", "start_message": "0/3 nodes are available"},
+        {"start_phase": "pulling", "start_message": "ContainerCreating"},
+        {"start_phase": "bogus", "start_message": "not a phase"},
+    ]
+    posted = asyncio.get_running_loop().create_future()
+
+    class Client:
+        async def request(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
+            if method == "POST":
+                return await posted
+            assert (method, path, kw.get("retry")) == ("GET", "/api/kernels/a-1", False)
+            answer = answers.pop(0) if answers else {"start_phase": "starting"}
+            if not answers:
+                posted.done() or posted.set_result({"pod": "gpushare-kernel-a1"})
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    class Settings:
+        pass
+
+    settings = Settings()
+    backend = ControllerKernelBackend.__new__(ControllerKernelBackend)
+    backend.allocation = SimpleNamespace(id="a-1")  # type: ignore[assignment]
+    backend.provisioner = SimpleNamespace(settings=settings, kernel_id="k-1")
+    backend.start_poll_interval = 0.01
+    remote = SimpleNamespace(client=Client())
+    post = asyncio.ensure_future(remote.client.request("POST", "/api/kernels", {}))
+    answer = await backend._while_starting(remote, post)  # type: ignore[arg-type]
+    assert answer == {"pod": "gpushare-kernel-a1"}
+    [start] = board(settings).starts()
+    assert [(phase, message) for phase, message, _ in start.steps] == [
+        ("scheduling", "0/3 nodes are available"),
+        ("pulling", "ContainerCreating"),
+    ], start
+
+    # a start whose server gives up (its task cancelled) does not leave the POST running
+    never = asyncio.get_running_loop().create_future()
+    waiting = asyncio.ensure_future(backend._while_starting(remote, never))  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert never.cancelled()

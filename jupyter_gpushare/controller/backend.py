@@ -8,7 +8,8 @@ environment it forwards — and asks the controller for everything that needs th
 - ``pre_launch``: the provisioner has placed the share through :class:`.client.ControllerLedger`
   (``POST /api/allocations``); here only the command is rewritten for the pod;
 - ``launch_kernel``: ``POST /api/kernels`` with the connection info; the controller creates the
-  Secret and the pod, waits for it to run and answers with the pod's IP;
+  Secret and the pod, waits for it to run and answers with the pod's IP; meanwhile the pod's
+  start phase (``GET /api/kernels/{allocation}``) goes to this server's start board for the UI;
 - ``poll``/``wait``: ``GET /api/kernels/{allocation}`` (the controller's pod watch), at most
   every ``poll_interval`` seconds;
 - ``kill``/``terminate``/``cleanup``: ``DELETE /api/kernels/{allocation}`` (the share stays for a
@@ -29,12 +30,16 @@ from jupyter_client.connect import KernelConnectionInfo
 from ..inventory import Gpu
 from ..k8s.backend import KernelPodFailed, KubernetesKernelBackend
 from ..ledger import Allocation, Ledger
+from ..progress import PHASES
+from ..progress import report as report_phase
 from .client import ControllerContext, ControllerRefused, controller_context
 
 
 class ControllerKernelBackend(KubernetesKernelBackend):
     name = "kubernetes"
     poll_interval = 2.0
+    #: how often a start waiting for its pod reads the pod's phase from the controller
+    start_poll_interval = 1.0
 
     def __init__(self, provisioner: Any) -> None:
         super().__init__(provisioner)
@@ -82,7 +87,9 @@ class ControllerKernelBackend(KubernetesKernelBackend):
             "connection": self._connection,
         }
         try:
-            answer = await remote.client.request("POST", "/api/kernels", body)
+            answer = await self._while_starting(
+                remote, asyncio.ensure_future(remote.client.request("POST", "/api/kernels", body))
+            )
         except ControllerRefused as exc:
             if exc.body.get("error") == "kernel_pod_failed":
                 self.failure = str(exc)
@@ -101,6 +108,32 @@ class ControllerKernelBackend(KubernetesKernelBackend):
             self.allocation.node,
         )
         return info  # type: ignore[return-value]
+
+    async def _while_starting(self, remote: ControllerContext, post: asyncio.Future[Any]) -> Any:
+        """The answer to ``POST /api/kernels``, which comes once the pod runs. Meanwhile the pod's
+        start phase (scheduling, image pulling, in the cluster's words) is read from
+        ``GET /api/kernels/{allocation}`` every ``start_poll_interval`` seconds and shown on this
+        server's start board, as the direct mode shows it from its own pod watch."""
+        assert self.allocation is not None
+        shown: tuple[str, str] | None = None
+        try:
+            while True:
+                done, _ = await asyncio.wait({post}, timeout=self.start_poll_interval)
+                if done:
+                    return post.result()
+                try:
+                    status = await remote.client.request(
+                        "GET", f"/api/kernels/{self.allocation.id}", retry=False
+                    )
+                except Exception:  # the start's own answer says what went wrong
+                    continue
+                phase = status.get("start_phase") if isinstance(status, dict) else None
+                if phase in PHASES and (phase, str(status.get("start_message") or "")) != shown:
+                    shown = (phase, str(status.get("start_message") or ""))
+                    report_phase(self.provisioner.settings, self.provisioner.kernel_id, *shown)
+        finally:
+            if not post.done():
+                post.cancel()
 
     async def _kernel_status(self, fresh: bool = False) -> dict[str, Any] | None:
         if self.allocation is None:

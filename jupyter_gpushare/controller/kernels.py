@@ -38,6 +38,7 @@ from ..k8s.ledger import WatchedLedger
 from ..k8s.watch import PodWatcher
 from ..ledger import Allocation, AllocationNotFound
 from ..placement import Policy, allocate
+from ..progress import pod_phase
 from ..resize import parse_change, resize
 from ..share import ShareSpec
 from ..usage import UsageSource
@@ -201,6 +202,9 @@ class KernelService:
                 deleting=bool(pod["metadata"].get("deletionTimestamp")),
                 ip=(pod.get("status") or {}).get("podIP"),
             )
+            seen = pod_phase(pod)  # the start's phase in the cluster's words, for the server's UI
+            if seen is not None:
+                status.update(start_phase=seen[0], start_message=seen[1])
         elif name:
             status.update(exit_code=-9, failure=f"pod {name} was deleted")
         return status

@@ -40,12 +40,19 @@ class Start:
     kernel_id: str
     kernel_name: str
     path: str | None
-    phase: str
-    message: str
     since: float  # when the start began (time.time())
-    updated: float  # when this phase was reported
-    #: the phases seen so far, in order, with their words and times (repeats folded)
-    steps: tuple[tuple[str, str, float], ...] = ()
+    updated: float  # when this phase was last reported
+    #: the phases seen so far, in order, with their words and times (repeats folded; never
+    #: empty: the last is the phase the start is in now)
+    steps: tuple[tuple[str, str, float], ...]
+
+    @property
+    def phase(self) -> str:
+        return self.steps[-1][0]
+
+    @property
+    def message(self) -> str:
+        return self.steps[-1][1]
 
     @property
     def ended(self) -> bool:
@@ -54,7 +61,7 @@ class Start:
     def to_json(self) -> dict[str, Any]:
         body = asdict(self)
         body["steps"] = [{"phase": p, "message": m, "at": t} for p, m, t in self.steps]
-        return {**body, "ended": self.ended}
+        return {**body, "phase": self.phase, "message": self.message, "ended": self.ended}
 
 
 class StartBoard:
@@ -78,7 +85,7 @@ class StartBoard:
         known = self._starts.get(kernel_id)
         if known is None or (known.ended and phase == "placing"):  # a new start (or restart)
             first = ((phase, message, now),)
-            start = Start(kernel_id, kernel_name or "", path, phase, message, now, now, first)
+            start = Start(kernel_id, kernel_name or "", path, now, now, first)
         else:
             steps = known.steps
             if steps and steps[-1][:2] == (phase, message):
@@ -89,8 +96,6 @@ class StartBoard:
                 steps = (*steps, (phase, message, now))[-MAX_STEPS:]
             start = replace(
                 known,
-                phase=phase,
-                message=message,
                 updated=now,
                 kernel_name=kernel_name or known.kernel_name,
                 path=path if path is not None else known.path,

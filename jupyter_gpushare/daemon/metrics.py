@@ -26,11 +26,14 @@ by ``tests/k8s/test_observability.py``).
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+from wsgiref.simple_server import make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.registry import Collector
 
 GPU_LABELS = ["gpu", "UUID", "Hostname"]
@@ -135,9 +138,52 @@ class DaemonCollector(Collector):
         yield from (*per_allocation, *per_gpu, clients, refused)
 
 
+class _Handler(_SilentHandler):
+    #: a connection that sends nothing for this long is closed (slow or idle clients)
+    timeout = 10.0
+
+
+class BoundedMetricsServer(ThreadingWSGIServer):
+    """prometheus_client's threaded server with at most ``max_connections`` connections served
+    at once; more are closed at once, and each is dropped after ``_Handler.timeout`` seconds of
+    silence. The plain server starts a thread per connection without limit, so anyone who can
+    reach the port (the NetworkPolicy admits only Prometheus, where the CNI enforces it) could
+    hold thousands of threads in the node agent that serves every kernel's leases."""
+
+    max_connections = 8
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class _BoundedMetricsServer6(BoundedMetricsServer):
+    address_family = socket.AF_INET6
+
+
 def serve(status: Callable[[], dict[str, Any]], host: str, port: int) -> int:
     """Start the metrics endpoint in a thread; returns the bound port."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(status))
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    server_class: type[BoundedMetricsServer] = BoundedMetricsServer
+    if ":" in host:  # an IPv6 address
+        server_class = _BoundedMetricsServer6
+    server = make_server(host, port, make_wsgi_app(registry), server_class, _Handler)
+    threading.Thread(target=server.serve_forever, name="gpushare-metrics", daemon=True).start()
     return int(server.server_address[1])

@@ -137,15 +137,7 @@ class KubernetesLedger(Ledger):
             self._nodes = None
             await self._list_nodes()
         uid = self._node_uids.get(node)
-        if uid is None:
-            return None
-        return {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "name": node,
-            "uid": uid,
-            "blockOwnerDeletion": False,
-        }
+        return manifests.node_owner(node, uid) if uid is not None else None
 
     async def watch_node(self, node: str) -> AsyncIterator[list[Allocation]]:
         """The allocations on ``node``, now and after every change (for the node daemon: shares
@@ -342,15 +334,7 @@ class WatchedLedger(KubernetesLedger):
 
     async def _node_owner(self, node: str) -> dict[str, Any] | None:
         uid = self._node_uids.get(node)
-        if uid is None:
-            return None
-        return {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "name": node,
-            "uid": uid,
-            "blockOwnerDeletion": False,
-        }
+        return manifests.node_owner(node, uid) if uid is not None else None
 
     # -- writes: compare-and-swap, then the cache -------------------------------------------
 

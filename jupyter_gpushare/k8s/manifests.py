@@ -386,6 +386,18 @@ def owner_reference(obj: Mapping[str, Any], controller: bool = False) -> dict[st
     }
 
 
+def node_owner(node: str, uid: str) -> dict[str, Any]:
+    """An ownerReference to the Node ``node`` (so the garbage collector removes the object with
+    the node)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "name": node,
+        "uid": uid,
+        "blockOwnerDeletion": False,
+    }
+
+
 # -- the server's liveness anchor ----------------------------------------------------------------
 
 

@@ -50,6 +50,7 @@ import aiohttp
 
 from ..periodic import PeriodicTask
 from ..usage import USAGE_KEYS, UsageView
+from . import manifests
 from .client import ApiException, Kube
 
 log = logging.getLogger("jupyter_gpushare.k8s.usage")
@@ -219,13 +220,7 @@ class UsagePublisher(PeriodicTask):
             node = await self.kube.read_node(self.node)
         except ApiException:
             return None
-        return {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "name": self.node,
-            "uid": node["metadata"]["uid"],
-            "blockOwnerDeletion": False,
-        }
+        return manifests.node_owner(self.node, node["metadata"]["uid"])
 
     async def run_once(self) -> None:
         try:

@@ -49,7 +49,7 @@ from ..inventory import Gpu
 from ..ledger import Allocation
 from ..progress import board
 from ..usage import UsageView
-from .handlers import GpushareHandler, gpu_usage
+from .handlers import GpushareHandler, _maybe_await, gpu_usage
 
 #: The Authorizer resource whose ``read`` lets a viewer see every user's shares whole.
 ADMIN_RESOURCE = "gpushare_admin"
@@ -267,10 +267,11 @@ def dashboard(
 class DashboardHandler(GpushareHandler):
     async def viewer_is_admin(self) -> bool:
         """Whether the server's Authorizer lets this viewer see every user's shares."""
-        allowed = self.authorizer.is_authorized(self, self.current_user, "read", ADMIN_RESOURCE)
-        if hasattr(allowed, "__await__"):
-            allowed = await allowed
-        return bool(allowed)
+        return bool(
+            await _maybe_await(
+                self.authorizer.is_authorized(self, self.current_user, "read", ADMIN_RESOURCE)
+            )
+        )
 
     def admin_may_see(self) -> Callable[[Allocation], bool]:
         """Which records an admin sees whole: all on a machine's ledger; on a ledger that many

@@ -3,13 +3,19 @@ machine of its own per test (its GPUs, state file, environment and child process
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from jupyter_gpushare.inventory import Gpu
-from jupyter_gpushare.simulator import SimState
+from jupyter_gpushare.simulator import SimState, nvml_library
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -97,3 +103,54 @@ class SimMachine:
 
 def parse(output: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in output.splitlines() if "=" in line)
+
+
+def bind_pynvml(env: dict[str, str], monkeypatch: Any) -> Iterator[Any]:
+    """pynvml in this process, bound to the simulated libnvidia-ml.so.1 of the machine whose
+    environment is `env` (its GPUSHARE_* variables); for a fixture to ``yield from``."""
+    import pynvml
+
+    for key, value in env.items():
+        if key.startswith("GPUSHARE_"):
+            monkeypatch.setenv(key, value)
+    monkeypatch.delenv("NVIDIA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(pynvml, "nvmlLib", ctypes.CDLL(str(nvml_library())))
+    monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
+    pynvml.nvmlInit()
+    yield pynvml
+    pynvml.nvmlShutdown()
+
+
+def gpushare_run(env: dict[str, str], *args: str, **kw: Any) -> subprocess.Popen[str]:
+    """``gpushare run ARGS`` in the background, its output piped as text."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "jupyter_gpushare", "run", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+@contextmanager
+def other_share_holding(env: dict[str, str], program: Path, nbytes: int) -> Iterator[Any]:
+    """Another tenant: ``gpushare run --gpu-memory 4GiB`` of `program` holding `nbytes`, ready;
+    yields its holder (a psutil.Process, the share's child running `program`); ended with
+    SIGTERM."""
+    import psutil
+
+    other = gpushare_run(
+        env, "--gpu-memory", "4GiB", "--", str(program), "hold", str(nbytes), "600000", "0"
+    )
+    try:
+        assert other.stdout is not None and other.stdout.readline().strip() == "ready"
+        (holder,) = [
+            child
+            for child in psutil.Process(other.pid).children()
+            if child.cmdline()[:1] == [str(program)]
+        ]
+        yield holder
+    finally:
+        other.send_signal(signal.SIGTERM)
+        other.communicate(timeout=30)

@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -20,8 +18,8 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
+from simmachine import gpushare_run, other_share_holding
 
 pytestmark = [
     pytest.mark.skipif(
@@ -85,16 +83,6 @@ IN_POD = textwrap.dedent("""
 """)
 
 
-def gpushare_run(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "jupyter_gpushare", "run", *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 @pytest.fixture
 def machine(gpushare_env: dict[str, str], sim_program: Path, tmp_path: Path) -> dict[str, str]:
     """One simulated A100 behind a node agent."""
@@ -108,20 +96,8 @@ def machine(gpushare_env: dict[str, str], sim_program: Path, tmp_path: Path) -> 
 @pytest.fixture
 def other_tenant(machine: dict[str, str], sim_program: Path) -> Iterator[tuple[int, str]]:
     """Another share holding 3 GiB of the GPU, on the host: (its holder's pid, its allocation)."""
-    other = gpushare_run(
-        machine, "--gpu-memory", "4GiB", "--", str(sim_program), "hold", str(3 * GiB), "600000", "0"
-    )
-    try:
-        assert other.stdout is not None and other.stdout.readline().strip() == "ready"
-        (holder,) = [
-            child
-            for child in psutil.Process(other.pid).children()
-            if child.cmdline()[:1] == [str(sim_program)]
-        ]
+    with other_share_holding(machine, sim_program, 3 * GiB) as holder:
         yield holder.pid, holder.environ()["GPUSHARE_ALLOCATION_ID"]
-    finally:
-        other.send_signal(signal.SIGTERM)
-        other.communicate(timeout=30)
 
 
 def test_a_pod_tenant_sees_its_own_processes_by_host_pid(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import signal
 import subprocess
 import sys
 import textwrap
@@ -17,9 +16,8 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
-from simmachine import SimMachine
+from simmachine import SimMachine, bind_pynvml, gpushare_run, other_share_holding
 
 from jupyter_gpushare.inventory import simulated_gpus
 from jupyter_gpushare.simulator import nvml_library, simulator_env
@@ -206,19 +204,8 @@ def test_nvidia_ml_py_example_finds_every_function(sim_machine: SimMachine) -> N
 @pytest.fixture
 def a100_and_t4(sim_program: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """pynvml in this process, bound to the simulated NVML of a machine with an A100 and a T4."""
-    import pynvml
-
     gpus = simulated_gpus("1xA100,1xT4", node="simtools")
-    env = simulator_env(gpus, tmp_path / "sim.state")
-    for key, value in env.items():
-        if key.startswith("GPUSHARE_"):
-            monkeypatch.setenv(key, value)
-    monkeypatch.delenv("NVIDIA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(pynvml, "nvmlLib", ctypes.CDLL(str(nvml_library())))
-    monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
-    pynvml.nvmlInit()
-    yield pynvml
-    pynvml.nvmlShutdown()
+    yield from bind_pynvml(simulator_env(gpus, tmp_path / "sim.state"), monkeypatch)
 
 
 def test_each_product_answers_like_the_real_board(a100_and_t4: Any) -> None:
@@ -292,17 +279,6 @@ INSIDE = textwrap.dedent("""
 """)
 
 
-def gpushare_run(env: dict[str, str], *args: str, **kw: Any) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "jupyter_gpushare", "run", *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kw,
-    )
-
-
 def test_inside_a_share_memory_and_processes_agree(
     gpushare_env: dict[str, str], sim_program: Path, tmp_path: Path
 ) -> None:
@@ -314,16 +290,7 @@ def test_inside_a_share_memory_and_processes_agree(
         "GPUSHARE_SIMULATE": "1xA100",
         "GPUSHARE_SIM_STATE": str(tmp_path / "sim" / "sim.state"),
     }
-    other = gpushare_run(
-        env, "--gpu-memory", "4GiB", "--", str(sim_program), "hold", str(3 * GiB), "600000", "0"
-    )
-    try:
-        assert other.stdout is not None and other.stdout.readline().strip() == "ready"
-        (other_holder,) = [
-            child
-            for child in psutil.Process(other.pid).children()
-            if child.cmdline()[:1] == [str(sim_program)]
-        ]
+    with other_share_holding(env, sim_program, 3 * GiB) as other_holder:
         mine = gpushare_run(
             env, "--gpu-request", "0.2", "--gpu-memory", "2GiB", "--",
             sys.executable, "-c", INSIDE, str(sim_program),
@@ -340,6 +307,3 @@ def test_inside_a_share_memory_and_processes_agree(
         assert "1024MiB / 2048MiB" in seen["nvitop"], seen["nvitop"]
         assert f" {seen['pid']} " in seen["nvitop"]
         assert f" {other_holder.pid} " not in seen["nvitop"] and "3072MiB" not in seen["nvitop"]
-    finally:
-        other.send_signal(signal.SIGTERM)
-        other.communicate(timeout=30)

@@ -3,7 +3,6 @@ use the simulated driver."""
 
 from __future__ import annotations
 
-import ctypes
 import signal
 import time
 from collections.abc import Iterator
@@ -11,7 +10,7 @@ from typing import Any
 
 import pynvml
 import pytest
-from simmachine import SimMachine
+from simmachine import SimMachine, bind_pynvml
 
 from jupyter_gpushare.inventory import TypeAliases, discover_nvml
 from jupyter_gpushare.simulator import nvml_library
@@ -20,15 +19,7 @@ from jupyter_gpushare.simulator import nvml_library
 @pytest.fixture
 def nvml(sim_machine: SimMachine, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """pynvml bound to the simulated libnvidia-ml.so.1, looking at this test's machine."""
-    for key, value in sim_machine.env.items():
-        if key.startswith("GPUSHARE_"):
-            monkeypatch.setenv(key, value)
-    monkeypatch.delenv("NVIDIA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(pynvml, "nvmlLib", ctypes.CDLL(str(nvml_library())))
-    monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
-    pynvml.nvmlInit()
-    yield pynvml
-    pynvml.nvmlShutdown()
+    yield from bind_pynvml(sim_machine.env, monkeypatch)
 
 
 def handles(nvml: Any) -> list[Any]:

@@ -385,6 +385,7 @@ static struct gs_gpu *nvml_gpu(nvmlDevice_t device) {
 static struct {
     pthread_mutex_t lock;
     uint64_t asked_ns; /* 0: never */
+    unsigned asker;    /* getpid() of the asker: a forked child asks afresh */
     int n;             /* -1: the agent gave no list */
     unsigned self;
     unsigned pid[NVML_PIDS_MAX];
@@ -395,8 +396,13 @@ static struct {
 static int nvml_agent_says(unsigned pid) {
     pthread_mutex_lock(&nvml_pids.lock);
     uint64_t now = gs_now();
-    int ask = !nvml_pids.asked_ns || now - nvml_pids.asked_ns >= NVML_PIDS_EVERY_NS;
-    if (ask) nvml_pids.asked_ns = now ? now : 1;
+    unsigned me = (unsigned)getpid();
+    int ask = !nvml_pids.asked_ns || now - nvml_pids.asked_ns >= NVML_PIDS_EVERY_NS ||
+              nvml_pids.asker != me;
+    if (ask) {
+        nvml_pids.asked_ns = now ? now : 1;
+        nvml_pids.asker = me;
+    }
     pthread_mutex_unlock(&nvml_pids.lock);
     if (ask) {
         unsigned got[NVML_PIDS_MAX], self = 0;
@@ -409,7 +415,7 @@ static int nvml_agent_says(unsigned pid) {
     }
     int says = -1;
     pthread_mutex_lock(&nvml_pids.lock);
-    if (nvml_pids.n >= 0 && nvml_pids.self != (unsigned)getpid()) {
+    if (nvml_pids.n >= 0 && nvml_pids.asker == me && nvml_pids.self != me) {
         says = pid == nvml_pids.self;
         for (int i = 0; i < nvml_pids.n && !says; i++) says = nvml_pids.pid[i] == pid;
     }

@@ -195,9 +195,6 @@ def dashboard(
     """The dashboard's body (pure): every GPU with the shares on it, as the viewer may see
     them: ``own`` records whole; with ``admin`` also the others that are ``visible``."""
 
-    def admin_or_own(a: Allocation) -> bool:
-        return own(a) or (admin and visible(a))
-
     rows = gpu_usage(gpus, allocations)
     by_id = {a.id: a for a in allocations}
     out_gpus = []
@@ -205,13 +202,16 @@ def dashboard(
     gpu_history: dict[str, list[list[float]]] = {}  # GPU uuid -> [[time, sum shown]]
     for row in rows:
         shares = []
+        seen_here = []  # the shares on this GPU the viewer sees whole
         achieved = 0.0
         metered = False
         memory_used = 0.0
         for allocation_id in row["allocations"]:
             a = by_id[allocation_id]
             mine = own(a)
-            whole = admin_or_own(a)
+            whole = mine or (admin and visible(a))
+            if whole:
+                seen_here.append(a)
             entry = share_entry(a, usage.get(a.id), mine=mine, whole=whole, paths=paths)
             if whole and entry["achieved_share"] is not None:
                 per_gpu = entry["achieved_share"] / max(1, len(a.gpus))
@@ -220,7 +220,6 @@ def dashboard(
             if whole and entry["memory_used"] is not None:
                 memory_used += entry["memory_used"] / max(1, len(a.gpus))
             shares.append(entry)
-        seen_here = [a for a in (by_id[i] for i in row["allocations"]) if admin_or_own(a)]
         points = []
         for t, values in history:
             known = [values[a.id] / max(1, len(a.gpus)) for a in seen_here if a.id in values]

@@ -139,7 +139,61 @@ def usage_configmap(
     }
 
 
-class UsagePublisher(PeriodicTask):
+class _UsageSender(PeriodicTask):
+    """A node daemon's usage document, sent somewhere every ``every`` seconds by
+    :meth:`publish_once`. Never fatal to the daemon: a failure is logged once per distinct
+    error (:meth:`_failed`) and retried on the next interval."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        node: str,
+        status: Callable[[], Mapping[str, Any]],
+        servers: Callable[[], Mapping[str, str | None]],
+        interval: float,
+        clock: Callable[[], float],
+    ) -> None:
+        super().__init__(log)
+        self.kube = kube
+        self.node = node
+        self.status = status
+        self.servers = servers
+        self.every = interval
+        self.clock = clock
+        self.published = 0
+        self._last_error: str | None = None
+
+    def interval(self) -> float:
+        return self.every
+
+    def document(self) -> dict[str, Any]:
+        return usage_document(self.status(), self.servers(), self.node, self.every, self.clock())
+
+    async def publish_once(self) -> None:
+        raise NotImplementedError
+
+    def _failed(self, exc: Exception) -> str:
+        """Log ``exc`` unless it is the error last logged; the text to compare next time."""
+        raise NotImplementedError
+
+    def _recovered(self) -> None:
+        raise NotImplementedError
+
+    async def run_once(self) -> None:
+        try:
+            await self.publish_once()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # never stop the daemon over its usage report
+            self._last_error = self._failed(exc)
+            return
+        self.published += 1
+        if self._last_error is not None:
+            self._recovered()
+        self._last_error = None
+
+
+class UsagePublisher(_UsageSender):
     """Writes a node daemon's usage into its node's ConfigMap every ``every`` seconds.
 
     Never fatal to the daemon: failed writes (API server away, RBAC missing) are logged once per
@@ -157,24 +211,10 @@ class UsagePublisher(PeriodicTask):
         interval: float = DEFAULT_INTERVAL,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        super().__init__(log)
-        self.kube = kube
+        super().__init__(kube, node, status, servers, interval, clock)
         self.namespace = namespace
-        self.node = node
-        self.status = status
-        self.servers = servers
-        self.every = interval
-        self.clock = clock
         self.name = configmap_name(node)
-        self.published = 0
         self._exists = False
-        self._last_error: str | None = None
-
-    def interval(self) -> float:
-        return self.every
-
-    def document(self) -> dict[str, Any]:
-        return usage_document(self.status(), self.servers(), self.node, self.every, self.clock())
 
     async def publish_once(self) -> None:
         document = self.document()
@@ -222,30 +262,23 @@ class UsagePublisher(PeriodicTask):
             return None
         return manifests.node_owner(self.node, node["metadata"]["uid"])
 
-    async def run_once(self) -> None:
-        try:
-            await self.publish_once()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # never stop the daemon over its usage report
-            text = f"{type(exc).__name__}: {getattr(exc, 'reason', None) or exc}"
-            if text != self._last_error:
-                log.warning(
-                    "writing usage ConfigMap %s/%s failed (retrying every %g s): %s",
-                    self.namespace,
-                    self.name,
-                    self.every,
-                    text,
-                )
-            self._last_error = text
-            return
-        self.published += 1
-        if self._last_error is not None:
-            log.info("usage ConfigMap %s/%s written again", self.namespace, self.name)
-        self._last_error = None
+    def _failed(self, exc: Exception) -> str:
+        text = f"{type(exc).__name__}: {getattr(exc, 'reason', None) or exc}"
+        if text != self._last_error:
+            log.warning(
+                "writing usage ConfigMap %s/%s failed (retrying every %g s): %s",
+                self.namespace,
+                self.name,
+                self.every,
+                text,
+            )
+        return text
+
+    def _recovered(self) -> None:
+        log.info("usage ConfigMap %s/%s written again", self.namespace, self.name)
 
 
-class ControllerReporter(PeriodicTask):
+class ControllerReporter(_UsageSender):
     """Sends a node daemon's usage to the cluster controller every ``every`` seconds
     (``PUT {controller}/api/usage/<node>``, the same document as the ConfigMap), authenticated
     with the daemon's service-account token; the controller checks it with a TokenReview (see
@@ -268,23 +301,9 @@ class ControllerReporter(PeriodicTask):
         token_file: str = "",
         clock: Callable[[], float] = time.time,
     ) -> None:
-        super().__init__(log)
+        super().__init__(kube, node, status, servers, interval, clock)
         self.urls = [u.rstrip("/") for u in urls if u.strip()]
-        self.kube = kube
-        self.node = node
-        self.status = status
-        self.servers = servers
-        self.every = interval
         self.token_file = token_file
-        self.clock = clock
-        self.published = 0
-        self._last_error: str | None = None
-
-    def interval(self) -> float:
-        return self.every
-
-    def document(self) -> dict[str, Any]:
-        return usage_document(self.status(), self.servers(), self.node, self.every, self.clock())
 
     async def token(self) -> str:
         if self.token_file:
@@ -325,21 +344,14 @@ class ControllerReporter(PeriodicTask):
                 problems.append(f"{url}: {exc}")
         raise RuntimeError("; ".join(problems))
 
-    async def run_once(self) -> None:
-        try:
-            await self.publish_once()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # never stop the daemon over its usage report
-            text = str(exc) or type(exc).__name__
-            if text != self._last_error:
-                log.warning("usage report to the controller failed (retrying): %s", text)
-            self._last_error = text
-            return
-        self.published += 1
-        if self._last_error is not None:
-            log.info("usage reports reach the controller again")
-        self._last_error = None
+    def _failed(self, exc: Exception) -> str:
+        text = str(exc) or type(exc).__name__
+        if text != self._last_error:
+            log.warning("usage report to the controller failed (retrying): %s", text)
+        return text
+
+    def _recovered(self) -> None:
+        log.info("usage reports reach the controller again")
 
 
 #: The node daemon reports to the controller (instead of a ConfigMap) when this is set: the

@@ -175,10 +175,8 @@ static int read_line_fds(int fd, char *buf, size_t n, int timeout_ms, int *fds, 
     return -1;
 }
 
-/* Connects, says hello at control version `v` (v_min GPUSHARE_WIRE_OLDEST_VERSION) and attaches
- * the slots; 0 on success, -1 when the daemon is unreachable (fail static), -2 when it refused us
- * (denied), -3 when it refused the version (an agent older than this interposer). */
-static int hello_at(unsigned v) {
+/* A new connection to the agent's socket, or -1 (unreachable). */
+static int dial_agent(void) {
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return -1;
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
@@ -187,6 +185,15 @@ static int hello_at(unsigned v) {
         close(fd);
         return -1;
     }
+    return fd;
+}
+
+/* Connects, says hello at control version `v` (v_min GPUSHARE_WIRE_OLDEST_VERSION) and attaches
+ * the slots; 0 on success, -1 when the daemon is unreachable (fail static), -2 when it refused us
+ * (denied), -3 when it refused the version (an agent older than this interposer). */
+static int hello_at(unsigned v) {
+    int fd = dial_agent();
+    if (fd < 0) return -1;
     char msg[1024];
     int off = snprintf(msg, sizeof msg,
                        "{\"op\":\"hello\",\"v\":%u,\"v_min\":%u,\"allocation\":\"%s\",\"pid\":%d",
@@ -271,16 +278,13 @@ int gs_connect_and_hello(void) {
  * *self this process's pid as the agent sees it. Returns how many, or -1 when the agent did not
  * answer them (unreachable, or an older agent without the request). */
 int gs_agent_pids(unsigned *pids, int max, unsigned *self) {
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return -1;
-    struct sockaddr_un addr = {.sun_family = AF_UNIX};
-    snprintf(addr.sun_path, sizeof addr.sun_path, "%s", gs.socket_path);
     char msg[160], reply[8192];
     int n = snprintf(msg, sizeof msg, "{\"op\":\"pids\",\"allocation\":\"%s\"}\n", gs.allocation);
+    if (n <= 0 || (size_t)n >= sizeof msg) return -1;
+    int fd = dial_agent();
+    if (fd < 0) return -1;
     int none[1], nfds = 0, count = -1;
-    if (n > 0 && (size_t)n < sizeof msg &&
-        connect(fd, (struct sockaddr *)&addr, sizeof addr) == 0 &&
-        send(fd, msg, (size_t)n, MSG_NOSIGNAL) == n &&
+    if (send(fd, msg, (size_t)n, MSG_NOSIGNAL) == n &&
         read_line_fds(fd, reply, sizeof reply, 1000, none, &nfds, 0) == 0 &&
         strstr(reply, "\"ok\":true")) {
         const char *p = json_find(reply, "pids"), *me = json_find(reply, "pid");

@@ -4,31 +4,13 @@
 // getComputedStyle (WCAG 2 relative luminance). Screenshots go to $ARTIFACTS/<theme>-*.png; the
 // last stdout line is a JSON object of what was seen.
 import { chromium } from 'playwright-core';
+import { GPU_WORK, contrast as measureContrast, setTheme } from './labpage.mjs';
 
 const { LAB_URL, ARTIFACTS, CHROMIUM } = process.env;
 const params = JSON.parse(process.env.PARAMS || '{}');
 const LAB_TOKEN = params.token || process.env.LAB_TOKEN; // whose browser this is
 const tag = params.theme.includes('Dark') ? 'dark' : 'light';
 const seen = { theme: params.theme };
-
-const GPU_WORK = `import ctypes, threading
-cu = ctypes.CDLL("libcuda.so.1")
-P = ctypes.c_void_p
-cu.cuLaunchKernel.argtypes = [P] + [ctypes.c_uint] * 7 + [P, P, P]
-dev, ctx, mod, fn = ctypes.c_int(), P(), P(), P()
-assert cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
-assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0 and cu.cuCtxSetCurrent(ctx) == 0
-assert cu.cuModuleLoadData(ctypes.byref(mod), b"any module") == 0
-assert cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"busy_us") == 0
-us = ctypes.c_uint64(3000)
-params = (P * 1)(ctypes.cast(ctypes.byref(us), P))
-def spin():
-    cu.cuCtxSetCurrent(ctx)
-    while True:
-        cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, None, params, None)
-        cu.cuCtxSynchronize()
-threading.Thread(target=spin, daemon=True).start()
-"busy"`;
 
 const rest = async (path, init = {}) => {
   const response = await fetch(`${LAB_URL}${path}`, {
@@ -39,15 +21,7 @@ const rest = async (path, init = {}) => {
   return text ? JSON.parse(text) : {};
 };
 
-// the theme, through Lab's settings API, before the page loads
-const themed = await fetch(`${LAB_URL}/lab/api/settings/@jupyterlab/apputils-extension:themes`, {
-  method: 'PUT',
-  headers: { Authorization: `token ${LAB_TOKEN}`, 'Content-Type': 'application/json' },
-  body: JSON.stringify({ raw: JSON.stringify({ theme: params.theme }) })
-});
-if (!themed.ok) {
-  throw new Error(`setting the theme: ${themed.status} ${await themed.text()}`);
-}
+await setTheme(LAB_URL, LAB_TOKEN, params.theme); // before the page loads
 
 const browser = await chromium.launch({
   executablePath: CHROMIUM,
@@ -65,76 +39,7 @@ const shot = name => page.screenshot({ path: `${ARTIFACTS}/${tag}-${name}.png` }
 const dialog = page.locator('.jp-Dialog');
 const picker = dialog.locator('.jp-gpushare-picker');
 
-/** Every visible text under `selector` with its contrast ratio against what is behind it. */
-async function contrast(selector) {
-  return page.evaluate(sel => {
-    const parse = c => {
-      const m = /rgba?\(([^)]+)\)/.exec(c || '');
-      if (!m) {
-        return null;
-      }
-      const p = m[1].split(/[\s,/]+/).filter(Boolean).map(Number);
-      return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1];
-    };
-    const over = (top, base) => [0, 1, 2].map(i => top[i] * top[3] + base[i] * (1 - top[3]));
-    const background = el => {
-      const layers = [];
-      for (let e = el; e; e = e.parentElement) {
-        const c = parse(getComputedStyle(e).backgroundColor);
-        if (c && c[3] > 0) {
-          layers.push(c);
-          if (c[3] >= 1) {
-            break;
-          }
-        }
-      }
-      let base = [255, 255, 255];
-      for (const layer of layers.reverse()) {
-        base = over(layer, base);
-      }
-      return base;
-    };
-    const lum = rgb => {
-      const [r, g, b] = rgb.map(v => {
-        const s = v / 255;
-        return s <= 0.03928 ? s / 12.92 : ((s + 0.055) / 1.055) ** 2.4;
-      });
-      return 0.2126 * r + 0.7152 * g + 0.0722 * b;
-    };
-    const out = [];
-    for (const root of document.querySelectorAll(sel)) {
-      for (const el of [root, ...root.querySelectorAll('*')]) {
-        const text = Array.from(el.childNodes)
-          .filter(n => n.nodeType === Node.TEXT_NODE)
-          .map(n => n.textContent.trim())
-          .join(' ')
-          .trim();
-        if (!text || !el.getClientRects().length) {
-          continue;
-        }
-        const style = getComputedStyle(el);
-        if (style.visibility === 'hidden' || style.display === 'none' || Number(style.opacity) === 0) {
-          continue;
-        }
-        const isSvg = el instanceof SVGElement;
-        const fg = parse(isSvg ? style.fill : style.color);
-        if (!fg) {
-          continue;
-        }
-        const bg = background(el);
-        const color = over(fg, bg);
-        const [a, b] = [lum(color), lum(bg)].sort((x, y) => y - x);
-        out.push({
-          text: text.slice(0, 60),
-          ratio: Math.round(((a + 0.05) / (b + 0.05)) * 100) / 100,
-          color: style.color,
-          background: `rgb(${bg.map(Math.round).join(',')})`
-        });
-      }
-    }
-    return out;
-  }, selector);
-}
+const contrast = selector => measureContrast(page, selector);
 
 async function newNotebook() {
   await page.locator('.lm-TabBar-addButton:not(.lm-mod-hidden)').first().click().catch(() => undefined);

@@ -8,31 +8,11 @@
 // 4. Escape/Cancel in the picker: quietly no kernel (no error dialog, no kernel chooser).
 // Screenshots go to $ARTIFACTS; the last stdout line is a JSON object of what was seen.
 import { chromium } from 'playwright-core';
+import { GPU_WORK } from './labpage.mjs';
 
 const { LAB_URL, LAB_TOKEN, ARTIFACTS, CHROMIUM } = process.env;
 const params = JSON.parse(process.env.PARAMS || '{}');
 const seen = {};
-
-// Busy loop on the simulated GPU in a kernel thread (the simulator runs a function named
-// `busy_us` for its argument's microseconds; the interposer meters and limits it).
-const GPU_WORK = `import ctypes, threading
-cu = ctypes.CDLL("libcuda.so.1")
-P = ctypes.c_void_p
-cu.cuLaunchKernel.argtypes = [P] + [ctypes.c_uint] * 7 + [P, P, P]
-dev, ctx, mod, fn = ctypes.c_int(), P(), P(), P()
-assert cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
-assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0 and cu.cuCtxSetCurrent(ctx) == 0
-assert cu.cuModuleLoadData(ctypes.byref(mod), b"any module") == 0
-assert cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"busy_us") == 0
-us = ctypes.c_uint64(3000)
-params = (P * 1)(ctypes.cast(ctypes.byref(us), P))
-def spin():
-    cu.cuCtxSetCurrent(ctx)
-    while True:
-        cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, None, params, None)
-        cu.cuCtxSynchronize()
-threading.Thread(target=spin, daemon=True).start()
-"busy"`;
 
 const browser = await chromium.launch({
   executablePath: CHROMIUM,

@@ -8,85 +8,14 @@
 // page). The last stdout line is a JSON object: the panel's data-field cells as shown, the state
 // line, and the contrast of every text in the panel against what is behind it (WCAG 2).
 import { createRequire } from 'node:module';
+import { contrast, setTheme } from '../lab/labpage.mjs';
 
 const { LAB_URL, LAB_TOKEN, ARTIFACTS, CHROMIUM, PLAYWRIGHT_FROM } = process.env;
 const THEME = process.env.THEME || 'JupyterLab Light';
 const tag = THEME.includes('Dark') ? 'dark' : 'light';
 const { chromium } = createRequire(PLAYWRIGHT_FROM)('playwright-core');
 
-// the theme, through Lab's settings API, before the page loads
-await fetch(`${LAB_URL}/lab/api/settings/@jupyterlab/apputils-extension:themes`, {
-  method: 'PUT',
-  headers: { Authorization: `token ${LAB_TOKEN}`, 'Content-Type': 'application/json' },
-  body: JSON.stringify({ raw: JSON.stringify({ theme: THEME }) })
-});
-
-/** Every visible text under `selector`: its contrast ratio against what is behind it. */
-function contrastIn(sel) {
-  const parse = c => {
-    const m = /rgba?\(([^)]+)\)/.exec(c || '');
-    if (!m) {
-      return null;
-    }
-    const p = m[1].split(/[\s,/]+/).filter(Boolean).map(Number);
-    return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1];
-  };
-  const over = (top, base) => [0, 1, 2].map(i => top[i] * top[3] + base[i] * (1 - top[3]));
-  const background = el => {
-    const layers = [];
-    for (let e = el; e; e = e.parentElement) {
-      const c = parse(getComputedStyle(e).backgroundColor);
-      if (c && c[3] > 0) {
-        layers.push(c);
-        if (c[3] >= 1) {
-          break;
-        }
-      }
-    }
-    let base = [255, 255, 255];
-    for (const layer of layers.reverse()) {
-      base = over(layer, base);
-    }
-    return base;
-  };
-  const lum = rgb => {
-    const [r, g, b] = rgb.map(v => {
-      const s = v / 255;
-      return s <= 0.03928 ? s / 12.92 : ((s + 0.055) / 1.055) ** 2.4;
-    });
-    return 0.2126 * r + 0.7152 * g + 0.0722 * b;
-  };
-  const out = [];
-  for (const root of document.querySelectorAll(sel)) {
-    for (const el of [root, ...root.querySelectorAll('*')]) {
-      const text = Array.from(el.childNodes)
-        .filter(n => n.nodeType === Node.TEXT_NODE)
-        .map(n => n.textContent.trim())
-        .join(' ')
-        .trim();
-      if (!text || !el.getClientRects().length) {
-        continue;
-      }
-      const style = getComputedStyle(el);
-      if (style.visibility === 'hidden' || style.display === 'none') {
-        continue;
-      }
-      const fg = parse(el instanceof SVGElement ? style.fill : style.color);
-      if (!fg) {
-        continue;
-      }
-      const bg = background(el);
-      const [a, b] = [lum(over(fg, bg)), lum(bg)].sort((x, y) => y - x);
-      out.push({
-        text: text.slice(0, 60),
-        ratio: Math.round(((a + 0.05) / (b + 0.05)) * 100) / 100,
-        color: el instanceof SVGElement ? style.fill : style.color,
-        background: `rgb(${bg.map(Math.round).join(',')})`
-      });
-    }
-  }
-  return out;
-}
+await setTheme(LAB_URL, LAB_TOKEN, THEME); // before the page loads
 
 const browser = await chromium.launch({
   executablePath: CHROMIUM,
@@ -128,7 +57,7 @@ try {
   seen.svg = await panel.locator('svg polyline').count();
   seen.release = await panel.getByRole('button', { name: /\bRelease$/ }).count();
   seen.theme = await page.evaluate(() => document.body.dataset.jpThemeName);
-  seen.contrast = await page.evaluate(contrastIn, '.gpushare-panel');
+  seen.contrast = await contrast(page, '.gpushare-panel');
   await panel.screenshot({ path: `${ARTIFACTS}/panel-${tag}.png` });
   await page.screenshot({ path: `${ARTIFACTS}/lab-${tag}.png` });
 } catch (err) {

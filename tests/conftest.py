@@ -3,7 +3,6 @@ jupyter_server processes with gpushare on simulated GPUs (helpers in support.py)
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -11,27 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO, JupyterServer, stop_daemons
+from support import JupyterServer, isolated_env, stop_daemons
 
 
 @pytest.fixture
 def gpushare_env(tmp_path: Path) -> dict[str, str]:
     """Isolated Jupyter dirs and gpushare state for one test; the gpushare kernelspecs installed."""
     short = Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))  # unix socket paths must be short
-    env = dict(os.environ)
-    env.update(
-        JUPYTER_DATA_DIR=str(tmp_path / "data"),
-        JUPYTER_RUNTIME_DIR=str(short / "rt"),
-        JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
-        JUPYTER_PLATFORM_DIRS="1",
-        GPUSHARE_LEDGER=str(tmp_path / "ledger.sqlite"),
-        GPUSHARE_SOCKET=str(short / "daemon.sock"),
-        PYTHONUNBUFFERED="1",
-    )
-    env.pop("GPUSHARE_SIMULATE", None)
-    kernels = tmp_path / "data" / "kernels"
-    for source in (REPO / "kernelspecs").iterdir():
-        shutil.copytree(source, kernels / source.name)
+    env = isolated_env(tmp_path, short)
     yield env
     stop_daemons(env["GPUSHARE_SOCKET"])
     shutil.rmtree(short, ignore_errors=True)

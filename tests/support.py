@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -77,6 +79,26 @@ def add_kernelspec(env: dict[str, str], name: str, config: dict[str, Any]) -> No
         },
     }
     (path / "kernel.json").write_text(json.dumps(spec))
+
+
+def isolated_env(tmp: Path, short: Path) -> dict[str, str]:
+    """This environment with Jupyter dirs and gpushare state of its own under `tmp` (runtime dir
+    and agent socket under `short`: unix socket paths must be short), the gpushare kernelspecs
+    installed."""
+    env = dict(os.environ)
+    env.update(
+        JUPYTER_DATA_DIR=str(tmp / "data"),
+        JUPYTER_RUNTIME_DIR=str(short / "rt"),
+        JUPYTER_CONFIG_DIR=str(tmp / "config"),
+        JUPYTER_PLATFORM_DIRS="1",
+        GPUSHARE_LEDGER=str(tmp / "ledger.sqlite"),
+        GPUSHARE_SOCKET=str(short / "daemon.sock"),
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("GPUSHARE_SIMULATE", None)
+    for source in (REPO / "kernelspecs").iterdir():
+        shutil.copytree(source, tmp / "data" / "kernels" / source.name)
+    return env
 
 
 def stop_daemons(socket_path: str) -> None:

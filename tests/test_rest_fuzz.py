@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import pytest
 import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import REPO, JupyterServer, stop_daemons
+from support import JupyterServer, isolated_env, stop_daemons
 
 from jupyter_gpushare.share import SHARE_FIELDS, ShareError, ShareSpec
 
@@ -32,19 +31,7 @@ from jupyter_gpushare.share import SHARE_FIELDS, ShareError, ShareSpec
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterServer]:
     tmp = tmp_path_factory.mktemp("fuzz")
     short = Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))
-    env = dict(os.environ)
-    env.update(
-        JUPYTER_DATA_DIR=str(tmp / "data"),
-        JUPYTER_RUNTIME_DIR=str(short / "rt"),
-        JUPYTER_CONFIG_DIR=str(tmp / "config"),
-        JUPYTER_PLATFORM_DIRS="1",
-        GPUSHARE_LEDGER=str(tmp / "ledger.sqlite"),
-        GPUSHARE_SOCKET=str(short / "daemon.sock"),
-        PYTHONUNBUFFERED="1",
-    )
-    env.pop("GPUSHARE_SIMULATE", None)
-    for source in (REPO / "kernelspecs").iterdir():
-        shutil.copytree(source, tmp / "data" / "kernels" / source.name)
+    env = isolated_env(tmp, short)
     srv = JupyterServer(env, "1xA100").start()
     digits = sys.get_int_max_str_digits()
     sys.set_int_max_str_digits(0)  # so that the client can write 5,000-digit numbers

@@ -45,23 +45,11 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LabServer, d
             pytest.fail(f"the browser tests need Chromium under CI: {reason}")
         pytest.skip(reason)
 
-    from support import REPO, stop_daemons, wait_for
+    from support import isolated_env, stop_daemons, wait_for
 
     tmp = tmp_path_factory.mktemp("lab")
     short = Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))
-    env = dict(os.environ)
-    env.update(
-        JUPYTER_DATA_DIR=str(tmp / "data"),
-        JUPYTER_RUNTIME_DIR=str(short / "rt"),
-        JUPYTER_CONFIG_DIR=str(tmp / "config"),
-        JUPYTER_PLATFORM_DIRS="1",
-        GPUSHARE_LEDGER=str(tmp / "ledger.sqlite"),
-        GPUSHARE_SOCKET=str(short / "daemon.sock"),
-        PYTHONUNBUFFERED="1",
-    )
-    env.pop("GPUSHARE_SIMULATE", None)
-    for source in (REPO / "kernelspecs").iterdir():
-        shutil.copytree(source, tmp / "data" / "kernels" / source.name)
+    env = isolated_env(tmp, short)
     (tmp / "twoids.py").write_text(IDENTITIES)  # ada (admin) and uma (a user), by token
     env["PYTHONPATH"] = f"{tmp}:{env.get('PYTHONPATH', '')}"
     server = LabServer(

@@ -36,64 +36,19 @@ from jupyter_gpushare.paths import lib_dir  # noqa: E402
 
 CSRC = HERE.parent / "jupyter_gpushare" / "csrc"
 
-#: saturates its share for argv[1] seconds: 2 ms kernels, a sync every 4 launches
-PROGRAM = r"""
-#define _POSIX_C_SOURCE 200809L
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <time.h>
-#include "gpushare_cuda.h"
-#define CK(call) do { CUresult r_ = (call); if (r_ != CUDA_SUCCESS) { \
-    fprintf(stderr, "%s = %d\n", #call, (int)r_); return 10; } } while (0)
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
-}
-int main(int argc, char **argv) {
-    double seconds = argc > 1 ? atof(argv[1]) : 10.0;
-    CUdevice dev;
-    CUcontext ctx;
-    CUmodule mod;
-    CUfunction fn;
-    uint64_t us = 2000;
-    void *params[] = {&us};
-    CK(cuInit(0));
-    CK(cuDeviceGet(&dev, 0));
-    CK(cuCtxCreate_v2(&ctx, 0, dev));
-    CK(cuModuleLoadData(&mod, "any module"));
-    CK(cuModuleGetFunction(&fn, mod, "busy_us"));
-    double end = now() + seconds;
-    while (now() < end) {
-        for (int i = 0; i < 4; i++)
-            CK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL));
-        CK(cuCtxSynchronize());
-    }
-    CK(cuCtxDestroy_v2(ctx));
-    return 0;
-}
-"""
+#: the enforcement tests' tenant (tests/enforcement/c/gs_tenant.c, built by `make
+#: interposer-tests`): `spin SECONDS 2000 4` saturates its share with 2 ms kernels, a sync
+#: every 4 launches
+TENANT = lib_dir() / "test" / "gs_tenant"
 
 
-def build(folder: Path) -> Path:
-    sim = lib_dir() / "sim"
-    (folder / "saturate.c").write_text(PROGRAM)
+def build() -> Path:
     subprocess.run(
-        [
-            os.environ.get("CC", "cc"),
-            "-std=c11",
-            "-O2",
-            f"-I{CSRC / 'include'}",
-            str(folder / "saturate.c"),
-            "-o",
-            str(folder / "saturate"),
-            f"-L{sim}",
-            "-lcuda",
-        ],
+        ["make", "-s", "-C", str(CSRC), "all", "interposer-tests"],
         check=True,
+        stdout=subprocess.DEVNULL,
     )
-    return folder / "saturate"
+    return TENANT
 
 
 def agents(socket_path: str) -> set[int]:
@@ -124,7 +79,7 @@ def main() -> None:
         JUPYTER_RUNTIME_DIR=str(work / "rt"),
         JUPYTER_CONFIG_DIR=str(work / "config"),
     )
-    program = build(work)
+    program = build()
     answered: set[int] = set()  # pids of the agents that answered a status
     samples: dict[str, list[float]] = {}
     limits: dict[str, float] = {}
@@ -141,7 +96,10 @@ def main() -> None:
                 str(args.limit),
                 "--",
                 str(program),
+                "spin",
                 str(args.seconds),
+                "2000",
+                "4",
             ],
             env=env,
             stdout=subprocess.PIPE,

@@ -231,6 +231,23 @@ class Kube:
 
     # -- watches ---------------------------------------------------------------------------------
 
+    def lister(self, kind: str, namespace: str) -> tuple[Any, tuple[Any, ...]]:
+        """The client's LIST function for ``kind`` ('pods', 'gpuledgers', 'leases' and
+        'configmaps' in ``namespace``; 'nodes' cluster-wide) and its positional arguments: a
+        listing (:func:`.watch.list_objects`) and a watch (:meth:`watch`) call the same one."""
+        if kind == "pods":
+            return self.core.list_namespaced_pod, (namespace,)
+        if kind == "gpuledgers":
+            ledgers = (GROUP, VERSION, namespace, LEDGER_PLURAL)
+            return self.custom.list_namespaced_custom_object, ledgers
+        if kind == "nodes":
+            return self.core.list_node, ()
+        if kind == "leases":
+            return self.coordination.list_namespaced_lease, (namespace,)
+        if kind == "configmaps":
+            return self.core.list_namespaced_config_map, (namespace,)
+        raise ValueError(f"kind {kind!r} is not one of pods, gpuledgers, nodes, leases, configmaps")
+
     async def watch(
         self,
         kind: str,
@@ -248,20 +265,7 @@ class Kube:
 
         Our own line reader rather than ``kubernetes_asyncio.watch``: no model decoding (the
         ledger's placers and the pod watcher only need dicts) and no hidden reconnects."""
-        if kind == "pods":
-            func: Any = self.core.list_namespaced_pod
-            args: tuple[Any, ...] = (namespace,)
-        elif kind == "gpuledgers":
-            func = self.custom.list_namespaced_custom_object
-            args = (GROUP, VERSION, namespace, LEDGER_PLURAL)
-        elif kind == "nodes":
-            func, args = self.core.list_node, ()
-        elif kind == "leases":
-            func, args = self.coordination.list_namespaced_lease, (namespace,)
-        elif kind == "configmaps":
-            func, args = self.core.list_namespaced_config_map, (namespace,)
-        else:
-            raise ValueError(kind)
+        func, args = self.lister(kind, namespace)
         response = await func(
             *args,
             watch=True,

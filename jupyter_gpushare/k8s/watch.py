@@ -35,7 +35,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .client import GROUP, LEDGER_PLURAL, VERSION, ApiException, ClusterError, Kube
+from .client import ApiException, ClusterError, Kube
 
 log = logging.getLogger(__name__)
 
@@ -62,24 +62,10 @@ async def list_objects(
         params["label_selector"] = label_selector
     if field_selector:
         params["field_selector"] = field_selector
-    core: Any = kube.core
-    if kind == "pods":
-        call = core.list_namespaced_pod(namespace, **params)
-    elif kind == "configmaps":
-        call = core.list_namespaced_config_map(namespace, **params)
-    elif kind == "nodes":
-        call = core.list_node(**params)
-    elif kind == "leases":
-        coordination: Any = kube.coordination
-        call = coordination.list_namespaced_lease(namespace, **params)
-    elif kind == "gpuledgers":
-        custom: Any = kube.custom
-        call = custom.list_namespaced_custom_object(
-            GROUP, VERSION, namespace, LEDGER_PLURAL, **params
-        )
-    else:
+    if kind not in KINDS:
         raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
-    return await kube._json(call)
+    func, args = kube.lister(kind, namespace)
+    return await kube._json(func(*args, **params))
 
 
 class Informer:

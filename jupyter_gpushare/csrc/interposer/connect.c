@@ -175,17 +175,46 @@ static int read_line_fds(int fd, char *buf, size_t n, int timeout_ms, int *fds, 
     return -1;
 }
 
-/* A new connection to the agent's socket, or -1 (unreachable). */
+/* How long dialing the agent may take: GPUSHARE_CONNECT_TIMEOUT_MS (1 to 600000; default 2000).
+ * A connect() on a unix stream socket whose listen backlog is full (an agent that is stuck, or
+ * flooded with connections) blocks until the agent accepts, and with it a user's cuInit or first
+ * launch would hang for good. A non-blocking connect + poll does not bound it on AF_UNIX: there the
+ * connect fails at once with EAGAIN when the backlog is full (no EINPROGRESS to poll for). The
+ * kernel's unix connect waits at most the socket's send timeout (SO_SNDTIMEO), so that bounds it;
+ * the socket stays in blocking mode, as the callers expect, and the send timeout stays set: it
+ * bounds the blocking send of the request too (gs_send_line sends with MSG_DONTWAIT anyway). */
+#define GS_CONNECT_TIMEOUT_MS 2000u
+
+static unsigned connect_timeout_ms(void) {
+    const char *v = getenv("GPUSHARE_CONNECT_TIMEOUT_MS");
+    char *end;
+    unsigned long ms = v && *v ? strtoul(v, &end, 10) : 0;
+    if (!v || !*v || *end || ms < 1 || ms > 600000) return GS_CONNECT_TIMEOUT_MS;
+    return (unsigned)ms;
+}
+
+/* A new connection to the agent's socket, or -1 (unreachable, or it did not accept in time). */
 static int dial_agent(void) {
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return -1;
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
     snprintf(addr.sun_path, sizeof addr.sun_path, "%s", gs.socket_path);
-    if (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
-        close(fd);
-        return -1;
+    unsigned timeout = connect_timeout_ms();
+    uint64_t deadline = gs_now() + (uint64_t)timeout * 1000000ull;
+    for (;;) {
+        uint64_t now = gs_now(), left = deadline > now ? deadline - now : 0;
+        struct timeval tv = {(time_t)(left / 1000000000ull), (long)(left % 1000000000ull / 1000)};
+        if (left == 0 || (tv.tv_sec == 0 && tv.tv_usec == 0) ||
+            setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) != 0)
+            break;
+        if (connect(fd, (struct sockaddr *)&addr, sizeof addr) == 0) return fd;
+        if (errno != EINTR) break; /* a signal handler ran: wait out the rest */
     }
-    return fd;
+    if (errno == EAGAIN || errno == EINPROGRESS || errno == EINTR)
+        gs_log("the agent on %s did not accept within %u ms (GPUSHARE_CONNECT_TIMEOUT_MS)",
+               gs.socket_path, timeout);
+    close(fd);
+    return -1;
 }
 
 /* Connects, says hello at control version `v` (v_min GPUSHARE_WIRE_OLDEST_VERSION) and attaches

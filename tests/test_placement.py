@@ -6,12 +6,14 @@ import asyncio
 from dataclasses import FrozenInstanceError, replace
 
 import pytest
+from traitlets import TraitError
 
 from jupyter_gpushare.inventory import GiB, TypeAliases
 from jupyter_gpushare.ledger.sqlite import SQLiteLedger
 from jupyter_gpushare.placement import Placement, PlacementRefused, Placer, Policy, place
 from jupyter_gpushare.placement.config import GpusharePlacement
 from jupyter_gpushare.placement.naive import naive_place
+from jupyter_gpushare.placement.orders import ORDERS, Order
 from jupyter_gpushare.share import GpuLabels, ShareError, ShareSpec
 
 try:
@@ -52,7 +54,7 @@ def test_policy_defaults_and_frozen() -> None:
     with pytest.raises(FrozenInstanceError):
         policy.node = "spread"  # type: ignore[misc]
     assert Policy(gpu_types=["a100"]).gpu_types == ("a100",)
-    with pytest.raises(ShareError, match="binpack or spread"):
+    with pytest.raises(ShareError, match=r"^policy\.node='random' is not allowed: one of bin"):
         Policy(node="random")
 
 
@@ -113,6 +115,60 @@ def test_node_binpack_gpu_spread() -> None:
     gpus = cluster("2xA100", "2xA100")
     allocations = fill(gpus, [share(0.25)] * 3, Policy(node="binpack", gpu="spread"))
     assert uuids(allocations) == ["GPU-n0-0", "GPU-n0-1", "GPU-n0-0"]
+
+
+#: a third order, defined here only: the last node by name, then its highest-indexed GPU
+LAST = Order(
+    "last",
+    "the last node by name, its highest-indexed GPU",
+    node_key=lambda free, name: (tuple(-ord(c) for c in name),),
+    gpu_key=lambda free, memory, index: (-index,),
+)
+
+
+def test_an_order_registered_elsewhere_is_used_everywhere(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Adding a policy is one registry entry: nothing in the package names it, yet the policy,
+    the engine (a long-lived index kept current with add), the naive placer and the deployment
+    configuration all take it."""
+    with pytest.raises(ShareError, match=r"one of binpack, spread$"):
+        Policy(gpu="last")
+    monkeypatch.setitem(ORDERS, LAST.name, LAST)
+    gpus = cluster("2xA100", "2xA100")
+    policy = Policy(node="last", gpu="last")
+    placer = Placer(gpus, [], policy)
+    allocations = []
+    for _ in range(5):
+        spec = share(0.25)
+        placed = placer.place(spec)
+        assert naive_place(gpus, allocations, spec, policy) == placed
+        allocations.append(record(placed, spec, gpus))
+        placer.add(allocations[-1])
+    assert uuids(allocations) == ["GPU-n1-1"] * 4 + ["GPU-n1-0"]
+    assert place(gpus, [], share(), Policy(node="last")).gpus == ("GPU-n1-0",)  # binpack GPU
+    from traitlets.config import Config
+
+    config = Config()
+    config.GpusharePlacement.node_policy = "last"
+    assert GpusharePlacement(config=config).policy().node == "last"
+    config.GpusharePlacement.gpu_policy = "random"
+    with pytest.raises(TraitError) as refused:
+        GpusharePlacement(config=config)
+    assert str(refused.value) == (
+        "GpusharePlacement.gpu_policy='random' is not allowed: one of binpack, spread, last"
+    )
+
+
+def test_unknown_order_in_configuration_is_refused_by_name() -> None:
+    from traitlets.config import Config
+
+    config = Config()
+    config.GpusharePlacement.node_policy = "Binpack"
+    with pytest.raises(TraitError) as refused:
+        GpusharePlacement(config=config)
+    assert str(refused.value) == (
+        "GpusharePlacement.node_policy='Binpack' is not allowed: one of binpack, spread"
+    )
+    assert "'binpack' fills the fullest" in GpusharePlacement.node_policy.help
 
 
 def test_binpack_prefers_fuller_node() -> None:

@@ -10,11 +10,13 @@ anti-affinity label; an affinity label with ``gpu_count > 1`` (whole GPUs share 
 more whole GPUs than any node has of one type; more memory than the largest admitted GPU).
 
 What may be chosen and in which order is written down in :mod:`.engine`; :class:`Policy`
-(:mod:`.policy`) says binpack or spread per node and per GPU, the types wanted and excluded
-(aliases, NVML product names or ``nvidia.com/gpu.product`` labels, case-insensitive) and the
-cordoned nodes and GPUs; a deployment configures it with :class:`.config.GpusharePlacement` and
-narrows it per request with :meth:`Policy.narrowed`. The request itself carries one wanted type
-(``spec.gpu_type``) and its locality labels (``spec.gpu_labels``).
+(:mod:`.policy`) names the order per node and per GPU (``binpack``, ``spread``: one
+:class:`~.orders.Order` each in :mod:`.orders`, the one file a new order is added to), the types
+wanted and excluded (aliases, NVML product names or ``nvidia.com/gpu.product`` labels,
+case-insensitive) and the cordoned nodes and GPUs; a deployment configures it with
+:class:`.config.GpusharePlacement` and narrows it per request with :meth:`Policy.narrowed`. The
+request itself carries one wanted type (``spec.gpu_type``) and its locality labels
+(``spec.gpu_labels``).
 
 ``place`` builds a :class:`Placer` (an index over the inventory and the live allocations) per
 call; a long-lived caller (a watch on the Kubernetes ledger, a benchmark) keeps one and updates it
@@ -31,11 +33,13 @@ from __future__ import annotations
 from ..share import format_bytes
 from .concurrent import allocate, bind
 from .engine import UNITS, Placement, PlacementRefused, Placer, place, to_units
-from .policy import POLICIES, Policy, TypeFilter, resolve_types
+from .orders import ORDERS, Order, register
+from .policy import Policy, TypeFilter, resolve_types
 
 __all__ = [
-    "POLICIES",
+    "ORDERS",
     "UNITS",
+    "Order",
     "Placement",
     "PlacementRefused",
     "Placer",
@@ -45,6 +49,7 @@ __all__ = [
     "bind",
     "format_bytes",
     "place",
+    "register",
     "resolve_types",
     "to_units",
 ]

@@ -6,29 +6,39 @@ the server extension builds one :class:`Policy` from it and narrows it per reque
 
 from __future__ import annotations
 
-from traitlets import Enum, List, Unicode
+from typing import Any
+
+from traitlets import List, TraitError, Unicode, validate
 from traitlets.config import Configurable
 
 from ..inventory import TypeAliases
-from .policy import POLICIES, Policy
+from ..share import ShareError
+from .orders import BINPACK, described, order_named
+from .policy import Policy
 
 
 class GpusharePlacement(Configurable):
     """Where shares go on this deployment's GPUs."""
 
-    node_policy = Enum(
-        list(POLICIES),
-        default_value="binpack",
-        help="Which node a share goes to: 'binpack' fills the fullest node that fits (keeps "
-        "whole nodes free for multi-GPU kernels), 'spread' the emptiest.",
+    node_policy = Unicode(
+        BINPACK.name,
+        help="Which node a share goes to, by the name of a placement order: " + described() + ".",
     ).tag(config=True)
 
-    gpu_policy = Enum(
-        list(POLICIES),
-        default_value="binpack",
-        help="Which GPU of that node: 'binpack' the fullest that fits (keeps whole GPUs free), "
-        "'spread' the emptiest (least interference between kernels).",
+    gpu_policy = Unicode(
+        BINPACK.name,
+        help="Which GPU of that node, by the name of a placement order: " + described() + ".",
     ).tag(config=True)
+
+    @validate("node_policy", "gpu_policy")
+    def _known_order(self, proposal: dict[str, Any]) -> str:
+        """Only a registered order (:mod:`.orders`); the error names the setting, the value
+        and the registered names."""
+        name = proposal["trait"].name
+        try:
+            return order_named(proposal["value"], f"GpusharePlacement.{name}").name
+        except ShareError as exc:
+            raise TraitError(str(exc)) from None
 
     gpu_types = List(
         Unicode(),

@@ -18,15 +18,16 @@ Rules (the same in :mod:`.naive`, the reference full-scan placer the tests compa
 * ``gpu_count > 1`` asks for that many whole GPUs (nothing else on them) of one type on one node:
   on the first node in policy order that has them, the lowest-indexed ones of the first type (by
   name) with enough. Affinity makes no sense there (a :class:`ShareError`).
-* Among the GPUs that can be chosen, the policy orders nodes first, then GPUs. ``binpack``
-  prefers the node with the least free compute (sum over its healthy, uncordoned GPUs) and the GPU
-  with the least free compute, then least free memory; ``spread`` the most. Ties go to the node
-  name, then the GPU index, in ascending order, so a decision is deterministic.
+* Among the GPUs that can be chosen, the policy orders nodes first, then GPUs, each by the sort
+  key of the :class:`~.orders.Order` it names (:mod:`.orders`). ``binpack`` prefers the node with
+  the least free compute (sum over its healthy, uncordoned GPUs) and the GPU with the least free
+  compute, then least free memory; ``spread`` the most. Ties go to the node name, then the GPU
+  index, in ascending order, so a decision is deterministic.
 
-The index keeps, per node, its free compute and the best free compute per GPU type, and keeps
-nodes sorted by free compute for each policy; a placement walks nodes in policy order, skips a
-node in O(1) when no GPU there can fit, and looks at the (few) GPUs of the first node that can.
-:meth:`Placer.add` / :meth:`Placer.remove` / :meth:`Placer.sync` keep it current cheaply, so a
+The index keeps, per node, its free compute and the best free compute per GPU type, and keeps nodes
+sorted by each order's node key once that order is used; a placement walks nodes in that order,
+skips a node in O(1) when no GPU there can fit, and looks at the (few) GPUs of the first node that
+can. :meth:`Placer.add` / :meth:`Placer.remove` / :meth:`Placer.sync` keep it current cheaply, so a
 long-lived placer (a Kubernetes watch, a benchmark) pays O(GPUs + allocations) once.
 """
 
@@ -36,113 +37,42 @@ import threading
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ..errors import GpushareError
 from ..inventory import Gpu
 from ..share import ShareError, ShareSpec, format_bytes
+from .explain import refusal
+from .orders import Order
 from .policy import Kind, Policy, TypeFilter, resolve_types
+from .state import (
+    SETTLED,
+    UNITS,
+    GpuState,
+    NodeState,
+    Placement,
+    PlacementRefused,
+    from_units,
+    to_units,
+)
 
 if TYPE_CHECKING:
     from ..ledger import Allocation
 
-#: Compute is counted in millionths of a GPU.
-UNITS = 1_000_000
-
-#: ``Allocation.extra`` key set on an affinity group member once it has checked, after being
-#: recorded, that no other settled member of its group is on another GPU (see :mod:`.concurrent`).
-SETTLED = "affinity_settled"
-
-
-def to_units(fraction: float) -> int:
-    """A fraction of a GPU in integer millionths (at least 1 for any positive request)."""
-    return max(1, round(fraction * UNITS))
-
-
-def from_units(units: int) -> float:
-    return round(units / UNITS, 6)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a share goes: one node, its GPU UUIDs, and the memory cap in bytes per GPU."""
-
-    node: str
-    gpus: tuple[str, ...]
-    memory: int
-
-
-class PlacementRefused(GpushareError):
-    """Nothing fits now. ``message`` says why in user terms; ``suggestions`` what would fit."""
-
-    code = "no_fit"
-    status = 409
-
-    def __init__(self, message: str, suggestions: Sequence[str] = ()) -> None:
-        self.suggestions = list(suggestions)
-        super().__init__(message, suggestions=self.suggestions)
-
-
-class GpuState:
-    """One GPU and what its holders use (mutable; owned by a :class:`Placer`)."""
-
-    __slots__ = (
-        "exclusive",
-        "free",
-        "gpu",
-        "holders",
-        "index",
-        "kind",
-        "mem_free",
-        "node",
-        "type",
-        "usable",
-        "uuid",
-    )
-
-    def __init__(self, gpu: Gpu) -> None:
-        self.gpu = gpu
-        self.uuid = gpu.uuid
-        self.node = gpu.node
-        self.type = gpu.type
-        self.kind: Kind = (gpu.type, gpu.name)
-        self.index = gpu.index
-        self.usable = gpu.healthy and not gpu.cordoned
-        self.free = UNITS
-        self.mem_free = gpu.memory
-        self.holders: dict[str, Allocation] = {}
-        #: exclusive label of each holder (None: not exclusive) -> how many holders carry it
-        self.exclusive: dict[str | None, int] = {}
-
-    def exclusive_ok(self, label: str | None) -> bool:
-        """May a share with exclusive label ``label`` (None: none) join this GPU's holders?"""
-        held = self.exclusive
-        return not held or (len(held) == 1 and label in held)
-
-
-class NodeState:
-    __slots__ = ("best", "free", "gpus", "name", "whole")
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.gpus: list[GpuState] = []
-        self.free = 0  # free compute over usable GPUs
-        self.best: dict[Kind, int] = {}  # kind -> most free compute on one usable GPU
-        self.whole: dict[Kind, int] = {}  # kind -> usable GPUs with no holder
-
-    def refresh(self) -> None:
-        free = 0
-        best: dict[Kind, int] = {}
-        whole: dict[Kind, int] = {}
-        for g in self.gpus:
-            if not g.usable:
-                continue
-            free += g.free
-            if g.free > best.get(g.kind, -1):
-                best[g.kind] = g.free
-            if not g.holders:
-                whole[g.kind] = whole.get(g.kind, 0) + 1
-        self.free, self.best, self.whole = free, best, whole
+#: what other modules read from here (defined in :mod:`.state`, the box's data)
+__all__ = [
+    "SETTLED",
+    "UNITS",
+    "Limits",
+    "Placement",
+    "PlacementRefused",
+    "Placer",
+    "anchor_order",
+    "check_labels",
+    "check_request",
+    "from_units",
+    "place",
+    "to_units",
+]
 
 
 class Placer:
@@ -173,9 +103,10 @@ class Placer:
             self._apply(allocation, +1, None)
         for node in self.nodes.values():
             node.refresh()
-        self._by_free = sorted((n.free, n.name) for n in self.nodes.values())
-        self._by_free_desc = sorted((-n.free, n.name) for n in self.nodes.values())
-        self._keys = {n.name: n.free for n in self.nodes.values()}
+        #: order -> the nodes sorted by its key, as (key, node name); built for an order on its
+        #: first use and kept sorted as nodes' free compute changes
+        self._sorted: dict[Order, list[tuple[Any, str]]] = {}
+        self._keys = {n.name: n.free for n in self.nodes.values()}  # free compute when sorted
 
     def _index_inventory(self) -> None:
         for gpu in self.inventory:
@@ -274,11 +205,20 @@ class Placer:
             node.refresh()
             if node.free == old:
                 continue
-            del self._by_free[bisect_left(self._by_free, (old, name))]
-            del self._by_free_desc[bisect_left(self._by_free_desc, (-old, name))]
-            insort(self._by_free, (node.free, name))
-            insort(self._by_free_desc, (-node.free, name))
+            for order, nodes in self._sorted.items():
+                key = order.node_key
+                del nodes[bisect_left(nodes, (key(old, name), name))]
+                insort(nodes, (key(node.free, name), name))
             self._keys[name] = node.free
+
+    def node_order(self, order: Order) -> list[tuple[Any, str]]:
+        """The nodes as ``order`` ranks them: (key, name), best first."""
+        nodes = self._sorted.get(order)
+        if nodes is None:
+            key = order.node_key
+            nodes = sorted((key(n.free, n.name), n.name) for n in self.nodes.values())
+            self._sorted[order] = nodes
+        return nodes
 
     # -- deciding ----------------------------------------------------------------------------
 
@@ -299,8 +239,6 @@ class Placer:
         else:
             found = self._place_share(spec, policy, types)
         if found is None:
-            from .explain import refusal
-
             raise refusal(self, spec, policy, types)
         return found
 
@@ -323,19 +261,18 @@ class Placer:
             if g is None or not self.fits(g, spec, request, policy, types):
                 return None
             return Placement(g.node, (g.uuid,), spec.resolved_memory(g.gpu.memory))
-        order = self._by_free if policy.node == "binpack" else self._by_free_desc
         cordoned = policy.cordoned_nodes
-        spread = policy.gpu == "spread"
-        for _, name in order:
+        gpu_key = policy.gpu_order.gpu_key
+        for _, name in self.node_order(policy.node_order):
             node = self.nodes[name]
             if _most_free(node.best, types) < request or name in cordoned:
                 continue
             best: GpuState | None = None
-            best_key: tuple[int, int, int] | None = None
+            best_key: tuple[Any, ...] | None = None
             for g in node.gpus:
                 if not self.fits(g, spec, request, policy, types):
                     continue
-                key = (-g.free, -g.mem_free, g.index) if spread else (g.free, g.mem_free, g.index)
+                key = gpu_key(g.free, g.mem_free, g.index)
                 if best_key is None or key < best_key:
                     best, best_key = g, key
             if best is not None:
@@ -384,8 +321,7 @@ class Placer:
 
     def _place_whole(self, spec: ShareSpec, policy: Policy, types: TypeFilter) -> Placement | None:
         count = spec.gpu_count
-        order = self._by_free if policy.node == "binpack" else self._by_free_desc
-        for _, name in order:
+        for _, name in self.node_order(policy.node_order):
             node = self.nodes[name]
             if sum(n for kind, n in node.whole.items() if types.admits(kind)) < count:
                 continue

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from ..inventory import GiB
 from ..share import GpuLabels, ShareError, ShareSpec, format_bytes
-from .engine import UNITS, GpuState, PlacementRefused, from_units, to_units
 from .policy import Policy, TypeFilter, resolve_types
+from .state import UNITS, GpuState, PlacementRefused, from_units, to_units
 
 if TYPE_CHECKING:
     from .engine import Placer

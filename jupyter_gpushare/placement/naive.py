@@ -8,7 +8,7 @@ baseline of ``benchmarks/placement.py`` and the reference the property tests hol
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..inventory import Gpu
 from ..share import ShareSpec
@@ -59,8 +59,8 @@ def naive_place(
         if g.healthy and not g.cordoned:
             node_free[g.node] += UNITS - used[g.uuid]
 
-    def node_key(node: str) -> tuple[int, str]:
-        return (node_free[node], node) if policy.node == "binpack" else (-node_free[node], node)
+    def node_key(node: str) -> tuple[Any, ...]:
+        return policy.node_order.node_key(node_free[node], node)
 
     if spec.gpu_count > 1:
         return _whole(gpus, holders, spec, policy, usable, node_key)
@@ -86,9 +86,8 @@ def naive_place(
             return False
         return all(h.spec.gpu_labels.exclusive == labels.exclusive for h in here)
 
-    def gpu_key(g: Gpu) -> tuple[int, int, int]:
-        free, mem = UNITS - used[g.uuid], g.memory - mem_used[g.uuid]
-        return (-free, -mem, g.index) if policy.gpu == "spread" else (free, mem, g.index)
+    def gpu_key(g: Gpu) -> tuple[Any, ...]:
+        return policy.gpu_order.gpu_key(UNITS - used[g.uuid], g.memory - mem_used[g.uuid], g.index)
 
     fitting = [g for g in gpus if fits(g)]
     if not fitting:
@@ -103,7 +102,7 @@ def _whole(
     spec: ShareSpec,
     policy: Policy,
     usable: Callable[[Gpu], bool],
-    node_key: Callable[[str], tuple[int, str]],
+    node_key: Callable[[str], tuple[Any, ...]],
 ) -> Placement:
     free: dict[tuple[str, str], list[Gpu]] = {}
     for g in sorted(gpus, key=lambda g: (g.index, g.uuid)):

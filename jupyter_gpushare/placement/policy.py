@@ -18,8 +18,7 @@ from typing import Any
 
 from ..inventory import TypeAliases
 from ..share import ShareError, ShareSpec
-
-POLICIES = ("binpack", "spread")
+from .orders import BINPACK, Order, order_named
 
 _DEFAULT_ALIASES = TypeAliases()
 
@@ -28,16 +27,18 @@ _DEFAULT_ALIASES = TypeAliases()
 class Policy:
     """How placement chooses, for one deployment or one request.
 
-    ``node`` / ``gpu``: ``binpack`` fills the fullest node / GPU that still fits (keeps whole
-    nodes and GPUs free for big requests); ``spread`` picks the emptiest (least interference).
+    ``node`` / ``gpu``: the name of the :class:`~.orders.Order` that ranks nodes / GPUs
+    (``binpack`` fills the fullest that still fits, keeping whole nodes and GPUs free for big
+    requests; ``spread`` picks the emptiest, least interference; :data:`~.orders.ORDERS` has
+    them all).
     ``gpu_types``: the types that may be used (any of them; empty = all). ``exclude_types``: types
     never used. ``cordoned_nodes`` / ``cordoned_gpus`` (node names / GPU UUIDs): kept out of new
     placements, running shares untouched (on top of ``Gpu.cordoned``). ``aliases``: how type
     names given by users resolve (default: the inventory's ``DEFAULT_TYPE_ALIASES``).
     """
 
-    node: str = "binpack"
-    gpu: str = "binpack"
+    node: str = BINPACK.name
+    gpu: str = BINPACK.name
     gpu_types: tuple[str, ...] = ()
     exclude_types: tuple[str, ...] = ()
     cordoned_nodes: frozenset[str] = frozenset()
@@ -45,15 +46,21 @@ class Policy:
     aliases: TypeAliases | None = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        for name in ("node", "gpu"):
-            value = getattr(self, name)
-            if value not in POLICIES:
-                raise ShareError(f"policy.{name}", value, "binpack or spread")
+        order_named(self.node, "policy.node")
+        order_named(self.gpu, "policy.gpu")
         # Accept any iterable (lists from config / JSON) but store hashable, frozen values.
         object.__setattr__(self, "gpu_types", _names(self.gpu_types, "policy.gpu_types"))
         object.__setattr__(self, "exclude_types", _names(self.exclude_types, "exclude_types"))
         object.__setattr__(self, "cordoned_nodes", frozenset(self.cordoned_nodes))
         object.__setattr__(self, "cordoned_gpus", frozenset(self.cordoned_gpus))
+
+    @property
+    def node_order(self) -> Order:
+        return order_named(self.node, "policy.node")
+
+    @property
+    def gpu_order(self) -> Order:
+        return order_named(self.gpu, "policy.gpu")
 
     @property
     def type_aliases(self) -> TypeAliases:

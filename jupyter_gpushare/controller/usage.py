@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..k8s.client import ApiException, Kube
-from ..k8s.usage import FORMAT, NodeUsage, view_of
+from ..k8s.usage import CLOCK_SLACK, FORMAT, STALE_INTERVALS, NodeUsage, view_of
 from ..usage import UsageSource, UsageView
 from .client import controller_context
 from .errors import bad_request, forbidden, unauthorized, unavailable
@@ -167,25 +167,38 @@ def check_report(node: str, document: Any) -> dict[str, Any]:
 
 class NodeReports:
     """The latest usage report of each node, in memory; a
-    :class:`~jupyter_gpushare.usage.UsageSource` for the controller's resize checks."""
+    :class:`~jupyter_gpushare.usage.UsageSource` for the controller's resize checks.
 
-    def __init__(self, clock: Any = time.time, fallback: UsageSource | None = None) -> None:
+    Every user's server polls ``GET /api/usage``; the view it reads is built once and kept until
+    it could change: a new report (``version`` counts them), a fresh report turning stale (the
+    earliest deadline is kept), or ``max_age`` seconds (the ages it shows, ``age_s``, are at most
+    that much behind). ``builds`` counts the views built."""
+
+    def __init__(
+        self, clock: Any = time.time, fallback: UsageSource | None = None, max_age: float = 1.0
+    ) -> None:
         self.clock = clock
         #: read while no daemon has reported here (daemons still writing usage ConfigMaps)
         self.fallback = fallback
+        self.max_age = max_age
         self._reports: dict[str, Mapping[str, Any]] = {}
         self.received = 0
+        self.version = 0
+        self.builds = 0
+        #: (version, built at, valid until, view)
+        self._view: tuple[int, float, float, UsageView] | None = None
 
     def put(self, node: str, document: Mapping[str, Any]) -> None:
         self._reports[node] = document
         self.received += 1
+        self.version += 1
 
     def nodes(self) -> list[str]:
         return sorted(self._reports)
 
     async def read(self, fresh: bool = False) -> UsageView:
-        now = self.clock()
-        view = view_of([NodeUsage(node, doc, now) for node, doc in self._reports.items()])
+        """The view of the reports; ``fresh`` needs no cache bypass: a new report replaces the
+        view at once."""
         if not self._reports:
             if self.fallback is not None:
                 return await self.fallback.read(fresh)
@@ -193,6 +206,19 @@ class NodeReports:
                 "kubernetes",
                 message="no node daemon has reported usage to the controller yet",
             )
+        now = self.clock()
+        cached = self._view
+        if cached is not None and cached[0] == self.version and cached[1] <= now <= cached[2]:
+            return cached[3]
+        reports = [NodeUsage(node, doc, now) for node, doc in self._reports.items()]
+        view = view_of(reports)
+        until = now + self.max_age
+        for report in reports:  # the view changes when a fresh report turns stale
+            if not report.stale:
+                turns_stale = report.read_at - report.age + STALE_INTERVALS * report.interval
+                until = min(until, turns_stale + CLOCK_SLACK)
+        self._view = (self.version, now, until, view)
+        self.builds += 1
         return view
 
     async def changed(self) -> None:

@@ -1,0 +1,109 @@
+"""The controller's view of the nodes' usage reports (``controller/usage.py``, ``NodeReports``):
+every user's server polls ``GET /api/usage``; the view is built once per change, not per GET,
+and still follows every new report and every report that turns stale."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from jupyter_gpushare.controller.usage import NodeReports, usage_json
+from jupyter_gpushare.k8s.usage import CLOCK_SLACK, STALE_INTERVALS
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def report(node: str, at: float, *ids: str, interval: float = 2.0) -> dict[str, Any]:
+    return {
+        "node": node,
+        "time": at,
+        "interval_s": interval,
+        "allocations": [{"id": i, "memory_used": 1 << 20, "achieved": 0.25} for i in ids],
+    }
+
+
+def test_a_hundred_gets_build_the_view_once_and_a_new_report_is_seen_next() -> None:
+    async def main() -> None:
+        clock = Clock(1000.0)
+        reports = NodeReports(clock=clock)
+        reports.put("n1", report("n1", 999.5, "a-1"))
+        reports.put("n2", report("n2", 999.8, "a-2"))
+        first = await reports.read()
+        answers = [usage_json(await reports.read(), {"a-1"}) for _ in range(100)]
+        assert reports.builds == 1
+        assert all(a == answers[0] for a in answers)
+        assert answers[0]["allocations"] == {
+            "a-1": {
+                "id": "a-1",
+                "memory_used": 1 << 20,
+                "achieved": 0.25,
+                "node": "n1",
+                "age_s": 0.5,
+            }
+        }
+        # one new report: the next GET sees it (a new view), then it is cached again
+        clock.now += 0.1
+        reports.put("n1", report("n1", 1000.1, "a-1", "a-3"))
+        after = await reports.read()
+        assert after is not first and reports.builds == 2
+        assert set(after.allocations) == {"a-1", "a-2", "a-3"}
+        assert after.allocations["a-1"]["age_s"] == 0.0
+        for _ in range(100):
+            assert await reports.read(fresh=True) is after
+        assert reports.builds == 2
+
+    asyncio.run(main())
+
+
+def test_a_node_that_stops_reporting_turns_stale_without_a_new_report() -> None:
+    """The cached view is not kept past the moment a report turns stale, nor longer than
+    ``max_age`` (the ages it shows stay about right)."""
+
+    async def main() -> None:
+        clock = Clock(1000.0)
+        reports = NodeReports(clock=clock, max_age=1.0)
+        reports.put("n1", report("n1", 1000.0, "a-1"))
+        assert (await reports.read()).covers("n1")
+        clock.now += 0.9
+        assert (await reports.read()).get("a-1")["age_s"] == 0.0  # cached: within max_age
+        clock.now += 0.2
+        assert (await reports.read()).get("a-1")["age_s"] == 1.1  # rebuilt after max_age
+        deadline = 1000.0 + STALE_INTERVALS * 2.0 + CLOCK_SLACK
+        clock.now = deadline
+        assert (await reports.read()).covers("n1")  # not stale yet at the deadline itself
+        builds = reports.builds
+        clock.now = deadline + 0.01  # past it, within max_age of the last build
+        view = await reports.read()
+        assert reports.builds == builds + 1
+        assert not view.covers("n1") and view.get("a-1") is None and "n1" in view.stale
+        assert "no current usage from node(s) n1" in (view.message or "")
+
+    asyncio.run(main())
+
+
+def test_with_no_report_the_fallback_is_read_every_time() -> None:
+    class Fallback:
+        reads = 0
+
+        async def read(self, fresh: bool = False) -> Any:
+            Fallback.reads += 1
+            return "from the ConfigMaps"
+
+        async def changed(self) -> None:
+            pass
+
+    async def main() -> None:
+        reports = NodeReports(fallback=Fallback())
+        for _ in range(3):
+            assert await reports.read() == "from the ConfigMaps"
+        assert Fallback.reads == 3 and reports.builds == 0
+        reports.fallback = None
+        assert "no node daemon has reported" in ((await reports.read()).message or "")
+
+    asyncio.run(main())

@@ -28,6 +28,7 @@ from typing import Any
 
 from ..daemon import client as daemon_client
 from ..daemon.client import DaemonClient
+from ..errors import GpushareError
 from ..share import ShareError, ShareSpec, format_bytes, format_share_range
 
 #: what a kernel can do once its share is released (said after what was released and freed)
@@ -40,22 +41,24 @@ RELEASED_MESSAGE = "The GPU share of this kernel was released and its GPU memory
 )
 
 
-class GpushareError(RuntimeError):
-    """A refused or impossible action; ``str()`` is the message for the user."""
-
-    def __init__(self, message: str, code: str = "error", detail: dict[str, Any] | None = None):
-        super().__init__(message)
-        self.code = code
-        self.detail = detail or {}
+# A refused or impossible action is a GpushareError (the package's one error model,
+# jupyter_gpushare.errors): ``str()`` is the message for the user, ``code`` what went wrong,
+# ``to_json()`` the same body the server answers with.
 
 
 class NoShare(GpushareError):
     """This kernel holds no GPU share (never had one, or released it)."""
 
+    code = "no_share"
+    status = 409
+
 
 class DaemonUnreachable(GpushareError, daemon_client.DaemonUnreachable):
     """No gpushare daemon answers on the kernel's socket (the client's error, as the notebook
     side says it)."""
+
+    code = "daemon"
+    status = 503
 
 
 @dataclass
@@ -98,8 +101,7 @@ def _client(timeout: float = 5.0) -> DaemonClient:
     if not path:
         raise NoShare(
             "This kernel was not started with a GPU share (GPUSHARE_SOCKET is not "
-            "set): pick a 'GPU share' kernel.",
-            "no_share",
+            "set): pick a 'GPU share' kernel."
         )
     return DaemonClient(path, timeout=timeout)
 
@@ -108,14 +110,15 @@ def _ask(call: Any, *args: Any) -> dict[str, Any]:
     try:
         return call(*args)
     except OSError as exc:  # DaemonUnreachable too
-        raise DaemonUnreachable(f"The gpushare daemon is unreachable: {exc}", "daemon") from exc
+        raise DaemonUnreachable(f"The gpushare daemon is unreachable: {exc}") from exc
 
 
 def _refused(reply: dict[str, Any]) -> GpushareError:
     message = str(reply.get("message") or reply.get("error") or "refused")
     if reply.get("suggestions"):
         message += " (" + "; ".join(map(str, reply["suggestions"])) + ")"
-    return GpushareError(message, str(reply.get("error") or "error"), reply)
+    detail = {k: v for k, v in reply.items() if k not in ("ok", "error", "message")}
+    return GpushareError(message, code=str(reply.get("error") or "error"), **detail)
 
 
 # -- reading -----------------------------------------------------------------------------------
@@ -258,9 +261,9 @@ def release() -> dict[str, Any]:
     if current is None:
         if _state.released is not None:
             raise NoShare(
-                "This kernel's GPU share was already released. " + RELEASED_MESSAGE, "released"
+                "This kernel's GPU share was already released. " + RELEASED_MESSAGE, code="released"
             )
-        raise NoShare("This kernel holds no GPU share.", "no_share")
+        raise NoShare("This kernel holds no GPU share.")
     try:
         reply = _ask(_client().release, current)
     except DaemonUnreachable:
@@ -288,8 +291,7 @@ def _release_without_daemon(current: str) -> dict[str, Any]:
     if not path or _interposed():
         raise DaemonUnreachable(
             "The gpushare daemon is unreachable, so the share cannot be released now; try again "
-            "in a moment, or shut the kernel down to give the GPU back.",
-            "daemon",
+            "in a moment, or shut the kernel down to give the GPU back."
         )
     from ..ledger.sqlite import SQLiteLedger
 
@@ -366,13 +368,15 @@ def request(
         if not share:
             raise GpushareError(
                 "Nothing to change: give --gpu-request, --gpu-limit or --gpu-memory.",
-                "invalid_share",
+                code="invalid_share",
+                status=400,
             )
         if gpu_type is not None:
             raise GpushareError(
                 "A live change keeps the GPU: another GPU type needs a new "
                 "share (release this one, then request).",
-                "invalid_share",
+                code="invalid_share",
+                status=400,
             )
         share, auto_memory = _live_change(current, share)
         reply = _ask(_client().resize, current, share)
@@ -392,14 +396,14 @@ def request(
     if _state.released is None:
         raise NoShare(
             "This kernel holds no GPU share and released none: it was not started "
-            "with one; pick a 'GPU share' kernel.",
-            "no_share",
+            "with one; pick a 'GPU share' kernel."
         )
     if _state.reserved is not None:
         raise GpushareError(
             f"A new share is already reserved ({describe(_state.reserved)}): "
             "restart the kernel to use it.",
-            "reserved",
+            code="reserved",
+            status=409,
         )
     reply = _ask(_client().reserve, share)
     if not reply.get("ok"):
@@ -420,10 +424,8 @@ def _live_change(current: str, share: dict[str, Any]) -> tuple[dict[str, Any], b
     """The resize to ask the daemon for: ``share`` checked against the share held now, with the
     limit pinned (a request above it is refused here) and an auto memory cap following the
     request. Returns the change and whether the memory in it is that auto cap."""
-    try:
-        asked = ShareSpec.from_mapping(share, defaults=ShareSpec(gpu_request=0.01, gpu_limit=1.0))
-    except ShareError as exc:
-        raise GpushareError(str(exc), "invalid_share", exc.to_json()) from None
+    # a bad value is a ShareError (code invalid_share, naming the field), a GpushareError too
+    asked = ShareSpec.from_mapping(share, defaults=ShareSpec(gpu_request=0.01, gpu_limit=1.0))
     if "gpu_request" not in share:
         return share, False
     held = status()
@@ -439,8 +441,12 @@ def _live_change(current: str, share: dict[str, Any]) -> tuple[dict[str, Any], b
                 f"{limit:g} (the most it may use), and a request cannot exceed its limit: "
                 f"give the limit too, e.g. --gpu-request {asked.gpu_request:g} --gpu-limit "
                 f"{asked.gpu_request:g} (gpu_limit= in Python)",
-                "invalid_share",
-                {"field": "gpu_request", "value": asked.gpu_request, "limit": limit},
+                code="invalid_share",
+                status=400,
+                field="gpu_request",
+                value=asked.gpu_request,
+                allowed=f"at most the limit {limit:g}, or a new limit with it",
+                limit=limit,
             )
         change["gpu_limit"] = limit  # unchanged: never lifted with the request
     total = int((held.get("gpu") or {}).get("memory") or 0)

@@ -3,8 +3,9 @@
 A cycle at import time means some module reads from another that is still running its top-level
 code (half-initialized): it works or fails depending on which module a program happens to import
 first, and it hides the boxes' direction (DEVELOPING.md "Layout"). The check runs one
-interpreter that loads the third-party libraries once and then forks a child per module of
-``jupyter_gpushare``; each child imports its module as the very first of the package, with
+interpreter that loads the third-party libraries once (those that importing every module of ours
+loads, found in a throwaway child) and then forks a child per module of ``jupyter_gpushare``, two
+at a time; each child imports its module as the very first of the package, with
 ``builtins.__import__`` wrapped to report every import statement that reads a module of ours
 while that module is still initializing (``from a import b`` where ``a`` is half-run, or
 ``import a`` of a half-run ``a``; importing a submodule from its own package's ``__init__`` is
@@ -27,7 +28,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "jupyter_gpushare"
-#: loaded in the parent before forking, so each child only pays for our own modules
+#: loaded in the parent before forking (with every other third-party module ours load), so each
+#: child only pays for our own modules
 THIRD_PARTY = (
     "traitlets",
     "tornado.web",
@@ -196,37 +198,79 @@ def _watch_imports(events: list[dict[str, str]]) -> None:
     builtins.__import__ = watched
 
 
+def _third_party_of(modules: list[str]) -> list[str]:
+    """The modules outside the package that importing all of ``modules`` loads, found
+    in a throwaway child (so the parent, which forks the checks, never imports ours)."""
+    import importlib
+
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_fd)
+        before = set(sys.modules)
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except BaseException:  # each module's own child reports its error
+                pass
+        loaded = [m for m in sys.modules if m not in before]  # in the order they were loaded
+        with os.fdopen(write_fd, "w") as out:
+            json.dump([m for m in loaded if m.split(".")[0] != PACKAGE], out)
+        os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as inp:
+        data = inp.read()
+    os.waitpid(pid, 0)
+    return json.loads(data) if data else []
+
+
+def _check_alone(module: str) -> tuple[int, int]:
+    """Fork a child that imports ``module`` first of the package; its pid and result pipe."""
+    import importlib
+
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: this module first, nothing of ours loaded yet
+        os.close(read_fd)
+        events: list[dict[str, str]] = []
+        error = None
+        try:
+            assert not any(m == PACKAGE or m.startswith(PACKAGE + ".") for m in sys.modules)
+            _watch_imports(events)
+            importlib.import_module(module)
+        except BaseException as exc:  # reported to the parent
+            error = f"{type(exc).__name__}: {exc}"
+        with os.fdopen(write_fd, "w") as out:
+            json.dump({"module": module, "cycles": events, "error": error}, out)
+        os._exit(0)
+    os.close(write_fd)
+    return pid, read_fd
+
+
 def _child_main(modules: list[str]) -> None:
     import importlib
 
-    for name in THIRD_PARTY:
+    # every third-party library our modules load, imported once here before forking: each child
+    # then pays only for our own modules (none of ours is loaded by them: each child asserts it)
+    for name in (*THIRD_PARTY, *_third_party_of(modules)):
         try:
             importlib.import_module(name)
-        except ImportError:
+        except Exception:  # one that loads only as part of another's import
             pass
-    results = []
-    for module in modules:
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: this module first, nothing of ours loaded yet
-            os.close(read_fd)
-            events: list[dict[str, str]] = []
-            error = None
-            try:
-                assert not any(m == PACKAGE or m.startswith(PACKAGE + ".") for m in sys.modules)
-                _watch_imports(events)
-                importlib.import_module(module)
-            except BaseException as exc:  # reported to the parent
-                error = f"{type(exc).__name__}: {exc}"
-            with os.fdopen(write_fd, "w") as out:
-                json.dump({"module": module, "cycles": events, "error": error}, out)
-            os._exit(0)
-        os.close(write_fd)
+    # two children at a time (the checks are independent; each imports in its own process)
+    results: dict[str, dict] = {}
+    running: list[tuple[str, int, int]] = []
+    pending = list(modules)
+    while pending or running:
+        while pending and len(running) < 2:
+            module = pending.pop(0)
+            running.append((module, *_check_alone(module)))
+        module, pid, read_fd = running.pop(0)
         with os.fdopen(read_fd) as inp:
             data = inp.read()
         os.waitpid(pid, 0)
-        results.append(json.loads(data) if data else {"module": module, "error": "no answer"})
-    json.dump(results, sys.stdout)
+        results[module] = json.loads(data) if data else {"module": module, "error": "no answer"}
+    json.dump([results[m] for m in modules], sys.stdout)
 
 
 # -- the tests --------------------------------------------------------------------------------

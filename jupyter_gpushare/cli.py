@@ -14,7 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from .provisioner.environment import kernel_environment
 from .serverext.handlers import gpu_usage
 from .share import ShareError, ShareSpec, format_bytes, format_share
 from .statusview import render, with_usage
-from .usage import DaemonUsage
+from .usage import DaemonUsage, UsageView
 
 DESCRIPTION = (
     "Fractional GPU shares for Jupyter kernels: JupyterLab with GPU shares (lab), the GPUs and "
@@ -174,32 +174,58 @@ def cmd_kernelspec(args: argparse.Namespace) -> int:
 # -- status ----------------------------------------------------------------------------------------
 
 
-async def _status(
+@contextlib.asynccontextmanager
+async def _status_reader(
     settings: GpuShare, namespace: str | None = None, kubeconfig: str = ""
-) -> dict[str, Any]:
-    """The status document of :mod:`.statusview`: this machine's ledger and its node agent's
-    live use, or with ``namespace`` the cluster's ledger and the nodes' usage reports."""
+) -> AsyncIterator[Callable[[], Awaitable[dict[str, Any]]]]:
+    """What ``status`` shows, as a function to call for each drawing. Discovery happens once,
+    here: which ledger and agent answer (the system agent's or this user's), this machine's GPUs
+    (published to the ledger), the release of shares whose holder is gone (later ones are the
+    agent's and the servers' to release), or the connection to the cluster with ``namespace``.
+    The function reads only the ledger and the live use (the node agent's, or the nodes'
+    reports), so ``--watch`` repeats only those reads."""
     if namespace:  # the cluster's ledger; its reconcilers run in the cluster
         # lazy on purpose: only --kubernetes-namespace needs the Kubernetes client
         from .k8s.ledger import cluster_ledger
         from .k8s.usage import KubernetesUsage, UsageReader
 
         async with cluster_ledger(namespace, kubeconfig) as cluster:
-            status = _status_of(await cluster.gpus(), await cluster.list())
-            reader = UsageReader(cluster.kube, namespace)
-            view = await KubernetesUsage(reader).read(fresh=True)
-    else:
-        ledger = settings.local_ledger()
-        problem = None
-        try:
-            await settings.local_gpus()
-        except NoGpuError as exc:
-            problem = str(exc)
-        await reconcile(ledger, settings.node_name)
+            reports = KubernetesUsage(UsageReader(cluster.kube, namespace))
+
+            async def read_cluster() -> dict[str, Any]:
+                status = _status_of(await cluster.gpus(), await cluster.list())
+                return _with_view(status, await reports.read(fresh=True))
+
+            yield read_cluster
+        return
+    ledger = settings.local_ledger()
+    problem = None
+    try:
+        await settings.local_gpus()
+    except NoGpuError as exc:
+        problem = str(exc)
+    await reconcile(ledger, settings.node_name)
+    agent = DaemonUsage(str(settings.socket_path), str(settings.node_name))
+
+    async def read_local() -> dict[str, Any]:
         gpus = await ledger.gpus()
         # "no NVIDIA GPU here" only when there is nothing else to show (simulated GPUs are)
         status = _status_of(gpus, await ledger.list(), None if gpus else problem)
-        view = await DaemonUsage(str(settings.socket_path), str(settings.node_name)).read()
+        return _with_view(status, await agent.read())
+
+    yield read_local
+
+
+async def _status(
+    settings: GpuShare, namespace: str | None = None, kubeconfig: str = ""
+) -> dict[str, Any]:
+    """The status document of :mod:`.statusview`: this machine's ledger and its node agent's
+    live use, or with ``namespace`` the cluster's ledger and the nodes' usage reports."""
+    async with _status_reader(settings, namespace, kubeconfig) as read:
+        return await read()
+
+
+def _with_view(status: dict[str, Any], view: UsageView) -> dict[str, Any]:
     usage = {k: dict(v) for k, v in view.allocations.items()}
     return with_usage(status, usage, view.message if status["allocations"] else None)
 
@@ -227,7 +253,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.watch is None:
         console.print(render(asyncio.run(read())))
         return 0
-    return asyncio.run(_watch(console, read, args.watch))
+    reader = functools.partial(_status_reader, settings, args.kubernetes_namespace, args.kubeconfig)
+    return asyncio.run(_watch(console, reader, args.watch))
 
 
 def _columns() -> int:
@@ -239,9 +266,15 @@ def _columns() -> int:
         return 160
 
 
-async def _watch(console: Any, read: Any, interval: float) -> int:
+async def _watch(
+    console: Any,
+    reader: Callable[
+        [], contextlib.AbstractAsyncContextManager[Callable[[], Awaitable[dict[str, Any]]]]
+    ],
+    interval: float,
+) -> int:
     """``status --watch``: the tables redrawn in place every ``interval`` seconds (like nvitop)
-    until Ctrl-C."""
+    until Ctrl-C. ``reader`` (:func:`_status_reader`) discovers once; each drawing only reads."""
     from rich.live import Live
 
     if not 0.2 <= interval <= 3600:
@@ -257,16 +290,17 @@ async def _watch(console: Any, read: Any, interval: float) -> int:
             await asyncio.wait_for(stop.wait(), interval)
 
     try:
-        if not console.is_terminal:  # a pipe or a file: one drawing after the other
-            while not stop.is_set():
-                console.print(render(await read(), watching=interval))
-                console.file.flush()
-                await pause()
-            return 0
-        with Live(console=console, auto_refresh=False, transient=False) as live:
-            while not stop.is_set():
-                live.update(render(await read(), watching=interval), refresh=True)
-                await pause()
+        async with reader() as read:
+            if not console.is_terminal:  # a pipe or a file: one drawing after the other
+                while not stop.is_set():
+                    console.print(render(await read(), watching=interval))
+                    console.file.flush()
+                    await pause()
+                return 0
+            with Live(console=console, auto_refresh=False, transient=False) as live:
+                while not stop.is_set():
+                    live.update(render(await read(), watching=interval), refresh=True)
+                    await pause()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

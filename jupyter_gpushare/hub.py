@@ -50,7 +50,17 @@ from traitlets.config import LoggingConfigurable
 from .bound import ENV_DEFAULT, ENV_MAX, apply_user_bound, share_from_environment
 from .inventory import Gpu, TypeAliases
 from .ledger import Allocation, Ledger
-from .share import ShareError, ShareSpec, format_bytes, parse_memory
+from .share import (
+    MEMORY_PATTERN,
+    SHARE_PATTERN,
+    TYPE_PATTERN,
+    ShareError,
+    ShareSpec,
+    format_bytes,
+    parse_memory,
+    share_from_text,
+    share_text,
+)
 
 GPU_RESOURCE = "nvidia.com/gpu"
 PRODUCT_LABEL = "nvidia.com/gpu.product"
@@ -59,10 +69,8 @@ ENV_DISABLED = "GPUSHARE_DISABLED"
 #: Option names in the form (and in ``user_options``).
 OPT_TYPE, OPT_SHARE, OPT_MEMORY = "gpu_type", "gpu_share", "gpu_memory"
 ANY_TYPE, AUTO_MEMORY = "any", "auto"
-#: Syntax of a custom share, checked in the browser: "REQUEST" or "REQUEST-LIMIT", ASCII digits,
-#: at most two decimals (steps of 0.01); the server checks it again with ShareSpec (share.py).
-SHARE_RE = r"^\s*([0-9]*\.)?[0-9]{1,2}\s*(-\s*([0-9]*\.)?[0-9]{1,2}\s*)?$"
-MEMORY_RE = r"^\s*[0-9]+(\.[0-9]+)?\s*([KMGT]i?B?|[kmgt]i?b?)?\s*$"
+# The custom values' grammar (checked in the browser, then again on the server) is share.py's:
+# SHARE_PATTERN / share_from_text, MEMORY_PATTERN / parse_memory, TYPE_PATTERN.
 
 
 class GpuOptionError(ValueError):
@@ -217,11 +225,7 @@ def share_from_options(
     gpu_type = _picked(options, OPT_TYPE) or ANY_TYPE
     share = _picked(options, OPT_SHARE) or ""
     memory = _picked(options, OPT_MEMORY) or AUTO_MEMORY
-    request, _, limit = share.partition("-")
-    data: dict[str, Any] = {"gpu_type": gpu_type}
-    if request.strip():
-        data["gpu_request"] = request.strip()
-        data["gpu_limit"] = limit.strip() or request.strip()
+    data: dict[str, Any] = {"gpu_type": gpu_type, **share_from_text(share)}
     if memory != AUTO_MEMORY:
         data["gpu_memory"] = memory
     try:
@@ -470,7 +474,7 @@ class GpuProfiles(LoggingConfigurable):
             option["unlisted_choice"] = {
                 "enabled": True,
                 "display_name": "Other GPU type",
-                "validation_regex": r"^[A-Za-z0-9][A-Za-z0-9 _.-]{0,63}$",
+                "validation_regex": TYPE_PATTERN,
                 "validation_message": "A GPU type name such as A100, H100 or T4",
             }
         return option
@@ -479,7 +483,7 @@ class GpuProfiles(LoggingConfigurable):
         choices: dict[str, Any] = {}
         offered = [ShareSpec.from_mapping(share) for share in self.shares]
         for i, spec in enumerate(s for s in offered if s.gpu_limit <= self.max_request):
-            key = f"{spec.gpu_request:g}-{spec.gpu_limit:g}"
+            key = share_text(spec)
             label = (
                 f"{spec.gpu_request:g} of a GPU"
                 if spec.gpu_request == spec.gpu_limit
@@ -491,7 +495,7 @@ class GpuProfiles(LoggingConfigurable):
             option["unlisted_choice"] = {
                 "enabled": True,
                 "display_name": "Custom share: REQUEST or REQUEST-LIMIT, e.g. 0.3-0.6",
-                "validation_regex": SHARE_RE,
+                "validation_regex": SHARE_PATTERN,
                 "validation_message": "A fraction of one GPU in steps of 0.01, or two: "
                 "request-limit (0.3-0.6)",
             }
@@ -511,7 +515,7 @@ class GpuProfiles(LoggingConfigurable):
             option["unlisted_choice"] = {
                 "enabled": True,
                 "display_name": "Custom memory, e.g. 12GiB",
-                "validation_regex": MEMORY_RE,
+                "validation_regex": MEMORY_PATTERN,
                 "validation_message": "A size such as 12GiB, 512MiB or 20G",
             }
         return option

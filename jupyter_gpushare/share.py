@@ -223,6 +223,44 @@ def parse_memory(value: object, field: str = "gpu_memory") -> int:
     return int(number)
 
 
+# -- shares and sizes written as one line of text (the Hub form's custom values) --------------
+#
+# The patterns are the same grammar for a browser (JavaScript ``RegExp`` syntax, checked before
+# the form is sent); the server parses the text again with the functions here and ShareSpec.
+
+#: a GPU type name as written by people (``A100``, ``H100``, ``RTX 4090``)
+TYPE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 _.-]{0,63}$"
+#: a share as text: ``REQUEST`` or ``REQUEST-LIMIT``, ASCII digits in steps of 0.01
+SHARE_PATTERN = r"^\s*([0-9]*\.)?[0-9]{1,2}\s*(-\s*([0-9]*\.)?[0-9]{1,2}\s*)?$"
+
+
+def _any_case(unit: str) -> str:
+    return "".join(f"[{c.lower()}{c.upper()}]" for c in unit)
+
+
+#: a memory size as text, with any unit :func:`parse_memory` knows (in any case)
+MEMORY_PATTERN = (
+    r"^[ \t]*[0-9]+(\.[0-9]+)?[ \t]*("
+    + "|".join(_any_case(u) for u in sorted(_UNITS, key=lambda u: (-len(u), u)) if u)
+    + r")?[ \t]*$"
+)
+
+
+def share_text(spec: ShareSpec) -> str:
+    """A share's request and limit as :func:`share_from_text` reads them: ``'0.25-0.5'``."""
+    return f"{spec.gpu_request:g}-{spec.gpu_limit:g}"
+
+
+def share_from_text(text: str) -> dict[str, str]:
+    """``gpu_request`` / ``gpu_limit`` of a share written as ``REQUEST`` or ``REQUEST-LIMIT``
+    (:data:`SHARE_PATTERN`), as :meth:`ShareSpec.from_mapping` takes them (which checks the
+    values and names the field); empty text gives ``{}`` (nothing asked)."""
+    request, _, limit = text.partition("-")
+    if not request.strip():
+        return {}
+    return {"gpu_request": request.strip(), "gpu_limit": limit.strip() or request.strip()}
+
+
 def _number(value: object) -> float | None:
     """An ASCII decimal number (int, float or string such as ``"0.25"``, ``"2.5e-1"``) as a
     float, or None: no booleans, other scripts' digits, ``_`` separators, NaN or infinities, and
@@ -480,6 +518,6 @@ def _article(word: str) -> str:
 def _parse_type(value: object) -> str | None:
     if value is None or value == "" or value == "any":
         return None
-    if not isinstance(value, str) or not re.match(r"^[A-Za-z0-9][A-Za-z0-9 _.-]{0,63}\Z", value):
+    if not isinstance(value, str) or not re.match(TYPE_PATTERN[:-1] + r"\Z", value):
         raise ShareError("gpu_type", value, "a GPU type name such as A100, H100 or T4")
     return value

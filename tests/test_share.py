@@ -258,22 +258,40 @@ def test_memory_unit_is_stated():
     ],
 )
 def test_hub_form_pattern_agrees_with_the_parser(text, parses):
-    """The Hub form checks a custom share in the browser (hub.SHARE_RE) before the server
-    parses it with ShareSpec: both take the same texts."""
+    """The Hub form checks a custom share in the browser (share.SHARE_PATTERN) before the server
+    parses it (share_from_text, then ShareSpec): both take the same texts."""
     import re
 
-    from jupyter_gpushare.hub import SHARE_RE
+    from jupyter_gpushare.share import SHARE_PATTERN, share_from_text, share_text
 
-    request, _, limit = text.partition("-")
     try:
-        ShareSpec.from_mapping(
-            {"gpu_request": request.strip(), "gpu_limit": limit.strip() or request.strip()}
-        )
+        spec = ShareSpec.from_mapping(share_from_text(text))
         parsed = True
+        assert ShareSpec.from_mapping(share_from_text(share_text(spec))) == spec
     except ShareError:
         parsed = False
     assert parsed == parses
-    assert bool(re.match(SHARE_RE, text)) == parses
+    assert bool(re.match(SHARE_PATTERN, text)) == parses
+
+
+@given(
+    st.from_regex(r"\A[ \t]?[0-9]{1,4}(\.[0-9]{1,2})?[ \t]?[a-zA-Z]{0,3}[ \t]?\Z")
+    | st.text(max_size=8)
+)
+def test_hub_memory_pattern_agrees_with_parse_memory(text):
+    """The Hub form's memory pattern (share.MEMORY_PATTERN) takes exactly the texts whose
+    syntax parse_memory takes (any unit it knows, in any case); the size itself (1MiB up) is
+    checked on the server."""
+    import re
+
+    from jupyter_gpushare.share import MEMORY_PATTERN
+
+    try:
+        parse_memory(text)
+        syntax = True
+    except ShareError as err:
+        syntax = not err.allowed.startswith("a size in bytes or with a unit")
+    assert bool(re.fullmatch(MEMORY_PATTERN, text)) == syntax, text  # JS: $ is the end
 
 
 _JSON = st.recursive(

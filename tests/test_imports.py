@@ -367,5 +367,62 @@ def test_the_detector_sees_a_cycle(tmp_path: Path) -> None:
     assert {"importer": f"{PACKAGE}.cyc.b", "reads": f"{PACKAGE}.cyc.a", "statement": ""} in events
 
 
+#: what loading the %gpushare extension must not import: it runs on every gpushare kernel's
+#: start (issue 12, kernel cold start); these load when a magic runs or a cell fails
+KERNEL_START_LAZY = (
+    f"{PACKAGE}.share",
+    f"{PACKAGE}.errors",
+    f"{PACKAGE}.notebook.actions",
+    f"{PACKAGE}.notebook.panel",
+    f"{PACKAGE}.daemon.client",
+    f"{PACKAGE}.daemon.wire",
+    f"{PACKAGE}.ledger",
+    f"{PACKAGE}.config",
+    "sqlite3",
+    "kubernetes",
+    "kubernetes_asyncio",
+    "ipywidgets",
+)
+
+
+def test_the_kernel_extension_loads_without_its_lazy_modules() -> None:
+    """``--ext=jupyter_gpushare`` in a real IPython shell (as a gpushare kernel has it) imports
+    none of KERNEL_START_LAZY and builds no argument parser; the magic then works and loads
+    them on first use."""
+    code = (
+        "import json, os, sys\n"
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "shell = InteractiveShell.instance()\n"
+        "before = set(sys.modules)\n"
+        f"import {PACKAGE}\n"
+        f"{PACKAGE}.load_ipython_extension(shell)\n"
+        "loaded = sorted(set(sys.modules) - before)\n"
+        f"from {PACKAGE}.notebook import magics\n"
+        "built = magics._parser.cache_info().currsize\n"
+        "shell.run_line_magic('gpushare', 'request --gpu-request 2')\n"
+        "print(json.dumps({'loaded': loaded, 'built': built,\n"
+        "    'after': sorted(set(sys.modules) - before)}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
+    env.update(GPUSHARE_ALLOCATION_ID="a-0123456789abcdef", GPUSHARE_SOCKET="/nonexistent/s")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert f"{PACKAGE}.notebook.magics" in result["loaded"]  # the extension did load
+    eager = [
+        m
+        for m in result["loaded"]
+        for lazy in KERNEL_START_LAZY
+        if m.split(".")[: len(lazy.split("."))] == lazy.split(".")
+    ]
+    assert not eager, f"loading the %gpushare extension imported {eager}"
+    assert result["built"] == 0, "the %gpushare argument parser was built at load"
+    # the first use loads what it needs and refuses the bad value by its flag's name
+    assert f"{PACKAGE}.share" in result["after"]
+    assert "--gpu-request 2 is not allowed" in proc.stderr, proc.stderr[-2000:]
+
+
 if __name__ == "__main__":
     _child_main(sys.argv[1:])

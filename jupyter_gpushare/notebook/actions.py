@@ -23,7 +23,6 @@ import asyncio
 import ctypes
 import os
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..daemon import client as daemon_client
@@ -61,16 +60,19 @@ class DaemonUnreachable(GpushareError, daemon_client.DaemonUnreachable):
     status = 503
 
 
-@dataclass
 class _KernelState:
-    """What this process knows beyond its environment: a release and a reserved next share."""
+    """What this process knows beyond its environment: a release and a reserved next share.
+    (One per process; a plain class, not a dataclass, whose generated methods cost start time.)"""
 
-    released: dict[str, Any] | None = None
-    reserved: dict[str, Any] | None = None
-    memory_freed: int | None = None
-    seen_active: bool = False  # the daemon reported this process's share at least once
-    inventory: dict[str, dict[str, Any]] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    __slots__ = ("inventory", "lock", "memory_freed", "released", "reserved", "seen_active")
+
+    def __init__(self) -> None:
+        self.released: dict[str, Any] | None = None
+        self.reserved: dict[str, Any] | None = None
+        self.memory_freed: int | None = None
+        self.seen_active = False  # the daemon reported this process's share at least once
+        self.inventory: dict[str, dict[str, Any]] = {}
+        self.lock = threading.Lock()
 
 
 _state = _KernelState()

@@ -8,20 +8,26 @@ Each calls the function of the same name in :mod:`.actions`. Bad arguments print
 change nothing; a refusal prints its reason. ``request`` changes only what it names: a request
 above the current limit needs ``--gpu-limit`` too, and an "auto" memory cap (request × the GPU's
 memory) follows a new request (:func:`.actions.request`).
+
+Loading the extension is on every gpushare kernel's start path (issue 12, kernel cold start), so
+it imports only IPython's magic machinery, which a kernel has loaded already: the argument parser
+is built on the first ``%gpushare`` (:func:`_parser`), and :mod:`.actions`,
+:mod:`jupyter_gpushare.share` and the node agent's client are imported when a magic runs or a
+cell fails, not at load (``tests/test_imports.py`` checks this).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..share import ShareError, ShareSpec, flag_names, format_bytes, format_share
-from . import actions
 from .reclaim_notice import install_notice
+
+if TYPE_CHECKING:
+    from IPython.core.magic_arguments import MagicArgumentParser
 
 ACTIONS = ("status", "gpus", "release", "request")
 
@@ -37,6 +43,9 @@ USAGE = """\
 
 
 def _status_text(status: dict[str, Any]) -> str:
+    from ..share import format_bytes, format_share
+    from . import actions
+
     state = status["state"]
     sim = " [simulated GPU]" if status.get("simulated") else ""
     if state != "active":
@@ -68,6 +77,8 @@ def _status_text(status: dict[str, Any]) -> str:
 
 
 def _gpus_text(rows: list[dict[str, Any]]) -> str:
+    from ..share import format_bytes, format_share
+
     if not rows:
         return "No GPUs in the ledger."
     lines = [f"{'node':<16} {'type':<6} {'uuid':<42} {'free':>6} {'free memory':>12}  shares"]
@@ -81,8 +92,11 @@ def _gpus_text(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-@magics_class
-class GpushareMagics(Magics):
+@functools.cache
+def _parser() -> MagicArgumentParser:
+    """The ``%gpushare`` argument parser, built on first use (not when the extension loads)."""
+    from IPython.core.magic_arguments import argument, magic_arguments
+
     @magic_arguments()
     @argument("action", help="status | gpus | release | request")
     @argument(
@@ -94,6 +108,14 @@ class GpushareMagics(Magics):
     @argument("--gpu-limit", default=None, help="the most the kernel may use, (0, 1]")
     @argument("--gpu-memory", default=None, help="memory cap, e.g. 10GiB (at least 1MiB)")
     @argument("--gpu-type", default=None, help="GPU type (new shares only), e.g. A100")
+    def gpushare(line: str) -> None:
+        """Your GPU share (see %gpushare alone)."""
+
+    return gpushare.parser
+
+
+@magics_class
+class GpushareMagics(Magics):
     @line_magic
     def gpushare(self, line: str) -> None:
         """Your GPU share: ``status``, ``gpus`` (with free capacity), ``release`` (give the GPU
@@ -102,12 +124,17 @@ class GpushareMagics(Magics):
         if not line.strip():
             print(USAGE)
             return
+        # imported here, not at load: the extension loads on every kernel start (module doc)
+        from IPython.core.error import UsageError
+
+        from ..share import ShareError, ShareSpec, flag_names
+        from . import actions
 
         def refuse(problem: str) -> None:
             print(f"%gpushare: error: {flag_names(problem)}\n\n{USAGE}", file=sys.stderr)
 
         try:
-            args = parse_argstring(self.gpushare, line)
+            args = _parser().parse_argstring(line)
         except UsageError as exc:
             refuse(str(exc))
             return
@@ -135,8 +162,15 @@ class GpushareMagics(Magics):
         except actions.GpushareError as exc:  # the daemon's words, in the magic's flags
             print(f"%gpushare {args.action}: {flag_names(str(exc))}", file=sys.stderr)
 
+    # what ``%gpushare?`` shows: the description, then the usage (indented like the docstring)
+    gpushare.__doc__ = f"{gpushare.__doc__}\n\n" + "\n".join(
+        " " * 8 + line for line in USAGE.splitlines()
+    )
+
     @staticmethod
     def _run(action: str, share: dict[str, Any]) -> str:
+        from . import actions
+
         if action == "status":
             return _status_text(actions.status())
         if action == "gpus":
@@ -150,7 +184,11 @@ def explain_released(result: Any) -> None:
     """``post_run_cell``: after a release, a cell that failed on a GPU error gets the reason and
     what to do (frameworks only say "operation not permitted")."""
     error = getattr(result, "error_in_exec", None)
-    if error is None or actions.allocation_id() is not None or not actions.released():
+    if error is None:
+        return  # the common case, without importing the actions
+    from . import actions
+
+    if actions.allocation_id() is not None or not actions.released():
         return
     text = f"{type(error).__name__} {error}".lower()
     if any(word in text for word in GPU_ERROR_WORDS):

@@ -4,15 +4,18 @@ The server's idle reclaim (:mod:`jupyter_gpushare.reclaim`) writes its warning i
 allocation; the node daemon's status carries it to the kernel, and :class:`ReclaimNotice` (a
 ``pre_run_cell`` hook installed with the ``%gpushare`` magics) prints it once per warning, and the
 release once.
+
+Installed on every gpushare kernel's start, so the agent's client and :mod:`.actions` are
+imported at the first cell, not at load (issue 12, kernel cold start).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..daemon.client import DaemonClient, DaemonUnreachable
-from . import actions
+if TYPE_CHECKING:
+    from ..daemon.client import DaemonClient
 
 
 class ReclaimNotice:
@@ -24,9 +27,19 @@ class ReclaimNotice:
 
     def __init__(self, allocation_id: str, socket_path: str) -> None:
         self.allocation_id = allocation_id
-        self.client = DaemonClient(socket_path, timeout=0.5)
+        self.socket_path = socket_path
+        self._client: DaemonClient | None = None
         self.shown_warning: float | None = None
         self.held = True
+
+    @property
+    def client(self) -> DaemonClient:
+        """The node agent's client, made at the first cell (imported then: module doc)."""
+        if self._client is None:
+            from ..daemon.client import DaemonClient
+
+            self._client = DaemonClient(self.socket_path, timeout=0.5)
+        return self._client
 
     def check(self) -> str | None:
         """The text to print now, if any."""
@@ -34,7 +47,7 @@ class ReclaimNotice:
             return None
         try:
             status = self.client.status(self.allocation_id)
-        except (DaemonUnreachable, OSError, ValueError):
+        except (OSError, ValueError):  # DaemonUnreachable is an OSError
             return None
         if not status.get("ok"):
             if status.get("error") != "unknown_allocation":
@@ -44,6 +57,8 @@ class ReclaimNotice:
                 return None  # released otherwise (Release, REST): the panel says so
             # the daemon knew the share (it says so): record the release, so that
             # `%gpushare request` reserves a new share for the restart
+            from . import actions  # only here: module doc
+
             actions.note_released_by_daemon()
             return (
                 f"gpushare: this kernel's GPU share {self.allocation_id} was released by "

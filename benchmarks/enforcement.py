@@ -15,7 +15,9 @@ Measures, each side by side with its baseline and the ratio:
     p99 <= 1.2 x the host's).
 
 Run: python benchmarks/enforcement.py [--quick] [--seconds 10] [--quantum-ms 20]
-(--quick: a few cells over 4 s, for development; the full matrix takes about 25 minutes.)
+    [--only fastpath|small|matrix|handoff ...] [--cell CASE:KERNEL_US:PATTERN ...]
+(--quick: a few cells over 4 s, for development; the full matrix takes about 25 minutes;
+--cell elastic2:50000:deep runs that one cell.)
 Prints a table and ends with one JSON line of figures.
 """
 
@@ -183,8 +185,27 @@ def bench_small(daemon, ledger, gpus, tmp, seconds):
     return result
 
 
-def cells(quick: bool) -> list[tuple[str, int, str]]:
-    """(case, kernel µs, pattern) of the matrix."""
+def parse_cell(text: str) -> tuple[str, int, str]:
+    """``CASE:KERNEL_US:PATTERN`` (``--cell``), checked against the matrix's names."""
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] not in CASES or parts[2] not in PATTERNS:
+        raise SystemExit(
+            f"--cell {text!r}: expected CASE:KERNEL_US:PATTERN with CASE one of "
+            f"{', '.join(CASES)} and PATTERN one of {', '.join(PATTERNS)}"
+        )
+    try:
+        kernel_us = int(parts[1])
+    except ValueError:
+        kernel_us = 0
+    if not 1 <= kernel_us <= 1_000_000:
+        raise SystemExit(f"--cell {text!r}: KERNEL_US {parts[1]!r} must be 1..1000000")
+    return parts[0], kernel_us, parts[2]
+
+
+def cells(quick: bool, chosen: list[str] | None = None) -> list[tuple[str, int, str]]:
+    """(case, kernel µs, pattern) of the matrix, or the ``--cell`` ones."""
+    if chosen:
+        return [parse_cell(c) for c in chosen]
     if quick:
         out = [
             (c, k, p) for c in ("limit", "two") for k in QUICK_KERNELS_US for p in QUICK_PATTERNS
@@ -223,7 +244,7 @@ def run_matrix(daemon, ledger, gpus, tmp, args) -> dict[str, object]:
         return plain_cache[n, kernel_us, pattern]
 
     rows = []
-    for key, kernel_us, pattern in cells(args.quick):
+    for key, kernel_us, pattern in cells(args.quick, args.cell):
         case = CASES[key]
         got, _ = run_tenants(daemon, ledger, gpus, tmp, case, kernel_us, pattern, seconds)
         solo = min(1.0, plain(1, kernel_us, pattern))
@@ -263,7 +284,7 @@ def run_matrix(daemon, ledger, gpus, tmp, args) -> dict[str, object]:
             flush=True,
         )
     mixed = []
-    for kernel_us in (1000,) if args.quick else (100, 10000, 100000):
+    for kernel_us in () if args.cell else (1000,) if args.quick else (100, 10000, 100000):
         got, waits = run_mixed(daemon, ledger, gpus, tmp, kernel_us, seconds)
         mixed.append(
             {
@@ -284,54 +305,83 @@ def run_matrix(daemon, ledger, gpus, tmp, args) -> dict[str, object]:
     worst = max(r["worst_error"] for r in rows)
     conserving = [r["busy"] / r["solo_busy"] for r in rows if r["saturating"]]
     conserving += [m["busy"] for m in mixed]
+    lowest = min(conserving, default=None)
     print(
         f"worst error {worst:.3f} (target 0.03); lowest busy share of saturating cells "
-        f"{min(conserving):.3f} of what the shape can use (target 0.97); * host-bound shape: "
-        f"promised = share x its busy share alone without gpushare"
+        f"{'n/a' if lowest is None else f'{lowest:.3f}'} of what the shape can use (target 0.97);"
+        f" * host-bound shape: promised = share x its busy share alone without gpushare"
     )
     return {
         "cells": rows,
         "mixed": mixed,
         "worst_error": worst,
-        "min_busy_saturating": min(conserving),
+        "min_busy_saturating": lowest,
     }
+
+
+def _latency(d: dict[str, float]) -> str:
+    return f"p50 {d['p50_us']} us, p99 {d['p99_us']} us, p99.9 {d['p999_us']} us (n={d['n']})"
 
 
 def run_handoff(tmp: Path, gpus, args) -> dict[str, object]:
     """Handoff gaps between two saturating tenants (a fresh daemon: its figures are theirs
-    alone) next to the host's own timer wake-up latency measured right after."""
+    alone; a short quantum, so that a run sees thousands of handoffs) next to the host's floor
+    measured at the same time, under the same load, with the primitives a handoff uses
+    (`gs_tenant futex`: a timer sleep in one process, then a FUTEX_WAKE of a thread sleeping in
+    another, as the draining agent wakes the next holder)."""
     sub = tmp / "handoff"
     sub.mkdir()
-    daemon = start_daemon(sub, quantum_ms=args.quantum_ms, window_ms=args.window_ms)
+    quantum_ms = args.handoff_quantum_ms
+    daemon = start_daemon(sub, quantum_ms=quantum_ms, window_ms=args.window_ms)
     ledger = SQLiteLedger(daemon.ledger_path)
+    seconds = args.handoff_seconds
+    # one probe every 2 ms for about `seconds`, while the tenants run
+    probes = min(65536, int(seconds * 1000 / 2.1))
     try:
         case = Case("handoff", ((0.5, 0.5), (0.5, 0.5)), (0.5, 0.5), True)
-        seconds = min(args.seconds, 6.0)
         allocations = [add_allocation(ledger, gpus[0], r, lim) for r, lim in case.specs]
-        argv = tenant_argv(1000, "pipelined", seconds + 1.0)
+        argv = tenant_argv(1000, "pipelined", seconds + 3.0)
         tenants = [spawn_tenant(daemon, ledger, a, gpus, argv, sub) for a in allocations]
-        time.sleep(seconds + 0.5)
-        handoff = daemon.client.status()["gpus"][0]["handoff_us"]
+        time.sleep(1.0)
+        before = daemon.client.status()["gpus"][0]
+        floor = json.loads(
+            subprocess.run(
+                [str(TENANT), "futex", str(probes), "2000"],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=seconds * 4 + 60,
+            ).stdout
+        )
+        after = daemon.client.status()["gpus"][0]
         for t in tenants:
             t.finish(timeout=seconds * 4 + 60)
     finally:
         daemon.stop()
-    # a handoff is at least one thread noticing the end of the drain and one starting to
-    # launch: how late a plain 2 ms timer sleep wakes on this host, measured now
-    wake = json.loads(
-        subprocess.run(
-            [str(TENANT), "wake", "1000"], check=True, capture_output=True, text=True
-        ).stdout
-    )
-    ratio = handoff["p99"] / wake["p99_us"] if handoff.get("n") and wake["p99_us"] else None
+    handoff = after["handoff_us"]
+    futex = floor["timer_futex"]
+    ratio = handoff["p99"] / futex["p99_us"] if handoff.get("n") and futex["p99_us"] else None
     print(
-        f"\nlease handoff gap (device end -> next first launch, 2 tenants, 1 ms kernels): "
-        f"p50 {handoff.get('p50')} us, p99 {handoff.get('p99')} us (n={handoff.get('n')})\n"
-        f"host timer wake-up (2 ms sleeps, same run): p50 {wake['p50_us']} us, "
-        f"p99 {wake['p99_us']} us; handoff p99 / wake-up p99 = "
-        f"{'n/a' if ratio is None else f'{ratio:.2f}'} (target <= 1.2)"
+        f"\nlease handoff gap (device end -> next holder's first launch; 2 tenants 0.5/0.5,"
+        f" 1 ms kernels, quantum {quantum_ms:g} ms, {seconds:g} s): p50 {handoff.get('p50')} us,"
+        f" p99 {handoff.get('p99')} us, p99.9 {handoff.get('p999')} us (n={handoff.get('n')};"
+        f" {after['handoffs'] - before['handoffs']} leases while the floor was measured,"
+        f" {after['direct_handoffs']} direct handoffs in all)\n"
+        f"host floor, same time and load ({floor['timer']['n']} probes every 2 ms):\n"
+        f"  timer wake-up (clock_nanosleep, 1 ns slack)        {_latency(floor['timer'])}\n"
+        f"  futex wake of a sleeper in another process          {_latency(floor['futex'])}\n"
+        f"  timer wake-up + futex wake (a handoff's two steps)  {_latency(futex)}\n"
+        f"handoff p99 / floor p99 = {'n/a' if ratio is None else f'{ratio:.2f}'} (target <= 1.2)"
     )
-    return {"handoff_us": handoff, "host_wake_us": wake, "p99_ratio": ratio}
+    return {
+        "quantum_ms": quantum_ms,
+        "seconds": seconds,
+        "handoff_us": handoff,
+        "leases": after["handoffs"],
+        "direct_handoffs": after["direct_handoffs"],
+        "host_floor_us": floor,
+        "p99_ratio": ratio,
+    }
 
 
 def main() -> int:
@@ -341,6 +391,26 @@ def main() -> int:
     parser.add_argument("--window-ms", type=float, default=1000.0)
     parser.add_argument("--launches", type=int, default=2_000_000)
     parser.add_argument(
+        "--only",
+        choices=("fastpath", "small", "matrix", "handoff"),
+        action="append",
+        help="run only these parts (repeatable; default: all)",
+    )
+    parser.add_argument(
+        "--cell",
+        action="append",
+        metavar="CASE:KERNEL_US:PATTERN",
+        help=f"matrix cells to run instead of the matrix (repeatable; cases {', '.join(CASES)};"
+        f" patterns {', '.join(PATTERNS)}), e.g. elastic2:50000:deep; no mixed rows",
+    )
+    parser.add_argument(
+        "--handoff-quantum-ms",
+        type=float,
+        default=5.0,
+        help="quantum of the handoff part (short: thousands of handoffs per run)",
+    )
+    parser.add_argument("--handoff-seconds", type=float, default=20.0)
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="a few cells over 4 s windows (development); the full matrix takes about 25 min",
@@ -349,6 +419,12 @@ def main() -> int:
     if args.quick and args.seconds == 10.0:
         args.seconds = 4.0
         args.launches = 200_000
+    if args.cell:
+        args.only = [*(args.only or []), "matrix"]
+
+    def want(part: str) -> bool:
+        return args.only is None or part in args.only
+
     build_c()
     gpus = simulated_gpus("1xA100", NODE)
     figures: dict[str, object] = {
@@ -360,50 +436,59 @@ def main() -> int:
         "device": "simulated A100",
         "cpus": os.cpu_count(),
         "load1": round(os.getloadavg()[0], 2),
+        "parts": args.only or "all",
     }
     with tempfile.TemporaryDirectory(prefix="gpushare-bench-") as d:
         tmp = Path(d)
-        daemon = start_daemon(tmp, quantum_ms=args.quantum_ms, window_ms=args.window_ms)
-        ledger = SQLiteLedger(daemon.ledger_path)
+        daemon = None
+        if any(want(part) for part in ("fastpath", "small", "matrix")):
+            daemon = start_daemon(tmp, quantum_ms=args.quantum_ms, window_ms=args.window_ms)
+            ledger = SQLiteLedger(daemon.ledger_path)
         try:
-            rounds = [bench_launch(daemon, ledger, gpus, tmp, args.launches) for _ in range(3)]
-            plain = min(r[0] for r in rounds)
-            ours = min(r[1] for r in rounds)
-            fast = json.loads(
-                subprocess.run(
-                    [str(TENANT.parent / "gs_fastpath")], check=True, capture_output=True, text=True
-                ).stdout
-            )
-            print(f"{'fast path':<34}{'without':>12}{'with':>12}{'added':>10}{'ratio':>8}")
-            print(
-                f"{'  ns per launch (busy_us(0))':<34}{plain:>12.1f}{ours:>12.1f}"
-                f"{ours - plain:>10.1f}{ours / plain:>8.3f}"
-            )
-            print(
-                f"{'  gs_admit alone (call loop)':<34}{fast['empty_loop_ns']:>12.1f}"
-                f"{fast['fast_path_ns']:>12.1f}"
-                f"{fast['fast_path_ns'] - fast['empty_loop_ns']:>10.1f}{'':>8}"
-            )
-            figures.update(
-                launch_ns_plain=plain,
-                launch_ns_interposed=ours,
-                launch_ns_added=round(ours - plain, 1),
-                fast_path_ns=fast["fast_path_ns"],
-            )
-
-            small = bench_small(daemon, ledger, gpus, tmp, min(args.seconds, 6.0))
-            print(
-                f"\nsmall launch next to a saturating neighbour (quantum {args.quantum_ms} ms):"
-                f" wait p50 {small['p50_us'] / 1e3:.2f} ms, p99 {small['p99_us'] / 1e3:.2f} ms,"
-                f" max {small['max_us'] / 1e3:.2f} ms (n={small['n']});"
-                f" p99/quantum {small['p99_us'] / 1e3 / args.quantum_ms:.2f}"
-            )
-            figures.update(small_wait_p50_us=small["p50_us"], small_wait_p99_us=small["p99_us"])
-
-            figures["matrix"] = run_matrix(daemon, ledger, gpus, tmp, args)
+            if want("fastpath"):
+                rounds = [bench_launch(daemon, ledger, gpus, tmp, args.launches) for _ in range(3)]
+                plain = min(r[0] for r in rounds)
+                ours = min(r[1] for r in rounds)
+                fast = json.loads(
+                    subprocess.run(
+                        [str(TENANT.parent / "gs_fastpath")],
+                        check=True,
+                        capture_output=True,
+                        text=True,
+                    ).stdout
+                )
+                print(f"{'fast path':<34}{'without':>12}{'with':>12}{'added':>10}{'ratio':>8}")
+                print(
+                    f"{'  ns per launch (busy_us(0))':<34}{plain:>12.1f}{ours:>12.1f}"
+                    f"{ours - plain:>10.1f}{ours / plain:>8.3f}"
+                )
+                print(
+                    f"{'  gs_admit alone (call loop)':<34}{fast['empty_loop_ns']:>12.1f}"
+                    f"{fast['fast_path_ns']:>12.1f}"
+                    f"{fast['fast_path_ns'] - fast['empty_loop_ns']:>10.1f}{'':>8}"
+                )
+                figures.update(
+                    launch_ns_plain=plain,
+                    launch_ns_interposed=ours,
+                    launch_ns_added=round(ours - plain, 1),
+                    fast_path_ns=fast["fast_path_ns"],
+                )
+            if want("small"):
+                small = bench_small(daemon, ledger, gpus, tmp, min(args.seconds, 6.0))
+                print(
+                    f"\nsmall launch next to a saturating neighbour (quantum {args.quantum_ms} ms):"
+                    f" wait p50 {small['p50_us'] / 1e3:.2f} ms, p99 {small['p99_us'] / 1e3:.2f}"
+                    f" ms, max {small['max_us'] / 1e3:.2f} ms (n={small['n']});"
+                    f" p99/quantum {small['p99_us'] / 1e3 / args.quantum_ms:.2f}"
+                )
+                figures.update(small_wait_p50_us=small["p50_us"], small_wait_p99_us=small["p99_us"])
+            if want("matrix"):
+                figures["matrix"] = run_matrix(daemon, ledger, gpus, tmp, args)
         finally:
-            daemon.stop()
-        figures["handoff"] = run_handoff(tmp, gpus, args)
+            if daemon is not None:
+                daemon.stop()
+        if want("handoff"):
+            figures["handoff"] = run_handoff(tmp, gpus, args)
     figures["load1_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(figures))
     return 0

@@ -535,5 +535,6 @@ def _percentiles(values: deque[int]) -> dict[str, float | int]:
         "n": n,
         "p50": round(ordered[n // 2] / 1e3, 1),
         "p99": round(ordered[min(n - 1, (n * 99) // 100)] / 1e3, 1),
+        "p999": round(ordered[min(n - 1, (n * 999) // 1000)] / 1e3, 1),
         "max": round(ordered[-1] / 1e3, 1),
     }

@@ -25,6 +25,25 @@
 
 #define WAIT_SLICE_NS  50000000ull /* re-check state at least every 50 ms while waiting */
 #define WANT_REPEAT_NS 10000000ull /* a waiter repeats `want` at most every 10 ms */
+#define WANT_QUIET_NS  500000ull   /* no first `want` in the first 0.5 ms of another's lease */
+
+/* A lease another slot got less than WANT_QUIET_NS ago: its holder's thread is waking up to
+ * launch (a handoff), and a `want` now would wake the daemon on the same CPUs at that moment.
+ * It can wait: the daemon reads `waiters` from the board (counted before this) when it adopts
+ * the handoff, and would not preempt so fresh a lease (PREEMPT_MIN_HOLD_NS, gpu_loop.py).
+ * Returns when the first `want` may go (0: now). */
+static uint64_t want_quiet_until(struct gs_gpu *g, uint64_t now) {
+    struct gpushare_wire_header *h = g->header;
+    if (!h) return 0;
+    uint32_t holder = atomic_load(&h->holder);
+    if (holder == 0 || holder > GPUSHARE_WIRE_SLOTS || holder == (uint32_t)g->slot_index + 1)
+        return 0;
+    struct gpushare_wire_slot *held =
+        (struct gpushare_wire_slot *)((char *)h + GPUSHARE_WIRE_HEADER_SIZE +
+                                      (size_t)(holder - 1) * GPUSHARE_WIRE_SLOT_SIZE);
+    uint64_t start = atomic_load(&held->lease_start_ns);
+    return now >= start && now < start + WANT_QUIET_NS ? start + WANT_QUIET_NS : 0;
+}
 
 static int join(struct gs_gpu *g, uint64_t lease) {
     uint64_t joined = atomic_load(&g->joined_lease);
@@ -156,11 +175,12 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
             counted = s;
         }
         waits++;
-        if (!last_want || now - last_want > WANT_REPEAT_NS) {
+        uint64_t quiet = want_quiet_until(g, now);
+        if (!quiet && (!last_want || now - last_want > WANT_REPEAT_NS)) {
             gs_send_lease_msg("want", g, 0);
             last_want = now;
         }
-        gs_futex_wait(&s->grant_seq, seq, WAIT_SLICE_NS);
+        gs_futex_wait(&s->grant_seq, seq, quiet ? quiet - now : WAIT_SLICE_NS);
         if (gs_now() - now > WAIT_SLICE_NS - 1000000ull)
             gs_log("waited a whole slice (until %llu): seq %u->%u lease %llu joined %llu holder %u "
                    "next %u",

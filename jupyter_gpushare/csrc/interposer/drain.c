@@ -31,9 +31,14 @@
 
 #include "gs.h"
 
-#define DRAIN_SPIN_NS                                                                              \
-    200000ull /* a drain polls from 0.2 ms before its estimated end
-                                           to 0.2 ms after it */
+/* a drain polls from 0.2 ms before its estimated end to 0.2 ms after it; before that it looks
+ * at the device at least every DRAIN_LOOK_NS (an estimate that is late by more than the spin
+ * window is then noticed within that) */
+#define DRAIN_SPIN_NS 200000ull
+#define DRAIN_LOOK_NS 250000ull
+/* after a direct handoff, `done` waits for the next holder's first launch, at most this long */
+#define HANDOFF_QUIET_NS      1000000ull
+#define HANDOFF_QUIET_STEP_NS 50000ull
 
 /* -- streams used under a lease ------------------------------------------------------------ */
 
@@ -113,31 +118,36 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* Waits for `event` (recorded on e's stream). With an estimate of when the stream's work ends
+/* Waits for `event` (recorded on e's stream); returns the last time it was seen still queued by
+ * a poll that was followed by one that saw it done (the device ended between the two), else 0.
+ * With an estimate of when the stream's work ends
  * (drain_eta) the agent publishes it (`drain_eta_ns`, for observers), sleeps until shortly
- * before, with a look at the device at least every millisecond, and then polls briefly: the end
+ * before, with a look at the device at least every DRAIN_LOOK_NS, and then polls briefly: the end
  * of a drain is seen within microseconds instead of one more wake-up later, and the next tenant's
  * handoff waits on it. The next holder itself sleeps on its futex until the grant: a poller there
  * would share a CPU with this agent on a small host and delay it. Polls stay short (a thread
  * spinning long on a busy host is preempted); past them it blocks in the driver. */
-static void wait_drained(struct gs_gpu *g, struct gs_stream *e, CUevent event) {
-    uint64_t eta = gs_drain_eta(g, e);
+static uint64_t wait_drained(struct gs_gpu *g, struct gs_stream *e, CUevent event) {
+    uint64_t eta = gs_drain_eta(g, e), busy_at = 0;
     if (eta && real_cuEventQuery) {
         gs_atomic_max64(&g->slot->drain_eta_ns, eta);
         uint64_t give_up = eta + DRAIN_SPIN_NS;
         for (;;) {
-            if (real_cuEventQuery(event) != CUDA_ERROR_NOT_READY) break;
+            uint64_t before = gs_now();
+            if (real_cuEventQuery(event) != CUDA_ERROR_NOT_READY) return busy_at;
+            busy_at = before;
             uint64_t now = gs_now();
             if (now > give_up) break; /* longer than estimated */
             if (now + DRAIN_SPIN_NS < eta) {
                 uint64_t d = eta - DRAIN_SPIN_NS - now;
-                gs_sleep_ns(d < 1000000ull ? d : 1000000ull);
+                gs_sleep_ns(d < DRAIN_LOOK_NS ? d : DRAIN_LOOK_NS);
             } else {
                 for (int i = 0; i < 64; i++) cpu_relax();
             }
         }
     }
     if (real_cuEventSynchronize) real_cuEventSynchronize(event);
+    return 0;
 }
 
 /* Waits until every stream this process used under `lease` has finished its queued work;
@@ -158,11 +168,15 @@ static uint64_t drain(struct gs_gpu *g, uint64_t lease) {
     int timed = g->start_lease == lease && g->untimed_lease != lease && g->start_event &&
                 real_cuEventElapsedTime_v2;
     float longest_ms = 0;
+    uint64_t busy_at = 0; /* polls saw the device busy until then (0: unknown) */
+    int polled = 1;       /* every stream's end was seen by polls */
     for (struct gs_stream *e = g->streams; e; e = e->next) {
         if (e->lease != lease) continue;
         if (e->event && real_cuEventSynchronize) {
             if (real_cuCtxSetCurrent) real_cuCtxSetCurrent(e->ctx);
-            wait_drained(g, e, e->event);
+            uint64_t b = wait_drained(g, e, e->event);
+            if (b > busy_at) busy_at = b;
+            if (!b) polled = 0;
             float ms = 0;
             if (timed && e->ctx == g->start_ctx &&
                 real_cuEventElapsedTime_v2(&ms, g->start_event, e->event) == CUDA_SUCCESS) {
@@ -195,6 +209,11 @@ static uint64_t drain(struct gs_gpu *g, uint64_t lease) {
         uint64_t end = g->join_ns + (uint64_t)((double)longest_ms * 1e6);
         if (end < now) return end;
     }
+    /* an untimed lease (extended: its queue started under the previous one) whose every stream
+     * was seen to end between two polls ended at the last poll that saw work (the earliest the
+     * device can have ended: the handoff gap the daemon measures from it includes how late this
+     * thread noticed) */
+    if (polled && busy_at && busy_at < now) return busy_at;
     return now;
 }
 
@@ -262,6 +281,16 @@ void gs_finish_lease(struct gs_gpu *g, uint64_t lease) {
     uint64_t expected = lease;
     if (atomic_compare_exchange_strong(&g->joined_lease, &expected, 0)) gs_dec_floor(&s->joined);
     if (handed >= 0 && atomic_load(&gs.connected)) {
+        /* The next holder's thread is waking up now: a message would wake the daemon (and its
+         * event loop's work) on the same few CPUs at the same moment, so it waits until that
+         * thread has launched (its first_launch_ns), at most HANDOFF_QUIET_NS. The daemon
+         * charges from the board's timestamps, not from when the message comes. */
+        struct gpushare_wire_slot *n =
+            (struct gpushare_wire_slot *)((char *)g->header + GPUSHARE_WIRE_HEADER_SIZE +
+                                          (size_t)handed * GPUSHARE_WIRE_SLOT_SIZE);
+        uint64_t quiet_until = gs_now() + HANDOFF_QUIET_NS;
+        while (atomic_load(&n->first_launch_ns) == 0 && gs_now() < quiet_until)
+            gs_sleep_ns(HANDOFF_QUIET_STEP_NS);
         char line[256];
         snprintf(line, sizeof line,
                  "{\"op\":\"done\",\"gpu\":\"%s\",\"lease\":%llu,\"handoff\":%d}\n", g->uuid,
@@ -309,7 +338,9 @@ int gs_try_extend(struct gs_gpu *g, uint64_t lease) {
     pthread_mutex_unlock(&g->streams_lock);
     atomic_store(&s->drain_end_ns, now);
     atomic_store(&s->drain_eta_ns, 0);
-    atomic_store(&s->first_launch_ns, 0);
+    /* first_launch_ns stays: the daemon charges the old lease from it when it adopts this
+     * extension (usually after this store), and it is before the new lease's start, where the
+     * daemon charges an extension from (the process is still joined: nobody joins it anew) */
     atomic_store(&s->lease_start_ns, now);
     uint64_t expected = lease;
     if (!atomic_compare_exchange_strong(&s->lease_until_ns, &expected, until)) return -1;

@@ -9,6 +9,9 @@
  *   gs_tenant mem THREADS ITERS MAXBYTES SEED     random alloc/free from threads; invariants
  *   gs_tenant bench N                             ns per launch (busy_us(0)) and per direct call
  *   gs_tenant wake N                              the host's wake-up latency (N sleeps of 2 ms)
+ *   gs_tenant futex N PERIOD_US                   the host's floor for a handoff: a thread in
+ *                                                 one process wakes one sleeping in another on
+ *                                                 a shared futex (N times, every PERIOD_US)
  *   gs_tenant info                                memory as the process sees it
  *   gs_tenant fork SECONDS KERNEL_US              spin in a forked child and in the parent
  *   gs_tenant paths                               every launch and allocation path once
@@ -24,7 +27,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -678,6 +684,77 @@ static int wake(int n) {
     return 0;
 }
 
+static void print_latencies(const char *name, uint64_t *v, int n, int last) {
+    qsort(v, (size_t)n, sizeof *v, cmp_u64);
+    printf("\"%s\":{\"n\":%d,\"p50_us\":%.1f,\"p99_us\":%.1f,\"p999_us\":%.1f,\"max_us\":%.1f}%s",
+           name, n, v[n / 2] / 1e3, v[(n * 99) / 100] / 1e3, v[(n * 999) / 1000] / 1e3,
+           v[n - 1] / 1e3, last ? "}\n" : ",");
+}
+
+/* The host's floor for a lease handoff, measured with the primitives a handoff uses: the
+ * previous holder's agent thread sleeps until just before the drain should end (nanosleep, 1 ns
+ * timer slack), notices the end and stores the grant, then FUTEX_WAKEs the next holder's thread,
+ * which sleeps in FUTEX_WAIT on the shared board (another process, default timer slack) and
+ * launches. Here a parent process sleeps until an absolute time T every PERIOD_US, stores its
+ * clock and wakes a child blocked on a futex in a shared mapping; the child reads the clock.
+ * Printed: "timer" (T -> the parent runs), "futex" (the parent's wake call -> the child runs:
+ * what a handoff cannot avoid once the drain's end is seen) and "timer_futex" (T -> the child
+ * runs: a handoff whose drain end were noticed by a timer). No CUDA. */
+struct futex_probe {
+    _Atomic uint32_t seq;
+    _Atomic uint64_t woke_at; /* the parent's clock just before FUTEX_WAKE */
+    _Atomic uint64_t due;     /* T */
+    _Atomic uint32_t done;
+    uint64_t futex[1 << 16], both[1 << 16];
+};
+
+static int futex_floor(int n, uint64_t period_us) {
+    if (n > (1 << 16)) n = 1 << 16;
+    struct futex_probe *p =
+        mmap(NULL, sizeof *p, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    uint64_t *timer = malloc((size_t)n * sizeof *timer);
+    if (p == MAP_FAILED || !timer) return 2;
+    pid_t child = fork();
+    if (child < 0) return 2;
+    if (child == 0) {
+        for (int i = 0; i < n; i++) {
+            uint32_t seq = (uint32_t)i;
+            while (atomic_load(&p->seq) == seq)
+                syscall(SYS_futex, (uint32_t *)&p->seq, FUTEX_WAIT, seq, NULL, NULL, 0);
+            uint64_t t = now_ns();
+            p->futex[i] = t - atomic_load(&p->woke_at);
+            p->both[i] = t - atomic_load(&p->due);
+            atomic_store(&p->done, (uint32_t)i + 1);
+        }
+        _exit(0);
+    }
+    prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
+    for (int i = 0; i < n; i++) {
+        uint64_t t = now_ns() + period_us * 1000ull;
+        struct timespec ts = {(time_t)(t / 1000000000ull), (long)(t % 1000000000ull)};
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) != 0) {}
+        uint64_t w = now_ns();
+        timer[i] = w - t;
+        atomic_store(&p->due, t);
+        atomic_store(&p->woke_at, w);
+        atomic_fetch_add(&p->seq, 1);
+        syscall(SYS_futex, (uint32_t *)&p->seq, FUTEX_WAKE, 1, NULL, NULL, 0);
+        while (atomic_load(&p->done) != (uint32_t)i + 1) { /* the child has read the clock */
+            struct timespec w50 = {0, 50000};
+            nanosleep(&w50, NULL);
+        }
+    }
+    int status = 0;
+    waitpid(child, &status, 0);
+    printf("{");
+    print_latencies("timer", timer, n, 0);
+    print_latencies("futex", p->futex, n, 0);
+    print_latencies("timer_futex", p->both, n, 1);
+    free(timer);
+    munmap(p, sizeof *p);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (argc >= 5 && strcmp(argv[1], "spin") == 0)
@@ -690,6 +767,8 @@ int main(int argc, char **argv) {
                    (unsigned)atoi(argv[5]));
     if (argc >= 3 && strcmp(argv[1], "bench") == 0) return bench(atol(argv[2]));
     if (argc >= 3 && strcmp(argv[1], "wake") == 0 && atoi(argv[2]) > 0) return wake(atoi(argv[2]));
+    if (argc >= 4 && strcmp(argv[1], "futex") == 0 && atoi(argv[2]) > 0)
+        return futex_floor(atoi(argv[2]), strtoull(argv[3], NULL, 10));
     if (argc >= 2 && strcmp(argv[1], "info") == 0) return info();
     if (argc >= 2 && strcmp(argv[1], "paths") == 0) return paths();
     if (argc >= 4 && strcmp(argv[1], "fork") == 0)

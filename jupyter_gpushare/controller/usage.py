@@ -11,25 +11,43 @@ daemons report again within one interval). So each node daemon sends it to the c
 each node in memory (:class:`NodeReports`), and users' servers read theirs with
 ``GET /api/usage``. The API server sees none of it.
 
-Who may report (:class:`NodeAuth`): the caller sends its service-account token
-(``Authorization: Bearer``); the controller asks the API server who that is with a
-``TokenReview`` (``authentication.k8s.io/v1``) and accepts only the node daemon's service
-account (``system:serviceaccount:<namespace>:gpushare-daemon``). When the token is bound to a
-pod (a projected service-account token, as the DaemonSet mounts it), the review names that pod
-and the controller checks that the pod runs on the node the report is about: a daemon cannot
-report for another node. A legacy (unbound) token of the daemon's account proves "a node daemon"
-only. Anything else — no token, a user's token, another account, a daemon of another node — is
-refused (401/403) and the report dropped. Even an accepted report speaks only for the
-allocations the ledger places on its node; entries about any other are dropped. Verdicts are
-cached for ``ttl`` seconds (bounded), so a daemon reporting every 2 s costs one TokenReview a
-minute.
+Who may report (:class:`NodeAuth`): the caller sends a service-account token made for the
+controller (``Authorization: Bearer``): the DaemonSet mounts a projected token with
+``audience: gpushare-controller`` (:data:`AUDIENCE`), bound to the daemon's pod, expiring after
+``daemon.controllerTokenExpirationSeconds`` (default 600 s; the kubelet rotates it and the daemon
+re-reads the file for every report). The reports travel over plain HTTP inside the cluster, so
+the token is one a sniffer could replay: made for the controller's audience, the API server
+refuses it (it is useless there), and only until it expires. The controller asks the API server
+who it is with a ``TokenReview`` (``authentication.k8s.io/v1``) that names that audience
+(``spec.audiences``) and refuses a status whose audiences do not include it; a token made for
+the API server (the default service-account token, a static token) is refused with 401 naming
+the audience. It accepts only the node daemon's service account
+(``system:serviceaccount:<namespace>:gpushare-daemon``). When the token is bound to a pod (as the
+DaemonSet's is), the review names that pod and the controller checks that the pod runs on the
+node the report is about: a daemon cannot report for another node. An unbound token of the
+daemon's account proves "a node daemon" only. Anything else - no token, a user's token, another
+account, a daemon of another node - is refused (401/403) and the report dropped. Even an
+accepted report speaks only for the allocations the ledger places on its node; entries about
+any other are dropped.
+
+What an unauthenticated caller can make the controller do is bounded: a token that is not a JWT
+(three base64url parts with a JSON header and claims) or whose unverified claims name another
+audience, or that has expired, is refused before any review; at most ``max_reviews`` reviews are
+in flight at once and at most ``max_waiting`` more wait (beyond that: 503, try again); a
+refusal is remembered for ``refused_ttl`` seconds in a bounded cache of its own (garbage cannot
+evict the daemons' cached verdicts); one review per token at a time, shielded, so a caller who
+hangs up does not cancel it for the others waiting on it. Verdicts are cached for ``ttl``
+seconds (bounded), so a daemon reporting every 2 s costs one TokenReview a minute.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
+import json
 import logging
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -47,6 +65,57 @@ POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 MAX_ALLOCATIONS = 4096
 
 
+#: the audience of the node daemons' tokens for the controller (the DaemonSet's projected token)
+AUDIENCE = "gpushare-controller"
+#: longest token considered (a service-account JWT is about 1 KiB)
+MAX_TOKEN_BYTES = 16384
+_B64URL = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _b64json(part: str) -> Any:
+    return json.loads(base64.urlsafe_b64decode(part + "=" * (-len(part) % 4)))
+
+
+def jwt_claims(token: str) -> dict[str, Any] | None:
+    """The (unverified) claims of a JWT-shaped ``token``: three base64url parts, the first a
+    JSON header naming an ``alg``, the second a JSON object; None for anything else (pure)."""
+    if len(token) > MAX_TOKEN_BYTES:
+        return None
+    parts = token.split(".")
+    if len(parts) != 3 or not all(_B64URL.match(p) for p in parts):
+        return None
+    try:
+        header, claims = _b64json(parts[0]), _b64json(parts[1])
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(header, dict) or "alg" not in header or not isinstance(claims, dict):
+        return None
+    return claims
+
+
+def precheck(token: str, audience: str, now: float) -> str | None:
+    """Why ``token`` cannot pass a review for ``audience`` (None: it might), read from its
+    unverified claims, so garbage costs no TokenReview (pure). The review decides the rest."""
+    claims = jwt_claims(token)
+    if claims is None:
+        return (
+            f"the token is not a service-account token (a JWT); send one made for audience "
+            f"{audience!r} (a projected service-account token)"
+        )
+    aud = claims.get("aud")
+    audiences = [aud] if isinstance(aud, str) else aud if isinstance(aud, list) else []
+    if audience not in audiences:
+        return (
+            f"the token is not made for audience {audience!r} (its audiences: "
+            f"{', '.join(map(str, audiences[:4])) or 'none'}); mount a projected "
+            f"service-account token with audience: {audience}"
+        )
+    exp = claims.get("exp")
+    if isinstance(exp, (int, float)) and exp < now:
+        return "the token has expired"
+    return None
+
+
 class NodeAuth:
     """Resolve a node daemon's service-account token (TokenReview) for one node's report."""
 
@@ -57,44 +126,39 @@ class NodeAuth:
         service_account: str = "gpushare-daemon",
         ttl: float = 60.0,
         max_entries: int = 4096,
+        audience: str = AUDIENCE,
+        max_reviews: int = 8,
+        max_waiting: int = 256,
+        refused_ttl: float = 5.0,
+        max_refused: int = 1024,
     ) -> None:
         self.kube = kube
         self.namespace = namespace
         self.username = f"system:serviceaccount:{namespace}:{service_account}"
         self.ttl = ttl
         self.max_entries = max_entries
-        self.reviews = 0
-        # sha256(token) -> (expires, username or None, bound pod or None)
-        self._cache: OrderedDict[str, tuple[float, str | None, str | None]] = OrderedDict()
+        self.audience = audience
+        self.max_waiting = max_waiting
+        self.refused_ttl = refused_ttl
+        self.max_refused = max_refused
+        self.reviews = 0  # TokenReviews asked of the API server
+        self.in_flight = 0  # of them, under way now
+        self.most_in_flight = 0
+        self._reviewing = asyncio.Semaphore(max_reviews)
+        # sha256(token) -> (expires, username, bound pod or None): tokens the API server knows
+        self._cache: OrderedDict[str, tuple[float, str, str | None]] = OrderedDict()
+        # sha256(token) -> (expires, why): refused tokens, bounded apart from the above
+        self._refused: OrderedDict[str, tuple[float, str]] = OrderedDict()
         self._pods: dict[str, tuple[float, str | None]] = {}  # pod -> (expires, its node)
-        self._inflight: dict[str, asyncio.Future[tuple[str | None, str | None]]] = {}
+        self._inflight: dict[str, asyncio.Future[tuple[str | None, str | None, str]]] = {}
 
     async def check(self, token: str, node: str) -> None:
         """Return when ``token`` is the node daemon's and may report for ``node``; raise 401 /
-        403 otherwise."""
-        key = hashlib.sha256(token.encode()).hexdigest()
-        now = time.monotonic()
-        cached = self._cache.get(key)
-        if cached is None or cached[0] <= now:
-            pending = self._inflight.get(key)
-            if pending is None:  # one review per token at a time, however many reports wait
-                pending = asyncio.ensure_future(self._review(token))
-                self._inflight[key] = pending
-                try:
-                    username, pod = await pending
-                finally:
-                    self._inflight.pop(key, None)
-            else:
-                username, pod = await pending
-            ttl = self.ttl if username else min(self.ttl, 5.0)
-            cached = (now + ttl, username, pod)
-            self._cache[key] = cached
-            while len(self._cache) > self.max_entries:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(key)
-        _, username, pod = cached
-        if username is None:
-            raise unauthorized("the token was refused by the Kubernetes API server")
+        403 otherwise (503 while too many reviews are under way or the API server is away)."""
+        why = precheck(token, self.audience, time.time())
+        if why is not None:
+            raise unauthorized(why)
+        username, pod = await self._identity(token)
         if username != self.username:
             raise forbidden(
                 f"{username} may not report node usage (only the node daemon's service "
@@ -108,12 +172,88 @@ class NodeAuth:
                     f"report for node {node}"
                 )
 
-    async def _review(self, token: str) -> tuple[str | None, str | None]:
-        self.reviews += 1
+    async def _identity(self, token: str) -> tuple[str, str | None]:
+        """(username, bound pod) of a token the API server accepts for our audience, from the
+        caches or one shared review; 401 for a refused one."""
+        key = hashlib.sha256(token.encode()).hexdigest()
+        now = time.monotonic()
+        cached = self._cache.get(key)
+        if cached is not None and cached[0] > now:
+            self._cache.move_to_end(key)
+            return cached[1], cached[2]
+        refused = self._refused.get(key)
+        if refused is not None and refused[0] > now:
+            raise unauthorized(refused[1])
+        pending = self._inflight.get(key)
+        if pending is None:  # one review per token at a time, however many reports wait
+            if len(self._inflight) >= self.max_waiting:
+                raise unavailable(
+                    "busy", "too many token reviews under way; report again in a moment"
+                )
+            pending = asyncio.ensure_future(self._review(token))
+            self._inflight[key] = pending
+            pending.add_done_callback(lambda done: self._settled(key, done))
+        # shielded: a caller who hangs up does not cancel the review the others wait on
+        username, pod, why = await asyncio.shield(pending)
+        if username is None:
+            raise unauthorized(why)
+        return username, pod
+
+    def _settled(self, key: str, done: asyncio.Future[tuple[str | None, str | None, str]]) -> None:
+        if self._inflight.get(key) is done:
+            del self._inflight[key]
+        if done.cancelled() or done.exception() is not None:
+            return  # the API server away: nothing is remembered
+        username, pod, why = done.result()
+        now = time.monotonic()
+        if username is None:
+            self._refused[key] = (now + self.refused_ttl, why)
+            self._refused.move_to_end(key)
+            while len(self._refused) > self.max_refused:
+                self._refused.popitem(last=False)
+            return
+        self._cache[key] = (now + self.ttl, username, pod)
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.max_entries:
+            self._cache.popitem(last=False)
+
+    async def _review(self, token: str) -> tuple[str | None, str | None, str]:
+        """(username, bound pod, "") of a token the API server accepts for our audience, or
+        (None, None, why)."""
+        async with self._reviewing:
+            self.reviews += 1
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            try:
+                status = await self._token_review(token)
+            finally:
+                self.in_flight -= 1
+        if not status.get("authenticated"):
+            error = str(status.get("error") or "")[:200]
+            return (
+                None,
+                None,
+                f"the token was refused by the Kubernetes API server for audience "
+                f"{self.audience!r}" + (f": {error}" if error else ""),
+            )
+        if self.audience not in (status.get("audiences") or []):
+            return (
+                None,
+                None,
+                f"the API server did not confirm the token for audience {self.audience!r} "
+                f"(audiences: {status.get('audiences')})",
+            )
+        user = status.get("user") or {}
+        pods = (user.get("extra") or {}).get(POD_NAME_EXTRA) or []
+        return str(user.get("username") or ""), (str(pods[0]) if pods else None), ""
+
+    async def _token_review(self, token: str) -> dict[str, Any]:
+        """The ``status`` of a TokenReview of ``token`` for our audience (503 when the API
+        server cannot be asked)."""
         body = {
             "apiVersion": "authentication.k8s.io/v1",
             "kind": "TokenReview",
-            "spec": {"token": token},
+            "spec": {"token": token, "audiences": [self.audience]},
         }
         from kubernetes_asyncio import client
 
@@ -124,12 +264,7 @@ class NodeAuth:
             raise unavailable(
                 "cluster_unavailable", f"the token could not be reviewed: {exc}"
             ) from None
-        status = review.get("status") or {}
-        if not status.get("authenticated"):
-            return None, None
-        user = status.get("user") or {}
-        pods = (user.get("extra") or {}).get(POD_NAME_EXTRA) or []
-        return str(user.get("username") or ""), (str(pods[0]) if pods else None)
+        return dict(review.get("status") or {})
 
     async def _pod_node(self, pod: str) -> str | None:
         now = time.monotonic()
@@ -272,10 +407,13 @@ class ControllerModeUsage:
 
 
 __all__ = [
+    "AUDIENCE",
     "ControllerModeUsage",
     "NodeAuth",
     "NodeReports",
     "check_report",
+    "jwt_claims",
+    "precheck",
     "usage_json",
     "view_from_json",
 ]

@@ -24,7 +24,9 @@ this machine:
   the node daemon identifies kernel pods as it does on a real node (``/proc/<pid>/cgroup``);
 - gives pods of a service account the agent knows (``--service-account NS/NAME=KUBECONFIG``)
   that account's credentials as ``KUBECONFIG`` (what the projected token is on a real node);
-  pods with ``automountServiceAccountToken: false`` (kernel pods) get none;
+  pods with ``automountServiceAccountToken: false`` (kernel pods) get none; a projected volume's
+  ``serviceAccountToken`` (the DaemonSet's token for the controller) is minted with the
+  TokenRequest API for its audience and lifetime, bound to the pod, as the kubelet does;
 - labels its nodes ``gpushare.jupyter.org/simulate=<N>x<TYPE>`` as an admin labels demo
   nodes; the node daemon (the DaemonSet of ``deploy/daemonset.yaml``) then simulates those GPUs
   and publishes them on the Node;
@@ -862,8 +864,49 @@ class NodeAgent:
             path = self.host_path(node, vol["hostPath"]["path"])
             path.mkdir(parents=True, exist_ok=True)
             return path
+        if "projected" in vol:
+            return await self._projected(vol, root, pod)
         path = root / "volumes" / vol["name"]
         path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    async def _projected(self, vol: dict[str, Any], root: Path, pod: dict[str, Any]) -> Path:
+        """A projected volume's ``serviceAccountToken`` sources, as the kubelet makes them: a
+        token of the pod's service account from the TokenRequest API, for the source's
+        audience and lifetime, bound to the pod (not rotated here: tests are shorter than the
+        shortest lifetime, 600 s). Other sources are not played."""
+        path = root / "volumes" / vol["name"]
+        path.mkdir(parents=True, exist_ok=True)
+        meta = pod["metadata"]
+        for source in vol["projected"].get("sources") or []:
+            request = source.get("serviceAccountToken")
+            if request is None:
+                continue
+            spec: dict[str, Any] = {
+                "expirationSeconds": int(request.get("expirationSeconds", 3600)),
+                "boundObjectRef": {
+                    "kind": "Pod",
+                    "apiVersion": "v1",
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                },
+            }
+            if request.get("audience"):
+                spec["audiences"] = [request["audience"]]
+            core: Any = self.kube.core
+            account = pod["spec"].get("serviceAccountName") or "default"
+            try:
+                reply = await self.kube._json(
+                    core.create_namespaced_service_account_token(
+                        account, meta["namespace"], {"spec": spec}, _preload_content=False
+                    )
+                )
+            except ApiException as exc:  # the file stays missing: its reader says so
+                log.warning("pod %s: no token for %s: %s", meta["name"], account, exc.reason)
+                continue
+            target = path / request["path"]
+            target.write_text(reply["status"]["token"])
+            target.chmod(0o644)  # the kubelet's default mode for projected files
         return path
 
     @staticmethod

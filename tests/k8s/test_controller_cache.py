@@ -407,17 +407,44 @@ def daemon_status(allocation_id: str, memory_used: int) -> dict[str, Any]:
     }
 
 
+def mint(core: Any, account: str, audience: str, pod: Any = None, seconds: int = 600) -> str:
+    """A token of ``account`` from the TokenRequest API (as the kubelet mints a projected one),
+    for ``audience``, bound to ``pod`` when given."""
+    spec: dict[str, Any] = {"audiences": [audience], "expirationSeconds": seconds}
+    if pod is not None:
+        spec["boundObjectRef"] = {
+            "kind": "Pod",
+            "apiVersion": "v1",
+            "name": pod.metadata.name,
+            "uid": pod.metadata.uid,
+        }
+    return str(
+        core.create_namespaced_service_account_token(
+            account, NAMESPACE, {"spec": spec}
+        ).status.token
+    )
+
+
 def test_node_usage_reaches_users_through_the_controller_and_forgeries_are_refused(
-    plane: ControlPlane, hub: Hub, controller_url: str
+    plane: ControlPlane, hub: Hub, controller_url: str, tmp_path: Any
 ) -> None:
-    """The node daemon's reporter (its service-account token) reports to the controller; the
-    user reads her allocation's usage with GET /api/usage (nobody else's). Reports with no
-    token, a Hub user's token, another service account's token, a body about another node, or
-    a daemon token bound to a pod on another node are refused and change nothing; a node's
-    report about an allocation the ledger places elsewhere is ignored."""
+    """The node daemon's reporter (its token for the controller's audience, read from its token
+    file) reports to the controller; the user reads her allocation's usage with GET /api/usage
+    (nobody else's). Reports with no token, a Hub user's token, a token made for the API
+    server (the daemon's own included: audience), another service account's token, a body
+    about another node, or a daemon token bound to a pod on another node are refused and change
+    nothing; a node's report about an allocation the ledger places elsewhere is ignored. The
+    API server refuses the controller-audience token: sniffed, it is useless there."""
     from kubernetes import client, config
 
+    from jupyter_gpushare.controller.usage import AUDIENCE
     from jupyter_gpushare.k8s.usage import ControllerReporter, usage_document
+
+    api = config.new_client_from_config(str(plane.kubeconfig("admin")))
+    core = client.CoreV1Api(api)
+    daemon_token = mint(core, "gpushare-daemon", AUDIENCE)
+    token_file = tmp_path / "token"
+    token_file.write_text(daemon_token + "\n")
 
     token = hub.user_token("alice")
     headers = {"Authorization": f"token {token}"}
@@ -443,6 +470,7 @@ def test_node_usage_reaches_users_through_the_controller_and_forgeries_are_refus
                 node,
                 lambda: daemon_status(placed["id"], 3 * 2**20),
                 lambda: {placed["id"]: "usage-server"},
+                token_file=str(token_file),
             )
             await reporter.publish_once()
             return reporter.published
@@ -468,17 +496,34 @@ def test_node_usage_reaches_users_through_the_controller_and_forgeries_are_refus
 
     assert forged(None, node, node).status_code == 401
     assert forged(token, node, node).status_code == 401  # a Hub token is no cluster identity
-    for identity in ("server", "controller", "admin"):
-        reply = forged(plane.tokens[identity], node, node)
-        assert reply.status_code == 403, (identity, reply.text)
+    # tokens for the API server, the daemon's included: refused, naming the audience
+    api_audience = "https://kubernetes.default.svc"
+    for bearer in (plane.tokens["daemon"], mint(core, "gpushare-daemon", api_audience)):
+        reply = forged(bearer, node, node)
+        assert reply.status_code == 401 and AUDIENCE in reply.json()["message"], reply.text
+    # other accounts' tokens for the controller: known, but not the daemon
+    for account in ("jupyter-gpushare", "gpushare-controller"):
+        reply = forged(mint(core, account, AUDIENCE), node, node)
+        assert reply.status_code == 403, (account, reply.text)
         assert "may not report" in reply.json()["message"]
-    reply = forged(plane.tokens["daemon"], node, other)  # body about another node
+    reply = forged(daemon_token, node, other)  # body about another node
     assert reply.status_code == 400 and reply.json()["field"] == "node", reply.text
+    # the API server refuses the controller's token: a copy sniffed off the network is useless
+    # there (the API server's own audience token is authenticated: the request is right)
+    for bearer, refused in (
+        (daemon_token, True),
+        (mint(core, "gpushare-daemon", api_audience), False),
+    ):
+        answer = requests.get(
+            f"{plane.server_url}/api/v1/nodes/{node}",
+            headers={"Authorization": f"Bearer {bearer}"},
+            verify=str(plane.ca_file),
+            timeout=30,
+        )
+        assert (answer.status_code == 401) is refused, answer.text
 
     # a pod-bound token of the daemon's account (as the DaemonSet mounts it), for a pod on
     # `other`: it reports for `other`, never for `node`
-    api = config.new_client_from_config(str(plane.kubeconfig("admin")))
-    core = client.CoreV1Api(api)
     pod = core.create_namespaced_pod(
         NAMESPACE,
         {
@@ -491,22 +536,7 @@ def test_node_usage_reaches_users_through_the_controller_and_forgeries_are_refus
         },
     )
     try:
-        bound = core.create_namespaced_service_account_token(
-            "gpushare-daemon",
-            NAMESPACE,
-            {
-                "spec": {
-                    "audiences": ["https://kubernetes.default.svc"],
-                    "expirationSeconds": 600,
-                    "boundObjectRef": {
-                        "kind": "Pod",
-                        "apiVersion": "v1",
-                        "name": pod.metadata.name,
-                        "uid": pod.metadata.uid,
-                    },
-                }
-            },
-        ).status.token
+        bound = mint(core, "gpushare-daemon", AUDIENCE, pod)
         reply = forged(bound, node, node)
         assert reply.status_code == 403 and f"bound to pod {pod.metadata.name}" in reply.text
         reply = forged(bound, other, other)  # accepted, but it cannot speak for alice's share

@@ -183,7 +183,7 @@ def test_kernel_pods_and_daemon_agree_on_paths(helm: str, tmp_path: Path) -> Non
     ds = one(render(helm, tmp_path), "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
     args = daemon_args(ds)
-    volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
+    volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     mounts = {m["mountPath"]: m["name"] for m in container(pod, "daemon")["volumeMounts"]}
     # the hostPath mode (device_plugin=False) mounts these directories itself
     settings = PodSettings.from_config(
@@ -285,7 +285,8 @@ def test_values_change_what_they_should(helm: str, tmp_path: Path) -> None:
     assert "NVIDIA_VISIBLE_DEVICES" not in env  # no NVML on a simulated cluster
     assert pod["nodeSelector"] == {"pool": "demo"}
     assert "affinity" not in pod  # simulate: no GPU-node placement
-    assert {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}["socket"] == "/var/gs"
+    hosts = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert hosts["socket"] == "/var/gs"
 
     default_pod = one(default, "DaemonSet")["spec"]["template"]["spec"]
     default_args = daemon_args(one(default, "DaemonSet"))
@@ -307,6 +308,62 @@ def test_values_change_what_they_should(helm: str, tmp_path: Path) -> None:
     assert one(default, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["image"].endswith(
         ":" + yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     )
+
+
+def test_metrics_scrapers_and_the_controller_token(helm: str, tmp_path: Path) -> None:
+    """Trust (issue 15): by default only Prometheus pods in the namespace the admin names (the
+    API server's kubernetes.io/metadata.name label, which no user can set) reach the daemons'
+    metrics, never a pod labelled prometheus in any namespace; an empty metricsFrom admits
+    nobody (a rule without ``from`` would admit everyone). The daemon's token for the controller
+    is a projected one made for the controller's audience, short-lived, mounted read-only where
+    GPUSHARE_CONTROLLER_TOKEN_FILE says."""
+    from jupyter_gpushare.controller.usage import AUDIENCE
+    from jupyter_gpushare.k8s.usage import CONTROLLER_TOKEN_ENV
+
+    policy = by_key(render(helm, tmp_path))[("NetworkPolicy", "gpushare", "gpushare-node")]
+    peers = [p for rule in policy["spec"]["ingress"] for p in rule["from"]]
+    assert peers, policy
+    for peer in peers:  # every peer pins a namespace by its name label
+        names = peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+        assert names == "monitoring", peer
+    mine = render(
+        helm,
+        tmp_path,
+        {
+            "networkPolicy": {
+                "metricsFrom": [
+                    {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "obs"}}}
+                ]
+            }
+        },
+    )
+    policy = by_key(mine)[("NetworkPolicy", "gpushare", "gpushare-node")]
+    assert policy["spec"]["ingress"][0]["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "obs"}}}
+    ]
+    closed = render(helm, tmp_path, {"networkPolicy": {"metricsFrom": []}})
+    assert by_key(closed)[("NetworkPolicy", "gpushare", "gpushare-node")]["spec"]["ingress"] == []
+
+    for values, expiry in (
+        (None, 600),
+        ({"daemon": {"controllerTokenExpirationSeconds": 900}}, 900),
+    ):
+        pod = one(render(helm, tmp_path, values), "DaemonSet")["spec"]["template"]["spec"]
+        daemon = container(pod, "daemon")
+        path = Path({e["name"]: e.get("value") for e in daemon["env"]}[CONTROLLER_TOKEN_ENV])
+        mount = next(m for m in daemon["volumeMounts"] if m["mountPath"] == str(path.parent))
+        assert mount["readOnly"] is True
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        sources = volume["projected"]["sources"]
+        assert sources == [
+            {
+                "serviceAccountToken": {
+                    "audience": AUDIENCE,
+                    "expirationSeconds": expiry,
+                    "path": path.name,
+                }
+            }
+        ]
 
 
 def test_placement_values(helm: str, tmp_path: Path) -> None:

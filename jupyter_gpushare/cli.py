@@ -21,12 +21,12 @@ from typing import Any
 from . import paths
 from .config import GpuShare
 from .daemon.client import DaemonClient
-from .daemon.supervisor import AgentWatch, _simulate_arg, ensure_agent
-from .inventory import Gpu, NoGpuError, check_spec, parse_simulate
+from .daemon.env import local_kernel_env
+from .daemon.supervisor import AgentWatch, ensure_agent
+from .inventory import Gpu, NoGpuError, check_spec, parse_simulate, simulate_text
 from .ledger import Allocation, LedgerUnavailable
 from .ledger.reconcile import process_start_time, reconcile
 from .placement import PlacementRefused, allocate
-from .provisioner.environment import kernel_environment
 from .serverext.handlers import gpu_usage
 from .share import ShareError, ShareSpec, format_bytes, format_share
 from .statusview import render, with_usage
@@ -347,7 +347,7 @@ async def _run(settings: GpuShare, spec: ShareSpec, command: Sequence[str]) -> i
     )
     print(f"gpushare run: {_holding(allocation, inventory)}", file=sys.stderr)
     try:
-        env = {**os.environ, **kernel_environment(allocation, inventory, settings)}
+        env = {**os.environ, **local_kernel_env(allocation, inventory, settings)}
         try:
             proc = subprocess.Popen(list(command), env=env)  # noqa: ASYNC220 - returns at once
         except OSError as exc:  # not executable, a directory, …
@@ -388,7 +388,7 @@ async def _running_simulation(settings: GpuShare) -> str | None:
     gpus = [g for g in await settings.local_ledger().gpus() if g.node == settings.node_name]
     if not gpus or not all(g.simulated for g in gpus):
         return None
-    return _simulate_arg(gpus)
+    return simulate_text(gpus)
 
 
 def _holding(allocation: Allocation, inventory: Sequence[Gpu]) -> str:

@@ -153,6 +153,18 @@ def simulated_gpus(text: str, node: str | None = None) -> list[Gpu]:
     return gpus
 
 
+def simulate_text(gpus: Iterable[Gpu]) -> str:
+    """The ``--simulate`` value that :func:`simulated_gpus` reads back as ``gpus`` (counts per
+    type, in index order): ``2xA100,1xT4``."""
+    groups: list[tuple[int, str]] = []
+    for gpu in sorted(gpus, key=lambda g: g.index):
+        if groups and groups[-1][1] == gpu.type:
+            groups[-1] = (groups[-1][0] + 1, gpu.type)
+        else:
+            groups.append((1, gpu.type))
+    return ",".join(f"{n}x{t}" for n, t in groups)
+
+
 def simulator_device_list(gpus: Iterable[Gpu]) -> str:
     """The ``GPUSHARE_SIM_DEVICES`` value the C simulator reads: ``name|uuid|bytes|sms;…``."""
     parts = []

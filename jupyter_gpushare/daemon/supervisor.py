@@ -36,10 +36,10 @@ from traitlets import Float, TraitError, validate
 from traitlets.config import Configurable
 
 from .. import paths
-from ..inventory import Gpu
+from ..inventory import Gpu, simulate_text
 from ..periodic import PeriodicTask
 from .client import DaemonClient, DaemonUnreachable
-from .env import interposer_path
+from .env import enforcing, interposer_path
 
 if TYPE_CHECKING:
     from ..config import GpuShare
@@ -49,17 +49,6 @@ _log = logging.getLogger("jupyter_gpushare.daemon")
 
 #: how long :func:`await_applied` waits for the agent to show a change (s)
 APPLY_TIMEOUT_S = 1.0
-
-
-def _simulate_arg(gpus: Sequence[Gpu]) -> str:
-    """``--simulate`` value reproducing ``gpus`` (counts per type, in index order)."""
-    groups: list[list[object]] = []
-    for gpu in sorted(gpus, key=lambda g: g.index):
-        if groups and groups[-1][1] == gpu.type:
-            groups[-1][0] = int(groups[-1][0]) + 1  # type: ignore[call-overload]
-        else:
-            groups.append([1, gpu.type])
-    return ",".join(f"{n}x{t}" for n, t in groups)
 
 
 def ensure_daemon(
@@ -93,7 +82,7 @@ def ensure_daemon(
         *extra_args,
     ]
     if simulate_devices:
-        cmd += ["--simulate-devices", _simulate_arg(simulate_devices)]
+        cmd += ["--simulate-devices", simulate_text(simulate_devices)]
     log_file = log_file or socket_path.parent / "daemon.log"
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)  # the daemon itself is never interposed
@@ -125,12 +114,6 @@ def _reap_when_done(proc: subprocess.Popen[bytes]) -> None:
     left), and the thread keeps the ``Popen`` referenced while the detached agent runs, so it is
     never collected with its process still running (``ResourceWarning``)."""
     threading.Thread(target=proc.wait, name=f"gpushare-agent-{proc.pid}", daemon=True).start()
-
-
-def enforcing(settings: GpuShare) -> bool:
-    """Whether shares are enforced here: enforcement on and the interposer built (without it
-    there is nothing for an agent to enforce)."""
-    return bool(settings.enforce) and interposer_path().exists()
 
 
 def _system_socket(socket_path: Path) -> bool:

@@ -18,11 +18,11 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 
 from ..backends.base import KernelBackend
+from ..daemon.env import local_kernel_env
 from ..daemon.supervisor import enforcing, ensure_agent
 from ..inventory import Gpu
 from ..ledger import Allocation, Ledger
 from ..ledger.reconcile import process_start_time
-from .environment import kernel_environment
 
 
 class LocalKernelBackend(KernelBackend):
@@ -53,7 +53,7 @@ class LocalKernelBackend(KernelBackend):
         agent = asyncio.ensure_future(self._ensure_agent(inventory))
         try:
             env = dict(kwargs.get("env") or os.environ)
-            env.update(kernel_environment(allocation, inventory, settings))
+            env.update(local_kernel_env(allocation, inventory, settings))
             kwargs["env"] = env
             given = list(kwargs.get("extra_arguments", []))
             kwargs["extra_arguments"] = given + [

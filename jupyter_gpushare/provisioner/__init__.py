@@ -20,6 +20,7 @@ refused by name (jupyter_client would otherwise drop a misspelled key silently).
 from __future__ import annotations
 
 import asyncio
+import functools
 import getpass
 import logging
 import os
@@ -85,6 +86,14 @@ def log_refusals_once(log: Any) -> None:
         isinstance(f, RefusalLoggedOnce) for f in logger.filters
     ):
         logger.addFilter(RefusalLoggedOnce())
+
+
+@functools.cache
+def _own_start_time(pid: int) -> float | None:
+    """This process's start time (recorded with each allocation it makes, to tell it from a later
+    process with its pid): read once per pid, not on every kernel start (a forked child asks
+    with its own pid)."""
+    return process_start_time(pid)
 
 
 _BASE_KWARGS = {"kernel_id", "kernel_spec", "parent", "config", "log"}
@@ -199,7 +208,7 @@ class GpushareProvisioner(KernelProvisionerBase):
             server_pid=os.getpid(),
             user=getpass.getuser(),
             extra={
-                "server_start": process_start_time(os.getpid()),
+                "server_start": _own_start_time(os.getpid()),
                 **backend.record_extra(),
                 **({"pool": self._pool} if self._pool else {}),
                 **({"notebook": self._notebook} if self._notebook else {}),  # status shows it

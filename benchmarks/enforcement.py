@@ -43,8 +43,8 @@ from enforcement_support import (  # noqa: E402
     TENANT,
     add_allocation,
     build_c,
+    device_shares,
     remove_allocation,
-    shares,
     spawn_tenant,
     start_daemon,
 )
@@ -104,7 +104,7 @@ def run_tenants(daemon, ledger, gpus, tmp, case, kernel_us, pattern, seconds, wa
         t.finish(timeout=seconds * 4 + 60)
     for a in allocations:
         remove_allocation(ledger, a.id)
-    return shares(tenants, *window(tenants, seconds, warmup)), status
+    return device_shares(tenants, *window(tenants, seconds, warmup)), status
 
 
 def run_plain(gpus, tmp, n, kernel_us, pattern, seconds, warmup=1.0):
@@ -127,7 +127,7 @@ def run_plain(gpus, tmp, n, kernel_us, pattern, seconds, warmup=1.0):
         tenants.append(
             SimpleNamespace(lines=[json.loads(x) for x in out.splitlines() if x[:1] == "{"])
         )
-    return shares(tenants, *window(tenants, seconds, warmup))
+    return device_shares(tenants, *window(tenants, seconds, warmup))
 
 
 def run_mixed(daemon, ledger, gpus, tmp, kernel_us, seconds, warmup=1.5):
@@ -143,7 +143,7 @@ def run_mixed(daemon, ledger, gpus, tmp, kernel_us, seconds, warmup=1.5):
         t.finish(timeout=seconds * 4 + 60)
     remove_allocation(ledger, big.id)
     remove_allocation(ledger, small.id)
-    got = shares([tb, ts], *window([tb, ts], seconds, warmup))
+    got = device_shares([tb, ts], *window([tb, ts], seconds, warmup))
     waits = next(x for x in ts.lines if "wait_p99_us" in x)
     return got, waits
 

@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -233,6 +234,44 @@ def spawn_tenant(
 def _dummy(gpus: list[Gpu]) -> Allocation:
     spec = ShareSpec(gpu_request=1.0, gpu_limit=1.0, gpu_memory=GiB, gpu_type=gpus[0].type)
     return Allocation(id="a-none", node=NODE, gpus=(gpus[0].uuid,), spec=spec, memory=GiB)
+
+
+def device_shares(tenants: list[Any], t0: int, t1: int) -> list[float]:
+    """Each tenant's share of device time in [t0, t1] from the device times its queues report
+    (gs_tenant's ``{"q", "dt", "dd"}`` lines: a queue's work done by a device time), else from
+    its progress lines (:func:`shares`). Between two reports the work done is placed as late as
+    it can have run (a kernel runs right before it completes), so a tenant blocked across a
+    window edge is counted for the device time it got inside the window, not at its average
+    rate over a wider interval (which let 50 ms kernels in deep queues add up to 1.02)."""
+    out = []
+    for t in tenants:
+        queues: dict[int, list[tuple[int, int]]] = {}
+        for x in t.lines:
+            if "q" in x and "dt" in x:
+                queues.setdefault(x["q"], []).append((x["dt"], x["dd"]))
+        if not queues:
+            out.append(shares([t], t0, t1)[0])
+            continue
+        done_us = sum(_done_by(pts, t1) - _done_by(pts, t0) for pts in queues.values())
+        out.append(done_us * 1000 / max(t1 - t0, 1))
+    return out
+
+
+def _done_by(points: list[tuple[int, int]], when: int) -> float:
+    """Device µs of work a queue finished by device time ``when`` (ns), from its reports
+    (device time, µs done by then), the work between two reports placed as late as it can be."""
+    points = sorted(points)
+    done_before, at = 0, None
+    for dt, dd in points:
+        if dt <= when:
+            done_before = dd
+            continue
+        at = (dt, dd)
+        break
+    if at is None:
+        return float(done_before)
+    dt, dd = at
+    return float(max(done_before, dd - (dt - when) / 1000))
 
 
 def shares(tenants: list[Tenant], t0: int, t1: int) -> list[float]:

@@ -66,6 +66,7 @@ FN(cuEventCreate);
 FN(cuEventRecord);
 FN(cuEventSynchronize);
 FN(cuEventQuery);
+FN(cuEventElapsedTime);
 FN(cuLaunchCooperativeKernel);
 FN(cuStreamBeginCapture_v2);
 FN(cuStreamEndCapture);
@@ -132,6 +133,7 @@ static void load(void) {
     LOAD(cuEventRecord);
     LOAD(cuEventSynchronize);
     LOAD(cuEventQuery);
+    LOAD(cuEventElapsedTime);
     LOAD(cuLaunchCooperativeKernel);
     LOAD(cuStreamBeginCapture_v2);
     LOAD(cuStreamEndCapture);
@@ -245,17 +247,47 @@ static void progress_line(struct progress *p, int last) {
 #define RING 64
 
 /* A queue of launches on one stream, `depth` batches of `batch` launches deep: an event after
- * each batch, the oldest waited for once the ring is full. */
+ * each batch, the oldest waited for once the ring is full. Each completed batch's device time is
+ * known (the events are timed against `ref`, recorded on the idle stream at the start: its device
+ * time is the host clock then), and lines {"q": k, "dt": device ns, "dd": device µs of this
+ * queue done by then} say it, at most every 20 ms of device time per queue, so a benchmark can
+ * count the device time a tenant got inside a window exactly (enforcement_support.
+ * device_shares) however long the tenant itself was blocked around the window's edges. */
 struct queue {
     CUstream s;
     CUevent ev[RING];
     long head, tail; /* batches recorded [head, tail) */
+    int index;
+    CUevent ref;
+    uint64_t ref_ns, done_us, printed_dt;
 };
 
 static void queue_init(struct queue *q) {
+    static int queues;
     CHECK(p_cuStreamCreate(&q->s, CU_STREAM_NON_BLOCKING));
-    for (int i = 0; i < RING; i++) CHECK(p_cuEventCreate(&q->ev[i], CU_EVENT_DISABLE_TIMING));
+    for (int i = 0; i < RING; i++) CHECK(p_cuEventCreate(&q->ev[i], CU_EVENT_DEFAULT));
     q->head = q->tail = 0;
+    q->index = queues++;
+    q->done_us = q->printed_dt = 0;
+    CHECK(p_cuEventCreate(&q->ref, CU_EVENT_DEFAULT));
+    q->ref_ns = now_ns();
+    CHECK(p_cuEventRecord(q->ref, q->s));
+}
+
+/* The oldest batch is done: count it, and say when the device finished it. */
+static void queue_retire(struct queue *q, uint64_t batch_us, struct progress *p, int last) {
+    float ms = 0;
+    q->done_us += batch_us;
+    p->done_us += batch_us;
+    if (p_cuEventElapsedTime && p_cuEventElapsedTime(&ms, q->ref, q->ev[q->head % RING]) == 0) {
+        uint64_t dt = q->ref_ns + (uint64_t)((double)ms * 1e6);
+        if (last || dt >= q->printed_dt + 20000000ull) {
+            printf("{\"q\":%d,\"dt\":%llu,\"dd\":%llu}\n", q->index, (unsigned long long)dt,
+                   (unsigned long long)q->done_us);
+            q->printed_dt = dt;
+        }
+    }
+    q->head++;
 }
 
 /* Records the end of a batch; waits for the oldest while more than `depth` are queued. */
@@ -263,22 +295,18 @@ static void queue_batch(struct queue *q, long depth, uint64_t batch_us, struct p
     CHECK(p_cuEventRecord(q->ev[q->tail % RING], q->s));
     q->tail++;
     /* progress as the device makes it (not as the queue is waited for) */
-    while (q->head < q->tail && p_cuEventQuery(q->ev[q->head % RING]) == CUDA_SUCCESS) {
-        q->head++;
-        p->done_us += batch_us;
-    }
+    while (q->head < q->tail && p_cuEventQuery(q->ev[q->head % RING]) == CUDA_SUCCESS)
+        queue_retire(q, batch_us, p, 0);
     while (q->tail - q->head > depth) {
         CHECK(p_cuEventSynchronize(q->ev[q->head % RING]));
-        q->head++;
-        p->done_us += batch_us;
+        queue_retire(q, batch_us, p, 0);
     }
 }
 
 static void queue_drain(struct queue *q, uint64_t batch_us, struct progress *p) {
     while (q->head < q->tail) {
         CHECK(p_cuEventSynchronize(q->ev[q->head % RING]));
-        q->head++;
-        p->done_us += batch_us;
+        queue_retire(q, batch_us, p, q->head + 1 == q->tail);
     }
 }
 

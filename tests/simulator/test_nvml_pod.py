@@ -210,3 +210,88 @@ def test_pids_answers_only_the_callers_own_allocation(
         s.sendall(json.dumps({"op": "pids", "allocation": theirs}).encode() + b"\n")
         reply: Any = json.loads(s.makefile("rb").readline())
     assert reply["ok"] is False and reply["error"] == "not_permitted", reply
+
+
+#: In the pod with no agent answering (its socket gone): a process of the share whose pod pid is
+#: the other tenant's host pid (argv[2]; pids are reused, and a long-lived pod reaches any
+#: number), then what nvitop asks NVML.
+NO_AGENT_IN_POD = textwrap.dedent("""
+    import json, os, subprocess, sys
+    import pynvml
+
+    other_host = int(sys.argv[1])
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+        f.write(str(other_host - 1))
+    twin = subprocess.Popen(["sleep", "600"])  # our allocation's environment
+    pynvml.nvmlInit()
+    gpu = pynvml.nvmlDeviceGetHandleByIndex(0)
+    procs = [(p.pid, p.usedGpuMemory) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(gpu)]
+    memory = pynvml.nvmlDeviceGetMemoryInfo(gpu)
+    twin.kill()
+    print(json.dumps({"me": os.getpid(), "twin": twin.pid, "procs": procs,
+                      "memory": [memory.total, memory.used]}))
+""")
+
+
+#: The same with no agent outside a pod: a holder of the share (1 GiB, fail static), then NVML.
+NO_AGENT_ON_HOST = textwrap.dedent("""
+    import json, subprocess, sys
+    import pynvml
+
+    holder = subprocess.Popen([sys.argv[1], "hold", str(1 << 30), "600000", "0"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "ready"
+    pynvml.nvmlInit()
+    gpu = pynvml.nvmlDeviceGetHandleByIndex(0)
+    procs = [(p.pid, p.usedGpuMemory) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(gpu)]
+    holder.kill()
+    print(json.dumps({"holder": holder.pid, "procs": procs}))
+""")
+
+
+def test_with_no_agent_a_pod_tenant_sees_no_other_tenants_process_and_is_told_why(
+    machine: dict[str, str],
+    sim_program: Path,
+    other_tenant: tuple[int, str],
+    tmp_path: Path,
+) -> None:
+    """The agent gone, a pod cannot match the driver's host pids to its own processes: its /proc
+    has other processes under those numbers. A process of the share that happens to have the
+    other tenant's host pid inside the pod must not make NVML list the other tenant's process
+    (3 GiB) as the share's, nor count its memory as the share's use: the lists are empty, memory
+    is the share's own account, and stderr says once that NVML is degraded and why."""
+    other_pid, _ = other_tenant
+    host_proc = tmp_path / "hostproc"
+    host_proc.mkdir()
+    pod = [
+        "unshare", "--mount", "--propagation", "private", "sh", "-c",
+        'mount -t proc proc "$GPUSHARE_SIM_HOST_PROC" && exec "$@"', "pod",
+        "unshare", "--pid", "--fork", "--mount-proc",
+        "env", f"GPUSHARE_SOCKET={tmp_path / 'gone.sock'}",
+        sys.executable, "-c", NO_AGENT_IN_POD, str(other_pid),
+    ]  # fmt: skip
+    mine = gpushare_run(
+        {**machine, "GPUSHARE_SIM_HOST_PROC": str(host_proc)},
+        "--gpu-request", "0.2", "--gpu-memory", "2GiB", "--", *pod,
+    )  # fmt: skip
+    out, err = mine.communicate(timeout=120)
+    assert mine.returncode == 0, err
+    seen = json.loads(out)
+    assert seen["me"] == 1 and seen["twin"] == other_pid, seen  # the pid collision is there
+    assert seen["procs"] == [], seen
+    assert seen["memory"] == [2 * GiB, 0], seen
+    said = [line for line in err.splitlines() if "NVML" in line]
+    assert len(said) == 1 and "node agent" in said[0] and "degraded" in said[0], err
+
+    # outside a pod (the driver's pid namespace) /proc still tells: the share's holder is listed
+    # with its 1 GiB, the other tenant is not, and nothing is said
+    host = gpushare_run(
+        {**machine, "GPUSHARE_SOCKET": str(tmp_path / "gone.sock")},
+        "--gpu-request", "0.2", "--gpu-memory", "2GiB", "--",
+        sys.executable, "-c", NO_AGENT_ON_HOST, str(sim_program),
+    )  # fmt: skip
+    out, err = host.communicate(timeout=120)
+    assert host.returncode == 0, err
+    seen = json.loads(out)
+    assert seen["procs"] == [[seen["holder"], GiB]], seen
+    assert "NVML is degraded" not in err, err

@@ -379,20 +379,58 @@ static struct gs_gpu *nvml_gpu(nvmlDevice_t device) {
  * pod), asked at most about once a second. The lock is the NVML hooks' alone (never on a launch
  * path) and is not held while asking. `self` is this process's pid as the agent sees it: when it
  * is not getpid(), we run in a pid namespace of our own (a pod) whose /proc cannot see the pids
- * the driver reports, and only this list tells our processes apart. */
+ * the driver reports, and only this list tells our processes apart.
+ *
+ * Degraded: with no list (the agent does not answer, or predates `pids`) /proc is asked only when
+ * we share the driver's pid namespace - the agent once said so, or, never told, this is the
+ * initial pid namespace. In a pid namespace of our own, the driver's host pids name other
+ * processes in our /proc (pids are reused; one may be the share's while the driver means another
+ * tenant's), so nothing is taken for the share's: its process lists are empty, its memory use is
+ * its own account, and stderr says so once per outage. */
 #define NVML_PIDS_MAX      256
 #define NVML_PIDS_EVERY_NS 1000000000ull
+#define NVML_NS_UNKNOWN    0
+#define NVML_NS_SHARED     1 /* the agent sees our pid as ours: /proc names what the driver does */
+#define NVML_NS_OWN        2 /* a pid namespace of our own: only the agent's list can tell */
+#define NVML_DEGRADED      (-2)
 static struct {
     pthread_mutex_t lock;
     uint64_t asked_ns; /* 0: never */
     unsigned asker;    /* getpid() of the asker: a forked child asks afresh */
     int n;             /* -1: the agent gave no list */
     unsigned self;
+    int ns; /* NVML_NS_*, from the agent's last list (a forked child shares the namespace) */
     unsigned pid[NVML_PIDS_MAX];
 } nvml_pids = {.lock = PTHREAD_MUTEX_INITIALIZER, .n = -1};
+static _Atomic int nvml_degraded_said;
+
+/* Whether this process runs outside the initial pid namespace (PROC_PID_INIT_INO, 0xEFFFFFFC, is
+ * the kernel's fixed inode for it); unreadable counts as outside (nothing proves otherwise). */
+static int nvml_in_pid_namespace(void) {
+    static _Atomic int known; /* 0: not looked yet, 1: initial, 2: another */
+    int k = atomic_load(&known);
+    if (!k) {
+        char link[64];
+        ssize_t n = readlink("/proc/self/ns/pid", link, sizeof link - 1);
+        if (n > 0) link[n] = 0;
+        k = n > 0 && strcmp(link, "pid:[4026531836]") == 0 ? 1 : 2;
+        atomic_store(&known, k);
+    }
+    return k == 2;
+}
+
+static void nvml_say_degraded(void) {
+    if (atomic_exchange(&nvml_degraded_said, 1)) return;
+    fprintf(stderr,
+            "gpushare: NVML is degraded: the node agent does not answer, and in a pid namespace of "
+            "its own (a kernel pod) this process cannot tell its share's processes from others "
+            "by the driver's process ids; the share's process lists are empty and its memory use "
+            "is its own account until the agent answers again\n");
+}
 
 /* 1: `pid` is in the agent's list (or is us as the agent sees us); 0: it is not; -1: we share
- * the agent's pid namespace or it gave no list (look in /proc instead). */
+ * the agent's pid namespace or it gave no list and we share the driver's (look in /proc);
+ * NVML_DEGRADED: no list, and /proc cannot tell. */
 static int nvml_agent_says(unsigned pid) {
     pthread_mutex_lock(&nvml_pids.lock);
     uint64_t now = gs_now();
@@ -415,21 +453,30 @@ static int nvml_agent_says(unsigned pid) {
     }
     int says = -1;
     pthread_mutex_lock(&nvml_pids.lock);
-    if (nvml_pids.n >= 0 && nvml_pids.asker == me && nvml_pids.self != me) {
-        says = pid == nvml_pids.self;
-        for (int i = 0; i < nvml_pids.n && !says; i++) says = nvml_pids.pid[i] == pid;
+    if (nvml_pids.n >= 0 && nvml_pids.asker == me) {
+        nvml_pids.ns = nvml_pids.self != me ? NVML_NS_OWN : NVML_NS_SHARED;
+        atomic_store(&nvml_degraded_said, 0); /* the agent answers: say it again next outage */
+        if (nvml_pids.self != me) {
+            says = pid == nvml_pids.self;
+            for (int i = 0; i < nvml_pids.n && !says; i++) says = nvml_pids.pid[i] == pid;
+        }
+    } else if (nvml_pids.ns == NVML_NS_OWN ||
+               (nvml_pids.ns == NVML_NS_UNKNOWN && nvml_in_pid_namespace())) {
+        says = NVML_DEGRADED;
     }
     pthread_mutex_unlock(&nvml_pids.lock);
     return says;
 }
 
 /* Whether process `pid` (as the driver reports it) belongs to this share. In a pid namespace of
- * our own (a kernel pod; the driver reports host pids): whether the agent lists it. Otherwise:
+ * our own (a kernel pod; the driver reports host pids): whether the agent lists it, and no
+ * process while it gives no list (degraded, said once). Otherwise:
  * this process, or one whose environment holds GPUSHARE_ALLOCATION_ID=<ours> (read from /proc; a
  * process we may not read is not ours). */
 static int nvml_own_pid(unsigned pid) {
     int says = nvml_agent_says(pid);
-    if (says >= 0) return says;
+    if (says == NVML_DEGRADED) nvml_say_degraded();
+    if (says >= 0 || says == NVML_DEGRADED) return says > 0;
     if (pid == (unsigned)getpid()) return 1;
     char want[96], path[48], buf[4096];
     size_t wn = (size_t)snprintf(want, sizeof want, "GPUSHARE_ALLOCATION_ID=%s", gs.allocation);

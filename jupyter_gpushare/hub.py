@@ -49,6 +49,7 @@ from traitlets.config import LoggingConfigurable
 
 from .bound import ENV_DEFAULT, ENV_MAX, apply_user_bound, share_from_environment
 from .inventory import Gpu, TypeAliases
+from .k8s.manifests import LABEL_OWNER, owner_label
 from .ledger import Allocation, Ledger
 from .share import (
     MEMORY_PATTERN,
@@ -274,6 +275,22 @@ def _check_against(spec: ShareSpec, offers: Sequence[TypeOffer]) -> None:
         )
 
 
+def owner_labels(spawner: Any) -> dict[str, str]:
+    """The label naming the Hub user on their server's pod (``gpushare.jupyter.org/owner``, as
+    the controller puts it on their kernel pods): the controller's per-user NetworkPolicy lets
+    pods with it into that user's kernels only. Set here, in the Hub, because users cannot
+    change their own pod's labels (they hold no Kubernetes rights); every profile of
+    :class:`GpuProfiles` sets it. Without GpuProfiles: ``c.KubeSpawner.modify_pod_hook =
+    jupyter_gpushare.hub.label_owner``."""
+    return {LABEL_OWNER: owner_label(spawner.user.name)}
+
+
+def label_owner(spawner: Any, pod: Any) -> Any:
+    """A KubeSpawner ``modify_pod_hook`` that adds :func:`owner_labels` to the pod."""
+    pod.metadata.labels = {**(pod.metadata.labels or {}), **owner_labels(spawner)}
+    return pod
+
+
 def share_environment(spec: ShareSpec) -> dict[str, str | None]:
     """The single-user server's environment for a GPU profile (None removes a variable)."""
     data = spec.to_json()
@@ -449,6 +466,7 @@ class GpuProfiles(LoggingConfigurable):
         # Callables run when the server starts, with the user's options and this list's
         # offers; they are plain functions (KubeSpawner deep-copies the list).
         override["environment"] = _merged(override.get("environment"), _environment_for(settings))
+        override["extra_labels"] = _merged(override.get("extra_labels"), owner_labels)
         if self.mode == "server-gpu":
             override["extra_resource_limits"] = _resource_limits
             override["node_selector"] = _node_selector_for(settings)
@@ -524,6 +542,7 @@ class GpuProfiles(LoggingConfigurable):
         profile = {k: v for k, v in given.items() if k != "profile_options"}
         override = dict(profile.get("kubespawner_override") or {})
         override["environment"] = _merged(override.get("environment"), CPU_ONLY_ENVIRONMENT)
+        override["extra_labels"] = _merged(override.get("extra_labels"), owner_labels)
         override["extra_resource_limits"] = {
             **(override.get("extra_resource_limits") or {}),
             GPU_RESOURCE: None,
@@ -602,8 +621,10 @@ __all__ = [
     "TypeOffer",
     "apply_user_bound",
     "kubernetes_inventory",
+    "label_owner",
     "ledger_inventory",
     "offers_from",
+    "owner_labels",
     "share_environment",
     "share_from_environment",
     "share_from_options",

@@ -32,6 +32,7 @@ from .bounds import Bounds, Quotas, parse_bounds
 from .config import GpushareController
 from .kernels import KernelService
 from .leader import LeaderElection
+from .network import KernelNetwork, NetworkSettings
 from .servers import ServerLeases
 from .usage import NodeAuth
 
@@ -96,6 +97,16 @@ class ControllerApp(Application):
         # usage ConfigMaps: read those while no daemon has reported here.
         state.reports.fallback = KubernetesUsage(UsageReader(kube, kcfg.namespace))
         active: dict[str, Any] = {}
+        network = (
+            KernelNetwork(
+                kube,
+                kcfg.namespace,
+                NetworkSettings.from_config(settings),
+                settings.network_policy_grace,
+            )
+            if settings.network_policies
+            else None
+        )
 
         async def started() -> None:
             service = KernelService(
@@ -111,6 +122,7 @@ class ControllerApp(Application):
                 state.reports,
                 start_timeout=kcfg.start_timeout,
                 quotas=quotas,
+                network=network,
             )
             await service.start(settings.connect_timeout)
             # The caches hold most of this process's objects from now on and live as long as
@@ -131,14 +143,19 @@ class ControllerApp(Application):
             active["reconcile"] = asyncio.create_task(
                 reconciler.run_forever(settings.reconcile_interval)
             )
+            if network is not None:  # the per-user NetworkPolicies, on the pod watch's cache
+                active["network"] = asyncio.create_task(
+                    network.run_forever(settings.reconcile_interval, service.watcher.values)
+                )
             active["service"] = service
             state.service = service
 
         async def lost() -> None:
             state.service = None
-            task = active.pop("reconcile", None)
-            if task is not None:
-                task.cancel()
+            for name in ("reconcile", "network"):
+                task = active.pop(name, None)
+                if task is not None:
+                    task.cancel()
             service = active.pop("service", None)
             if service is not None:
                 await service.stop()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 
-from traitlets import Dict, Float, Int, Unicode, default
+from traitlets import Bool, Dict, Float, Int, Unicode, default
 from traitlets.config import Configurable
 
 
@@ -105,6 +105,43 @@ class GpushareController(Configurable):
         config=True,
         help="Service account (in the controller's namespace) of the node daemons: only its "
         "tokens may report node usage (PUT /api/usage/<node>, checked with a TokenReview).",
+    )
+    network_policies = Bool(
+        True,
+        config=True,
+        help="Keep one NetworkPolicy per Hub user with kernels (gpushare-kernels-<h>, "
+        "jupyter_gpushare.controller.network): a user's kernel pods accept connections only "
+        "from that user's server pods (label gpushare.jupyter.org/owner, set by the Hub) and "
+        "the controller. Needs networkpolicies create/list/delete in the namespace; the "
+        "chart sets this from networkPolicy.enabled.",
+    )
+    server_namespace_selector = Dict(
+        default_value={"matchLabels": {"kubernetes.io/metadata.name": "jhub"}},
+        allow_none=True,
+        config=True,
+        help="Label selector of the namespace(s) users' Jupyter server pods run in (the "
+        "chart's networkPolicy.servers.namespaceSelector; z2jh's hub namespace). None: the "
+        "kernels' own namespace; {}: every namespace.",
+    )
+    server_pod_selector = Dict(
+        default_value={"matchLabels": {"component": "singleuser-server"}},
+        config=True,
+        help="Label selector of users' Jupyter server pods (the chart's "
+        "networkPolicy.servers.podSelector); each user's policy adds their owner label.",
+    )
+    controller_pod_labels = Dict(
+        default_value={
+            "app.kubernetes.io/name": "jupyter-gpushare",
+            "app.kubernetes.io/component": "controller",
+        },
+        config=True,
+        help="Labels of the controller's own pods (the chart's), admitted into kernel pods.",
+    )
+    network_policy_grace = Float(
+        60.0,
+        config=True,
+        help="Seconds a user's NetworkPolicy is kept after their last kernel pod is gone "
+        "(and after their last launch began), before the reconcile pass deletes it.",
     )
     connect_timeout = Float(
         30.0, config=True, help="Seconds to wait for the API server's first pod listing."

@@ -11,7 +11,9 @@ user sees and changes only allocations whose ``user`` is their Hub name; Hub adm
   recorded on the allocation). Every read (allocations, GPUs, kernel status) is answered from
   the caches: REST polling costs the API server nothing;
 - kernel pods: :mod:`jupyter_gpushare.k8s.manifests` builds the Secret and the Pod (the only
-  place they are built); one :class:`~jupyter_gpushare.k8s.watch.PodWatcher` follows every
+  place they are built), labelled with the caller's owner label; :mod:`.network` keeps the
+  NetworkPolicy that lets only that user's server in (ensured before the pod exists); one
+  :class:`~jupyter_gpushare.k8s.watch.PodWatcher` follows every
   kernel pod of the namespace;
 - idempotent for retries and failover: a second reserve with the same ``kernel_id`` returns the
   share already placed for it; a launch is named by the caller's ``launch_id``, and a retry of
@@ -45,6 +47,7 @@ from ..usage import UsageSource
 from .auth import HubUser
 from .bounds import Bounds, Quotas
 from .errors import ControllerError, bad_request, forbidden, not_found
+from .network import KernelNetwork
 from .servers import ServerLeases, check_server_id
 
 log = logging.getLogger("jupyter_gpushare.controller")
@@ -138,6 +141,7 @@ class KernelService:
         usage: UsageSource,
         start_timeout: float = 300.0,
         quotas: Quotas | None = None,
+        network: KernelNetwork | None = None,
     ) -> None:
         self.kube = kube
         self.namespace = namespace
@@ -153,6 +157,8 @@ class KernelService:
             kube, namespace, f"{manifests.LABEL_COMPONENT}={manifests.KERNEL_COMPONENT}"
         )
         self.quotas = quotas or Quotas({}, {}, None)
+        #: the per-user NetworkPolicies (None: the controller keeps none)
+        self.network = network
         # one placement or resize per user at a time, so a quota check and its write are one
         # step (only the leader writes; a process lock is enough)
         self._user_locks: dict[str, asyncio.Lock] = {}
@@ -368,8 +374,11 @@ class KernelService:
             else "",
             gpu_request=allocation.request,
             gpu_memory=allocation.memory,
+            user_label=manifests.owner_label(user.name),  # the caller's server connects to it
         )
         try:
+            if self.network is not None:  # before the pod: never a kernel its user can't reach
+                await self.network.ensure(request.user_label)
             try:
                 await self.kube.create_secret(
                     self.namespace,

@@ -63,6 +63,7 @@ class Kube:
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.coordination = client.CoordinationV1Api(api)
+        self.networking = client.NetworkingV1Api(api)
 
     async def close(self) -> None:
         await self.api.close()
@@ -228,6 +229,38 @@ class Kube:
                 _preload_content=False,
             )
         )
+
+    async def list_network_policies(
+        self, namespace: str, label_selector: str = ""
+    ) -> list[dict[str, Any]]:
+        return (
+            await self._json(
+                self.networking.list_namespaced_network_policy(
+                    namespace, label_selector=label_selector, _preload_content=False
+                )
+            )
+        )["items"]
+
+    async def create_network_policy(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._json(
+            self.networking.create_namespaced_network_policy(
+                namespace, body, _preload_content=False
+            )
+        )
+
+    async def delete_network_policy(self, namespace: str, name: str) -> bool:
+        """Delete a NetworkPolicy; False when it was already gone."""
+        try:
+            await self._json(
+                self.networking.delete_namespaced_network_policy(
+                    name, namespace, _preload_content=False
+                )
+            )
+            return True
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
 
     # -- watches ---------------------------------------------------------------------------------
 

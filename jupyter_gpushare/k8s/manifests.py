@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,10 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_KERNEL = f"{GROUP}/kernel-id"
 LABEL_ALLOCATION = f"{GROUP}/allocation"
 LABEL_SERVER = f"{GROUP}/server"
+#: The Hub user a kernel pod (set by the controller) or a user's server pod (set by the Hub,
+#: :func:`jupyter_gpushare.hub.owner_labels`) belongs to, as :func:`owner_label`: the per-user
+#: NetworkPolicy (:mod:`jupyter_gpushare.controller.network`) admits a kernel's own server only.
+LABEL_OWNER = f"{GROUP}/owner"
 #: The extended resource of a share, in hundredths of a GPU (the device plugin advertises 100 per
 #: healthy GPU; a kernel pod requests its compute request x its GPU count, limits = requests).
 SHARE_RESOURCE = f"{GROUP}/gpu-share"
@@ -142,6 +147,7 @@ class KernelPodRequest:
     simulated_devices: str = ""  # GPUSHARE_SIM_DEVICES of the node, when its GPUs are simulated
     gpu_request: float = 0.0  # what the interposer enforces alone while the daemon is away
     gpu_memory: int = 0
+    user_label: str = ""  # owner_label() of the Hub user (controller mode); "": no owner label
 
 
 def visible_devices(gpus: Sequence[str]) -> str:
@@ -331,12 +337,21 @@ def _pod_object(
                 LABEL_KERNEL: request.kernel_id,
                 LABEL_ALLOCATION: request.allocation_id,
                 LABEL_SERVER: request.server_id,
+                **({LABEL_OWNER: request.user_label} if request.user_label else {}),
             },
             "annotations": dict(settings.annotations),
             "ownerReferences": [dict(request.owner)],
         },
         "spec": spec,
     }
+
+
+def owner_label(user: str) -> str:
+    """The :data:`LABEL_OWNER` value of Hub user ``user``: the first 20 hex digits of the
+    SHA-256 of the name (label-safe whatever the name holds; 80 bits, so two users of one Hub
+    never share a value by accident, and a user cannot pick a name that collides with
+    another's)."""
+    return hashlib.sha256(user.encode()).hexdigest()[:20]
 
 
 def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

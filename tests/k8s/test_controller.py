@@ -10,6 +10,7 @@ of a GPU), carol (Hub admin).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -87,6 +88,7 @@ c.GpushareController.retry_interval = 0.5
 c.GpushareController.server_lease_duration = 10
 c.GpushareController.reconcile_interval = 1
 c.GpushareController.reconcile_grace = 4
+c.GpushareController.network_policy_grace = 2
 c.KubernetesBackendConfig.kubeconfig = {str(control_plane.kubeconfig("controller"))!r}
 c.KubernetesBackendConfig.namespace = {NAMESPACE!r}
 c.KubernetesBackendConfig.image = "gpushare-test:local"
@@ -231,8 +233,15 @@ def test_user_servers_hold_no_rights_the_controller_does(control_plane: ControlP
         ("coordination.k8s.io", "leases", "update"),
         ("coordination.k8s.io", "leases", "patch"),  # a server's Lease renewal
         ("authentication.k8s.io", "tokenreviews", "create"),  # who reports node usage
+        ("networking.k8s.io", "networkpolicies", "create"),  # each user's kernel policy
+        ("networking.k8s.io", "networkpolicies", "delete"),
     ]:
         assert review(api, controller, sa_groups, group, resource, verb), (resource, verb)
+    # a user's server may not touch NetworkPolicies; the controller may not rewrite one
+    for verb in ("create", "delete", "update", "patch"):
+        assert not review(api, user_server, sa_groups, "networking.k8s.io", "networkpolicies", verb)
+    assert not review(api, controller, sa_groups, "networking.k8s.io", "networkpolicies", "update")
+    assert not review(api, controller, sa_groups, "networking.k8s.io", "networkpolicies", "patch")
     # nor does the controller read Secrets back (it writes connection files only)
     assert not review(api, controller, sa_groups, "", "secrets", "get")
 
@@ -419,6 +428,119 @@ def test_two_users_see_and_change_only_their_own_kernels(
             await kube.close()
 
     asyncio.run(pods_gone())
+
+
+# -- who reaches a kernel: each user's NetworkPolicy ---------------------------------------------
+
+
+def test_each_users_server_reaches_only_their_own_kernels(
+    controllers: list[Controller], hub: Hub, control_plane: ControlPlane, tmp_path: Path
+) -> None:
+    """Two Hub users start a kernel each through the controller; with the chart's controller-
+    mode policies in the namespace, netpol.py's evaluation of EVERY NetworkPolicy of the
+    cluster says: alice's server reaches alice's kernel and not bob's, bob's server bob's
+    only, any other pod of jhub (the hub, a server without the Hub's owner label) neither. A
+    policy deleted by hand comes back; a user's policy goes once their kernels are gone."""
+    from kubernetes import client, config
+    from netpol import Pod, allowed
+    from test_helm import helm_binary
+
+    from jupyter_gpushare.controller.network import policy_name
+
+    binary = helm_binary()
+    if binary is None:
+        pytest.skip("no helm binary (.ci/setup.d/helm.sh)")
+    rendered = subprocess.run(
+        [
+            binary,
+            "template",
+            "x",
+            str(ROOT / "deploy/helm/jupyter-gpushare"),
+            "--namespace",
+            NAMESPACE,
+            "--set",
+            "controller.enabled=true",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    objs = [d for d in yaml.safe_load_all(rendered) if d]
+    chart = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    controller_labels = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"][
+        "metadata"
+    ]["labels"]
+    api = config.new_client_from_config(str(control_plane.kubeconfig("admin")))
+    net = client.NetworkingV1Api(api)
+    for policy in chart:
+        net.create_namespaced_network_policy(NAMESPACE, policy)
+    users = ("alice", "bob")
+    owners = {u: manifests.owner_label(u) for u in users}
+    try:
+        started = {}
+        for user in users:
+            share = {"gpu_request": 0.1, "gpu_limit": 0.1}
+            body = start_body(kernel_name(), "srv-" + uuid.uuid4().hex[:8], share)
+            reply = call(controllers, hub.tokens[user], "POST", "/api/kernels", body)
+            assert reply.status_code == 201, reply.text
+            started[user] = reply.json()["allocation"]["id"]
+        pods = {
+            p["metadata"]["labels"][manifests.LABEL_ALLOCATION]: p
+            for p in api.sanitize_for_serialization(
+                client.CoreV1Api(api).list_namespaced_pod(NAMESPACE).items
+            )
+            if p["metadata"].get("labels", {}).get(manifests.LABEL_ALLOCATION)
+        }
+        kernels = {u: Pod.of(pods[started[u]]) for u in users}
+        assert {u: k.labels[manifests.LABEL_OWNER] for u, k in kernels.items()} == owners
+        policies = api.sanitize_for_serialization(
+            net.list_network_policy_for_all_namespaces().items
+        )
+        names = {p["metadata"]["name"] for p in policies}
+        assert {policy_name(owners[u]) for u in users} <= names
+        server = {"app": "jupyterhub", "component": "singleuser-server", "release": "jhub"}
+        sources = {
+            "alice's server": (
+                Pod("jhub", {**server, manifests.LABEL_OWNER: owners["alice"]}),
+                {"alice"},
+            ),
+            "bob's server": (
+                Pod("jhub", {**server, manifests.LABEL_OWNER: owners["bob"]}),
+                {"bob"},
+            ),
+            "the controller": (Pod(NAMESPACE, controller_labels), {"alice", "bob"}),
+            "a server without the owner label": (Pod("jhub", server), set()),
+            "the hub": (Pod("jhub", {"app": "jupyterhub", "component": "hub"}), set()),
+            "bob's kernel": (kernels["bob"], set()),
+        }
+        for what, (source, reaches) in sources.items():
+            got = {u for u in users if allowed(policies, source, kernels[u], 50000)}
+            assert got == reaches, (what, got)
+
+        def policy_names() -> set[str]:
+            return {p.metadata.name for p in net.list_namespaced_network_policy(NAMESPACE).items}
+
+        # deleted by hand (or lost): the controller's next pass puts it back
+        net.delete_namespaced_network_policy(policy_name(owners["alice"]), NAMESPACE)
+        deadline = time.monotonic() + 30
+        while policy_name(owners["alice"]) not in policy_names():
+            assert time.monotonic() < deadline, "alice's policy did not come back"
+            time.sleep(0.3)
+        # kernels gone: their users' policies go (after network_policy_grace)
+        for user in users:
+            reply = call(
+                controllers, hub.tokens[user], "DELETE", f"/api/allocations/{started[user]}"
+            )
+            assert reply.status_code == 200, reply.text
+        deadline = time.monotonic() + 40
+        while {policy_name(owners[u]) for u in users} & policy_names():
+            assert time.monotonic() < deadline, policy_names()
+            time.sleep(0.5)
+        assert {p["metadata"]["name"] for p in chart} <= policy_names()  # the chart's stay
+    finally:
+        for policy in chart:
+            with contextlib.suppress(client.ApiException):
+                net.delete_namespaced_network_policy(policy["metadata"]["name"], NAMESPACE)
 
 
 # -- hostile input from a user's server ------------------------------------------------------------
@@ -731,6 +853,7 @@ def test_chart_controller_config_is_what_the_controller_reads(tmp_path: Path) ->
 
     from jupyter_gpushare.controller.app import ControllerApp
     from jupyter_gpushare.controller.config import GpushareController
+    from jupyter_gpushare.controller.network import NetworkSettings
     from jupyter_gpushare.k8s.config import KubernetesBackendConfig
 
     binary = helm_binary()
@@ -788,6 +911,15 @@ def test_chart_controller_config_is_what_the_controller_reads(tmp_path: Path) ->
     service = objs[("Service", "gpushare-controller")]
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
+    # the per-user NetworkPolicies: on (networkPolicy.enabled), servers as the chart says, and
+    # the controller admits its own pods by the Deployment's labels
+    network = NetworkSettings.from_config(settings)
+    assert settings.network_policies is True
+    assert network.server_pod_selector == {"matchLabels": {"component": "singleuser-server"}}
+    assert network.server_namespace_selector == {
+        "matchLabels": {"kubernetes.io/metadata.name": "jhub"}
+    }
+    assert network.controller_pod_labels.items() <= labels.items()
 
 
 # -- the controller away (last: it stops every replica) -------------------------------------------

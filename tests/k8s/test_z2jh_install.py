@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import shlex
 import time
@@ -24,6 +25,8 @@ from test_helm import helm as helm
 from test_manifests import request
 from traitlets.config import Config
 
+from jupyter_gpushare.controller.config import GpushareController
+from jupyter_gpushare.controller.network import NetworkSettings, user_policy
 from jupyter_gpushare.k8s import manifests
 
 Z2JH = DEPLOY / "z2jh"
@@ -200,16 +203,34 @@ def test_network_policies_let_exactly_the_right_pods_in(
     ingress = kernels["spec"]["ingress"]
     ns, hub_ns = story.namespace, story.hub_namespace
     port = 51234  # any of the kernel's ZMQ ports
-    assert rules_admit(ingress, "from", ns, hub_ns, USER_POD, port)  # users' servers
+    # controller mode: the chart's policy admits the controller only; the controller's policy
+    # of each user (built from the chart's ConfigMap) admits that user's server pods: z2jh's
+    # labels plus the owner label the Hub's GpuProfiles sets (netpol.py evaluates all of them
+    # together: test_network_policies.py, test_controller.py)
     assert rules_admit(ingress, "from", ns, ns, controller, port)  # the controller
+    assert not rules_admit(ingress, "from", ns, hub_ns, USER_POD, port)
+    loaded = json.loads(one(objs, "ConfigMap")["data"]["controller_config.json"])
+    settings = NetworkSettings.from_config(
+        GpushareController(config=Config({"GpushareController": loaded["GpushareController"]}))
+    )
+    alice = manifests.owner_label("alice")
+    mine = user_policy(alice, ns, settings)["spec"]
+    assert selects(mine["podSelector"], {**labels, manifests.LABEL_OWNER: alice})
+    assert not selects(mine["podSelector"], labels)  # another user's (or unlabelled) kernel
+    alice_server = {**USER_POD, manifests.LABEL_OWNER: alice}
+    assert rules_admit(mine["ingress"], "from", ns, hub_ns, alice_server, port)
+    assert rules_admit(mine["ingress"], "from", ns, ns, controller, port)
     for namespace, pod in [
+        (hub_ns, USER_POD),  # a server without the owner label
+        (hub_ns, {**USER_POD, manifests.LABEL_OWNER: manifests.owner_label("bob")}),
         (hub_ns, HUB_POD),  # the hub
         (ns, other_kernel),  # another kernel
         (ns, daemon),
-        ("default", USER_POD),  # a lookalike elsewhere
-        (ns, USER_POD),
+        ("default", alice_server),  # a lookalike elsewhere
+        (ns, alice_server),
     ]:
         assert not rules_admit(ingress, "from", ns, namespace, pod, port), (namespace, pod)
+        assert not rules_admit(mine["ingress"], "from", ns, namespace, pod, port), (namespace, pod)
     # z2jh lets users' servers out to the kernels (any port) and the controller's port only
     egress = story.z2jh["singleuser"]["networkPolicy"]["egress"]
     assert rules_admit(egress, "to", hub_ns, ns, labels, port)

@@ -1,0 +1,299 @@
+"""Who reaches a kernel pod (issue 15 "Network"), without a cluster: the NetworkPolicy evaluator
+of netpol.py on the Kubernetes documentation's examples, the controller's per-user policy
+(controller/network.py) with the chart's controller-mode policies, and their schemas. The same
+evaluator over the live cluster's policies, with two Hub users' kernels started through the
+controller: tests/k8s/test_controller.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from netpol import Pod, allowed, selects
+from test_helm import by_key, one, render
+from test_helm import helm as helm
+from test_manifest_schemas import NON_DEFAULT, invalid
+from test_manifests import request
+from traitlets.config import Config
+
+from jupyter_gpushare.controller.config import GpushareController
+from jupyter_gpushare.controller.network import NetworkSettings, check_selector, user_policy
+from jupyter_gpushare.k8s import manifests
+
+#: z2jh's labels of a user's server pod and of the hub's pod
+USER_POD = {"app": "jupyterhub", "component": "singleuser-server", "release": "jhub"}
+HUB_POD = {"app": "jupyterhub", "component": "hub", "release": "jhub"}
+KERNEL_PORT = 51234
+
+
+# -- the evaluator, on the documentation's examples -----------------------------------------------
+
+#: https://kubernetes.io/docs/concepts/services-networking/network-policies/ "test-network-policy"
+DOC_EXAMPLE = {
+    "apiVersion": "networking.k8s.io/v1",
+    "kind": "NetworkPolicy",
+    "metadata": {"name": "test-network-policy", "namespace": "default"},
+    "spec": {
+        "podSelector": {"matchLabels": {"role": "db"}},
+        "policyTypes": ["Ingress", "Egress"],
+        "ingress": [
+            {
+                "from": [
+                    {"ipBlock": {"cidr": "172.17.0.0/16", "except": ["172.17.1.0/24"]}},
+                    {"namespaceSelector": {"matchLabels": {"project": "myproject"}}},
+                    {"podSelector": {"matchLabels": {"role": "frontend"}}},
+                ],
+                "ports": [{"protocol": "TCP", "port": 6379}],
+            }
+        ],
+        "egress": [
+            {
+                "to": [{"ipBlock": {"cidr": "10.0.0.0/24"}}],
+                "ports": [{"protocol": "TCP", "port": 5978}],
+            }
+        ],
+    },
+}
+
+
+def policy(namespace: str, spec: dict[str, Any], name: str = "p") -> dict[str, Any]:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }
+
+
+def test_evaluator_on_the_documented_example() -> None:
+    db = Pod("default", {"role": "db"}, "10.1.0.9")
+    frontend = Pod("default", {"role": "frontend"}, "10.1.0.2")
+    policies = [DOC_EXAMPLE]
+    assert allowed(policies, frontend, db, 6379)
+    assert not allowed(policies, frontend, db, 80)  # only the listed port
+    assert not allowed(policies, frontend, db, 6379, "UDP")
+    # any pod of a namespace labelled project=myproject; not a frontend of another namespace
+    assert allowed(policies, Pod("team", {}, "10.2.0.1", {"project": "myproject"}), db, 6379)
+    assert not allowed(policies, Pod("team", {"role": "frontend"}, "10.2.0.1"), db, 6379)
+    assert not allowed(policies, Pod("default", {"role": "backend"}, "10.1.0.3"), db, 6379)
+    # ipBlock, with its exception
+    assert allowed(policies, Pod("x", {}, "172.17.2.5"), db, 6379)
+    assert not allowed(policies, Pod("x", {}, "172.17.1.5"), db, 6379)
+    # a pod no policy selects is not isolated: anything reaches it
+    assert allowed(policies, Pod("x", {}, "1.2.3.4"), frontend, 80)
+
+
+def test_evaluator_and_versus_or_default_deny_allow_all() -> None:
+    """The documentation's "namespaceSelector and podSelector" (one peer: AND; two peers: OR),
+    "Default deny all ingress traffic" and "Allow all ingress traffic"."""
+    target = Pod("default", {"app": "api"})
+    alice_client = Pod("a", {"role": "client"}, namespace_labels={"user": "alice"})
+    alice_other = Pod("a", {"role": "web"}, namespace_labels={"user": "alice"})
+    local_client = Pod("default", {"role": "client"})
+    both = {"namespaceSelector": {"matchLabels": {"user": "alice"}}}
+    both["podSelector"] = {"matchLabels": {"role": "client"}}
+    and_policy = policy("default", {"podSelector": {}, "ingress": [{"from": [both]}]})
+    either = [
+        {"namespaceSelector": both["namespaceSelector"]},
+        {"podSelector": both["podSelector"]},
+    ]
+    or_policy = policy("default", {"podSelector": {}, "ingress": [{"from": either}]})
+    assert allowed([and_policy], alice_client, target, 80)
+    assert not allowed([and_policy], alice_other, target, 80)
+    assert not allowed([and_policy], local_client, target, 80)
+    assert allowed([or_policy], alice_other, target, 80)
+    assert allowed([or_policy], local_client, target, 80)
+    deny = policy("default", {"podSelector": {}, "policyTypes": ["Ingress"]})
+    assert not allowed([deny], local_client, target, 80)
+    # policies add up: deny-all and a policy admitting clients admit clients
+    assert allowed([deny, and_policy], alice_client, target, 80)
+    assert not allowed([deny, and_policy], alice_other, target, 80)
+    allow_all = policy("default", {"podSelector": {}, "ingress": [{}]})
+    assert allowed([deny, allow_all], alice_other, target, 80)
+    # an egress-only policy does not isolate for ingress; without policyTypes ingress is implied
+    egress_only = policy("default", {"podSelector": {}, "policyTypes": ["Egress"]})
+    assert allowed([egress_only], alice_other, target, 80)
+    assert not allowed([policy("default", {"podSelector": {}})], alice_other, target, 80)
+    # a policy of another namespace selects nothing here
+    assert allowed([policy("other", {"podSelector": {}})], alice_other, target, 80)
+    # port ranges, matchExpressions
+    ranged = policy(
+        "default",
+        {"podSelector": {}, "ingress": [{"ports": [{"port": 50000, "endPort": 60000}]}]},
+    )
+    assert allowed([ranged], local_client, target, KERNEL_PORT)
+    assert not allowed([ranged], local_client, target, 22)
+    assert selects(
+        {"matchExpressions": [{"key": "a", "operator": "In", "values": ["1"]}]}, {"a": "1"}
+    )
+    assert not selects(
+        {"matchExpressions": [{"key": "a", "operator": "NotIn", "values": ["1"]}]}, {"a": "1"}
+    )
+    assert selects({"matchExpressions": [{"key": "a", "operator": "DoesNotExist"}]}, {"b": "1"})
+
+
+# -- the controller's per-user policy with the chart's controller-mode policies ------------------
+
+
+def server_pod(user: str, namespace: str = "jhub") -> Pod:
+    return Pod(namespace, {**USER_POD, manifests.LABEL_OWNER: manifests.owner_label(user)})
+
+
+def kernel_pod(user: str, namespace: str = "gpushare") -> Pod:
+    return kernel_pod_labeled(manifests.owner_label(user), namespace)
+
+
+def kernel_pod_labeled(owner: str, namespace: str) -> Pod:
+    """A kernel pod of k8s/manifests.py with the owner label ``owner``, as the controller
+    builds it."""
+    pod = manifests.kernel_pod(
+        request(namespace=namespace, user_label=owner), manifests.PodSettings(image="img")
+    )
+    return Pod(namespace, pod["metadata"]["labels"])
+
+
+def default_settings() -> NetworkSettings:
+    return NetworkSettings.from_config(GpushareController(config=Config()))
+
+
+def test_each_user_reaches_only_their_own_kernels(helm: str, tmp_path: Path) -> None:
+    objs = render(helm, tmp_path, {"controller": {"enabled": True}})
+    chart = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    controller = Pod("gpushare", one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"])
+    daemon = Pod("gpushare", one(objs, "DaemonSet")["spec"]["template"]["metadata"]["labels"])
+    settings = default_settings()
+    # the controller's defaults are the chart's networkPolicy.servers and controller labels
+    assert settings.controller_pod_labels.items() <= controller.labels.items()
+    policies = chart + [user_policy(manifests.owner_label(u), "gpushare", settings) for u in "ab"]
+    a_kernel, b_kernel = kernel_pod("a"), kernel_pod("b")
+    for source, reaches in [
+        (server_pod("a"), {"a"}),
+        (server_pod("b"), {"b"}),
+        (controller, {"a", "b"}),
+        (Pod("jhub", USER_POD), set()),  # a server without an owner label (not the Hub's)
+        (Pod("jhub", HUB_POD), set()),
+        (server_pod("a", "default"), set()),  # a lookalike outside the servers' namespace
+        (Pod("gpushare", {**USER_POD, manifests.LABEL_OWNER: manifests.owner_label("a")}), set()),
+        (kernel_pod("a"), set()),  # a kernel, even the user's own
+        (daemon, set()),
+    ]:
+        got = {
+            u
+            for u, k in (("a", a_kernel), ("b", b_kernel))
+            if allowed(policies, source, k, KERNEL_PORT)
+        }
+        assert got == reaches, (source, got)
+    # without the user's policy (controller mode), the chart's policy lets the controller only
+    assert not allowed(chart, server_pod("a"), a_kernel, KERNEL_PORT)
+    assert allowed(chart, controller, a_kernel, KERNEL_PORT)
+    # direct mode (the default values) keeps the broad rule: any server reaches any kernel
+    direct = [o for o in render(helm, tmp_path) if o["kind"] == "NetworkPolicy"]
+    assert allowed(direct, server_pod("a"), b_kernel, KERNEL_PORT)
+    assert allowed(direct, Pod("jhub", USER_POD), b_kernel, KERNEL_PORT)
+    assert not allowed(direct, Pod("jhub", HUB_POD), b_kernel, KERNEL_PORT)
+
+
+def test_non_default_servers_reach_the_per_user_policy(helm: str, tmp_path: Path) -> None:
+    """networkPolicy.servers becomes the controller's selectors (its ConfigMap), and the
+    per-user policy uses them: namespaces a and b (matchExpressions), pods app=jupyter-server.
+    Helm merges values into the defaults: ``null`` drops a default selector's key."""
+    servers = {
+        "namespaceSelector": {
+            "matchLabels": None,
+            "matchExpressions": [
+                {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["a", "b"]}
+            ],
+        },
+        "podSelector": {"matchLabels": {"app": "jupyter-server", "component": None}},
+    }
+    values = {**NON_DEFAULT, "networkPolicy": {**NON_DEFAULT["networkPolicy"], "servers": servers}}
+    objs = render(helm, tmp_path, values)
+    config = by_key(objs)[("ConfigMap", "science", "gpushare-controller")]
+    loaded = json.loads(config["data"]["controller_config.json"])["GpushareController"]
+    assert loaded["network_policies"] is True
+    c = Config()
+    for key in ("server_namespace_selector", "server_pod_selector"):
+        setattr(c.GpushareController, key, loaded[key])
+    settings = NetworkSettings.from_config(GpushareController(config=c))
+    owner = manifests.owner_label("zoe")
+    mine = user_policy(owner, "science", settings)
+    assert invalid(mine) == []
+    chart = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    kernel = kernel_pod("zoe", "science")
+    server = {"app": "jupyter-server", manifests.LABEL_OWNER: owner}
+    assert allowed([*chart, mine], Pod("b", server), kernel, KERNEL_PORT)
+    assert not allowed([*chart, mine], Pod("c", server), kernel, KERNEL_PORT)
+    assert not allowed(
+        [*chart, mine], Pod("a", {**server, manifests.LABEL_OWNER: "x"}), kernel, KERNEL_PORT
+    )
+    # networkPolicy off: no policy, and the controller keeps none (nor has the right to)
+    off = render(
+        helm, tmp_path, {"controller": {"enabled": True}, "networkPolicy": {"enabled": False}}
+    )
+    assert not [o for o in off if o["kind"] == "NetworkPolicy"]
+    cfg = json.loads(one(off, "ConfigMap")["data"]["controller_config.json"])
+    assert cfg["GpushareController"]["network_policies"] is False
+    role = by_key(off)[("Role", "gpushare", "gpushare-controller")]
+    assert not [r for r in role["rules"] if "networkpolicies" in r["resources"]]
+
+
+def test_user_policies_validate_and_name_the_owner() -> None:
+    settings = default_settings()
+    for user in ("alice", "Ünïcode user", "a" * 300, "x@example.org"):
+        owner = manifests.owner_label(user)
+        assert len(owner) == 20 and owner.isalnum()
+        mine = user_policy(owner, "gpushare", settings)
+        assert mine["metadata"]["name"] == f"gpushare-kernels-{owner}"
+        assert invalid(mine) == []
+    # a kernel pod carries the owner label; without one (direct mode) it carries none
+    labeled = manifests.kernel_pod(request(user_label="abc"), manifests.PodSettings(image="i"))
+    assert labeled["metadata"]["labels"][manifests.LABEL_OWNER] == "abc"
+    plain = manifests.kernel_pod(request(), manifests.PodSettings(image="i"))
+    assert manifests.LABEL_OWNER not in plain["metadata"]["labels"]
+    assert invalid(labeled) == []
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [
+        ("server_pod_selector", {"matchLabel": {"a": "b"}}, "server_pod_selector"),
+        ("server_pod_selector", {"matchLabels": {"a": 1}}, "server_pod_selector.matchLabels"),
+        (
+            "server_pod_selector",
+            {"matchLabels": {manifests.LABEL_OWNER: "x"}},
+            "server_pod_selector.matchLabels",
+        ),
+        ("server_namespace_selector", {"matchExpressions": "x"}, "matchExpressions"),
+        ("controller_pod_labels", {"a": ["b"]}, "controller_pod_labels.matchLabels"),
+    ],
+)
+def test_bad_selectors_are_refused_by_name(key: str, value: Any, named: str) -> None:
+    c = Config()
+    setattr(c.GpushareController, key, copy.deepcopy(value))
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        NetworkSettings.from_config(GpushareController(config=c))
+
+
+def test_selector_check_keeps_what_it_accepts() -> None:
+    given = {"matchLabels": {"a": "b"}, "matchExpressions": [{"key": "k", "operator": "Exists"}]}
+    assert check_selector(given, "x") == given
+    # None: the kernels' own namespace (a peer with a podSelector only)
+    c = Config()
+    c.GpushareController.server_namespace_selector = None
+    mine = user_policy("o", "ns", NetworkSettings.from_config(GpushareController(config=c)))
+    assert "namespaceSelector" not in mine["spec"]["ingress"][0]["from"][0]
+    assert allowed(
+        [mine],
+        Pod("ns", {**USER_POD, manifests.LABEL_OWNER: "o"}),
+        kernel_pod_labeled("o", "ns"),
+        1,
+    )
+    assert not allowed(
+        [mine],
+        Pod("jhub", {**USER_POD, manifests.LABEL_OWNER: "o"}),
+        kernel_pod_labeled("o", "ns"),
+        1,
+    )

@@ -81,6 +81,22 @@ class DaemonConfig(Configurable):
     ).tag(config=True)
 
 
+#: the flags that set a :class:`DaemonConfig` setting: (flag, trait, metavar); the type, default
+#: and help are the trait's
+CONFIG_FLAGS: tuple[tuple[str, str, str | None], ...] = (
+    ("--quantum-ms", "quantum_ms", None),
+    ("--window-ms", "window_ms", None),
+    ("--poll-ms", "poll_ms", None),
+    ("--metrics-host", "metrics_host", None),
+    ("--metrics-port", "metrics_port", None),
+    ("--max-connections-per-uid", "max_connections_per_uid", "N"),
+    ("--max-connections-per-pod", "max_connections_per_pod", "N"),
+    ("--idle-timeout", "idle_timeout_s", "S"),
+    ("--fd-reserve", "fd_reserve", "N"),
+    ("--admin-group", "admin_group", "GROUP"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DaemonConfig()
     parser.add_argument(
@@ -210,25 +226,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "else use the real ones",
     )
     parser.add_argument(
-        "--quantum-ms", type=float, default=d.quantum_ms, help=DaemonConfig.quantum_ms.help
-    )
-    parser.add_argument(
-        "--window-ms", type=float, default=d.window_ms, help=DaemonConfig.window_ms.help
-    )
-    parser.add_argument("--poll-ms", type=float, default=d.poll_ms, help=DaemonConfig.poll_ms.help)
-    parser.add_argument(
         "--state-dir",
         type=Path,
         default=None,
         help="the agent's private directory of lease memory (made 0700; one "
         "that is a symlink, another user's or open to others is refused; default "
         "$XDG_RUNTIME_DIR/gpushare/… or /dev/shm/gpushare-<uid>-…)",
-    )
-    parser.add_argument(
-        "--metrics-host", default=d.metrics_host, help=DaemonConfig.metrics_host.help
-    )
-    parser.add_argument(
-        "--metrics-port", type=int, default=d.metrics_port, help=DaemonConfig.metrics_port.help
     )
     parser.add_argument(
         "--usage-interval",
@@ -238,37 +241,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --kubernetes-namespace: seconds between writes of this node's "
         "usage to its ConfigMap gpushare-usage-<node> (0: never)",
     )
-    parser.add_argument(
-        "--max-connections-per-uid",
-        type=int,
-        metavar="N",
-        default=d.max_connections_per_uid,
-        help=DaemonConfig.max_connections_per_uid.help,
-    )
-    parser.add_argument(
-        "--max-connections-per-pod",
-        type=int,
-        metavar="N",
-        default=d.max_connections_per_pod,
-        help=DaemonConfig.max_connections_per_pod.help,
-    )
-    parser.add_argument(
-        "--idle-timeout",
-        type=float,
-        metavar="S",
-        default=d.idle_timeout_s,
-        help=DaemonConfig.idle_timeout_s.help,
-    )
-    parser.add_argument(
-        "--fd-reserve",
-        type=int,
-        metavar="N",
-        default=d.fd_reserve,
-        help=DaemonConfig.fd_reserve.help,
-    )
-    parser.add_argument(
-        "--admin-group", metavar="GROUP", default=d.admin_group, help=DaemonConfig.admin_group.help
-    )
+    for flag, trait, metavar in CONFIG_FLAGS:  # one flag per DaemonConfig setting
+        default = getattr(d, trait)
+        parser.add_argument(
+            flag,
+            type=type(default),
+            default=default,
+            metavar=metavar,
+            help=DaemonConfig.class_traits()[trait].help,
+        )
     parser.add_argument("--log-level", default="INFO", help="logging level")
 
 

@@ -145,9 +145,6 @@ class AgentLedger(Ledger):
         #: the ledger as last seen (a snapshot, or a compare-and-swap's reply): when, by which pid
         self._last: tuple[Snapshot, float, int] | None = None
         self._recorded: dict[str, Allocation] = {}
-        #: records as the agent showed them (other users' redacted); one sent back unchanged
-        #: goes as ``{"id", "keep": true}``, which keeps a compare-and-swap small
-        self._seen: dict[str, Allocation] = {}
 
     @property
     def path(self) -> Path:  # where it lives, for messages (``SQLiteLedger.path``'s role)
@@ -250,10 +247,6 @@ class AgentLedger(Ledger):
         return snap
 
     def _keep_view(self, snap: Snapshot) -> None:
-        for a in snap.allocations:  # sent back unchanged, a record goes by its id alone
-            self._seen[a.id] = a
-        while len(self._seen) > 4096:
-            self._seen.pop(next(iter(self._seen)))
         self._last = (snap, time.monotonic(), os.getpid())
 
     async def snapshot_to_change(self) -> tuple[Snapshot, bool]:
@@ -288,13 +281,18 @@ class AgentLedger(Ledger):
     ) -> bool:
         from ..bound import to_json
 
+        # A record sent back as the agent last showed it (other users' redacted) goes by its id
+        # alone, ``{"id", "keep": true}``, which keeps a compare-and-swap small; the agent reads
+        # it as its stored record, which is that one while the node is at ``expected_version``.
+        last = self._last
+        seen = {a.id: a for a in last[0].allocations if a.node == node} if last else {}
         reply = await self.request(
             {
                 "op": "ledger.cas",
                 "node": node,
                 "version": expected_version,
                 "allocations": [
-                    {"id": a.id, "keep": True} if _same(self._seen.get(a.id), a) else a.to_json()
+                    {"id": a.id, "keep": True} if _same(seen.get(a.id), a) else a.to_json()
                     for a in allocations
                 ],
                 "bound": to_json(self.bound) if self.bound is not None else None,

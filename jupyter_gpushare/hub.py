@@ -577,9 +577,17 @@ def _environment_for(settings: _Settings) -> Callable[[Any], dict[str, str | Non
         env = share_environment(_spec_of(spawner, settings))
         # Only a server-gpu pod sees its GPU; in kernel-pods mode the GPU is the kernels'.
         env["NVIDIA_VISIBLE_DEVICES"] = None if settings.mode == "server-gpu" else "void"
-        return env
+        # KubeSpawner expands {...} templates in these values (str.format, in get_env): the
+        # JSON's braces are doubled so that the server gets the JSON as written (undoubled,
+        # every GPU server's start failed with KeyError '"gpu_limit"')
+        return {k: None if v is None else _template_literal(v) for k, v in env.items()}
 
     return environment
+
+
+def _template_literal(text: str) -> str:
+    """``text`` as a KubeSpawner template that expands to ``text``."""
+    return text.replace("{", "{{").replace("}", "}}")
 
 
 def _resource_limits(spawner: Any) -> dict[str, str]:

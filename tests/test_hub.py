@@ -138,14 +138,15 @@ async def test_form_lists_live_inventory(tmp_path: Path, ledger: SQLiteLedger) -
 async def test_gpu_choice_becomes_default_and_bound(tmp_path: Path, ledger: SQLiteLedger) -> None:
     spawner, _ = make_spawner(tmp_path, ledger)
     await submit(spawner, gpu_form(gpu_type="A100", gpu_share="0.25-0.5", gpu_memory="16GiB"))
-    default = json.loads(spawner.environment[ENV_DEFAULT])
+    # what the server process gets: KubeSpawner's get_env expands {...} templates in these
+    default = json.loads(spawner.get_env()[ENV_DEFAULT])
     assert default == {
         "gpu_request": 0.25,
         "gpu_limit": 0.5,
         "gpu_memory": 16 * 2**30,
         "gpu_type": "A100",
     }
-    assert json.loads(spawner.environment[ENV_MAX]) == default
+    assert json.loads(spawner.get_env()[ENV_MAX]) == default
     assert spawner.environment["NVIDIA_VISIBLE_DEVICES"] == "void"  # kernels hold the GPU
     assert GPU_RESOURCE not in spawner.extra_resource_limits
     # a custom share within bounds
@@ -156,7 +157,7 @@ async def test_gpu_choice_becomes_default_and_bound(tmp_path: Path, ledger: SQLi
             "profile-option-gpu--gpu_share--unlisted-choice": "0.3-0.6",
         },
     )
-    custom = json.loads(spawner.environment[ENV_DEFAULT])
+    custom = json.loads(spawner.get_env()[ENV_DEFAULT])
     assert (custom["gpu_request"], custom["gpu_limit"]) == (0.3, 0.6)
     assert custom["gpu_type"] is None and custom["gpu_memory"] is None
 
@@ -247,7 +248,7 @@ async def test_z2jh_values_example(tmp_path: Path, ledger: SQLiteLedger) -> None
     html = await spawner.get_options_form()
     assert "A100 (80GiB)" in html and "T4 (15GiB)" in html and 'value="40GiB"' in html
     await submit(spawner, gpu_form(gpu_type="A100", gpu_share="0.25-0.5", gpu_memory="10GiB"))
-    assert json.loads(spawner.environment[ENV_DEFAULT])["gpu_memory"] == 10 * 2**30
+    assert json.loads(spawner.get_env()[ENV_DEFAULT])["gpu_memory"] == 10 * 2**30
     assert spawner.cpu_guarantee == 1
     await submit(spawner, {"profile": "cpu"})
     assert spawner.cpu_limit == 2 and ENV_DEFAULT not in spawner.environment
@@ -375,7 +376,7 @@ async def test_concurrent_form_opens_share_one_inventory_read(
     assert all("T4 (15GiB) — 1 GPU, up to 1 of a GPU free now" in p for p in pages)
     # the start-time check (KubeSpawner builds the list again) reads nothing more either
     await submit(spawners[7], gpu_form(gpu_type="T4", gpu_share="0.25-0.5"))
-    assert json.loads(spawners[7].environment[ENV_DEFAULT])["gpu_type"] == "T4"
+    assert json.loads(spawners[7].get_env()[ENV_DEFAULT])["gpu_type"] == "T4"
     assert inventory.reads == 1
 
 

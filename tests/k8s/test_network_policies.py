@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,13 @@ from test_manifests import request
 from traitlets.config import Config
 
 from jupyter_gpushare.controller.config import GpushareController
-from jupyter_gpushare.controller.network import NetworkSettings, check_selector, user_policy
+from jupyter_gpushare.controller.network import (
+    KernelNetwork,
+    NetworkSettings,
+    check_selector,
+    policy_name,
+    user_policy,
+)
 from jupyter_gpushare.k8s import manifests
 
 #: z2jh's labels of a user's server pod and of the hub's pod
@@ -297,3 +304,88 @@ def test_selector_check_keeps_what_it_accepts() -> None:
         kernel_pod_labeled("o", "ns"),
         1,
     )
+
+
+# -- the controller's keeping of the policies (one namespace, an in-memory API) ------------------
+
+
+class PolicyStore:
+    """The three NetworkPolicy calls of k8s/client.Kube over a dict, with the API server's
+    answers (409 on a second create, 404 on a missing delete, ``forbid``: 403)."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, dict[str, Any]] = {}
+        self.calls: list[str] = []
+        self.forbid = False
+
+    async def list_network_policies(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        self.calls.append("list")
+        key, _, value = selector.partition("=")
+        return [
+            copy.deepcopy(p) for p in self.items.values() if p["metadata"]["labels"][key] == value
+        ]
+
+    async def create_network_policy(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        from jupyter_gpushare.k8s.client import ApiException
+
+        self.calls.append("create")
+        if self.forbid:
+            raise ApiException(status=403, reason="networkpolicies is forbidden")
+        name = body["metadata"]["name"]
+        if name in self.items:
+            raise ApiException(status=409, reason="already exists")
+        stored = copy.deepcopy(body)
+        stored["metadata"]["creationTimestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.items[name] = stored
+        return stored
+
+    async def delete_network_policy(self, namespace: str, name: str) -> bool:
+        self.calls.append("delete")
+        return self.items.pop(name, None) is not None
+
+    def age(self, owner: str, seconds: float) -> None:
+        when = time.gmtime(time.time() - seconds)
+        self.items[policy_name(owner)]["metadata"]["creationTimestamp"] = time.strftime(
+            "%Y-%m-%dT%H:%M:%SZ", when
+        )
+
+
+def kernel_object(owner: str) -> dict[str, Any]:
+    return manifests.kernel_pod(request(user_label=owner), manifests.PodSettings(image="i"))
+
+
+async def test_policies_follow_kernels_never_racing_a_launch() -> None:
+    store = PolicyStore()
+    now = [1000.0]
+    network = KernelNetwork(store, "gpushare", default_settings(), 60.0, lambda: now[0])  # type: ignore[arg-type]
+    # a launch ensures its user's policy before its pod: one create, then none
+    await network.ensure("a")
+    await network.ensure("a")
+    assert store.calls == ["create"] and list(store.items) == [policy_name("a")]
+    # a pass while a's launch is between ensure and pod (no pod yet): kept, even when old
+    store.age("a", 3600)
+    assert await network.run_once([]) == ([], [])
+    # a's pod exists; b's policy was deleted by hand while b's kernel runs: b's comes back
+    assert await network.run_once([kernel_object("a"), kernel_object("b")]) == (["b"], [])
+    # a's kernels are gone: once the grace since a's last launch has passed, a's policy goes;
+    # b's stays (its pod is there), and a young policy of c (no pod) stays too
+    await network.ensure("c")
+    now[0] += 61
+    store.age("a", 3600)
+    assert await network.run_once([kernel_object("b")]) == ([], ["a"])
+    assert set(store.items) == {policy_name("b"), policy_name("c")}
+    # the next launch of a creates it again (the pass forgot it)
+    await network.ensure("a")
+    assert policy_name("a") in store.items
+
+
+async def test_a_policy_that_cannot_be_made_refuses_the_launch_by_name() -> None:
+    from jupyter_gpushare.controller.errors import ControllerError
+
+    store = PolicyStore()
+    store.forbid = True
+    network = KernelNetwork(store, "gpushare", default_settings())  # type: ignore[arg-type]
+    with pytest.raises(ControllerError) as refused:
+        await network.ensure("a")
+    assert refused.value.status == 503 and refused.value.code == "kernel_network_failed"
+    assert policy_name("a") in str(refused.value) and "deploy/rbac.yaml" in str(refused.value)

@@ -208,7 +208,7 @@ static int dial_agent(void) {
             setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) != 0)
             break;
         if (connect(fd, (struct sockaddr *)&addr, sizeof addr) == 0) return fd;
-        if (errno != EINTR) break; /* a signal handler ran: wait out the rest */
+        if (errno != EINTR) break; /* EINTR: a signal handler ran; try again for the rest */
     }
     if (errno == EAGAIN || errno == EINPROGRESS || errno == EINTR)
         gs_log("the agent on %s did not accept within %u ms (GPUSHARE_CONNECT_TIMEOUT_MS)",

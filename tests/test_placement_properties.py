@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from jupyter_gpushare.inventory import GiB
 from jupyter_gpushare.ledger import Allocation
-from jupyter_gpushare.placement import Placement, PlacementRefused, Placer, Policy, place
+from jupyter_gpushare.placement import ORDERS, Placement, PlacementRefused, Placer, Policy, place
 from jupyter_gpushare.placement.naive import naive_place
 from jupyter_gpushare.share import GpuLabels, ShareError, ShareSpec, parse_memory
 
@@ -79,8 +79,8 @@ def specs(draw: st.DrawFn) -> ShareSpec:
 @st.composite
 def policies(draw: st.DrawFn) -> Policy:
     return Policy(
-        node=draw(st.sampled_from(("binpack", "spread"))),
-        gpu=draw(st.sampled_from(("binpack", "spread"))),
+        node=draw(st.sampled_from(tuple(ORDERS))),
+        gpu=draw(st.sampled_from(tuple(ORDERS))),
         gpu_types=draw(st.sampled_from(((),) * 6 + (("A100", "T4"), ("t4",)))),
         exclude_types=draw(st.sampled_from(((),) * 4 + (("H100",), ("T4",)))),
         cordoned_nodes=frozenset(draw(st.sets(st.sampled_from(("n0", "n3")), max_size=1))),

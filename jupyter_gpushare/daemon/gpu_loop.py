@@ -69,6 +69,9 @@ class GpuLoop:
         #: handoffs between tenants under contention: previous holder's device end -> next
         #: holder's first launch (ns)
         self.handoff_gaps: deque[int] = deque(maxlen=4096)
+        #: how far past its end each lease's queued work ran (its drain end - lease end, ns;
+        #: 0 when it ended in time): what a share's runahead bound keeps short
+        self.overruns: deque[int] = deque(maxlen=4096)
         self._prev_end = 0
         self._prev_holder: Tenant | None = None
         self.draining = False
@@ -118,7 +121,9 @@ class GpuLoop:
         above their request (time others may claim back: a waiter below its request preempts
         them and then waits for their queue) queue at most RUNAHEAD_QUANTA of a quantum, the
         others one quantum (a short queue costs device time whenever a busy host is late to
-        refill it)."""
+        refill it). The bound is the share's: each of its processes (a kernel and the
+        subprocesses it starts: one connection each) queues its part of it, and the interposer
+        splits a process's part between the streams it uses (runahead.c)."""
         short = int(self.quantum_ns * RUNAHEAD_QUANTA)
         shared = len(self.tenants) > 1
         w = self.window_ns
@@ -128,6 +133,7 @@ class GpuLoop:
                 running = self.lease_start if self.holder is t else None
                 over = shared and t.window.used(now, w, running) > t.request * w
                 bound = short if over else self.quantum_ns
+                bound = max(1, bound // max(1, t.connections))
             self.shm.policy[t.slot].runahead_ns = bound
 
     def disconnected(self, tenant: Tenant) -> None:
@@ -424,6 +430,7 @@ class GpuLoop:
                 )
         self._prev_end = end
         self._prev_holder = tenant
+        self.overruns.append(max(0, end - self.lease_until))
         tenant.window.charge(start, end)
         credit = self._credit(tenant)
         # a lease runs at least one kernel: with kernels longer than the quantum a burst cap
@@ -522,6 +529,7 @@ class GpuLoop:
             "direct_handoffs": int(self.shm.header.direct_handoffs),
             "preemptions": self.preemptions,
             "handoff_us": _percentiles(self.handoff_gaps),
+            "overrun_us": _percentiles(self.overruns),
             "allocations": sorted(self.tenants),
         }
 

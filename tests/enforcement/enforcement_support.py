@@ -245,10 +245,10 @@ def device_shares(tenants: list[Any], t0: int, t1: int) -> list[float]:
     rate over a wider interval (which let 50 ms kernels in deep queues add up to 1.02)."""
     out = []
     for t in tenants:
-        queues: dict[int, list[tuple[int, int]]] = {}
+        queues: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for x in t.lines:
             if "q" in x and "dt" in x:
-                queues.setdefault(x["q"], []).append((x["dt"], x["dd"]))
+                queues.setdefault((x.get("pid", 0), x["q"]), []).append((x["dt"], x["dd"]))
         if not queues:
             out.append(shares([t], t0, t1)[0])
             continue

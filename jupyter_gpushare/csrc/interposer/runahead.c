@@ -106,6 +106,15 @@ int gs_runahead_bound(struct gs_gpu *g, struct gs_stream *e, uint64_t prior, uin
         return 1;
     pthread_mutex_lock(&g->streams_lock);
     e->count += prior;
+    if (bound) {
+        /* the bound is this process's part of its share's (the daemon divides it between the
+         * share's processes): split it between the streams it has used under this lease, so
+         * that a process queueing on several streams still queues at most its part in all */
+        uint64_t streams = 0;
+        for (struct gs_stream *o = g->streams; o; o = o->next)
+            if (o->stream && (o->lease == lease || o == e)) streams++;
+        if (streams > 1) bound = bound / streams > 0 ? bound / streams : 1;
+    }
     int waited = 0;
     for (;;) {
         retire_marks(e);

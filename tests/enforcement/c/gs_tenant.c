@@ -282,8 +282,8 @@ static void queue_retire(struct queue *q, uint64_t batch_us, struct progress *p,
     if (p_cuEventElapsedTime && p_cuEventElapsedTime(&ms, q->ref, q->ev[q->head % RING]) == 0) {
         uint64_t dt = q->ref_ns + (uint64_t)((double)ms * 1e6);
         if (last || dt >= q->printed_dt + 20000000ull) {
-            printf("{\"q\":%d,\"dt\":%llu,\"dd\":%llu}\n", q->index, (unsigned long long)dt,
-                   (unsigned long long)q->done_us);
+            printf("{\"q\":%d,\"pid\":%d,\"dt\":%llu,\"dd\":%llu}\n", q->index, (int)getpid(),
+                   (unsigned long long)dt, (unsigned long long)q->done_us);
             q->printed_dt = dt;
         }
     }
@@ -323,6 +323,21 @@ static void queue_drain(struct queue *q, uint64_t batch_us, struct progress *p) 
 static int load_pattern(double seconds, uint64_t kernel_us, const char *pattern) {
     load();
     if (kernel_us == 0) kernel_us = 1;
+    /* GS_TENANT_PROCESSES=N: N processes of the share run the shape (forked children) */
+    const char *procs = getenv("GS_TENANT_PROCESSES");
+    int children = procs ? atoi(procs) - 1 : 0, is_child = 0;
+    pid_t kids[16];
+    if (children > 16) children = 16;
+    fflush(stdout);
+    for (int i = 0; i < children; i++) {
+        kids[i] = fork();
+        if (kids[i] == 0) {
+            is_child = 1;
+            children = 0;
+            CHECK(p_cuCtxSetCurrent(ctx));
+            break;
+        }
+    }
     struct progress p = {0, 0};
     uint64_t start = now_ns(), end = start + (uint64_t)(seconds * 1e9);
     printf("{\"start\":%llu,\"pid\":%d,\"pattern\":\"%s\"}\n", (unsigned long long)start,
@@ -406,7 +421,9 @@ static int load_pattern(double seconds, uint64_t kernel_us, const char *pattern)
         fprintf(stderr, "gs_tenant load: unknown pattern %s\n", pattern);
         return 64;
     }
+    for (int i = 0; i < children; i++) waitpid(kids[i], NULL, 0);
     progress_line(&p, 1);
+    if (is_child) _exit(0);
     return 0;
 }
 

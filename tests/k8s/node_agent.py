@@ -46,7 +46,10 @@ this machine:
   ``CreateContainerConfigError``), HOME a private directory of that user;
 - test hooks, as annotations on a pod: ``test.gpushare/evict: <message>`` evicts it the way the
   kubelet does under node pressure (phase Failed, reason Evicted); ``test.gpushare/oom: "1"``
-  kills it as the OOM killer would (terminated, reason OOMKilled, exit code 137).
+  kills it as the OOM killer would (terminated, reason OOMKilled, exit code 137);
+  ``test.gpushare/admit-after: <seconds>`` admits it that much later (a kubelet busy syncing
+  other pods, or one that takes a batch of pods at once), so that other pods bound meanwhile
+  are waiting too when its ``Allocate`` comes.
 """
 
 # A test double: its few small local file operations may block the agent's own loop.
@@ -78,6 +81,7 @@ from jupyter_gpushare.k8s.device_plugin import api_pb2, api_pb2_grpc
 log = logging.getLogger("node-agent")
 EVICT = "test.gpushare/evict"
 OOM = "test.gpushare/oom"
+ADMIT_AFTER = "test.gpushare/admit-after"
 PER_NODE_HOST_PATHS = ("/run/gpushare", "/var/lib/kubelet/device-plugins", "/opt/gpushare/lib")
 DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 
@@ -558,6 +562,8 @@ class NodeAgent:
     async def _run_pod(self, running: RunningPod, node: str) -> None:
         pod = running.pod
         spec = pod["spec"]
+        delay = ((pod["metadata"].get("annotations") or {}).get(ADMIT_AFTER)) or 0
+        await asyncio.sleep(float(delay))
         inits, containers = spec.get("initContainers") or [], spec["containers"]
         missing = [c for c in [*inits, *containers] if "does-not-exist" in c.get("image", "")]
         if missing:

@@ -7,6 +7,7 @@ refused at admission (it gets no GPU, socket or interposer)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from dataclasses import replace
@@ -371,3 +372,119 @@ async def test_a_resource_quota_bounds_share_units(control_plane: ControlPlane) 
     finally:
         await kube.core.delete_namespace(namespace)
         await kube.close()
+
+
+def held_pod(name: str, allocation: str, node: str, admit_after: float) -> dict[str, Any]:
+    """A pod that looks like a kernel pod (component and allocation labels, 10 share units),
+    created bound to ``node``, which the kubelet double admits ``admit_after`` seconds late."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "labels": {
+                manifests.LABEL_COMPONENT: manifests.KERNEL_COMPONENT,
+                manifests.LABEL_ALLOCATION: allocation,
+            },
+            "annotations": {"test.gpushare/admit-after": str(admit_after)},
+        },
+        "spec": {
+            "nodeName": node,
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "containers": [
+                {
+                    "name": "kernel",
+                    "image": "busybox",
+                    "command": ["python", "-c", "import time; time.sleep(60)"],
+                    "resources": {"limits": {RES: "10"}},
+                }
+            ],
+        },
+    }
+
+
+async def test_a_forged_pod_bound_in_the_kernels_second_does_not_fail_its_admission(
+    control_plane: ControlPlane, node_agent: Any
+) -> None:
+    """Issue 15, the Allocate gap: Allocate does not say which pod it is for, so the plugin
+    serves the first-bound waiting kernel pod. A pod that copies a kernel pod's labels and is
+    bound in the same second (timestamps have one-second resolution), with a name that sorts
+    first, used to come first and make the kernel's own admission fail. Now ties within a
+    second go to the pod the ledger names (name, namespace, UID), and pods outside the kernel
+    namespace are never candidates: the kernel is admitted and gets its share; the forgery in
+    the kernel namespace fails admission, and neither forgery gets anything."""
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    from jupyter_gpushare.k8s.ledger import KubernetesLedger
+
+    node = "gpu-node-2"
+    kube = await admin(control_plane)
+    ledger = KubernetesLedger(kube, NAMESPACE)
+    other_ns = "gpushare-forger"
+    suffix = uuid.uuid4().hex[:6]
+    kernel, forged, elsewhere = f"zz-kernel-{suffix}", f"aa-forged-{suffix}", f"aa-other-{suffix}"
+    [t4] = [g for g in await ledger.gpus() if g.node == node]
+    allocation = Allocation(
+        id=Allocation.new_id(),
+        node=node,
+        gpus=(t4.uuid,),
+        spec=ShareSpec(gpu_request=0.1, gpu_limit=0.1, gpu_memory=2**28, gpu_type=t4.type),
+        memory=2**28,
+        backend="kubernetes",
+        extra={"k8s_pod": kernel, "k8s_namespace": NAMESPACE},
+    )
+    try:
+        with contextlib.suppress(ApiException):
+            await kube.core.create_namespace({"metadata": {"name": other_ns}})
+        snap = await ledger.snapshot()
+        assert await ledger.compare_and_swap(
+            node, snap.versions.get(node, 0), [*snap.on_node(node), allocation]
+        )
+        # the kernel pod, admitted 2 s late: the forgeries are bound meanwhile, in its second
+        for _attempt in range(3):
+            made = await kube.create_pod(NAMESPACE, held_pod(kernel, allocation.id, node, 2.0))
+            copy = await kube.create_pod(NAMESPACE, held_pod(forged, allocation.id, node, 4.0))
+            if made["metadata"]["creationTimestamp"] == copy["metadata"]["creationTimestamp"]:
+                break
+            for name in (kernel, forged):  # crossed a second boundary: not the attack
+                await kube.delete_pod(NAMESPACE, name, grace=0)
+            await eventually(lambda: gone(kube, kernel, forged), 30, "the pods to go")
+        else:
+            pytest.fail("could not create two pods within one second in three attempts")
+        assert forged < kernel  # by name, the forgery would sort first
+        await kube.create_pod(other_ns, held_pod(elsewhere, allocation.id, node, 4.0))
+
+        async def admitted() -> dict[str, Any] | None:
+            p = await pod_state(kube, kernel)
+            annotations = p.get("metadata", {}).get("annotations") or {}
+            if (p.get("status") or {}).get("phase") == "Failed":
+                return p  # refused: fails below with the reason
+            return p if manifests.ALLOCATED_ANNOTATION in annotations else None
+
+        p = await eventually(admitted, 30, "the kernel pod to be admitted")
+        assert (p.get("status") or {}).get("phase") != "Failed", p.get("status")
+
+        async def refused(namespace: str, name: str) -> dict[str, Any] | None:
+            p = await kube.get_pod(namespace, name) or {}
+            return p if (p.get("status") or {}).get("phase") == "Failed" else None
+
+        p = await eventually(lambda: refused(NAMESPACE, forged), 30, f"{forged} to be refused")
+        assert p["status"]["reason"] == "UnexpectedAdmissionError", p["status"]
+        assert f"allocation {allocation.id} is not this pod's" in p["status"]["message"]
+        # the kubelet double runs the kernel namespace's pods only: the other namespace's
+        # forgery waits there unadmitted, and the plugin never took it for the kernel
+        for namespace, name in ((NAMESPACE, forged), (other_ns, elsewhere)):
+            p = await kube.get_pod(namespace, name) or {}
+            assert manifests.ALLOCATED_ANNOTATION not in (p["metadata"].get("annotations") or {})
+    finally:
+        for namespace, name in ((NAMESPACE, kernel), (NAMESPACE, forged), (other_ns, elsewhere)):
+            with contextlib.suppress(ApiException):
+                await kube.delete_pod(namespace, name, grace=0)
+        with contextlib.suppress(Exception):
+            await ledger.release(allocation.id)
+        await kube.close()
+
+
+async def gone(kube: Any, *names: str) -> bool:
+    return all(await kube.get_pod(NAMESPACE, n) is None for n in names)

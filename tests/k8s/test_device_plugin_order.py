@@ -12,6 +12,8 @@ from typing import Any
 
 from jupyter_gpushare.k8s import manifests
 from jupyter_gpushare.k8s.device_plugin import plugin
+from jupyter_gpushare.ledger import Allocation
+from jupyter_gpushare.share import ShareSpec
 
 RES = manifests.SHARE_RESOURCE
 ALLOCATION = "a-" + "1" * 16
@@ -120,3 +122,40 @@ def test_the_api_server_stamps_binding_and_ignores_a_creators_status(control_pla
     finally:
         with contextlib.suppress(client.ApiException):
             core.delete_namespace(namespace)
+
+
+def test_within_one_second_the_ledgers_pod_comes_first_and_other_namespaces_never() -> None:
+    """A forged pod bound in the kernel pod's second, named to sort first: the pod the ledger
+    names (its name, namespace and UID, which the API server assigned) comes first; a pod in
+    another namespace is no candidate at all."""
+    kernel = kernel_like("zz-kernel", "2026-01-01T00:00:06Z", "2026-01-01T00:00:06Z")
+    forged = kernel_like("aa-forged", "2026-01-01T00:00:06Z", None)  # nodeName at creation
+    elsewhere = kernel_like("aa-elsewhere", "2026-01-01T00:00:01Z", None)
+    elsewhere["metadata"]["namespace"] = "forger"
+    pods = [forged, elsewhere, kernel]
+    record = Allocation(
+        id=ALLOCATION,
+        node="n1",
+        gpus=("GPU-1",),
+        spec=ShareSpec(gpu_request=0.25, gpu_limit=0.25),
+        memory=1 << 30,
+        backend="kubernetes",
+        extra={"k8s_pod": "zz-kernel", "k8s_namespace": "gpushare", "k8s_pod_uid": "uid-zz-kernel"},
+    )
+
+    def named(pod: dict[str, Any]) -> bool:
+        return plugin.allocation_is_the_pods(record, pod)
+
+    order = plugin.pending_pods(pods, "n1", RES, 25, "gpushare", named)
+    assert [p["metadata"]["name"] for p in order] == ["zz-kernel", "aa-forged"]
+    # without the ledger's word (what the plugin did before) the forgery came first
+    unnamed = plugin.pending_pods(pods, "n1", RES, 25, "gpushare")
+    assert unnamed[0]["metadata"]["name"] == "aa-forged"
+    # a bound pod of an earlier second still comes first: the kubelet admits it first
+    early = kernel_like("aa-early", "2026-01-01T00:00:05Z", None)
+    order = plugin.pending_pods([*pods, early], "n1", RES, 25, "gpushare", named)
+    assert [p["metadata"]["name"] for p in order][:2] == ["aa-early", "zz-kernel"]
+    # a recreated pod of the same name (another UID) is not the ledger's
+    impostor = kernel_like("zz-kernel", "2026-01-01T00:00:06Z", None)
+    impostor["metadata"]["uid"] = "uid-other"
+    assert not named(impostor)

@@ -21,18 +21,32 @@ Lifecycle, as the kubelet's device manager expects it:
 
 Trust: the kubelet's socket directory is root's; the pod list and the allocation come from the
 API server and the agent's ledger, never from the pod itself. A pod that copies a kernel's
-allocation label gets nothing: the ledger names the kernel's pod (``allocation_is_the_pods``),
-and ``Allocate`` serves the first-bound waiting pod only if it is its allocation's pod (the API
-does not say which pod it is for; the kubelet admits pods in the order they are bound to it), so
-the forged pod fails admission and the kernel's own pod is served next. Pods are ordered by
-when they were bound, not created: a pod created earlier and held back (a scheduling gate, an
-unsatisfiable selector) that copies a newer kernel's labels and is then bound after it would
-otherwise count as the older one, and make the kernel's own admission fail. What is left: a
-forged pod bound in the same second as the kernel pod (timestamps have one-second resolution),
-or one the kubelet rejected before ``Allocate`` whose Failed status is not yet written, can
-still make that kernel's admission fail (it is never handed the kernel's share). The agent's
-peer check (the caller's cgroups name the record's pod UID) stays the last word on every
-connection.
+allocation label gets nothing: the ledger names the kernel's pod (``allocation_is_the_pods``:
+name, namespace and, once recorded, the UID the API server gave it), and ``Allocate`` serves the
+first-bound waiting pod only if it is its allocation's pod (the API does not say which pod it is
+for; the kubelet admits pods in the order they are bound to it), so the forged pod fails
+admission and the kernel's own pod is served next. Who can forge is narrowed first: only pods in
+the kernel namespace are candidates (the plugin lists that namespace alone, and
+:func:`pending_pods` checks it), where in controller mode only the controller may create pods
+(the chart's RBAC); a forged pod in any other namespace is never taken for a kernel. Pods are
+ordered by when they were bound, not created: a pod created earlier and held back (a scheduling
+gate, an unsatisfiable selector) that copies a newer kernel's labels and is then bound after it
+would otherwise count as the older one. Binding times have one-second resolution; within one
+second the pod the ledger names comes first, then creation and UID - never the pod's name,
+which a forger picks (a forgery named to sort first, bound in the kernel pod's second, used to
+make the kernel's admission fail; tests/k8s/test_device_plugin.py plays it).
+
+What is left: ``Allocate`` names devices, not the pod, so the plugin infers the pod. If a forged
+pod in the kernel namespace (direct mode: anyone holding the servers' service account may
+create pods there) is bound in the same second as a kernel pod *and* the kubelet admits it
+first, the plugin takes the kernel's pod for it: the forged container is handed the kernel's
+environment and GPU (its socket directory is the kernel's, where the agent's peer check - the
+caller's cgroups must name the record's pod UID - refuses it), and the kernel's admission then
+fails. A pod the kubelet rejected before ``Allocate`` whose Failed status is not yet written can
+likewise still be counted as waiting. Closing this needs the pod named per container: a
+``PreStartContainer`` check against the kubelet's PodResources API (which pod holds the device
+IDs just allocated), or a DRA driver (claims name their pod). Controller mode removes the
+forger (only the controller creates pods in the kernel namespace).
 """
 
 from __future__ import annotations
@@ -43,7 +57,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,22 +143,38 @@ def bound_at(pod: Mapping[str, Any]) -> str:
 
 
 def pending_pod(
-    pods: Sequence[Mapping[str, Any]], node: str, resource: str, units: int
+    pods: Sequence[Mapping[str, Any]],
+    node: str,
+    resource: str,
+    units: int,
+    namespace: str | None = None,
+    named: Callable[[Mapping[str, Any]], bool] | None = None,
 ) -> Mapping[str, Any] | None:
     """The kernel pod a container start of ``units`` is for: the first of
     :func:`pending_pods` (the kubelet admits pods in the order they are bound to it)."""
-    found = pending_pods(pods, node, resource, units)
+    found = pending_pods(pods, node, resource, units, namespace, named)
     return found[0] if found else None
 
 
 def pending_pods(
-    pods: Sequence[Mapping[str, Any]], node: str, resource: str, units: int
+    pods: Sequence[Mapping[str, Any]],
+    node: str,
+    resource: str,
+    units: int,
+    namespace: str | None = None,
+    named: Callable[[Mapping[str, Any]], bool] | None = None,
 ) -> list[Mapping[str, Any]]:
-    """Kernel pods that may be waiting for ``units``: bound to ``node``, not yet marked, not
-    finished or being deleted, asking ``units``, with an allocation label; first bound first."""
+    """Kernel pods that may be waiting for ``units``: in ``namespace`` (the kernel namespace,
+    where only the controller may create pods), bound to ``node``, not yet marked, not finished
+    or being deleted, asking ``units``, with an allocation label; first bound first. Within one
+    second of binding (timestamps have one-second resolution) the pods ``named`` says the ledger
+    names as their allocation's pod (name, namespace and UID, which the API server assigns)
+    come first, then by creation and UID: nothing a forger can pick (not the pod's name)."""
     candidates = []
     for pod in pods:
         meta = pod.get("metadata") or {}
+        if namespace is not None and meta.get("namespace") != namespace:
+            continue
         if (pod.get("spec") or {}).get("nodeName") != node or meta.get("deletionTimestamp"):
             continue
         if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
@@ -158,9 +188,10 @@ def pending_pods(
         candidates.append(pod)
     candidates.sort(
         key=lambda p: (
-            bound_at(p),
+            bound_at(p)[:19],  # to the second, whatever the precision a server writes
+            named is None or not named(p),
             p["metadata"].get("creationTimestamp") or "",
-            p["metadata"].get("name", ""),
+            p["metadata"].get("uid", ""),
         )
     )
     return candidates
@@ -367,12 +398,8 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
         for req in request.container_requests:
             gpus: Sequence[str] = ()
             with contextlib.suppress(Exception):
-                pod = pending_pod(
-                    await self._kernel_pods(),
-                    self.settings.node,
-                    self.settings.resource,
-                    req.allocation_size,
-                )
+                waiting = await self._waiting(req.allocation_size)
+                pod = waiting[0] if waiting else None
                 if pod is not None:
                     found = await self._allocation(pod)
                     gpus = found.gpus if found is not None else ()
@@ -402,10 +429,30 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return api_pb2.AllocateResponse(container_responses=replies)
 
-    async def _allocate(self, units: int) -> Any:
-        pods = pending_pods(
-            await self._kernel_pods(), self.settings.node, self.settings.resource, units
+    async def _waiting(self, units: int) -> list[Mapping[str, Any]]:
+        """The kernel pods that may be waiting for ``units``, in the order the kubelet admits
+        them (:func:`pending_pods`), ties broken by what the ledger records."""
+        pods = await self._kernel_pods()
+        ids = {(p["metadata"].get("labels") or {}).get(manifests.LABEL_ALLOCATION) for p in pods}
+        if any(i and i not in self.daemon.allocations for i in ids):
+            await self.daemon.refresh()  # the controller recorded it just before the pod
+
+        def named(pod: Mapping[str, Any]) -> bool:
+            found = self.daemon.allocations.get(
+                pod["metadata"]["labels"][manifests.LABEL_ALLOCATION]
+            )
+            return (
+                found is not None
+                and found.node == self.settings.node
+                and allocation_is_the_pods(found, pod)
+            )
+
+        return pending_pods(
+            pods, self.settings.node, self.settings.resource, units, self.settings.namespace, named
         )
+
+    async def _allocate(self, units: int) -> Any:
+        pods = await self._waiting(units)
         if not pods:
             raise AllocateError(
                 f"no kernel pod on {self.settings.node} waits for {units} "

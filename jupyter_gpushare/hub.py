@@ -48,6 +48,7 @@ from traitlets import Dict, Enum, Float, List, Unicode
 from traitlets.config import LoggingConfigurable
 
 from .bound import ENV_DEFAULT, ENV_MAX, apply_user_bound, share_from_environment
+from .errors import GpushareError
 from .inventory import Gpu, TypeAliases
 from .k8s.manifests import LABEL_OWNER, owner_label
 from .ledger import Allocation, Ledger
@@ -74,8 +75,11 @@ ANY_TYPE, AUTO_MEMORY = "any", "auto"
 # SHARE_PATTERN / share_from_text, MEMORY_PATTERN / parse_memory, TYPE_PATTERN.
 
 
-class GpuOptionError(ValueError):
+class GpuOptionError(GpushareError, ValueError):
     """A GPU choice that cannot be accepted; the message is shown on the spawn form."""
+
+    code = "invalid_share"
+    status = 400
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,11 @@ import tornado.web
 
 from jupyter_gpushare.controller.errors import ControllerError, bad_request, from_exception
 from jupyter_gpushare.errors import GpushareError, write_error
+from jupyter_gpushare.hub import GpuOptionError
 from jupyter_gpushare.inventory import NoGpuError
 from jupyter_gpushare.ledger import AllocationNotFound, LedgerConflict, LedgerUnavailable
 from jupyter_gpushare.ledger.agent import AgentRefused
+from jupyter_gpushare.notebook.actions import DaemonUnreachable, NoShare
 from jupyter_gpushare.placement import PlacementRefused
 from jupyter_gpushare.resize import BelowUse, UsageUnknown
 from jupyter_gpushare.share import ShareError
@@ -30,6 +32,9 @@ REFUSALS = [
     (AgentRefused("no_fit", "over capacity"), 409, "no_fit"),
     (NoGpuError("no NVIDIA GPU here"), 409, "no_gpu"),
     (ControllerError(401, "unauthorized", "no token"), 401, "unauthorized"),
+    (GpuOptionError("GPU share refused: no GPUs"), 400, "invalid_share"),
+    (NoShare("This kernel holds no GPU share."), 409, "no_share"),
+    (DaemonUnreachable("The gpushare daemon is unreachable: gone"), 503, "daemon"),
 ]
 
 

@@ -319,7 +319,9 @@ class Daemon:
                 self.nvml = await asyncio.to_thread(sample, self.settings.nvml_library)
             except Exception as exc:  # the sampler is informational
                 log.debug("NVML sample failed: %s", exc)
-                self.nvml = {}
+                # no readings, but each GPU keeps its index: the metrics' ``gpu`` label (DCGM's)
+                # must not flip to "" (a new series) for a second when one sample fails
+                self.nvml = {uuid: {"index": r["index"]} for uuid, r in self.nvml.items()}
             await asyncio.sleep(1.0)
 
     # -- requests -----------------------------------------------------------------------------

@@ -116,9 +116,16 @@ def test_metrics_name_the_kernel_pod_user_and_gpu(
     snap = ledger.snapshot_sync()
     assert ledger.compare_and_swap_sync(NODE, snap.versions.get(NODE, 0), [kernel_pod, local])
     client.refresh()
-    deadline = time.monotonic() + 15
-    while len((series := scrape(client)).get("gpushare_allocation_share", [])) != 2:
-        assert time.monotonic() < deadline, "the daemon never showed both shares"
+
+    def both_shares_and_nvml(series: dict[str, list[Any]]) -> bool:
+        # the gpu label is NVML's index, known once the agent's NVML sampler (in a thread, every
+        # second) has read the device: on a loaded machine that comes after the shares do
+        shares = series.get("gpushare_allocation_share", [])
+        return len(shares) == 2 and all(s.labels["gpu"] for s in shares)
+
+    deadline = time.monotonic() + 30
+    while not both_shares_and_nvml(series := scrape(client)):
+        assert time.monotonic() < deadline, f"the daemon never showed both shares: {series}"
         time.sleep(0.2)
         client.refresh()
     assert set(series) <= METRIC_NAMES, set(series) - METRIC_NAMES
@@ -178,10 +185,10 @@ async def test_the_node_daemon_names_a_kernel_pod_in_its_metrics(
 
         async def labelled() -> Any:
             series = await asyncio.to_thread(scrape, client)
-            found = [
+            found = [  # labelled with the GPU once the agent's NVML sampler has read it
                 s
                 for s in series.get("gpushare_allocation_request", [])
-                if s.labels["allocation"] == record.id
+                if s.labels["allocation"] == record.id and s.labels["gpu"]
             ]
             return found[0] if found else None
 

@@ -267,8 +267,10 @@ class KernelNetwork:
             try:
                 await self.run_once(pods())
                 self._errors.clear()
-            except ApiException as exc:
-                text = f"{exc.status} {exc.reason}"
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the API server away, a refusal: the next pass retries
+                text = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else repr(exc)
                 if text not in self._errors:  # each distinct error once
                     self._errors.add(text)
                     log.warning("gpushare controller: NetworkPolicy pass failed: %s", text)

@@ -317,9 +317,12 @@ class PolicyStore:
         self.items: dict[str, dict[str, Any]] = {}
         self.calls: list[str] = []
         self.forbid = False
+        self.failures: list[Exception] = []  # raised by the next LISTs, one each
 
     async def list_network_policies(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         self.calls.append("list")
+        if self.failures:
+            raise self.failures.pop(0)
         key, _, value = selector.partition("=")
         return [
             copy.deepcopy(p) for p in self.items.values() if p["metadata"]["labels"][key] == value
@@ -389,3 +392,26 @@ async def test_a_policy_that_cannot_be_made_refuses_the_launch_by_name() -> None
         await network.ensure("a")
     assert refused.value.status == 503 and refused.value.code == "kernel_network_failed"
     assert policy_name("a") in str(refused.value) and "deploy/rbac.yaml" in str(refused.value)
+
+
+async def test_the_pass_outlives_failures(caplog: pytest.LogCaptureFixture) -> None:
+    """The API server away or refusing: the pass logs each distinct error once and keeps
+    going, and puts the missing policy of a running kernel in place once it can."""
+    import asyncio
+
+    from jupyter_gpushare.k8s.client import ApiException
+
+    store = PolicyStore()
+    store.failures = [ConnectionError("api server away")] * 3 + [ApiException(status=500)]
+    network = KernelNetwork(store, "gpushare", default_settings())  # type: ignore[arg-type]
+    task = asyncio.create_task(network.run_forever(0.01, lambda: [kernel_object("a")]))
+    try:
+        for _ in range(500):
+            if policy_name("a") in store.items:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+    assert policy_name("a") in store.items
+    failed = [r.getMessage() for r in caplog.records if "pass failed" in r.getMessage()]
+    assert len(failed) == 2, failed  # each distinct error once

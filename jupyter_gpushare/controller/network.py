@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -61,6 +62,9 @@ POLICY_PREFIX = "gpushare-kernels-"
 #: the component label of the per-user policies (what the reconcile pass lists)
 POLICY_COMPONENT = "gpushare-kernel-access"
 SELECTOR_KEYS = ("matchLabels", "matchExpressions")
+#: what :func:`~jupyter_gpushare.k8s.manifests.owner_label` makes (a pod labelled otherwise, by
+#: anyone but the controller, gets no policy: a bad name would fail every pass's create)
+OWNER_VALUE = re.compile(r"^[0-9a-f]{20}$")
 
 
 def policy_name(owner: str) -> str:
@@ -283,7 +287,7 @@ def _owners(pods: Iterable[Mapping[str, Any]]) -> set[str]:
         labels = pod.get("metadata", {}).get("labels") or {}
         if labels.get(manifests.LABEL_COMPONENT) == manifests.KERNEL_COMPONENT:
             owner = labels.get(manifests.LABEL_OWNER)
-            if owner:
+            if isinstance(owner, str) and OWNER_VALUE.match(owner):  # only what owner_label makes
                 owners.add(owner)
     return owners
 

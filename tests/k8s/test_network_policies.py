@@ -361,25 +361,28 @@ async def test_policies_follow_kernels_never_racing_a_launch() -> None:
     store = PolicyStore()
     now = [1000.0]
     network = KernelNetwork(store, "gpushare", default_settings(), 60.0, lambda: now[0])  # type: ignore[arg-type]
+    a, b, c = (manifests.owner_label(u) for u in ("alice", "bob", "carol"))
     # a launch ensures its user's policy before its pod: one create, then none
-    await network.ensure("a")
-    await network.ensure("a")
-    assert store.calls == ["create"] and list(store.items) == [policy_name("a")]
+    await network.ensure(a)
+    await network.ensure(a)
+    assert store.calls == ["create"] and list(store.items) == [policy_name(a)]
     # a pass while a's launch is between ensure and pod (no pod yet): kept, even when old
-    store.age("a", 3600)
+    store.age(a, 3600)
     assert await network.run_once([]) == ([], [])
-    # a's pod exists; b's policy was deleted by hand while b's kernel runs: b's comes back
-    assert await network.run_once([kernel_object("a"), kernel_object("b")]) == (["b"], [])
+    # a's pod exists; b's policy was deleted by hand while b's kernel runs: b's comes back;
+    # a kernel pod labelled with something owner_label never makes gets none (nor fails the pass)
+    pods = [kernel_object(a), kernel_object(b), kernel_object("Not.A-Digest"), kernel_object("")]
+    assert await network.run_once(pods) == ([b], [])
     # a's kernels are gone: once the grace since a's last launch has passed, a's policy goes;
     # b's stays (its pod is there), and a young policy of c (no pod) stays too
-    await network.ensure("c")
+    await network.ensure(c)
     now[0] += 61
-    store.age("a", 3600)
-    assert await network.run_once([kernel_object("b")]) == ([], ["a"])
-    assert set(store.items) == {policy_name("b"), policy_name("c")}
+    store.age(a, 3600)
+    assert await network.run_once([kernel_object(b)]) == ([], [a])
+    assert set(store.items) == {policy_name(b), policy_name(c)}
     # the next launch of a creates it again (the pass forgot it)
-    await network.ensure("a")
-    assert policy_name("a") in store.items
+    await network.ensure(a)
+    assert policy_name(a) in store.items
 
 
 async def test_a_policy_that_cannot_be_made_refuses_the_launch_by_name() -> None:
@@ -404,14 +407,15 @@ async def test_the_pass_outlives_failures(caplog: pytest.LogCaptureFixture) -> N
     store = PolicyStore()
     store.failures = [ConnectionError("api server away")] * 3 + [ApiException(status=500)]
     network = KernelNetwork(store, "gpushare", default_settings())  # type: ignore[arg-type]
-    task = asyncio.create_task(network.run_forever(0.01, lambda: [kernel_object("a")]))
+    owner = manifests.owner_label("alice")
+    task = asyncio.create_task(network.run_forever(0.01, lambda: [kernel_object(owner)]))
     try:
         for _ in range(500):
-            if policy_name("a") in store.items:
+            if policy_name(owner) in store.items:
                 break
             await asyncio.sleep(0.01)
     finally:
         task.cancel()
-    assert policy_name("a") in store.items
+    assert policy_name(owner) in store.items
     failed = [r.getMessage() for r in caplog.records if "pass failed" in r.getMessage()]
     assert len(failed) == 2, failed  # each distinct error once

@@ -334,20 +334,26 @@ async def test_usage_configmap_tracks_a_daemons_allocation(
         [listed] = [a for a in json.loads(shown.stdout)["allocations"] if a["id"] == allocation.id]
         assert listed["usage"]["memory_used"] == 256 * MIB, listed
 
-        # usage writes leave the GpuLedger alone (no CAS retries for placements there)
+        # usage writes leave the GpuLedger alone (no CAS retries for placements there): three
+        # writes of the ConfigMap (one an interval; waited for, not slept: a loaded API server
+        # may take longer) and the ledger's version has not moved
         ledger_rv = (await ledger.snapshot()).versions[USAGE_NODE]
-        cm_rv = (
-            await kube._json(
+
+        async def cm_version() -> str:
+            cm = await kube._json(
                 kube.core.read_namespaced_config_map(name, USAGE_NS, _preload_content=False)
             )
-        )["metadata"]["resourceVersion"]
-        await asyncio.sleep(4 * interval)
+            return str(cm["metadata"]["resourceVersion"])
+
+        seen = [await cm_version()]
+
+        async def rewritten() -> bool:
+            return await cm_version() != seen[-1]
+
+        for _ in range(3):
+            await until(rewritten, 15, "a usage write", interval=interval / 5)
+            seen.append(await cm_version())
         assert (await ledger.snapshot()).versions[USAGE_NODE] == ledger_rv
-        assert (
-            await kube._json(
-                kube.core.read_namespaced_config_map(name, USAGE_NS, _preload_content=False)
-            )
-        )["metadata"]["resourceVersion"] != cm_rv
 
         # a change in the ledger reaches the report: watch + one interval
         started = time.monotonic()

@@ -926,7 +926,11 @@ def test_chart_controller_config_is_what_the_controller_reads(tmp_path: Path) ->
 
 
 async def test_controller_away_kernels_keep_running_starts_fail_with_the_reason(
-    controllers: list[Controller], hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    controllers: list[Controller],
+    hub: Hub,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    control_plane: ControlPlane,
 ) -> None:
     from test_kernels import execute
 
@@ -957,6 +961,15 @@ c.KubernetesBackendConfig.lease_renew_interval = 2
         # the running kernel keeps running (the server talks to its pod directly) ...
         await asyncio.sleep(4)  # several polls of the restarter with no controller
         assert (await execute(server, kernel_id, "print(2 + 3)")).strip() == "5"
+        # ... and stays reachable for alice's server: her NetworkPolicy outlives the controller
+        from jupyter_gpushare.controller.network import policy_name
+
+        kube = await connect(str(control_plane.kubeconfig("admin")))
+        try:
+            names = {p["metadata"]["name"] for p in await kube.list_network_policies(NAMESPACE)}
+        finally:
+            await kube.close()
+        assert policy_name(manifests.owner_label("alice")) in names, names
         # ... and a new start fails within controller_retry_for, with the reason
         started = time.monotonic()
         reply = await asyncio.to_thread(

@@ -26,7 +26,8 @@ def _agent_pid(socket: str) -> int | None:
 
 
 def _enforced(socket: str, allocation_id: str) -> dict | None:
-    reply = DaemonClient(socket, timeout=2.0).status(allocation_id)
+    # 10 s: an agent that has just started (or a loaded machine) may take a while to answer
+    reply = DaemonClient(socket, timeout=10.0).status(allocation_id)
     return reply["allocations"][0] if reply.get("ok") else None
 
 

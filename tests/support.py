@@ -114,10 +114,28 @@ def stop_daemons(socket_path: str) -> None:
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             proc.terminate()
-    _gone, alive = psutil.wait_procs(procs, timeout=3)
-    for proc in alive:
+    for proc in wait_exited(procs, timeout=3):
         with contextlib.suppress(psutil.Error):
             proc.kill()
+
+
+def wait_exited(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until each process has exited; those still running after ``timeout`` s. A zombie
+    has exited: a detached agent's parent is PID 1, which may reap it only a second or two later
+    (psutil.wait_procs waits for that, ~1.7 s a test here)."""
+    deadline = time.monotonic() + timeout
+    running = list(procs)
+    while running:
+        still = []
+        for proc in running:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    still.append(proc)
+        running = still
+        if not running or time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
+    return running
 
 
 class JupyterServer:

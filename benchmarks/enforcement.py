@@ -97,7 +97,7 @@ def run_tenants(daemon, ledger, gpus, tmp, case, kernel_us, pattern, seconds, wa
     status (handoffs) from the middle of the run."""
     allocations = [add_allocation(ledger, gpus[0], r, lim) for r, lim in case.specs]
     argv = tenant_argv(kernel_us, pattern, seconds + warmup + 0.3)
-    tenants = [spawn_tenant(daemon, ledger, a, gpus, argv, tmp) for a in allocations]
+    tenants = [spawn_tenant(daemon, ledger, a, gpus, argv, tmp, drain=True) for a in allocations]
     time.sleep(warmup + seconds / 2)
     status = daemon.client.status()
     for t in tenants:
@@ -117,15 +117,19 @@ def run_plain(gpus, tmp, n, kernel_us, pattern, seconds, warmup=1.0):
     env["CUDA_VISIBLE_DEVICES"] = gpus[0].uuid
     env["GPUSHARE_SIM_STATE"] = str(tmp / "sim.state")
     argv = tenant_argv(kernel_us, pattern, seconds + warmup + 0.3)
-    procs = [
-        subprocess.Popen([str(TENANT), *argv], stdout=subprocess.PIPE, text=True, env=env)
-        for _ in range(n)
-    ]
+    # each writes to a file: a pipe read only after the previous tenant ended would fill and
+    # block the next one in printf
+    outs = [tmp / f"plain-{time.monotonic_ns()}-{i}.out" for i in range(n)]
+    procs = []
+    for out in outs:
+        with out.open("w") as f:
+            procs.append(subprocess.Popen([str(TENANT), *argv], stdout=f, text=True, env=env))
     tenants = []
-    for p in procs:
-        out, _ = p.communicate(timeout=seconds * 4 + 60)
+    for p, out in zip(procs, outs, strict=True):
+        p.wait(timeout=seconds * 4 + 60)
+        text = out.read_text()
         tenants.append(
-            SimpleNamespace(lines=[json.loads(x) for x in out.splitlines() if x[:1] == "{"])
+            SimpleNamespace(lines=[json.loads(x) for x in text.splitlines() if x[:1] == "{"])
         )
     return device_shares(tenants, *window(tenants, seconds, warmup))
 
@@ -137,8 +141,12 @@ def run_mixed(daemon, ledger, gpus, tmp, kernel_us, seconds, warmup=1.5):
     big = add_allocation(ledger, gpus[0], 0.5, 1.0)
     small = add_allocation(ledger, gpus[0], 0.5, 1.0)
     span = str(seconds + warmup + 0.3)
-    tb = spawn_tenant(daemon, ledger, big, gpus, tenant_argv(kernel_us, "pipelined", span), tmp)
-    ts = spawn_tenant(daemon, ledger, small, gpus, ["load", span, "1000", "interactive"], tmp)
+    tb = spawn_tenant(
+        daemon, ledger, big, gpus, tenant_argv(kernel_us, "pipelined", span), tmp, drain=True
+    )
+    ts = spawn_tenant(
+        daemon, ledger, small, gpus, ["load", span, "1000", "interactive"], tmp, drain=True
+    )
     for t in (tb, ts):
         t.finish(timeout=seconds * 4 + 60)
     remove_allocation(ledger, big.id)
@@ -341,7 +349,9 @@ def run_handoff(tmp: Path, gpus, args) -> dict[str, object]:
         case = Case("handoff", ((0.5, 0.5), (0.5, 0.5)), (0.5, 0.5), True)
         allocations = [add_allocation(ledger, gpus[0], r, lim) for r, lim in case.specs]
         argv = tenant_argv(1000, "pipelined", seconds + 3.0)
-        tenants = [spawn_tenant(daemon, ledger, a, gpus, argv, sub) for a in allocations]
+        tenants = [
+            spawn_tenant(daemon, ledger, a, gpus, argv, sub, drain=True) for a in allocations
+        ]
         time.sleep(1.0)
         before = daemon.client.status()["gpus"][0]
         floor = json.loads(

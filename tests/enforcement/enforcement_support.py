@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -186,8 +187,18 @@ class Tenant:
     allocation: Allocation | None
     lines: list[dict] = field(default_factory=list)
 
+    #: stdout read as it comes (spawn_tenant(drain=True)): a tenant that writes more than a
+    #: pipe holds before finish() would otherwise block in printf and lose device time
+    drained: list[str] | None = None
+    reader: threading.Thread | None = None
+
     def finish(self, timeout: float = 60) -> list[dict]:
-        out, err = self.proc.communicate(timeout=timeout)
+        if self.reader is not None and self.drained is not None:
+            self.proc.wait(timeout=timeout)
+            self.reader.join(timeout)
+            out, err = "".join(self.drained), self.proc.stderr.read() if self.proc.stderr else ""
+        else:
+            out, err = self.proc.communicate(timeout=timeout)
         self.stderr = err
         self.lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
         return self.lines
@@ -205,8 +216,10 @@ def spawn_tenant(
     binary: Path = TENANT,
     preload: str | None = None,
     extra_env: dict[str, str] | None = None,
+    drain: bool = False,
 ) -> Tenant:
-    """Start gs_tenant under `allocation`; it waits until its pid is in the ledger."""
+    """Start gs_tenant under `allocation`; it waits until its pid is in the ledger. With
+    `drain` its stdout is read as it comes (long runs that print much: benchmarks)."""
     gate = tmp / f"gate-{time.monotonic_ns()}"
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
@@ -227,8 +240,16 @@ def spawn_tenant(
     )
     if allocation is not None and register:
         set_pid(ledger, allocation.id, proc.pid)
+    tenant = Tenant(proc, allocation)
+    if drain:
+        tenant.drained = []
+        tenant.reader = threading.Thread(
+            target=lambda: tenant.drained.extend(iter(proc.stdout.readline, "")),  # type: ignore[union-attr]
+            daemon=True,
+        )
+        tenant.reader.start()
     gate.touch()
-    return Tenant(proc, allocation)
+    return tenant
 
 
 def _dummy(gpus: list[Gpu]) -> Allocation:
@@ -245,10 +266,10 @@ def device_shares(tenants: list[Any], t0: int, t1: int) -> list[float]:
     rate over a wider interval (which let 50 ms kernels in deep queues add up to 1.02)."""
     out = []
     for t in tenants:
-        queues: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        queues: dict[int, list[tuple[int, int]]] = {}
         for x in t.lines:
             if "q" in x and "dt" in x:
-                queues.setdefault((x.get("pid", 0), x["q"]), []).append((x["dt"], x["dd"]))
+                queues.setdefault(x["q"], []).append((x["dt"], x["dd"]))
         if not queues:
             out.append(shares([t], t0, t1)[0])
             continue

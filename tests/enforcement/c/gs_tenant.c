@@ -250,7 +250,7 @@ static void progress_line(struct progress *p, int last) {
  * each batch, the oldest waited for once the ring is full. Each completed batch's device time is
  * known (the events are timed against `ref`, recorded on the idle stream at the start: its device
  * time is the host clock then), and lines {"q": k, "dt": device ns, "dd": device µs of this
- * queue done by then} say it, at most every 20 ms of device time per queue, so a benchmark can
+ * queue done by then} say it, at most every 50 ms of device time per queue, so a benchmark can
  * count the device time a tenant got inside a window exactly (enforcement_support.
  * device_shares) however long the tenant itself was blocked around the window's edges. */
 struct queue {
@@ -262,8 +262,9 @@ struct queue {
     uint64_t ref_ns, done_us, printed_dt;
 };
 
+static int queues; /* queues made by this process (a forked one numbers from 16 x its rank) */
+
 static void queue_init(struct queue *q) {
-    static int queues;
     CHECK(p_cuStreamCreate(&q->s, CU_STREAM_NON_BLOCKING));
     for (int i = 0; i < RING; i++) CHECK(p_cuEventCreate(&q->ev[i], CU_EVENT_DEFAULT));
     q->head = q->tail = 0;
@@ -281,9 +282,9 @@ static void queue_retire(struct queue *q, uint64_t batch_us, struct progress *p,
     p->done_us += batch_us;
     if (p_cuEventElapsedTime && p_cuEventElapsedTime(&ms, q->ref, q->ev[q->head % RING]) == 0) {
         uint64_t dt = q->ref_ns + (uint64_t)((double)ms * 1e6);
-        if (last || dt >= q->printed_dt + 20000000ull) {
-            printf("{\"q\":%d,\"pid\":%d,\"dt\":%llu,\"dd\":%llu}\n", q->index, (int)getpid(),
-                   (unsigned long long)dt, (unsigned long long)q->done_us);
+        if (last || dt >= q->printed_dt + 50000000ull) {
+            printf("{\"q\":%d,\"dt\":%llu,\"dd\":%llu}\n", q->index, (unsigned long long)dt,
+                   (unsigned long long)q->done_us);
             q->printed_dt = dt;
         }
     }
@@ -334,6 +335,7 @@ static int load_pattern(double seconds, uint64_t kernel_us, const char *pattern)
         if (kids[i] == 0) {
             is_child = 1;
             children = 0;
+            queues = 16 * (i + 1);
             CHECK(p_cuCtxSetCurrent(ctx));
             break;
         }

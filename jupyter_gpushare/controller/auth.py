@@ -4,7 +4,9 @@ The trust boundary of the controller. A user's Jupyter server sends the token Ju
 (``JUPYTERHUB_API_TOKEN``) as ``Authorization: token …``; :class:`HubAuth` asks the Hub who that
 is (``GET {hub}/hub/api/user``, the endpoint every Hub service uses) and caches the answer for a
 short TTL in a bounded LRU, so a Hub that is briefly away does not stop running kernels and a
-flood of bad tokens cannot grow memory. Everything behind this module takes a
+flood of bad tokens cannot grow memory. At most ``max_requests`` Hub requests run at once and
+``max_waiting`` distinct tokens wait (then 503); one request per token, shielded, so a caller who
+hangs up does not cancel it for the others waiting on it. Everything behind this module takes a
 :class:`HubUser` that was already checked.
 """
 
@@ -48,9 +50,17 @@ class HubAuth:
     """Resolve Hub API tokens to users (``GET /hub/api/user``), with a bounded TTL cache."""
 
     def __init__(
-        self, hub_url: str, ttl: float = 30.0, max_entries: int = 4096, timeout: float = 5.0
+        self,
+        hub_url: str,
+        ttl: float = 30.0,
+        max_entries: int = 4096,
+        timeout: float = 5.0,
+        max_requests: int = 8,
+        max_waiting: int = 256,
     ) -> None:
         self.hub_url = hub_url.rstrip("/")
+        self.max_waiting = max_waiting
+        self._asking = asyncio.Semaphore(max_requests)
         self.ttl = ttl
         self.max_entries = max_entries
         self.timeout = timeout
@@ -71,18 +81,28 @@ class HubAuth:
         else:
             pending = self._inflight.get(key)
             if pending is None:  # one Hub request per token at a time
-                pending = asyncio.ensure_future(self._ask(token))
+                if len(self._inflight) >= self.max_waiting:
+                    raise unavailable(
+                        "busy", "too many Hub token checks under way; try again in a moment"
+                    )
+                pending = asyncio.ensure_future(self._bounded_ask(token))
                 self._inflight[key] = pending
-                try:
-                    found = await pending
-                finally:
-                    self._inflight.pop(key, None)
-                self._remember(key, found)
-            else:
-                found = await pending
+                pending.add_done_callback(lambda done: self._settled(key, done))
+            # shielded: a caller who hangs up does not cancel the check the others wait on
+            found = await asyncio.shield(pending)
         if found is None:
             raise unauthorized("the JupyterHub API token was refused by the Hub")
         return found
+
+    async def _bounded_ask(self, token: str) -> HubUser | None:
+        async with self._asking:  # at most max_requests Hub requests at once
+            return await self._ask(token)
+
+    def _settled(self, key: str, done: asyncio.Future[HubUser | None]) -> None:
+        if self._inflight.get(key) is done:
+            del self._inflight[key]
+        if not done.cancelled() and done.exception() is None:
+            self._remember(key, done.result())
 
     def _remember(self, key: str, user: HubUser | None) -> None:
         # refusals are kept briefly too, so a bad token cannot make us hammer the Hub

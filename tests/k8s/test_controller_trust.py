@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from jupyter_gpushare.controller.auth import HubAuth, HubUser
 from jupyter_gpushare.controller.errors import ControllerError
 from jupyter_gpushare.controller.usage import AUDIENCE, NodeAuth, jwt_claims, precheck
 
@@ -145,3 +146,50 @@ async def test_a_review_that_does_not_confirm_the_audience_is_refused() -> None:
     with pytest.raises(ControllerError) as refused:
         await auth.check(daemon, "n1")
     assert refused.value.status == 401 and AUDIENCE in str(refused.value)
+
+
+class Hub(HubAuth):
+    """HubAuth whose Hub knows ``alice-token``; each request waits for ``gate``."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__("http://hub.invalid", **kw)
+        self.gate = asyncio.Event()
+        self.asked = 0
+        self.in_flight = 0
+        self.most_in_flight = 0
+
+    async def _ask(self, token: str) -> HubUser | None:
+        self.asked += 1
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await self.gate.wait()
+        finally:
+            self.in_flight -= 1
+        return HubUser("alice") if token == "alice-token" else None
+
+
+async def test_hub_tokens_bounded_and_shared_checks_shielded() -> None:
+    """The same bounds for Hub API tokens (users' servers): a cancelled caller does not cancel
+    the Hub request others wait on; distinct bad tokens are asked at most ``max_requests`` at
+    a time, at most ``max_waiting`` wait, then 503."""
+    hub = Hub(max_requests=4, max_waiting=50)
+    first = asyncio.ensure_future(hub.user("alice-token"))
+    second = asyncio.ensure_future(hub.user("alice-token"))
+    await asyncio.sleep(0.05)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    bad = [asyncio.ensure_future(hub.user(f"bad-{n}")) for n in range(49)]
+    await asyncio.sleep(0.05)
+    with pytest.raises(ControllerError) as busy:
+        await hub.user("one-too-many")
+    assert busy.value.status == 503
+    assert hub.most_in_flight == 4
+    hub.gate.set()
+    assert (await asyncio.wait_for(second, 5)).name == "alice"
+    results = await asyncio.gather(*bad, return_exceptions=True)
+    assert all(isinstance(r, ControllerError) and r.status == 401 for r in results)
+    assert hub.asked == 50 and hub.most_in_flight == 4
+    await hub.user("alice-token")  # cached
+    assert hub.asked == 50

@@ -284,9 +284,13 @@ class ControllerReporter(_UsageSender):
     with the daemon's service-account token; the controller checks it with a TokenReview (see
     :mod:`jupyter_gpushare.controller.usage`). Nothing is written to the API server.
 
-    The token is read on every report: from ``token_file`` (a projected, pod-bound token the
-    kubelet rotates; the controller then also checks the pod's node) or else the API client's
-    own bearer token. Never fatal to the daemon: failures are logged once per distinct error."""
+    The token is read on every report from ``token_file`` (``$GPUSHARE_CONTROLLER_TOKEN_FILE``:
+    the DaemonSet's projected token, made for audience ``gpushare-controller``, bound to the
+    daemon's pod, rotated by the kubelet; the controller also checks the pod's node). Without
+    one it sends the API client's own bearer token, which is made for the API server and which
+    the controller therefore refuses (401 naming the audience): a token that reaches the
+    controller over the cluster network must be useless at the API server. Never fatal to the
+    daemon: failures are logged once per distinct error."""
 
     what = "usage report to the controller"
 
@@ -357,7 +361,8 @@ class ControllerReporter(_UsageSender):
 #: The node daemon reports to the controller (instead of a ConfigMap) when this is set: the
 #: controller's URL(s), comma-separated (the DaemonSet sets it in controller mode).
 CONTROLLER_URL_ENV = "GPUSHARE_CONTROLLER_URL"
-#: optional: a projected service-account token (audience and pod bound) for those reports
+#: the projected service-account token for those reports (audience gpushare-controller, pod
+#: bound; the DaemonSet mounts it at /var/run/secrets/gpushare.jupyter.org/controller/token)
 CONTROLLER_TOKEN_ENV = "GPUSHARE_CONTROLLER_TOKEN_FILE"
 
 

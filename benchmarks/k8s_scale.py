@@ -73,7 +73,7 @@ from jupyter_gpushare.controller.auth import HubUser  # noqa: E402
 from jupyter_gpushare.controller.bounds import Bounds  # noqa: E402
 from jupyter_gpushare.controller.kernels import KernelService  # noqa: E402
 from jupyter_gpushare.controller.servers import ServerLeases  # noqa: E402
-from jupyter_gpushare.controller.usage import NodeAuth  # noqa: E402
+from jupyter_gpushare.controller.usage import AUDIENCE, NodeAuth  # noqa: E402
 from jupyter_gpushare.inventory import GiB, Gpu, TypeAliases  # noqa: E402
 from jupyter_gpushare.k8s import manifests  # noqa: E402
 from jupyter_gpushare.k8s.client import Kube, connect  # noqa: E402
@@ -381,6 +381,20 @@ async def apiserver_run(plane: ControlPlane, args: argparse.Namespace) -> dict[s
             await asyncio.sleep(TAB_POLL_S)
 
     daemon_kube = await connect(str(plane.kubeconfig("daemon")))
+    # the daemons' token for the controller (as the DaemonSet's projected one: audience
+    # gpushare-controller), minted before the window; one for all the simulated daemons
+    admin_kube = await connect(str(plane.kubeconfig("admin")))
+    minted = await admin_kube._json(
+        admin_kube.core.create_namespaced_service_account_token(
+            "gpushare-daemon",
+            NAMESPACE,
+            {"spec": {"audiences": [AUDIENCE], "expirationSeconds": 3600}},
+            _preload_content=False,
+        )
+    )
+    await admin_kube.close()
+    token_file = Path(tempfile.mkdtemp(prefix="gs-scale-")) / "token"
+    token_file.write_text(minted["status"]["token"])
     reporters = [
         ControllerReporter(
             [url],
@@ -389,6 +403,7 @@ async def apiserver_run(plane: ControlPlane, args: argparse.Namespace) -> dict[s
             lambda: {"allocations": [], "gpus": [], "daemon": {}},
             dict,
             REPORT_S,
+            token_file=str(token_file),
         )
         for node in nodes[: args.report_nodes]
     ]

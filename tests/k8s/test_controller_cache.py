@@ -353,10 +353,17 @@ def test_rest_reads_from_a_warm_cache_make_no_api_requests(
     report = usage_document(  # the node daemon's report (its token is reviewed once)
         daemon_status(placed["id"], 2**20), {}, placed["node"], 2.0, time.time()
     )
+    from kubernetes import client, config
+
+    from jupyter_gpushare.controller.usage import AUDIENCE
+
+    api = config.new_client_from_config(str(plane.kubeconfig("admin")))
+    daemon_token = mint(client.CoreV1Api(api), "gpushare-daemon", AUDIENCE)
+    api.close()
     reply = requests.put(
         f"{controller_url}/api/usage/{placed['node']}",
         json=report,
-        headers={"Authorization": f"Bearer {plane.tokens['daemon']}"},
+        headers={"Authorization": f"Bearer {daemon_token}"},
         timeout=30,
     )
     assert reply.status_code == 200, reply.text

@@ -27,8 +27,9 @@ first-bound waiting pod only if it is its allocation's pod (the API does not say
 for; the kubelet admits pods in the order they are bound to it), so the forged pod fails
 admission and the kernel's own pod is served next. Who can forge is narrowed first: only pods in
 the kernel namespace are candidates (the plugin lists that namespace alone, and
-:func:`pending_pods` checks it), where in controller mode only the controller may create pods
-(the chart's RBAC); a forged pod in any other namespace is never taken for a kernel. Pods are
+:func:`pending_pods` checks it), where in controller mode only the controller creates pods
+(users' servers hold no Kubernetes token there); a forged pod in any other namespace is never
+taken for a kernel. Pods are
 ordered by when they were bound, not created: a pod created earlier and held back (a scheduling
 gate, an unsatisfiable selector) that copies a newer kernel's labels and is then bound after it
 would otherwise count as the older one. Binding times have one-second resolution; within one
@@ -46,7 +47,7 @@ fails. A pod the kubelet rejected before ``Allocate`` whose Failed status is not
 likewise still be counted as waiting. Closing this needs the pod named per container: a
 ``PreStartContainer`` check against the kubelet's PodResources API (which pod holds the device
 IDs just allocated), or a DRA driver (claims name their pod). Controller mode removes the
-forger (only the controller creates pods in the kernel namespace).
+forger, unless someone else is granted pods in the kernel namespace.
 """
 
 from __future__ import annotations

@@ -21,7 +21,10 @@ if ((${#need[@]})); then
   apt-get install -y -q --no-install-recommends "${need[@]}"
 fi
 
-if [ ! -d "$HERE/tests/lab/node_modules/playwright-core" ]; then
+# playwright-core drives Chromium; @kubernetes-models/prometheus-operator validates the chart's
+# PodMonitor (tests/k8s/test_podmonitor_schema.py).
+if [ ! -d "$HERE/tests/lab/node_modules/playwright-core" ] ||
+  [ ! -d "$HERE/tests/lab/node_modules/@kubernetes-models/prometheus-operator" ]; then
   (cd "$HERE/tests/lab" && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --no-audit --no-fund)
 fi
 echo "browser: $(chromium --version 2>/dev/null || echo 'chromium missing'), node $(node --version)"

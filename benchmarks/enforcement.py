@@ -369,6 +369,7 @@ def run_handoff(tmp: Path, gpus, args) -> dict[str, object]:
     finally:
         daemon.stop()
     handoff = after["handoff_us"]
+    notice, wake = after["handoff_notice_us"], after["handoff_wake_us"]
     futex = floor["timer_futex"]
     ratio = handoff["p99"] / futex["p99_us"] if handoff.get("n") and futex["p99_us"] else None
     print(
@@ -377,6 +378,9 @@ def run_handoff(tmp: Path, gpus, args) -> dict[str, object]:
         f" p99 {handoff.get('p99')} us, p99.9 {handoff.get('p999')} us (n={handoff.get('n')};"
         f" {after['handoffs'] - before['handoffs']} leases while the floor was measured,"
         f" {after['direct_handoffs']} direct handoffs in all)\n"
+        f"  of which device end -> grant (the holder notices its drain's end): "
+        f"p50 {notice.get('p50')} us, p99 {notice.get('p99')} us; grant -> first launch (the next"
+        f" holder wakes): p50 {wake.get('p50')} us, p99 {wake.get('p99')} us\n"
         f"host floor, same time and load ({floor['timer']['n']} probes every 2 ms):\n"
         f"  timer wake-up (clock_nanosleep, 1 ns slack)        {_latency(floor['timer'])}\n"
         f"  futex wake of a sleeper in another process          {_latency(floor['futex'])}\n"
@@ -387,6 +391,8 @@ def run_handoff(tmp: Path, gpus, args) -> dict[str, object]:
         "quantum_ms": quantum_ms,
         "seconds": seconds,
         "handoff_us": handoff,
+        "handoff_notice_us": notice,
+        "handoff_wake_us": wake,
         "leases": after["handoffs"],
         "direct_handoffs": after["direct_handoffs"],
         "host_floor_us": floor,

@@ -69,6 +69,11 @@ class GpuLoop:
         #: handoffs between tenants under contention: previous holder's device end -> next
         #: holder's first launch (ns)
         self.handoff_gaps: deque[int] = deque(maxlen=4096)
+        #: the same handoffs in two parts: device end -> the grant (the previous holder noticed
+        #: its drain's end and handed over) and the grant -> the first launch (the next holder's
+        #: thread woke up and launched)
+        self.handoff_notice: deque[int] = deque(maxlen=4096)
+        self.handoff_wake: deque[int] = deque(maxlen=4096)
         #: how far past its end each lease's queued work ran (its drain end - lease end, ns;
         #: 0 when it ended in time): what a share's runahead bound keeps short
         self.overruns: deque[int] = deque(maxlen=4096)
@@ -417,6 +422,8 @@ class GpuLoop:
         handed = self._prev_holder is not None and self._prev_holder is not tenant
         if handed and first and 0 <= self.lease_start - self._prev_end < 5_000_000:
             self.handoff_gaps.append(max(0, first - self._prev_end))  # granted on the spot
+            self.handoff_notice.append(max(0, self.lease_start - self._prev_end))
+            self.handoff_wake.append(max(0, first - self.lease_start))
             if first - self._prev_end > 5_000_000:
                 log.debug(
                     "GPU %s: slow handoff to %s: %.1f ms (granted %.1f ms after the end, "
@@ -529,6 +536,8 @@ class GpuLoop:
             "direct_handoffs": int(self.shm.header.direct_handoffs),
             "preemptions": self.preemptions,
             "handoff_us": _percentiles(self.handoff_gaps),
+            "handoff_notice_us": _percentiles(self.handoff_notice),
+            "handoff_wake_us": _percentiles(self.handoff_wake),
             "overrun_us": _percentiles(self.overruns),
             "allocations": sorted(self.tenants),
         }

@@ -101,9 +101,13 @@ class GpuLoop:
             tenant.credit = LimitCredit(monotonic_ns(), 2 * self.quantum_ns)
             tenant.window.total_ns = self.shm.policy[index].used_ns
             self.tenants[allocation] = tenant
+            # its bound (and the others': the GPU may be shared now) is in place before its
+            # first lease: a first admission that read 0 (no bound) queued 32 launches unchecked
+            self._publish_runahead(monotonic_ns())
         elif (tenant.request, tenant.limit, tenant.memory) != (request, limit, memory):
             tenant.request, tenant.limit, tenant.memory = request, limit, memory
             self.shm.configure(tenant.slot, request, limit, memory)
+            self._publish_runahead(monotonic_ns())
             log.info(
                 "GPU %s: %s now request %.3f limit %.3f", self.uuid, allocation, request, limit
             )
@@ -263,6 +267,9 @@ class GpuLoop:
         tenant = self.tenants[grant.key]
         slot = self.shm.board[tenant.slot]
         until = now + grant.lease_ns
+        # the bound before the lease: the woken holder reads it at its first launch, before
+        # _begin would publish it (its lease has not run yet: the window as it stands)
+        self._publish_runahead(now)
         slot.lease_start_ns = now
         slot.drain_end_ns = now
         slot.drain_eta_ns = 0

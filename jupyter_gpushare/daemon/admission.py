@@ -217,11 +217,24 @@ class Listener:
     #: connections accepted per turn of the event loop (then the others get a turn)
     PER_TURN = 64
 
-    def __init__(self, path: str, backlog: int, accepted: Callable[[socket.socket], None]) -> None:
+    def __init__(
+        self,
+        path: str,
+        backlog: int,
+        accepted: Callable[[socket.socket], None],
+        mode: int = 0o666,
+        gid: int | None = None,
+    ) -> None:
+        """``mode`` and ``gid`` are the socket file's before it listens, so no process ever
+        finds it with another mode (0666: callers are known by their credentials; 0660 with a
+        group: only its members may connect)."""
         self.loop = asyncio.get_running_loop()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.bind(path)
+            if gid is not None:
+                os.chown(path, 0 if os.geteuid() == 0 else -1, gid)
+            os.chmod(path, mode)
             self.sock.listen(backlog)
         except OSError:
             self.sock.close()

@@ -531,13 +531,13 @@ async def _main(args: argparse.Namespace, access: Access) -> None:
         fd_reserve=args.fd_reserve,
         idle_timeout_s=args.idle_timeout,
         admin_group=args.admin_group or None,
+        socket_gid=access.user_gid if args.system else None,
     )
     daemon = Daemon(ledger, settings)
     configure(daemon, access)
     await daemon.start()
     reconciler = None
     if args.system:
-        _system_socket(socket_path, access)
         reconciler = asyncio.create_task(_reconcile_forever(ledger, node))
     usage = None
     if args.kubernetes_namespace:  # the servers read this node's usage from a ConfigMap
@@ -590,16 +590,6 @@ async def _main(args: argparse.Namespace, access: Access) -> None:
         with contextlib.suppress(Exception):
             await daemon.close()
         await ledger.close()
-
-
-def _system_socket(path: Path, access: Access) -> None:
-    """The system socket's mode: 0666 (every user; callers are known by their credentials), or
-    0660 with group ``--group`` (only its members reach the GPUs)."""
-    if access.user_gid is not None:
-        os.chown(path, 0 if os.geteuid() == 0 else -1, access.user_gid)
-        os.chmod(path, 0o660)
-    else:
-        os.chmod(path, 0o666)
 
 
 #: seconds between the system agent's reconciliations (holders gone: their shares released)

@@ -88,6 +88,8 @@ class DaemonSettings:
     idle_timeout_s: float = 60.0
     #: members of this group see every share in ``status`` (as uid 0 and the agent's uid do)
     admin_group: str | None = None
+    #: the socket is 0660 with this group (only its members reach the agent); None: 0666
+    socket_gid: int | None = None
 
 
 @dataclass(eq=False)
@@ -149,8 +151,9 @@ class Daemon:
         fd_limit = raise_fd_limit()
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # the caller checked that no live daemon answers on it
-        self.server = Listener(str(path), LISTEN_BACKLOG, self._accepted)
-        os.chmod(path, 0o666)  # peers are authenticated by credentials, not by file mode
+        gid = self.settings.socket_gid  # otherwise peers are known by credentials, not by mode
+        mode = 0o666 if gid is None else 0o660
+        self.server = Listener(str(path), LISTEN_BACKLOG, self._accepted, mode, gid)
         hold = getattr(self.ledger, "hold_open", None)
         if hold is not None:  # SQLite: no checkpoint + fsync on each caller's close (sqlite.py)
             try:

@@ -55,7 +55,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -526,8 +525,8 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(mode=0o755)
         path = directory / SOCKET_NAME
+        # 0666: callers are known by their credentials (and their pod)
         listener = Listener(str(path), LISTEN_BACKLOG, self.daemon._accepted)
-        os.chmod(path, 0o666)  # callers are known by their credentials (and their pod)
         self.listeners[allocation_id] = (listener, pod_uid)
         return directory
 

@@ -249,11 +249,30 @@ NO_AGENT_ON_HOST = textwrap.dedent("""
 """)
 
 
+@pytest.fixture
+def gone_socket(tmp_path: Path) -> Iterator[Path]:
+    """A socket path no agent serves to begin with; ``gpushare run`` on the host starts one
+    there on demand, detached, so it is ended here (it would outlive the test)."""
+    import psutil
+
+    path = tmp_path / "gone.sock"
+    yield path
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "jupyter_gpushare.daemon" in cmdline and str(path) in cmdline:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except psutil.TimeoutExpired:
+                proc.kill()
+
+
 def test_with_no_agent_a_pod_tenant_sees_no_other_tenants_process_and_is_told_why(
     machine: dict[str, str],
     sim_program: Path,
     other_tenant: tuple[int, str],
     tmp_path: Path,
+    gone_socket: Path,
 ) -> None:
     """The agent gone, a pod cannot match the driver's host pids to its own processes: its /proc
     has other processes under those numbers. A process of the share that happens to have the
@@ -267,7 +286,7 @@ def test_with_no_agent_a_pod_tenant_sees_no_other_tenants_process_and_is_told_wh
         "unshare", "--mount", "--propagation", "private", "sh", "-c",
         'mount -t proc proc "$GPUSHARE_SIM_HOST_PROC" && exec "$@"', "pod",
         "unshare", "--pid", "--fork", "--mount-proc",
-        "env", f"GPUSHARE_SOCKET={tmp_path / 'gone.sock'}",
+        "env", f"GPUSHARE_SOCKET={gone_socket}",
         sys.executable, "-c", NO_AGENT_IN_POD, str(other_pid),
     ]  # fmt: skip
     mine = gpushare_run(
@@ -286,7 +305,7 @@ def test_with_no_agent_a_pod_tenant_sees_no_other_tenants_process_and_is_told_wh
     # outside a pod (the driver's pid namespace, the initial one) /proc still tells: the share's
     # holder is listed with its 1 GiB, the other tenant is not, and nothing is said
     host = gpushare_run(
-        {**machine, "GPUSHARE_SOCKET": str(tmp_path / "gone.sock")},
+        {**machine, "GPUSHARE_SOCKET": str(gone_socket)},
         "--gpu-request", "0.2", "--gpu-memory", "2GiB", "--",
         sys.executable, "-c", NO_AGENT_ON_HOST, str(sim_program),
     )  # fmt: skip

@@ -601,6 +601,9 @@ def test_discovery_finds_the_system_agent_first(agent, monkeypatch) -> None:
 def gpushare_run(socket: str, *argv: str) -> dict[str, Any]:
     """``jupyter gpushare run`` as this user, against the agent named by GPUSHARE_SOCKET."""
     os.environ.update(GPUSHARE_SOCKET=socket, GPUSHARE_NODE_NAME=NODE)
+    from jupyter_gpushare.config import GpuShare
+
+    GpuShare.clear_instance()  # a fresh command: no settings an earlier test left in this process
     code = gpushare_cli.main(["run", *argv])
     return {"code": code, "left": asyncio.run(snapshot(socket))}
 

@@ -58,7 +58,10 @@ def stale_reason(
         return f"no server recorded after {age:.0f} s" if age > max(grace, 60.0) else None
     lease = leases.get(server)
     if lease is None:
-        return f"its Jupyter server ({server}) is gone"
+        # The records and the Leases come through separate watches: a record placed a moment
+        # ago by a server that has just started can arrive before that server's Lease does.
+        age = now.timestamp() - allocation.created
+        return f"its Jupyter server ({server}) is gone" if age > grace else None
     if manifests.lease_expired(lease, now, grace):
         return f"its Jupyter server ({server}) stopped renewing its lease"
     pod = extra.get("k8s_pod")

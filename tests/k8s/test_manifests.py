@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
 from jupyter_gpushare.inventory import TypeAliases, simulated_gpus
@@ -205,7 +206,10 @@ def test_stale_reasons() -> None:
     leases = {"s": lease}
     pods = {"p": {}}
     assert stale_reason(base, leases, pods, now, None, 5, 100.0) is None
-    assert "is gone" in stale_reason(base, {}, pods, now, None, 5, 100.0)
+    # a record placed a moment ago can come before its server's Lease (separate watches)
+    assert stale_reason(base, {}, pods, now, None, 5, 100.0) is None
+    placed_before = replace(base, created=now.timestamp() - 6)
+    assert "is gone" in stale_reason(placed_before, {}, pods, now, None, 5, 100.0)
     old = {"s": manifests.server_lease("s", "ns", "h", 30, now=now - timedelta(seconds=60))}
     assert "stopped renewing" in stale_reason(base, old, pods, now, None, 5, 100.0)
     # A missing pod counts only after the grace period (a restart re-points the record).

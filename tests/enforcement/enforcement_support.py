@@ -304,3 +304,33 @@ def shares(tenants: list[Tenant], t0: int, t1: int) -> list[float]:
         after = min((p for p in points if p[0] >= t1), default=points[-1] if points else (t1, 0))
         out.append((after[1] - before[1]) * 1000 / max(after[0] - before[0], 1))
     return out
+
+
+def sanitizer_preload(kind: str, leaks: bool = True) -> tuple[str, dict[str, str]]:
+    """``LD_PRELOAD`` and the sanitizer options for the interposer built ``kind`` ("plain",
+    "asan" or "tsan"): the sanitizer runtimes first (they must come before the program's own
+    libraries), then the instrumented libgpushare. ``leaks``: LeakSanitizer on, with the
+    simulated driver's per-process state suppressed."""
+    if kind == "plain":
+        return str(LIB / "libgpushare.so"), {}
+    runtimes = ["libasan.so", "libubsan.so"] if kind == "asan" else ["libtsan.so"]
+    paths = [
+        subprocess.run(
+            ["cc", f"-print-file-name={r}"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for r in runtimes
+    ]
+    if kind == "tsan":
+        options = {"TSAN_OPTIONS": "halt_on_error=1:exitcode=66:report_signal_unsafe=0"}
+    else:
+        suppressions = LIB / "test" / "lsan.supp"
+        suppressions.write_text(
+            "# the simulated driver keeps per-process state for the process lifetime\n"
+            "leak:libcuda.so.1\n"
+        )
+        options = {
+            "ASAN_OPTIONS": f"detect_leaks={int(leaks)}:abort_on_error=0:exitcode=66",
+            "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1:exitcode=66",
+            "LSAN_OPTIONS": f"suppressions={suppressions}",
+        }
+    return ":".join([*paths, str(LIB / "test" / f"libgpushare-{kind}.so")]), options

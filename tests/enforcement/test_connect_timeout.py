@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from enforcement_support import LIB, TENANT
+from enforcement_support import LIB, TENANT, sanitizer_preload
 
 from jupyter_gpushare.inventory import simulated_gpus
 from jupyter_gpushare.simulator import simulator_env
@@ -53,26 +53,6 @@ def full_backlog() -> Iterator[str]:
             server.close()
 
 
-def _preload(kind: str) -> tuple[str, dict[str, str]]:
-    if kind == "plain":
-        return str(LIB / "libgpushare.so"), {}
-    runtimes = ["libasan.so", "libubsan.so"] if kind == "asan" else ["libtsan.so"]
-    paths = [
-        subprocess.run(
-            ["cc", f"-print-file-name={r}"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        for r in runtimes
-    ]
-    options = {
-        "asan": {
-            "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0:exitcode=66",
-            "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1:exitcode=66",
-        },
-        "tsan": {"TSAN_OPTIONS": "halt_on_error=1:exitcode=66:report_signal_unsafe=0"},
-    }[kind]
-    return ":".join([*paths, str(LIB / "test" / f"libgpushare-{kind}.so")]), options
-
-
 @pytest.mark.parametrize(
     ("kind", "timeout_ms"),
     [("plain", None), ("plain", 500), ("asan", 500), ("tsan", 500)],
@@ -91,7 +71,7 @@ def test_cuinit_against_an_agent_that_never_accepts_returns_in_time(
         probe.connect(full_backlog)
     probe.close()
     gpus = simulated_gpus("1xA100", "connect-node")
-    preload, sanitizer = _preload(kind)
+    preload, sanitizer = sanitizer_preload(kind, leaks=False)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
     env.update(simulator_env(gpus, tmp_path / "sim.state"))
     env.update(

@@ -3,40 +3,16 @@ saturating tenant next to a plain one, with the instrumented libgpushare and ten
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
-from enforcement_support import LIB, add_allocation, spawn_tenant
+from enforcement_support import LIB, add_allocation, sanitizer_preload, spawn_tenant
 
 pytestmark = pytest.mark.timeout(180)
-
-SANITIZERS = {
-    "asan": {
-        "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0:exitcode=66",
-        "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1:exitcode=66",
-        "LSAN_OPTIONS": "suppressions=" + str(LIB / "test" / "lsan.supp"),
-    },
-    "tsan": {"TSAN_OPTIONS": "halt_on_error=1:exitcode=66:report_signal_unsafe=0"},
-}
 
 
 @pytest.mark.parametrize("kind", ["asan", "tsan"])
 def test_interposer_under_sanitizer(kind, daemon, ledger, gpus, tmp_path):
-    (LIB / "test" / "lsan.supp").write_text(
-        "# the simulated driver keeps per-process state for the process lifetime\n"
-        "leak:libcuda.so.1\n"
-    )
     binary = LIB / "test" / f"gs_tenant-{kind}"
-    # preloaded libraries come before the program's own: the sanitizer runtime must be first
-    runtimes = ["libasan.so", "libubsan.so"] if kind == "asan" else ["libtsan.so"]
-    paths = [
-        subprocess.run(
-            ["cc", f"-print-file-name={r}"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        for r in runtimes
-    ]
-    preload = ":".join([*paths, str(LIB / "test" / f"libgpushare-{kind}.so")])
-    env = SANITIZERS[kind]
+    preload, env = sanitizer_preload(kind)
     mem = add_allocation(ledger, gpus[0], 0.5, 1.0, memory=32 * 2**20)
     spin = add_allocation(ledger, gpus[0], 0.5, 1.0)
     tm = spawn_tenant(

@@ -100,6 +100,17 @@ def other_tenant(machine: dict[str, str], sim_program: Path) -> Iterator[tuple[i
         yield holder.pid, holder.environ()["GPUSHARE_ALLOCATION_ID"]
 
 
+def in_pod(*command: str) -> list[str]:
+    """``command`` as in a pod: a private mount namespace with a procfs of the host's pid
+    namespace at $GPUSHARE_SIM_HOST_PROC (for the simulated driver only), then its own pid
+    namespace and its own /proc."""
+    return [
+        "unshare", "--mount", "--propagation", "private", "sh", "-c",
+        'mount -t proc proc "$GPUSHARE_SIM_HOST_PROC" && exec "$@"', "pod",
+        "unshare", "--pid", "--fork", "--mount-proc", *command,
+    ]  # fmt: skip
+
+
 def test_a_pod_tenant_sees_its_own_processes_by_host_pid(
     machine: dict[str, str],
     sim_program: Path,
@@ -112,14 +123,7 @@ def test_a_pod_tenant_sees_its_own_processes_by_host_pid(
     other_pid, _ = other_tenant
     host_proc = tmp_path / "hostproc"
     host_proc.mkdir()
-    # a private mount namespace with a procfs of the host's pid namespace (for the simulated
-    # driver only), then the pod: its own pid namespace and its own /proc
-    pod = [
-        "unshare", "--mount", "--propagation", "private", "sh", "-c",
-        'mount -t proc proc "$GPUSHARE_SIM_HOST_PROC" && exec "$@"', "pod",
-        "unshare", "--pid", "--fork", "--mount-proc",
-        sys.executable, "-c", IN_POD, str(sim_program),
-    ]  # fmt: skip
+    pod = in_pod(sys.executable, "-c", IN_POD, str(sim_program))
     mine = gpushare_run(
         {**machine, "GPUSHARE_SIM_HOST_PROC": str(host_proc)},
         "--gpu-request", "0.2", "--gpu-memory", "2GiB", "--", *pod,
@@ -282,13 +286,10 @@ def test_with_no_agent_a_pod_tenant_sees_no_other_tenants_process_and_is_told_wh
     other_pid, _ = other_tenant
     host_proc = tmp_path / "hostproc"
     host_proc.mkdir()
-    pod = [
-        "unshare", "--mount", "--propagation", "private", "sh", "-c",
-        'mount -t proc proc "$GPUSHARE_SIM_HOST_PROC" && exec "$@"', "pod",
-        "unshare", "--pid", "--fork", "--mount-proc",
+    pod = in_pod(
         "env", f"GPUSHARE_SOCKET={gone_socket}",
         sys.executable, "-c", NO_AGENT_IN_POD, str(other_pid),
-    ]  # fmt: skip
+    )  # fmt: skip
     mine = gpushare_run(
         {**machine, "GPUSHARE_SIM_HOST_PROC": str(host_proc)},
         "--gpu-request", "0.2", "--gpu-memory", "2GiB", "--", *pod,

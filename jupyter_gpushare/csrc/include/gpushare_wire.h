@@ -91,6 +91,12 @@ _Static_assert(offsetof(struct gpushare_wire_slot, mem_used) == 40, "mem_used of
 _Static_assert(offsetof(struct gpushare_wire_slot, allocation) == 112, "allocation offset");
 _Static_assert(offsetof(struct gpushare_wire_slot, launches) == 144, "launches offset");
 
+/* Slot `index` (0-based) of a lease board that starts with its header. */
+static inline struct gpushare_wire_slot *gpushare_wire_slot_at(void *board, size_t index) {
+    return (struct gpushare_wire_slot *)((char *)board + GPUSHARE_WIRE_HEADER_SIZE +
+                                         index * GPUSHARE_WIRE_SLOT_SIZE);
+}
+
 /* The offsets by name, for the wire-format test (tools/wire_offsets in the build). */
 /* clang-format off */
 #define GPUSHARE_WIRE_HEADER_FIELDS(X) X(magic) X(version) X(slot_count) X(slot_size) \

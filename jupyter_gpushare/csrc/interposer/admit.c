@@ -38,9 +38,7 @@ static uint64_t want_quiet_until(struct gs_gpu *g, uint64_t now) {
     uint32_t holder = atomic_load(&h->holder);
     if (holder == 0 || holder > GPUSHARE_WIRE_SLOTS || holder == (uint32_t)g->slot_index + 1)
         return 0;
-    struct gpushare_wire_slot *held =
-        (struct gpushare_wire_slot *)((char *)h + GPUSHARE_WIRE_HEADER_SIZE +
-                                      (size_t)(holder - 1) * GPUSHARE_WIRE_SLOT_SIZE);
+    struct gpushare_wire_slot *held = gpushare_wire_slot_at(h, holder - 1);
     uint64_t start = atomic_load(&held->lease_start_ns);
     return now >= start && now < start + WANT_QUIET_NS ? start + WANT_QUIET_NS : 0;
 }

@@ -97,8 +97,7 @@ static int attach(struct gs_gpu *g, const int fd[3], int index, uint64_t generat
     int same = g->header && g->slot_index == index && g->generation == generation &&
                memcmp(id, g->map_id, sizeof id) == 0;
     struct gpushare_wire_header *h = board, *ph = policy;
-    struct gpushare_wire_slot *pslots =
-        (struct gpushare_wire_slot *)((char *)policy + GPUSHARE_WIRE_HEADER_SIZE);
+    struct gpushare_wire_slot *pslots = gpushare_wire_slot_at(policy, 0);
     int bad =
         board == MAP_FAILED || policy == MAP_FAILED || account == MAP_FAILED || same ||
         h->magic != GPUSHARE_WIRE_MAGIC || h->version != GPUSHARE_WIRE_LAYOUT_VERSION ||
@@ -111,9 +110,7 @@ static int attach(struct gs_gpu *g, const int fd[3], int index, uint64_t generat
         if (account != MAP_FAILED) munmap(account, GPUSHARE_WIRE_ACCOUNT_SIZE);
         return same ? 0 : -1; /* same files, same slot (reconnect, or a forked child): as is */
     }
-    struct gpushare_wire_slot *slot =
-        (struct gpushare_wire_slot *)((char *)board + GPUSHARE_WIRE_HEADER_SIZE +
-                                      (size_t)index * GPUSHARE_WIRE_SLOT_SIZE);
+    struct gpushare_wire_slot *slot = gpushare_wire_slot_at(board, (size_t)index);
     struct gpushare_wire_slot *acct = account;
     uint64_t mine = atomic_load(&g->proc_mem);
     int first = g->slot == &g->local;

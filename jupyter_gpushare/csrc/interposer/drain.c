@@ -232,9 +232,7 @@ static int try_handoff(struct gs_gpu *g) {
      * we went idle: the best of the others gets it */
     if (next == (uint32_t)g->slot_index + 1) next = atomic_load(&h->next_other);
     if (next == 0 || next > GPUSHARE_WIRE_SLOTS || next == (uint32_t)g->slot_index + 1) return -1;
-    struct gpushare_wire_slot *n =
-        (struct gpushare_wire_slot *)((char *)h + GPUSHARE_WIRE_HEADER_SIZE +
-                                      (size_t)(next - 1) * GPUSHARE_WIRE_SLOT_SIZE);
+    struct gpushare_wire_slot *n = gpushare_wire_slot_at(h, next - 1);
     if (!g->policy_slots || atomic_load(&g->policy_slots[next - 1].state) != GPUSHARE_SLOT_ACTIVE)
         return -1;
     if (atomic_load(&n->waiters) == 0) return -1;
@@ -285,9 +283,7 @@ void gs_finish_lease(struct gs_gpu *g, uint64_t lease) {
          * event loop's work) on the same few CPUs at the same moment, so it waits until that
          * thread has launched (its first_launch_ns), at most HANDOFF_QUIET_NS. The daemon
          * charges from the board's timestamps, not from when the message comes. */
-        struct gpushare_wire_slot *n =
-            (struct gpushare_wire_slot *)((char *)g->header + GPUSHARE_WIRE_HEADER_SIZE +
-                                          (size_t)handed * GPUSHARE_WIRE_SLOT_SIZE);
+        struct gpushare_wire_slot *n = gpushare_wire_slot_at(g->header, (size_t)handed);
         uint64_t quiet_until = gs_now() + HANDOFF_QUIET_NS;
         while (atomic_load(&n->first_launch_ns) == 0 && gs_now() < quiet_until)
             gs_sleep_ns(HANDOFF_QUIET_STEP_NS);

@@ -107,3 +107,36 @@ def test_with_no_report_the_fallback_is_read_every_time() -> None:
         assert "no node daemon has reported" in ((await reports.read()).message or "")
 
     asyncio.run(main())
+
+
+def test_a_malformed_or_oversized_report_is_refused_naming_the_field() -> None:
+    """A report comes from another pod (a node daemon, token checked first): each malformed part
+    is a 400 that names its field, and a report cannot hold more than MAX_ALLOCATIONS entries
+    (the request body is bounded by the HTTP server as well)."""
+    import pytest
+
+    from jupyter_gpushare.controller.errors import ControllerError
+    from jupyter_gpushare.controller.usage import MAX_ALLOCATIONS, check_report
+    from jupyter_gpushare.k8s.usage import FORMAT
+
+    good = {"format": FORMAT, "node": "n1", "time": 1.0, "allocations": [{"id": "a-1"}]}
+    assert check_report("n1", good) is good
+    bad: list[tuple[Any, str]] = [
+        (["not", "an", "object"], "body"),
+        ({**good, "format": 99}, "format"),
+        ({**good, "node": "n2"}, "node"),  # a report for another node than the path's
+        ({**good, "time": "soon"}, "time"),
+        ({**good, "allocations": [{"id": "a"}] * (MAX_ALLOCATIONS + 1)}, "allocations"),
+        ({**good, "allocations": "a-1"}, "allocations"),
+        ({**good, "allocations": [{"id": 7}]}, "allocations[].id"),
+        ({**good, "allocations": [None]}, "allocations[].id"),
+        ({**good, "gpus": {"GPU-1": {}}}, "gpus"),
+    ]
+    for document, field in bad:
+        with pytest.raises(ControllerError) as refused:
+            check_report("n1", document)
+        assert refused.value.status == 400 and refused.value.to_json()["field"] == field, (
+            field,
+            refused.value.to_json(),
+        )
+        assert len(refused.value.message) < 300  # the value is shown shortened, not echoed whole

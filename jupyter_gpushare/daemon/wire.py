@@ -151,9 +151,10 @@ Drain end: every process records timing events ("marks") on its streams about ev
 of device work (more often under a runahead bound); from them the agent of a draining holder knows
 when its queued work should be done (the newest completed mark's device time, anchored by the
 lease's first event, plus the launches after it times the device time per launch). It stores that
-in ``drain_eta_ns`` (for observers), sleeps until shortly before and then polls the device for a
-fraction of a millisecond, so it grants the next holder microseconds after the device's end. The
-next holder sleeps on its ``grant_seq`` futex until the grant wakes it (a poller there would share
+in ``drain_eta_ns`` (for observers) and sleeps in the driver on its streams' blocking-sync events
+until the device signals them (no polling: a thread spinning on a busy host is preempted for
+milliseconds right at the handoff), so it grants the next holder one wake-up after the device's
+end. The next holder sleeps on its ``grant_seq`` futex until the grant wakes it (a poller there would share
 a CPU with the draining agent on a small host and delay it). A waiter sends ``want`` when it starts
 waiting and again at most every 10 ms.
 

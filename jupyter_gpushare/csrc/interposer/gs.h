@@ -154,6 +154,9 @@ void *gs_wrapper_for(const char *name);
 
 /* -- per-GPU state (leases) ------------------------------------------------------------------- */
 #define GS_MARKS 16
+/* a stream's drain event (struct gs_stream.event): timed (the lease is charged from it) and waited
+ * for by sleeping in the driver until the device signals it, not by spinning (drain.c) */
+#define GS_DRAIN_EVENT_FLAGS CU_EVENT_BLOCKING_SYNC
 struct gs_mark { /* an event recorded before a launch (runahead bound) */
     CUevent event;
     uint64_t count; /* launches on the stream before it */

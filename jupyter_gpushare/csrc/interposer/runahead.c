@@ -28,7 +28,7 @@
 void gs_runahead_check(struct gs_gpu *g, struct gs_stream *e) {
     if (!e || !real_cuEventRecord || !real_cuEventQuery) return;
     pthread_mutex_lock(&g->streams_lock);
-    if (!e->event && real_cuEventCreate) real_cuEventCreate(&e->event, CU_EVENT_DEFAULT);
+    if (!e->event && real_cuEventCreate) real_cuEventCreate(&e->event, GS_DRAIN_EVENT_FLAGS);
     if (e->event && e->stream) {
         if (real_cuEventQuery(e->event) == CUDA_ERROR_NOT_READY && real_cuEventSynchronize)
             real_cuEventSynchronize(e->event);

@@ -3,8 +3,8 @@ where the error is about input) and one :func:`write_error` that answers it as J
 
 Every refusal a user or client can see subclasses it (a bad share, nothing fits, a memory cap
 below use, usage not known, an unavailable or contended ledger, an unknown allocation, no GPU, the
-agent's or the controller's refusal), so the server extension and the controller answer each with
-the same function and the same shape::
+agent's or the controller's refusal, a share released while its kernel started), so the server
+extension and the controller answer each with the same function and the same shape::
 
     {"error": code, "message": "...", "field": ..., "value": ..., "allowed": ..., **fields}
 

@@ -47,9 +47,29 @@ from ..progress import report as report_phase
 from ..share import SHARE_FIELDS, ShareError, ShareSpec
 
 
+class ShareReleasedWhileStarting(GpushareError):
+    """The kernel's share was released after it was placed and before the kernel process was
+    recorded as its holder (the notebook panel's or the dashboard's Release, ``DELETE
+    /gpushare/api/allocations/<id>``, idle reclaim): a user's action, not a fault. The start
+    stops, a kernel process already started is stopped (:meth:`GpushareProvisioner.launch_kernel`),
+    and nothing of it is kept; starting the kernel again places a new share."""
+
+    code = "share_released"
+    status = 409
+
+    def __init__(self, allocation_id: str) -> None:
+        super().__init__(
+            f"the GPU share {allocation_id} was released while this kernel was starting, so "
+            "the kernel was not started (nothing of it is kept); start the kernel again to get "
+            "a new share",
+            allocation=allocation_id,
+        )
+
+
 class ShareRefused(HTTPError):
-    """A refused share (invalid, or nothing fits) as an HTTP error, so that jupyter_server's own
-    ``POST /api/kernels`` answers 400/409 with our message instead of "Unhandled error"."""
+    """A refused share (invalid, nothing fits, or released while its kernel was starting) as an
+    HTTP error, so that jupyter_server's own ``POST /api/kernels`` answers 400/409 with our
+    message instead of "Unhandled error"."""
 
     def __init__(self, error: GpushareError) -> None:
         body = error.to_json()
@@ -97,6 +117,8 @@ def _own_start_time(pid: int) -> float | None:
 
 
 _BASE_KWARGS = {"kernel_id", "kernel_spec", "parent", "config", "log"}
+#: seconds a failed start waits for the kernel process it stopped (SIGKILL) to be gone
+STOP_WAIT_S = 10.0
 CONFIG_KEYS = (*SHARE_FIELDS, "backend")
 
 
@@ -141,6 +163,7 @@ class GpushareProvisioner(KernelProvisionerBase):
         self.allocation: Allocation | None = None
         self._kernel_backend: KernelBackend | None = None
         self._crashed = False
+        self._ran = False  # a kernel process of this provisioner ran (later starts: restarts)
         self._shutdown_asked = False
         self._owner = "kernel"  # "pool" for a warm pool kernel (see jupyter_gpushare.pools)
         self._settings: GpuShare | None = None
@@ -257,12 +280,18 @@ class GpushareProvisioner(KernelProvisionerBase):
             raise ShareRefused(exc) from exc
         where = f"{self.allocation.node} {','.join(self.allocation.gpus)}"
         self._phase("placed", f"holds {self.allocation.spec.describe()} on {where}")
+        held = self.allocation.id
         try:
             return await self.kernel_backend.pre_launch(self.allocation, **kwargs)
         except BaseException as exc:
-            self._phase("failed", f"launch preparation failed: {exc}")
+            released = self._released_while_starting(exc, held)
+            why = released.body["message"] if released else f"launch preparation failed: {exc}"
+            self._phase("failed", why)
             await self._release("launch preparation failed")
-            raise
+            if released is None:
+                raise
+            self._forget_refused_start()
+            raise released from exc
 
     def _phase(self, phase: str, message: str = "", **fields: Any) -> None:
         """Report how far this kernel's start has got (``GET /gpushare/api/starts``, the Lab
@@ -290,16 +319,65 @@ class GpushareProvisioner(KernelProvisionerBase):
         task.add_done_callback(forget)
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        """Start the kernel and record its process as the share's holder.
+
+        The record is a compare-and-swap on the share placed in :meth:`pre_launch`, so a share
+        released in between (a user's Release, idle reclaim) is seen here, once, whenever the
+        release came: the process just started is stopped, what the launch took (ports, the
+        connection file, a pod) is given back, and the start is refused with 409
+        ``share_released`` (:class:`ShareReleasedWhileStarting`). Any other failure of the
+        launch or the record stops the process the same way (never a kernel nobody manages)
+        and is raised as it is."""
         self._phase("launching", "starting the kernel")
+        assert self.allocation is not None
+        held = self.allocation.id
         try:
             self.connection_info = await self.kernel_backend.launch_kernel(cmd, **kwargs)
+            await self._record_process()
         except BaseException as exc:
-            self._phase("failed", f"the kernel did not start: {exc}")
+            released = self._released_while_starting(exc, held)
+            why = released.body["message"] if released else f"the kernel did not start: {exc}"
+            self._phase("failed", why)
+            await self._undo_launch()
             await self._release("launch failed")
-            raise
-        await self._record_process()
+            if released is None:
+                raise
+            self._forget_refused_start()
+            raise released from exc
+        self._ran = True
         self._phase("starting", "the kernel process runs; connecting")
         return self.connection_info
+
+    def _released_while_starting(self, error: BaseException, held: str) -> ShareRefused | None:
+        """``error`` as the user's refusal when it says that ``held``, this start's share, is
+        no longer in the ledger (released while the kernel was starting); else None."""
+        if isinstance(error, AllocationNotFound) and error.allocation_id == held:
+            self.log.info(
+                "gpushare: share %s of kernel %s was released while the kernel was starting",
+                held,
+                self.kernel_id,
+            )
+            return ShareRefused(ShareReleasedWhileStarting(held))
+        return None
+
+    async def _undo_launch(self) -> None:
+        """After a failed launch: stop the process (or pod) it started and give back what it
+        took (the ports; for a first start also the connection file, which holds the kernel's
+        key), so that nothing of the start is left. A restart keeps them for the next try, as
+        jupyter_client does (the kernel manager removes them at shutdown)."""
+        backend, restart = self.kernel_backend, self._ran
+        try:
+            if backend.has_process:
+                await backend.kill(restart)
+                await asyncio.wait_for(backend.wait(), STOP_WAIT_S)
+            await backend.cleanup(restart)
+        except Exception as exc:  # the start's own error is the one to report
+            self.log.warning(
+                "gpushare: cleaning up the failed start of kernel %s: %s", self.kernel_id, exc
+            )
+        remove = getattr(self.parent, "cleanup_connection_file", None)
+        if not restart and callable(remove):
+            remove()
 
     async def _record_process(self) -> None:
         assert self.allocation is not None
@@ -440,4 +518,4 @@ class GpushareProvisioner(KernelProvisionerBase):
         return self.kernel_backend.resolve_path(path_str)
 
 
-__all__ = ["CONFIG_KEYS", "GpushareProvisioner", "ShareRefused"]
+__all__ = ["CONFIG_KEYS", "GpushareProvisioner", "ShareRefused", "ShareReleasedWhileStarting"]

@@ -38,7 +38,16 @@ this machine:
   (``GetPreferredAllocation`` when the plugin offers it), ``Allocate`` is called and its reply
   applied when the container runs (envs under the spec's env, mounts as volumes, CDI devices
   and device specs recorded in ``devices.json`` of the pod); a failed ``Allocate`` fails the pod
-  with ``UnexpectedAdmissionError`` as the kubelet does;
+  with ``UnexpectedAdmissionError`` as the kubelet does. Pods are admitted one at a time (the
+  kubelet's ``HandlePodAdditions``), and a pod's device IDs are recorded before the next
+  admission; a plugin registered with ``pre_start_required`` gets ``PreStartContainer`` with
+  the container's device IDs each time the container is about to start, after admission; if it
+  fails, the container is not started: it waits in ``CreateContainerConfigError`` with the
+  plugin's message (the pod stays Pending) and is tried again a second later (the kubelet:
+  at its pod worker's next sync);
+- serves the kubelet's PodResources API (v1, ``List`` and ``Get``) on each node's
+  ``/var/lib/kubelet/pod-resources/kubelet.sock``: each active pod of the node with its
+  containers and the device IDs recorded for them;
 - writes Secret volumes as the kubelet does (root-owned files, group ``fsGroup``, mode
   ``defaultMode`` plus group read with an fsGroup) and runs containers as their
   ``runAsUser``/``runAsGroup`` with ``fsGroup`` and ``supplementalGroups`` (setuid in the child;
@@ -49,7 +58,9 @@ this machine:
   kills it as the OOM killer would (terminated, reason OOMKilled, exit code 137);
   ``test.gpushare/admit-after: <seconds>`` admits it that much later (a kubelet busy syncing
   other pods, or one that takes a batch of pods at once), so that other pods bound meanwhile
-  are waiting too when its ``Allocate`` comes.
+  are waiting too when its ``Allocate`` comes; ``test.gpushare/start-after: <seconds>`` starts
+  its containers that much after admission (a sandbox to create, an image to pull), so that
+  other pods are admitted before its ``PreStartContainer``.
 """
 
 # A test double: its few small local file operations may block the agent's own loop.
@@ -76,14 +87,27 @@ import grpc
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from jupyter_gpushare.k8s.client import Kube, connect
-from jupyter_gpushare.k8s.device_plugin import api_pb2, api_pb2_grpc
+from jupyter_gpushare.k8s.device_plugin import (
+    api_pb2,
+    api_pb2_grpc,
+    podresources_pb2,
+    podresources_pb2_grpc,
+)
 
 log = logging.getLogger("node-agent")
 EVICT = "test.gpushare/evict"
 OOM = "test.gpushare/oom"
 ADMIT_AFTER = "test.gpushare/admit-after"
-PER_NODE_HOST_PATHS = ("/run/gpushare", "/var/lib/kubelet/device-plugins", "/opt/gpushare/lib")
+START_AFTER = "test.gpushare/start-after"
+PER_NODE_HOST_PATHS = (
+    "/run/gpushare",
+    "/var/lib/kubelet/device-plugins",
+    "/var/lib/kubelet/pod-resources",
+    "/opt/gpushare/lib",
+)
 DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+#: how long a container whose PreStartContainer failed waits before it is tried again
+PRE_START_RETRY = 1.0
 
 
 def now() -> str:
@@ -136,6 +160,10 @@ class AdmissionError(Exception):
     """The device manager cannot admit a container (the kubelet's UnexpectedAdmissionError)."""
 
 
+class PreStartError(Exception):
+    """A device plugin's PreStartContainer failed: the container is not started."""
+
+
 class _Registration(api_pb2_grpc.RegistrationServicer):
     def __init__(self, manager: DeviceManager) -> None:
         self.manager = manager
@@ -147,6 +175,53 @@ class _Registration(api_pb2_grpc.RegistrationServicer):
             )
         await self.manager.connect(request.resource_name, request.endpoint, request.options)
         return api_pb2.Empty()
+
+
+class _PodResources(podresources_pb2_grpc.PodResourcesListerServicer):
+    """The kubelet's PodResources API (v1) of one node: its active pods, each container with
+    the device IDs the device manager recorded for it."""
+
+    def __init__(self, manager: DeviceManager) -> None:
+        self.manager = manager
+
+    def _pod(self, running: RunningPod) -> Any:
+        allocated = self.manager.allocated.get(running.uid, {})
+        return podresources_pb2.PodResources(
+            name=running.name,
+            namespace=running.pod["metadata"]["namespace"],
+            containers=[
+                podresources_pb2.ContainerResources(
+                    name=c["name"],
+                    devices=[
+                        podresources_pb2.ContainerDevices(resource_name=r, device_ids=ids)
+                        for r, ids in allocated.get(c["name"], {}).items()
+                    ],
+                )
+                for c in running.pod["spec"]["containers"]
+            ],
+        )
+
+    def _active(self) -> list[RunningPod]:
+        return [
+            r
+            for r in self.manager.agent.pods.values()
+            if r.pod["spec"].get("nodeName") == self.manager.node and not r.finished
+        ]
+
+    async def List(self, request: Any, context: Any) -> Any:
+        return podresources_pb2.ListPodResourcesResponse(
+            pod_resources=[self._pod(r) for r in self._active()]
+        )
+
+    async def Get(self, request: Any, context: Any) -> Any:
+        for running in self._active():
+            meta = running.pod["metadata"]
+            if (meta["name"], meta["namespace"]) == (request.pod_name, request.pod_namespace):
+                return podresources_pb2.GetPodResourcesResponse(pod_resources=self._pod(running))
+        await context.abort(
+            grpc.StatusCode.NOT_FOUND,
+            f"pod {request.pod_name} not found in namespace {request.pod_namespace}",
+        )
 
 
 class DevicePluginEndpoint:
@@ -169,17 +244,28 @@ class DeviceManager:
         self.node = node
         self.directory = directory
         self.plugins: dict[str, DevicePluginEndpoint] = {}
-        self.allocated: dict[str, dict[str, list[str]]] = {}  # pod uid -> resource -> ids
+        #: pod uid -> container -> resource -> device ids
+        self.allocated: dict[str, dict[str, dict[str, list[str]]]] = {}
+        #: the kubelet admits one pod at a time
+        self.admission = asyncio.Lock()
         self.server: Any = None
 
+    @property
+    def pod_resources_dir(self) -> Path:
+        """``<root dir>/pod-resources`` beside ``<root dir>/device-plugins``."""
+        return self.directory.parent / "pod-resources"
+
     async def start(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        socket_path = self.directory / "kubelet.sock"
-        with contextlib.suppress(FileNotFoundError):
-            socket_path.unlink()
         self.server = grpc.aio.server()
+        for directory in (self.directory, self.pod_resources_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                (directory / "kubelet.sock").unlink()
+            self.server.add_insecure_port(f"unix://{directory / 'kubelet.sock'}")
         api_pb2_grpc.add_RegistrationServicer_to_server(_Registration(self), self.server)
-        self.server.add_insecure_port(f"unix://{socket_path}")
+        podresources_pb2_grpc.add_PodResourcesListerServicer_to_server(
+            _PodResources(self), self.server
+        )
         await self.server.start()
 
     async def stop(self) -> None:
@@ -245,7 +331,12 @@ class DeviceManager:
         }
         for resource, count in self.requests(container).items():
             plugin = self.plugins[resource]
-            taken = {i for per_pod in self.allocated.values() for i in per_pod.get(resource, [])}
+            taken = {
+                i
+                for per_pod in self.allocated.values()
+                for per_container in per_pod.values()
+                for i in per_container.get(resource, [])
+            }
             free = [i for i, h in plugin.devices.items() if h == "Healthy" and i not in taken]
             if len(free) < count:
                 raise AdmissionError(
@@ -279,11 +370,8 @@ class DeviceManager:
                 raise AdmissionError(
                     f"Allocate failed due to {exc.details()}, which is unexpected"
                 ) from None
-            if plugin.options.pre_start_required:
-                await plugin.stub.PreStartContainer(
-                    api_pb2.PreStartContainerRequest(devices_ids=ids), timeout=30
-                )
-            self.allocated.setdefault(pod_uid, {})[resource] = ids
+            # recorded before the admission ends (PodResources shows them from now on)
+            self.allocated.setdefault(pod_uid, {}).setdefault(container["name"], {})[resource] = ids
             answer = reply.container_responses[0]
             result["envs"].update(dict(answer.envs))
             result["mounts"] += [
@@ -305,6 +393,23 @@ class DeviceManager:
             result["cdi_devices"] += [d.name for d in answer.cdi_devices]
             result["device_ids"][resource] = ids
         return result
+
+    async def pre_start(self, pod_uid: str, container: dict[str, Any]) -> None:
+        """The kubelet's ``callPreStartContainerIfNeeded``, as the container is about to
+        start: each plugin that asked for it is told the container's device IDs."""
+        for resource, ids in self.allocated.get(pod_uid, {}).get(container["name"], {}).items():
+            plugin = self.plugins.get(resource)
+            if plugin is None or not plugin.options.pre_start_required:
+                continue
+            try:
+                await plugin.stub.PreStartContainer(
+                    api_pb2.PreStartContainerRequest(devices_ids=ids), timeout=30
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise PreStartError(
+                    f"device plugin PreStartContainer rpc failed with err: rpc error: "
+                    f"code = {exc.code().name} desc = {exc.details()}"
+                ) from None
 
     def release(self, pod_uid: str) -> None:
         self.allocated.pop(pod_uid, None)
@@ -588,11 +693,12 @@ class NodeAgent:
             return
         try:
             manager = self.device_managers[node]
-            for container in [*inits, *containers]:
-                if manager.requests(container):
-                    running.devices[container["name"]] = await manager.allocate(
-                        running.uid, container
-                    )
+            async with manager.admission:
+                for container in [*inits, *containers]:
+                    if manager.requests(container):
+                        running.devices[container["name"]] = await manager.allocate(
+                            running.uid, container
+                        )
         except AdmissionError as exc:  # the kubelet rejects the pod at admission
             log.warning("pod %s: %s", running.name, exc)
             await self._status(
@@ -600,6 +706,7 @@ class NodeAgent:
             )
             running.finished = True
             return
+        await asyncio.sleep(float((pod["metadata"].get("annotations") or {}).get(START_AFTER, 0)))
         try:
             root, mounts = await self._volumes(pod, node)
             if running.devices:
@@ -730,6 +837,7 @@ class NodeAgent:
         root: Path,
         mounts: dict[str, str],
     ) -> asyncio.subprocess.Process:
+        await self._pre_start(running, pod, container, node)
         name = container["name"]
         device = running.devices.get(name) or {}
         for m in device.get("mounts") or []:  # the device plugin's mounts are host paths
@@ -761,6 +869,28 @@ class NodeAgent:
             "pod %s on %s: %s runs pid %d: %s", running.name, node, name, proc.pid, " ".join(argv)
         )
         return proc
+
+    async def _pre_start(
+        self, running: RunningPod, pod: dict[str, Any], container: dict[str, Any], node: str
+    ) -> None:
+        """PreStartContainer before each start; while it fails the container waits in
+        CreateContainerConfigError (the pod Pending) and is tried again."""
+        while True:
+            try:
+                await self.device_managers[node].pre_start(running.uid, container)
+                return
+            except PreStartError as exc:
+                log.warning("pod %s: %s", running.name, exc)
+                waiting = {"reason": "CreateContainerConfigError", "message": str(exc)}
+                with contextlib.suppress(ApiException):
+                    await self._status(
+                        pod, "Pending", [self._cstatus(container, {"waiting": waiting})]
+                    )
+                if running.stopping:
+                    raise ContainerConfigError(str(exc)) from None
+                await asyncio.sleep(PRE_START_RETRY)
+                if running.stopping:
+                    raise ContainerConfigError(str(exc)) from None
 
     async def _volumes(self, pod: dict[str, Any], node: str) -> tuple[Path, dict[str, str]]:
         """The pod's directory and its volumes as local directories, by volume name."""

@@ -3,7 +3,9 @@ then, on the real control plane with the kubelet double speaking the device-plug
 gRPC, what a kernel pod gets from ``Allocate`` and how the real kube-scheduler accounts for
 shares: a pod asking ``nvidia.com/gpu`` cannot land on a gpushare node, a pod asking more share
 units than are free stays Pending, and a pod that copies a kernel's labels and asks units is
-refused at admission (it gets no GPU, socket or interposer)."""
+refused at admission (it gets no GPU, socket or interposer); one admitted first, in the kernel
+pod's second, is refused at PreStartContainer (the kubelet's PodResources API names the pod
+holding its devices) and the kernel pod is served after it."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from test_kernels import admin, eventually, execute, kernel_pods, kernel_records
 
 from jupyter_gpushare.inventory import Gpu
 from jupyter_gpushare.k8s import manifests
-from jupyter_gpushare.k8s.device_plugin import plugin
+from jupyter_gpushare.k8s.device_plugin import plugin, podresources_pb2
 from jupyter_gpushare.ledger import Allocation
 from jupyter_gpushare.share import ShareSpec
 
@@ -165,14 +167,50 @@ def test_preferred_allocation_keeps_units_on_the_allocations_gpu() -> None:
     assert plugin.preferred(available, [], 4, ()) == available[:4]
 
 
-def test_generated_modules_match_the_proto(tmp_path: Path) -> None:
-    """api_pb2*.py(i) are what grpcio-tools makes of api.proto (regenerate: DEVELOPING.md)."""
+def test_device_holders_reads_the_kubelets_pod_resources() -> None:
+    """Which pod holds each device ID of our resource, from PodResources ``List`` (other
+    resources and containers without devices are skipped)."""
+    pb = podresources_pb2
+    reply = pb.ListPodResourcesResponse(
+        pod_resources=[
+            pb.PodResources(
+                name="kernel",
+                namespace="gpushare",
+                containers=[
+                    pb.ContainerResources(
+                        name="kernel",
+                        devices=[
+                            pb.ContainerDevices(resource_name=RES, device_ids=["G/0", "G/1"]),
+                            pb.ContainerDevices(resource_name="other/dev", device_ids=["x"]),
+                        ],
+                    ),
+                    pb.ContainerResources(name="sidecar"),
+                ],
+            ),
+            pb.PodResources(name="web", namespace="default", containers=[]),
+        ]
+    )
+    # the bytes the kubelet sends parse the same (field numbers as the kubelet's api.proto)
+    again = pb.ListPodResourcesResponse.FromString(reply.SerializeToString())
+    assert plugin.device_holders(again.pod_resources, RES) == {
+        "G/0": ("gpushare", "kernel"),
+        "G/1": ("gpushare", "kernel"),
+    }
+    assert plugin.PluginSettings("n", "ns").pod_resources_socket == Path(
+        "/var/lib/kubelet/pod-resources/kubelet.sock"
+    )
+
+
+@pytest.mark.parametrize("proto", ["api", "podresources"])
+def test_generated_modules_match_the_proto(tmp_path: Path, proto: str) -> None:
+    """<proto>_pb2*.py(i) are what grpcio-tools makes of <proto>.proto (regenerate:
+    DEVELOPING.md)."""
     from grpc_tools import protoc
 
     here = Path(plugin.__file__).parent
     rel = Path("jupyter_gpushare/k8s/device_plugin")
     (tmp_path / rel).mkdir(parents=True)
-    (tmp_path / rel / "api.proto").write_text((here / "api.proto").read_text())
+    (tmp_path / rel / f"{proto}.proto").write_text((here / f"{proto}.proto").read_text())
     assert (
         protoc.main(
             [
@@ -181,12 +219,12 @@ def test_generated_modules_match_the_proto(tmp_path: Path) -> None:
                 f"--python_out={tmp_path}",
                 f"--pyi_out={tmp_path}",
                 f"--grpc_python_out={tmp_path}",
-                str(tmp_path / rel / "api.proto"),
+                str(tmp_path / rel / f"{proto}.proto"),
             ]
         )
         == 0
     )
-    for name in ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py"):
+    for name in (f"{proto}_pb2.py", f"{proto}_pb2.pyi", f"{proto}_pb2_grpc.py"):
         assert (tmp_path / rel / name).read_text() == (here / name).read_text(), name
 
 
@@ -374,9 +412,17 @@ async def test_a_resource_quota_bounds_share_units(control_plane: ControlPlane) 
         await kube.close()
 
 
-def held_pod(name: str, allocation: str, node: str, admit_after: float) -> dict[str, Any]:
-    """A pod that looks like a kernel pod (component and allocation labels, 10 share units),
-    created bound to ``node``, which the kubelet double admits ``admit_after`` seconds late."""
+def held_pod(
+    name: str,
+    allocation: str,
+    node: str,
+    admit_after: float,
+    units: int = 10,
+    start_after: float = 0.0,
+) -> dict[str, Any]:
+    """A pod that looks like a kernel pod (component and allocation labels, ``units`` share
+    units), created bound to ``node``, which the kubelet double admits ``admit_after`` seconds
+    late and whose container it starts ``start_after`` seconds after admission."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -386,7 +432,10 @@ def held_pod(name: str, allocation: str, node: str, admit_after: float) -> dict[
                 manifests.LABEL_COMPONENT: manifests.KERNEL_COMPONENT,
                 manifests.LABEL_ALLOCATION: allocation,
             },
-            "annotations": {"test.gpushare/admit-after": str(admit_after)},
+            "annotations": {
+                "test.gpushare/admit-after": str(admit_after),
+                "test.gpushare/start-after": str(start_after),
+            },
         },
         "spec": {
             "nodeName": node,
@@ -397,7 +446,7 @@ def held_pod(name: str, allocation: str, node: str, admit_after: float) -> dict[
                     "name": "kernel",
                     "image": "busybox",
                     "command": ["python", "-c", "import time; time.sleep(60)"],
-                    "resources": {"limits": {RES: "10"}},
+                    "resources": {"limits": {RES: str(units)}},
                 }
             ],
         },
@@ -488,3 +537,103 @@ async def test_a_forged_pod_bound_in_the_kernels_second_does_not_fail_its_admiss
 
 async def gone(kube: Any, *names: str) -> bool:
     return all(await kube.get_pod(NAMESPACE, n) is None for n in names)
+
+
+def kernel_record(node: str, gpu: Gpu, pod: str, units: int) -> Allocation:
+    share = units / manifests.SHARE_UNITS_PER_GPU
+    return Allocation(
+        id=Allocation.new_id(),
+        node=node,
+        gpus=(gpu.uuid,),
+        spec=ShareSpec(gpu_request=share, gpu_limit=share, gpu_memory=2**28, gpu_type=gpu.type),
+        memory=2**28,
+        backend="kubernetes",
+        extra={"k8s_pod": pod, "k8s_namespace": NAMESPACE},
+    )
+
+
+async def created_in_one_second(kube: Any, *pods: dict[str, Any]) -> None:
+    """Create ``pods`` within one second (as creation is their binding here: nodeName set)."""
+    names = [p["metadata"]["name"] for p in pods]
+    for _attempt in range(3):
+        made = [await kube.create_pod(NAMESPACE, p) for p in pods]
+        if len({m["metadata"]["creationTimestamp"] for m in made}) == 1:
+            return
+        for name in names:  # crossed a second boundary: not the attack
+            await kube.delete_pod(NAMESPACE, name, grace=0)
+        await eventually(lambda: gone(kube, *names), 30, "the pods to go")
+    pytest.fail("could not create the pods within one second in three attempts")
+
+
+@pytest.mark.parametrize("pre_start", ["after", "before"])
+async def test_a_forged_pod_admitted_first_in_the_kernels_second_is_refused_at_pre_start(
+    control_plane: ControlPlane, node_agent: Path, pre_start: str
+) -> None:
+    """The residual gap of ``Allocate`` (it names devices, not the pod): a forged pod that
+    copies a kernel pod's labels, bound in its second and admitted *first*, is taken for the
+    kernel's pod, and its container is handed the kernel's allocation. PreStartContainer asks
+    the kubelet's PodResources API which pod holds those devices: the forgery, so its container
+    is never started (Pending, CreateContainerConfigError, with the plugin's message), and
+    the kernel pod, admitted next (``pre_start``: before or after the forgery's PreStart), is
+    served its share and runs."""
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    from jupyter_gpushare.k8s.ledger import KubernetesLedger
+
+    node = "gpu-node-2"
+    units = 12 if pre_start == "after" else 14  # not the other tests' sizes
+    kube = await admin(control_plane)
+    ledger = KubernetesLedger(kube, NAMESPACE)
+    suffix = uuid.uuid4().hex[:6]
+    kernel, forged = f"zz-kernel-{suffix}", f"aa-forged-{suffix}"
+    [t4] = [g for g in await ledger.gpus() if g.node == node]
+    allocation = kernel_record(node, t4, kernel, units)
+    try:
+        snap = await ledger.snapshot()
+        assert await ledger.compare_and_swap(
+            node, snap.versions.get(node, 0), [*snap.on_node(node), allocation]
+        )
+        # the forgery is admitted first; its container starts 3 s after (an image to pull):
+        # after the kernel pod's admission, or (no delay) before it
+        late = 3.0 if pre_start == "after" else 0.0
+        await created_in_one_second(
+            kube,
+            held_pod(kernel, allocation.id, node, 1.5 if late else 2.5, units),
+            held_pod(forged, allocation.id, node, 0.5, units, start_after=late),
+        )
+
+        async def running() -> dict[str, Any] | None:
+            p = await pod_state(kube, kernel)
+            phase = (p.get("status") or {}).get("phase")
+            return p if phase in ("Running", "Failed") else None
+
+        p = await eventually(running, 30, "the kernel pod to run")
+        assert p["status"]["phase"] == "Running", p["status"]
+        assert p["metadata"]["annotations"][manifests.ALLOCATED_ANNOTATION] == node
+        # it was handed its own allocation
+        seen = json.loads((node_agent / "pods" / p["metadata"]["uid"] / "devices.json").read_text())
+        assert seen["kernel"]["envs"]["GPUSHARE_ALLOCATION_ID"] == allocation.id
+
+        async def refused() -> dict[str, Any] | None:
+            f = await pod_state(kube, forged)
+            for status in (f.get("status") or {}).get("containerStatuses") or []:
+                if "waiting" in status["state"]:
+                    return f
+            return None
+
+        f = await eventually(refused, 30, "the forged pod's container to be refused")
+        assert f["status"]["phase"] == "Pending", f["status"]
+        [waiting] = [c["state"]["waiting"] for c in f["status"]["containerStatuses"]]
+        assert waiting["reason"] == "CreateContainerConfigError", waiting
+        assert "PreStartContainer" in waiting["message"], waiting
+        assert f"pod {NAMESPACE}/{forged}" in waiting["message"], waiting
+        assert "its container is not started" in waiting["message"], waiting
+        assert manifests.ALLOCATED_ANNOTATION not in (f["metadata"].get("annotations") or {})
+        assert not (node_agent / "pods" / f["metadata"]["uid"] / "kernel.log").exists()
+    finally:
+        for name in (kernel, forged):
+            with contextlib.suppress(ApiException):
+                await kube.delete_pod(NAMESPACE, name, grace=0)
+        with contextlib.suppress(Exception):
+            await ledger.release(allocation.id)
+        await kube.close()

@@ -29,6 +29,7 @@ import yaml
 from jupyter_gpushare.cli import build_parser
 from jupyter_gpushare.daemon.env import sim_state_path
 from jupyter_gpushare.k8s.config import KubernetesBackendConfig
+from jupyter_gpushare.k8s.device_plugin.plugin import PluginSettings
 from jupyter_gpushare.k8s.manifests import KernelPodRequest, PodSettings, kernel_environment
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -193,6 +194,12 @@ def test_kernel_pods_and_daemon_agree_on_paths(helm: str, tmp_path: Path) -> Non
     # it hands kernel pods is the one the init container fills
     assert args.device_plugin and args.share_resource == "gpushare.jupyter.org/gpu-share"
     assert volumes[mounts[str(args.kubelet_socket.parent)]] == "/var/lib/kubelet/device-plugins"
+    # the kubelet's PodResources socket, which the plugin asks before a container starts,
+    # beside it and read-only
+    pod_resources = PluginSettings("n", "gpushare", args.kubelet_socket).pod_resources_socket
+    assert volumes[mounts[str(pod_resources.parent)]] == "/var/lib/kubelet/pod-resources"
+    [ro] = [m for m in container(pod, "daemon")["volumeMounts"] if m["name"] == "pod-resources"]
+    assert ro.get("readOnly") is True
     assert str(args.interposer_dir) == settings.interposer_host_path
 
     mount = Path(settings.socket_mount_path)

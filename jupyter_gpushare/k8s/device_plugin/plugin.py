@@ -69,7 +69,7 @@ from ...inventory import Gpu
 from ...kernel_env import INTERPOSER, Simulated, share_environment
 from ...ledger import Allocation
 from .. import manifests
-from . import api_pb2, api_pb2_grpc
+from . import api_pb2, api_pb2_grpc, podresources_pb2, podresources_pb2_grpc
 
 log = logging.getLogger("gpushare.device_plugin")
 
@@ -105,6 +105,23 @@ class PluginSettings:
     @property
     def plugin_socket(self) -> Path:
         return self.kubelet_socket.parent / PLUGIN_SOCKET_NAME
+
+    @property
+    def pod_resources_socket(self) -> Path:
+        """The kubelet's PodResources socket: ``<root dir>/pod-resources/kubelet.sock`` beside
+        its ``<root dir>/device-plugins/`` (the DaemonSet mounts that directory read-only)."""
+        return self.kubelet_socket.parent.parent / "pod-resources" / "kubelet.sock"
+
+
+@dataclass(frozen=True)
+class Guess:
+    """Which pod ``Allocate`` took a container's device IDs to be for (the API does not say):
+    checked at ``PreStartContainer`` against the pod the kubelet says holds them."""
+
+    allocation_id: str
+    namespace: str
+    name: str
+    uid: str
 
 
 # -- the pure decisions --------------------------------------------------------------------------
@@ -197,6 +214,19 @@ def pending_pods(
     return candidates
 
 
+def device_holders(pod_resources: Sequence[Any], resource: str) -> dict[str, tuple[str, str]]:
+    """(namespace, name) of the pod holding each device ID of ``resource``, from the kubelet's
+    PodResources ``List`` (its ``pod_resources``): the pods the kubelet has admitted, with the
+    device IDs its device manager recorded for their containers right after ``Allocate``."""
+    held: dict[str, tuple[str, str]] = {}
+    for pod in pod_resources:
+        for container in pod.containers:
+            for devices in container.devices:
+                if devices.resource_name == resource:
+                    held.update(dict.fromkeys(devices.device_ids, (pod.namespace, pod.name)))
+    return held
+
+
 def allocation_is_the_pods(allocation: Allocation, pod: Mapping[str, Any]) -> bool:
     """Whether the ledger names ``pod`` as ``allocation``'s pod (the server records the pod's
     name and namespace before creating it, its UID after): a pod that copies another kernel's
@@ -273,6 +303,11 @@ class AllocateError(Exception):
     """Allocate cannot serve this container: the kubelet fails the pod with this message."""
 
 
+class PreStartRefused(Exception):
+    """PreStartContainer refuses this container: the kubelet does not start it (the container
+    waits in ``CreateContainerConfigError`` with this message, and is tried again)."""
+
+
 class SharePlugin(api_pb2_grpc.DevicePluginServicer):
     """The device plugin of one node, inside the node agent (``daemon`` is its ``Daemon``)."""
 
@@ -287,6 +322,11 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
         self._tasks: list[asyncio.Task[Any]] = []
         self._lock = asyncio.Lock()
         self.registered = False
+        #: whether the kubelet calls PreStartContainer (registered so when its PodResources
+        #: socket is there to check containers against)
+        self.pre_start = False
+        #: device IDs -> the pod Allocate took them for, until PreStartContainer checks it
+        self.guesses: dict[frozenset[str], Guess] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -294,6 +334,7 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
         # in the hostPath mode pods mount the agent's socket directory: refuse a prepared one
         ensure_private_dir(self.settings.pod_socket_dir, 0o755)
         self.gpus = await self._node_gpus()
+        self._check_pod_resources()
         await self._serve_again()
         await self._serve()
         try:
@@ -333,6 +374,26 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
         self.server.add_insecure_port(f"unix://{path}")
         await self.server.start()
 
+    def _check_pod_resources(self) -> None:
+        """PreStartContainer checks need the kubelet's PodResources socket: without it (an old
+        DaemonSet that does not mount its directory) the plugin registers without them, and
+        says so."""
+        path = self.settings.pod_resources_socket
+        self.pre_start = path.is_socket()
+        if not self.pre_start:
+            log.warning(
+                "device plugin: no kubelet PodResources socket at %s: containers are not "
+                "checked before they start (a pod bound in a kernel pod's second and admitted "
+                "first is taken for it; mount %s read-only)",
+                path,
+                path.parent,
+            )
+
+    def _options(self) -> Any:
+        return api_pb2.DevicePluginOptions(
+            pre_start_required=self.pre_start, get_preferred_allocation_available=True
+        )
+
     async def _register(self) -> None:
         async with grpc.aio.insecure_channel(f"unix://{self.settings.kubelet_socket}") as ch:
             await api_pb2_grpc.RegistrationStub(ch).Register(
@@ -340,7 +401,7 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
                     version=API_VERSION,
                     endpoint=PLUGIN_SOCKET_NAME,
                     resource_name=self.settings.resource,
-                    options=api_pb2.DevicePluginOptions(get_preferred_allocation_available=True),
+                    options=self._options(),
                 ),
                 timeout=10,
             )
@@ -361,6 +422,7 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
             log.info("device plugin: the kubelet restarted; registering again")
             self.registered = False
             try:
+                self._check_pod_resources()
                 await self._serve()
                 await self._register()
             except Exception as exc:  # the kubelet is not back yet
@@ -381,7 +443,7 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
     # -- DevicePlugin ------------------------------------------------------------------------
 
     async def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
-        return api_pb2.DevicePluginOptions(get_preferred_allocation_available=True)
+        return self._options()
 
     async def ListAndWatch(self, request: Any, context: Any) -> Any:
         while True:
@@ -416,6 +478,13 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
         return api_pb2.PreferredAllocationResponse(container_responses=replies)
 
     async def PreStartContainer(self, request: Any, context: Any) -> Any:
+        if self.pre_start:
+            async with self._lock:  # guesses change under Allocate too
+                try:
+                    await self._pre_start(list(request.devices_ids))
+                except PreStartRefused as exc:
+                    log.warning("device plugin: PreStartContainer refused: %s", exc)
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return api_pb2.PreStartContainerResponse()
 
     async def Allocate(self, request: Any, context: Any) -> Any:
@@ -423,11 +492,109 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
         async with self._lock:  # one admission at a time: each finds and marks its own pod
             for req in request.container_requests:
                 try:
-                    replies.append(await self._allocate(len(req.devices_ids)))
+                    replies.append(await self._allocate(list(req.devices_ids)))
                 except AllocateError as exc:
                     log.warning("device plugin: Allocate refused: %s", exc)
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return api_pb2.AllocateResponse(container_responses=replies)
+
+    async def _holders(self) -> dict[str, tuple[str, str]]:
+        """The pod holding each of this resource's device IDs, as the kubelet says
+        (PodResources ``List``)."""
+        path = self.settings.pod_resources_socket
+        async with grpc.aio.insecure_channel(f"unix://{path}") as channel:
+            reply = await podresources_pb2_grpc.PodResourcesListerStub(channel).List(
+                podresources_pb2.ListPodResourcesRequest(), timeout=10
+            )
+        return device_holders(reply.pod_resources, self.settings.resource)
+
+    async def _unmark(self, guess: Guess) -> None:
+        """The pod ``guess`` named is waiting still: it is a candidate again."""
+        with contextlib.suppress(Exception):  # gone meanwhile: nothing to undo
+            await self.kube.core.patch_namespaced_pod(
+                guess.name,
+                guess.namespace,
+                {"metadata": {"annotations": {manifests.ALLOCATED_ANNOTATION: None}}},
+            )
+
+    async def _drop_refuted(self, holders: Mapping[str, tuple[str, str]]) -> None:
+        """Before an admission: guesses whose device IDs the kubelet gave another pod (or no
+        pod any more) were wrong; the pod each named is waiting still, unless it holds devices
+        of its own. (Only here: the kubelet admits one pod at a time and records its devices
+        before the next ``Allocate``, while PreStartContainer runs beside an admission.)"""
+        admitted = set(holders.values())
+        for key, guess in list(self.guesses.items()):
+            held = {holders.get(d) for d in key}
+            if held == {(guess.namespace, guess.name)}:
+                continue  # PreStartContainer confirms it
+            del self.guesses[key]
+            log.info(
+                "device plugin: the devices Allocate took for pod %s are %s's",
+                guess.name,
+                ", ".join(sorted(f"{h[0]}/{h[1]}" for h in held if h)) or "no pod's",
+            )
+            if (guess.namespace, guess.name) not in admitted:
+                await self._unmark(guess)
+
+    async def _pre_start(self, ids: Sequence[str]) -> None:
+        """The kubelet is starting the container holding ``ids``: it must be the pod
+        ``Allocate`` took them for (whose allocation it was handed), and that pod must be its
+        allocation's in the ledger."""
+        resource, node = self.settings.resource, self.settings.node
+        shown = f"{ids[0]} and {len(ids) - 1} more" if len(ids) > 1 else ", ".join(ids)
+        try:
+            holders = await self._holders()
+        except grpc.aio.AioRpcError as exc:
+            raise PreStartRefused(
+                f"cannot ask the kubelet's PodResources API "
+                f"({self.settings.pod_resources_socket}) which pod holds {resource} devices "
+                f"{shown}: {exc.details()}; the container is not started until it answers"
+            ) from None
+        owners = {holders.get(d) for d in ids}
+        if len(owners) != 1 or None in owners:
+            raise PreStartRefused(
+                f"the kubelet names no single pod holding {resource} devices {shown}: "
+                "the container is not started"
+            )
+        [(namespace, name)] = owners  # type: ignore[misc]  # None excluded above
+        guess = self.guesses.pop(frozenset(ids), None)
+        pod = next(
+            (
+                p
+                for p in await self._kernel_pods()
+                if p["metadata"].get("namespace") == namespace and p["metadata"]["name"] == name
+            ),
+            None,
+        )
+        if guess is not None and (
+            pod is None
+            or (guess.namespace, guess.name, guess.uid)
+            != (
+                namespace,
+                name,
+                pod["metadata"]["uid"],
+            )
+        ):
+            if (guess.namespace, guess.name) not in set(holders.values()):
+                await self._unmark(guess)  # the pod it named is waiting still
+            raise PreStartRefused(
+                f"pod {namespace}/{name} holds the {resource} devices that Allocate took for "
+                f"pod {guess.namespace}/{guess.name} (allocation {guess.allocation_id} in "
+                f"{node}'s ledger): it is not that pod, and its container is not started"
+            )
+        if guess is not None:
+            return  # the pod Allocate took them for, its allocation's pod in the ledger
+        # no guess: the agent restarted since Allocate, or the container starts again
+        meta = (pod or {}).get("metadata") or {}
+        marked = (meta.get("annotations") or {}).get(manifests.ALLOCATED_ANNOTATION) == node
+        allocation = await self._allocation(pod) if pod is not None and marked else None
+        if pod is None or allocation is None or not allocation_is_the_pods(allocation, pod):
+            label = (meta.get("labels") or {}).get(manifests.LABEL_ALLOCATION, "")
+            raise PreStartRefused(
+                f"pod {namespace}/{name}: allocation {label or '(none)'} is not this pod's in "
+                f"{node}'s ledger, or Allocate did not take its {resource} devices for it: "
+                "its container is not started"
+            )
 
     async def _waiting(self, units: int) -> list[Mapping[str, Any]]:
         """The kernel pods that may be waiting for ``units``, in the order the kubelet admits
@@ -451,8 +618,22 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
             pods, self.settings.node, self.settings.resource, units, self.settings.namespace, named
         )
 
-    async def _allocate(self, units: int) -> Any:
-        pods = await self._waiting(units)
+    async def _allocate(self, ids: Sequence[str]) -> Any:
+        units = len(ids)
+        admitted: set[tuple[str, str]] = set()
+        if self.pre_start:
+            try:
+                holders = await self._holders()
+            except grpc.aio.AioRpcError as exc:  # PreStartContainer refuses until it answers
+                log.warning("device plugin: PodResources List failed: %s", exc.details())
+            else:
+                admitted = set(holders.values())
+                await self._drop_refuted(holders)
+        pods = [
+            p
+            for p in await self._waiting(units)
+            if (p["metadata"].get("namespace"), p["metadata"]["name"]) not in admitted
+        ]
         if not pods:
             raise AllocateError(
                 f"no kernel pod on {self.settings.node} waits for {units} "
@@ -475,6 +656,10 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
             {"metadata": {"annotations": {manifests.ALLOCATED_ANNOTATION: self.settings.node}}},
         )
         socket_dir = self._listen(allocation.id, meta["uid"])
+        if self.pre_start:
+            self.guesses[frozenset(ids)] = Guess(
+                allocation.id, meta["namespace"], meta["name"], meta["uid"]
+            )
         reply = container_response(allocation, self.settings, socket_dir)
         log.info(
             "device plugin: pod %s gets allocation %s (%s)",
@@ -580,11 +765,13 @@ async def start_plugin(daemon: Any, kube: Any, settings: PluginSettings) -> Shar
 
 
 __all__ = [
+    "Guess",
     "PluginSettings",
     "SharePlugin",
     "allocation_is_the_pods",
     "bound_at",
     "container_response",
+    "device_holders",
     "devices",
     "pending_pod",
     "pending_pods",

@@ -89,9 +89,10 @@ Two channels
      GPU's tenants can read it (each other's allocation id, state, cap, request and limit on
      that GPU; not their memory use, which is in the accounts).
    - the **account**, one per (allocation, GPU), one slot long (:data:`ACCOUNT_SIZE`):
-     ``mem_used``, ``mem_peak``, ``oom_count``, ``lease_waits``, ``wait_ns``. Given read-write
-     only to the allocation's own authenticated processes; a slot reused by a new allocation gets
-     a new file, so a former holder's mapping cannot touch it.
+     ``mem_used``, ``mem_peak``, ``oom_count``, ``lease_waits``, ``wait_ns``, ``fs_next_ns``
+     (fail static, below). Given read-write only to the allocation's own authenticated
+     processes; a slot reused by a new allocation gets a new file, so a former holder's mapping
+     cannot touch it.
 
    What a hostile co-tenant on the same GPU can do: write the lease board, i.e. disturb
    time-sharing of that GPU (as it could by leaving the interposer). What it cannot do: change
@@ -118,11 +119,18 @@ Two channels
    reused; a client whose generation differs treats its share as released.
 
 Fail static: when the socket breaks or ``heartbeat_ns`` is older than :data:`HEARTBEAT_STALE_NS`,
-each process grants itself leases locally at its request share (duty cycle: ``quantum`` on,
-``quantum * (1 - request) / request`` off) and keeps reconnecting; a restarted daemon reuses the
-files in its state directory (same slots, same accounts: memory already reserved is kept; a
-reconnecting client sees the same files by ``st_dev``/``st_ino`` and keeps its mappings), bumps
-``epoch`` and clears leases.
+the share's processes grant its slot leases themselves at its request share (a ``quantum`` every
+``(quantum + runahead_ns) / request``) and keep reconnecting. The pacing is the share's: the
+account's ``fs_next_ns`` (when the next self-granted lease may start; 0 none yet) is moved with a
+compare-and-swap by whichever process takes the turn, and the others join that lease (paced per
+process, a share of N processes got about N times its request). ``fs_next_ns`` took 8 bytes of
+the slot's padding, which was always zero and which older clients neither read nor write, so the
+layout version did not change. Processes of one share that never reached an agent (started while
+none answered) have no account yet and pace alone. The shares do not coordinate with each other
+meanwhile: their self-granted leases may overlap on the device, which then runs both. A
+restarted daemon reuses the files in its state directory (same slots, same accounts: memory
+already reserved is kept; a reconnecting client sees the same files by ``st_dev``/``st_ino`` and
+keeps its mappings), bumps ``epoch`` and clears leases.
 
 Direct handoff (the daemon sets policy, the processes do the handoffs): while a lease runs the
 daemon publishes in the header who should run next as if the lease ended now, ``next_slot`` (the
@@ -298,7 +306,8 @@ class Slot(ctypes.Structure):
         ("first_launch_ns", ctypes.c_uint64),  # 152 atomic min (clients): first join of a lease
         ("drain_eta_ns", ctypes.c_uint64),  # 160 (clients): a draining holder's expected end
         ("runahead_ns", ctypes.c_uint64),  # 168 (daemon): device time it may queue ahead, 0 any
-        ("_pad", ctypes.c_uint8 * 80),  # 176
+        ("fs_next_ns", ctypes.c_uint64),  # 176 account, CAS (clients): next fail-static lease
+        ("_pad", ctypes.c_uint8 * 72),  # 184
     ]
 
 

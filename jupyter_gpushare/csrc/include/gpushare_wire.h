@@ -11,8 +11,8 @@
  * (allocation, GPU); read-write for the GPU's tenants: lease fields only) and the policy (same
  * size; read-only for clients: state, generation, mem_cap, request/limit, runahead_ns,
  * allocation), and per (allocation, GPU) the account (one slot: mem_used, mem_peak, oom_count,
- * lease_waits, wait_ns). All three arrive as descriptors with the hello reply (SCM_RIGHTS).
- * Fields declared _Atomic are only accessed atomically.
+ * lease_waits, wait_ns, fs_next_ns). All three arrive as descriptors with the hello reply
+ * (SCM_RIGHTS). Fields declared _Atomic are only accessed atomically.
  */
 #ifndef GPUSHARE_WIRE_H
 #define GPUSHARE_WIRE_H
@@ -81,7 +81,9 @@ struct gpushare_wire_slot {
     _Atomic uint64_t first_launch_ns; /* 152: atomic min (clients): first join of the lease */
     _Atomic uint64_t drain_eta_ns;    /* 160: when the draining holder expects its work done */
     _Atomic uint64_t runahead_ns;     /* 168: device time it may queue ahead (daemon; 0: any) */
-    uint8_t pad[80];                  /* 176 */
+    _Atomic uint64_t fs_next_ns;      /* 176: account: the share's next self-granted lease while
+                                         no agent answers (clients, CAS; 0: none yet) */
+    uint8_t pad[72];                  /* 184 */
 };
 
 _Static_assert(sizeof(struct gpushare_wire_header) == GPUSHARE_WIRE_HEADER_SIZE, "header size");
@@ -105,7 +107,7 @@ static inline struct gpushare_wire_slot *gpushare_wire_slot_at(void *board, size
 #define GPUSHARE_WIRE_SLOT_FIELDS(X) X(lease_until_ns) X(lease_start_ns) X(grant_seq) X(state) \
     X(joined) X(waiters) X(mem_cap) X(mem_used) X(used_ns) X(drain_end_ns) X(request_ppm) \
     X(limit_ppm) X(lease_waits) X(wait_ns) X(oom_count) X(mem_peak) X(generation) \
-    X(allocation) X(launches) X(first_launch_ns) X(drain_eta_ns) X(runahead_ns)
+    X(allocation) X(launches) X(first_launch_ns) X(drain_eta_ns) X(runahead_ns) X(fs_next_ns)
 /* clang-format on */
 
 #endif

@@ -2,7 +2,8 @@
  * lease (gs_admit in gs.h: one atomic load, one vDSO clock read). Otherwise gs_admit_slow waits for
  * one: it bumps the slot's `waiters`, tells the daemon (`want`) and sleeps on the slot's
  * `grant_seq` futex; the first thread of a process to launch under a lease joins it (join). While
- * the daemon is unreachable (fail static) each process grants itself leases at its request share.
+ * the daemon is unreachable (fail static) the share's processes grant it leases at its request
+ * share, paced together (failstatic_grant).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -26,6 +27,7 @@
 #define WAIT_SLICE_NS  50000000ull /* re-check state at least every 50 ms while waiting */
 #define WANT_REPEAT_NS 10000000ull /* a waiter repeats `want` at most every 10 ms */
 #define WANT_QUIET_NS  500000ull   /* no first `want` in the first 0.5 ms of another's lease */
+#define FS_SLACK_NS    1000000ull  /* fail static: a turn further than a period + this is stale */
 
 /* A lease another slot got less than WANT_QUIET_NS ago: its holder's thread is waking up to
  * launch (a handoff), and a `want` now would wake the daemon on the same CPUs at that moment.
@@ -66,27 +68,44 @@ static int join(struct gs_gpu *g, uint64_t lease) {
     return 0;
 }
 
-static void failstatic_grant(struct gs_gpu *g, uint64_t now) {
-    struct gpushare_wire_slot *s = g->slot;
-    double r = atomic_load(&g->policy->request_ppm) / 1e6;
+/* Fail static: no agent answers, so the share grants itself a lease of one quantum every
+ * (quantum + runahead bound) / request. A lease of q leaves up to the runahead bound the agent
+ * last published queued at its end (the policy stays mapped): the device runs up to q + bound
+ * per lease (q / r ran a saturating tenant at twice its request). No bound (a lone tenant
+ * without a limit): q / r, as nobody is to be kept out.
+ *
+ * The pacing is the share's, not the process's: when the share's next self-granted lease may
+ * start is `fs_next_ns` in its account (one per allocation and GPU, shared by all its processes
+ * and by nobody else), and a process takes a turn by moving it with a compare-and-swap, so
+ * whichever process grants the next lease sees the others' (paced per process, a kernel and two
+ * subprocesses of a 0.25 share took 0.62 of the GPU from a neighbour while the agent was down).
+ * The lease is the share's slot on the board: every process of the share joins it, so the
+ * others wait on the slot's futex for the grant (or for their turn) instead of sleeping.
+ * `s`: the share's slot, `seq`: its grant_seq as the caller read it before it found no lease. */
+static void failstatic_grant(struct gs_gpu *g, struct gpushare_wire_slot *s, uint32_t seq) {
+    struct gpushare_wire_slot *account = atomic_load(&g->account);
+    struct gpushare_wire_slot *policy = atomic_load(&g->policy);
+    double r = atomic_load(&policy->request_ppm) / 1e6;
     if (!(r > 0.0)) r = gs.request;
-    uint64_t next = atomic_load(&g->fs_next_on);
-    if (now < next) {
+    uint64_t q = gs.quantum_ns ? gs.quantum_ns : GS_DEFAULT_QUANTUM_NS;
+    uint64_t bound = atomic_load(&policy->runahead_ns);
+    uint64_t period = (uint64_t)((double)(q + bound) / r);
+    uint64_t next = atomic_load(&account->fs_next_ns);
+    uint64_t now = gs_now(); /* after the load: a turn taken before it is at most `period` on */
+    /* (a turn further away was set under another request: take it now) */
+    if (now < next && next - now <= period + FS_SLACK_NS) {
         uint64_t d = next - now;
-        gs_sleep_ns(d < WAIT_SLICE_NS ? d : WAIT_SLICE_NS);
+        gs_futex_wait(&s->grant_seq, seq, d < WAIT_SLICE_NS ? d : WAIT_SLICE_NS);
         return;
     }
-    uint64_t q = gs.quantum_ns ? gs.quantum_ns : GS_DEFAULT_QUANTUM_NS;
-    uint64_t until = now + q;
-    /* A lease of q leaves up to the runahead bound the agent last published queued at its end
-     * (the policy stays mapped): the device runs up to q + bound per lease, so the next one
-     * starts (q + bound) / r after this one (q / r ran a saturating tenant at twice its
-     * request). No bound (a lone tenant without a limit): q / r, as nobody is to be kept out. */
-    uint64_t bound = atomic_load(&g->policy->runahead_ns);
     uint64_t old = atomic_load(&s->lease_until_ns);
-    if (old <= now && atomic_compare_exchange_strong(&s->lease_until_ns, &old, until)) {
-        atomic_store(&g->fs_next_on, now + (uint64_t)((double)(q + bound) / r));
+    if (old > now) return; /* the share holds a lease: the caller joins it */
+    /* our turn; a process that loses the swap finds the lease granted (or waits for it) */
+    if (!atomic_compare_exchange_strong(&account->fs_next_ns, &next, now + period)) return;
+    if (atomic_compare_exchange_strong(&s->lease_until_ns, &old, now + q)) {
         atomic_store(&s->lease_start_ns, now);
+        atomic_fetch_add(&s->grant_seq, 1); /* wake the share's other waiters to join it */
+        syscall(SYS_futex, (uint32_t *)&s->grant_seq, FUTEX_WAKE, 1 << 30, NULL, NULL, 0);
     }
 }
 
@@ -160,7 +179,7 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
             continue;
         }
         if (atomic_load(&gs.failstatic) || !atomic_load(&gs.connected)) {
-            failstatic_grant(g, now);
+            failstatic_grant(g, s, seq);
             continue;
         }
         if (!poked && atomic_load(&g->joined_lease) != 0) {

@@ -189,7 +189,8 @@ struct gs_gpu {
      *   launches);
      * - policy: mapped read-only (the agent writes it): state, generation, mem_cap,
      *   request_ppm, limit_ppm, runahead_ns, allocation;
-     * - account: this allocation's own: mem_used, mem_peak, oom_count, lease_waits, wait_ns. */
+     * - account: this allocation's own: mem_used, mem_peak, oom_count, lease_waits, wait_ns,
+     *   fs_next_ns (fail static: the share's pacing, admit.c). */
     struct gpushare_wire_slot *_Atomic slot;
     struct gpushare_wire_slot *_Atomic policy;
     struct gpushare_wire_slot *_Atomic account;
@@ -202,8 +203,7 @@ struct gs_gpu {
                                             hand us the same files) */
     _Atomic uint64_t joined_lease; /* lease this process joined (0: none) */
     _Atomic uint64_t last_launch_ns;
-    _Atomic uint64_t proc_mem;   /* bytes this process holds (moved on remap) */
-    _Atomic uint64_t fs_next_on; /* fail static: next self-granted lease */
+    _Atomic uint64_t proc_mem; /* bytes this process holds (moved on remap) */
     pthread_mutex_t streams_lock;
     struct gs_stream *streams;
     /* device-side timing of a lease: an event recorded at this process's first launch */

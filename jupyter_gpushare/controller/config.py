@@ -112,7 +112,7 @@ class GpushareController(Configurable):
         help="Keep one NetworkPolicy per Hub user with kernels (gpushare-kernels-<h>, "
         "jupyter_gpushare.controller.network): a user's kernel pods accept connections only "
         "from that user's server pods (label gpushare.jupyter.org/owner, set by the Hub) and "
-        "the controller. Needs networkpolicies create/list/delete in the namespace; the "
+        "the controller. Needs networkpolicies create/list/watch/delete in the namespace; the "
         "chart sets this from networkPolicy.enabled.",
     )
     server_namespace_selector = Dict(

@@ -32,6 +32,14 @@ owners (an update right the controller does not otherwise need). Instead:
   deletes the policy of an owner with no kernel pod left, once it is older than
   ``network_policy_grace`` and was not ensured within it (a launch on this leader, or on the
   previous one, is between its ``ensure`` and its pod);
+- the pass reads the policies from an informer (:class:`~jupyter_gpushare.k8s.watch.Informer`,
+  label ``app.kubernetes.io/component: gpushare-kernel-access``): one LIST when the leader
+  starts, then one watch resumed from its last ``resourceVersion`` (a LIST again only after
+  ``410 Gone``), as the kernel pods are followed. A pass asks the API server nothing unless it
+  creates or deletes a policy: at 1,000 users, no LIST of 1,000 policies every interval. The
+  controller's own creates and deletes go into the cache at once (``note``), so the next pass
+  and ``ensure`` see them before the watch echoes them. RBAC: ``networkpolicies``
+  list/watch/create/delete in the namespace (``deploy/rbac.yaml``);
 - only the controller deletes these policies, so a dead or wedged controller leaves every
   policy in place: running kernels stay reachable by their own user (starting new ones needs
   the controller anyway). A stale policy admits nothing but its owner's own pods.
@@ -53,14 +61,16 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..k8s import manifests
-from ..k8s.client import ApiException, Kube
+from ..k8s.client import ApiException, ClusterError, Kube
+from ..k8s.watch import Informer
 from .errors import unavailable
 
 log = logging.getLogger("jupyter_gpushare.controller")
 
 POLICY_PREFIX = "gpushare-kernels-"
-#: the component label of the per-user policies (what the reconcile pass lists)
+#: the component label of the per-user policies (what the controller's informer follows)
 POLICY_COMPONENT = "gpushare-kernel-access"
+POLICY_SELECTOR = f"{manifests.LABEL_COMPONENT}={POLICY_COMPONENT}"
 SELECTOR_KEYS = ("matchLabels", "matchExpressions")
 #: what :func:`~jupyter_gpushare.k8s.manifests.owner_label` makes (a pod labelled otherwise, by
 #: anyone but the controller, gets no policy: a bad name would fail every pass's create)
@@ -172,7 +182,11 @@ def user_policy(owner: str, namespace: str, settings: NetworkSettings) -> dict[s
 
 
 class KernelNetwork:
-    """The per-user NetworkPolicies of one namespace (see the module's docstring)."""
+    """The per-user NetworkPolicies of one namespace (see the module's docstring).
+
+    ``policies`` is the informer of the namespace's per-user policies: started by the first
+    pass (:meth:`run_once`, waiting at most ``sync_timeout`` seconds for its listing), stopped
+    by :meth:`stop` (``run_forever`` stops it when it is cancelled: leadership lost)."""
 
     def __init__(
         self,
@@ -181,13 +195,16 @@ class KernelNetwork:
         settings: NetworkSettings,
         grace: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        sync_timeout: float = 30.0,
     ) -> None:
         self.kube = kube
         self.namespace = namespace
         self.settings = settings
         self.grace = grace
         self.clock = clock
-        self._known: set[str] = set()  # owners whose policy exists (created or listed)
+        self.sync_timeout = sync_timeout
+        self.policies = Informer(kube, "networkpolicies", namespace, POLICY_SELECTOR)
+        self._known: set[str] = set()  # owners whose policy exists (created or in the cache)
         self._ensured: dict[str, float] = {}  # owner -> clock() of its last launch's ensure
         self._lock = asyncio.Lock()  # ensure's create vs the pass's delete of one policy
         self._errors: set[str] = set()
@@ -202,31 +219,40 @@ class KernelNetwork:
             if owner in self._known:
                 return
             try:
-                await self.kube.create_network_policy(
+                created = await self.kube.create_network_policy(
                     self.namespace, user_policy(owner, self.namespace, self.settings)
                 )
+                await self.policies.note(created)
             except ApiException as exc:
                 if exc.status != 409:  # 409: it is there already
                     raise unavailable(
                         "kernel_network_failed",
                         f"the NetworkPolicy {policy_name(owner)} that lets this user's server "
                         f"reach its kernels could not be created: {exc.reason} (the controller "
-                        "needs networkpolicies create/list/delete in its namespace: "
+                        "needs networkpolicies create/list/watch/delete in its namespace: "
                         "deploy/rbac.yaml)",
                     ) from None
             self._known.add(owner)
 
+    async def start(self, timeout: float | None = None) -> None:
+        """Start following the namespace's policies (one LIST, then a watch); returns once the
+        listing is in (:class:`~jupyter_gpushare.k8s.watch.ClusterUnavailable` after
+        ``timeout`` seconds without one). Returns at once when already following."""
+        await self.policies.start(timeout)
+
+    async def stop(self) -> None:
+        await self.policies.stop()
+
     async def run_once(self, pods: Iterable[Mapping[str, Any]]) -> tuple[list[str], list[str]]:
-        """One pass over the kernel pods the controller's watch holds: the owners whose policy
-        was created and those whose policy was deleted."""
-        selector = f"{manifests.LABEL_COMPONENT}={POLICY_COMPONENT}"
-        listed = await self.kube.list_network_policies(self.namespace, selector)
-        policies = {
-            p["metadata"].get("labels", {}).get(manifests.LABEL_OWNER): p
-            for p in listed
-            if p["metadata"]["name"].startswith(POLICY_PREFIX)
-        }
-        policies.pop(None, None)
+        """One pass over the kernel pods the controller's watch holds and the policies its
+        informer holds (started here when it is not yet): the owners whose policy was created
+        and those whose policy was deleted. Asks the API server only to create or delete."""
+        await self.start(self.sync_timeout)
+        policies: dict[str, dict[str, Any]] = {}
+        for policy in self.policies.values():
+            owner = (policy["metadata"].get("labels") or {}).get(manifests.LABEL_OWNER)
+            if isinstance(owner, str) and policy["metadata"]["name"].startswith(POLICY_PREFIX):
+                policies[owner] = policy
         wanted = _owners(pods)
         self._known = set(policies)  # what is there now (an ensure() since: a 409, no harm)
         created = []
@@ -235,9 +261,10 @@ class KernelNetwork:
                 if owner in self._known:
                     continue
                 try:
-                    await self.kube.create_network_policy(
+                    made = await self.kube.create_network_policy(
                         self.namespace, user_policy(owner, self.namespace, self.settings)
                     )
+                    await self.policies.note(made)
                     created.append(owner)
                 except ApiException as exc:
                     if exc.status != 409:  # 409: an ensure() was first
@@ -253,6 +280,7 @@ class KernelNetwork:
                     continue  # a launch of this owner is between its ensure and its pod
                 self._known.discard(owner)
                 await self.kube.delete_network_policy(self.namespace, policy["metadata"]["name"])
+                await self.policies.note_deleted(policy)
                 self._ensured.pop(owner, None)
                 deleted.append(owner)
         for owner in created:
@@ -267,18 +295,25 @@ class KernelNetwork:
     async def run_forever(
         self, interval: float, pods: Callable[[], Iterable[Mapping[str, Any]]]
     ) -> None:
-        while True:
-            try:
-                await self.run_once(pods())
-                self._errors.clear()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the API server away, a refusal: the next pass retries
-                text = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else repr(exc)
-                if text not in self._errors:  # each distinct error once
-                    self._errors.add(text)
-                    log.warning("gpushare controller: NetworkPolicy pass failed: %s", text)
-            await asyncio.sleep(interval)
+        """A pass every ``interval`` seconds until cancelled; then the informer stops."""
+        try:
+            while True:
+                try:
+                    await self.run_once(pods())
+                    self._errors.clear()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the API server away, a refusal: the next pass retries
+                    if isinstance(exc, ApiException):
+                        text = f"{exc.status} {exc.reason}"
+                    else:
+                        text = str(exc) if isinstance(exc, ClusterError) else repr(exc)
+                    if text not in self._errors:  # each distinct error once
+                        self._errors.add(text)
+                        log.warning("gpushare controller: NetworkPolicy pass failed: %s", text)
+                await asyncio.sleep(interval)
+        finally:
+            await self.stop()
 
 
 def _owners(pods: Iterable[Mapping[str, Any]]) -> set[str]:

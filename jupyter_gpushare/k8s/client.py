@@ -265,8 +265,8 @@ class Kube:
     # -- watches ---------------------------------------------------------------------------------
 
     def lister(self, kind: str, namespace: str) -> tuple[Any, tuple[Any, ...]]:
-        """The client's LIST function for ``kind`` ('pods', 'gpuledgers', 'leases' and
-        'configmaps' in ``namespace``; 'nodes' cluster-wide) and its positional arguments: a
+        """The client's LIST function for ``kind`` ('pods', 'gpuledgers', 'leases',
+        'configmaps' and 'networkpolicies' in ``namespace``; 'nodes' cluster-wide) and its positional arguments: a
         listing (:func:`.watch.list_objects`) and a watch (:meth:`watch`) call the same one."""
         if kind == "pods":
             return self.core.list_namespaced_pod, (namespace,)
@@ -279,7 +279,12 @@ class Kube:
             return self.coordination.list_namespaced_lease, (namespace,)
         if kind == "configmaps":
             return self.core.list_namespaced_config_map, (namespace,)
-        raise ValueError(f"kind {kind!r} is not one of pods, gpuledgers, nodes, leases, configmaps")
+        if kind == "networkpolicies":
+            return self.networking.list_namespaced_network_policy, (namespace,)
+        raise ValueError(
+            f"kind {kind!r} is not one of pods, gpuledgers, nodes, leases, configmaps, "
+            "networkpolicies"
+        )
 
     async def watch(
         self,
@@ -293,8 +298,8 @@ class Kube:
         """Raw watch events (``{"type", "object"}``, objects as dicts) of ``kind`` ('pods' or
         'gpuledgers') after ``resource_version``; ends when the server closes the stream
         (``timeout_seconds``). Raises :class:`ApiException` (410 when the version is too old).
-        ``kind`` may also be 'nodes' (cluster-wide), 'leases' or 'configmaps' (informers,
-        :mod:`.watch`); ``on_response`` is given the open stream (so it can be closed).
+        ``kind`` may also be 'nodes' (cluster-wide), 'leases', 'configmaps' or
+        'networkpolicies' (informers, :mod:`.watch`); ``on_response`` is given the open stream (so it can be closed).
 
         Our own line reader rather than ``kubernetes_asyncio.watch``: no model decoding (the
         ledger's placers and the pod watcher only need dicts) and no hidden reconnects."""

@@ -10,9 +10,10 @@
   next watch starts when the stream ends (the server's ``timeoutSeconds``) or drops (connection
   reset, API server restart). Only ``410 Gone`` (the version was compacted away) re-lists, and a
   re-list turns objects missing from it into deletions.
-- **Our own writes first**: :meth:`Informer.note` records the object a write returned, so the
-  writer's next read sees it without waiting for the watch to echo it; an event older than what
-  is cached (by ``resourceVersion``) is dropped.
+- **Our own writes first**: :meth:`Informer.note` records the object a write returned (and
+  :meth:`Informer.note_deleted` an object we deleted), so the writer's next read sees it without
+  waiting for the watch to echo it; an event older than what is cached (by ``resourceVersion``)
+  is dropped.
 - **Counters** (``lists``, ``watches``, ``events``) say how often the API server was asked, for
   tests and ``benchmarks/k8s_scale.py``.
 
@@ -44,7 +45,7 @@ Pod = Obj
 #: called with ("ADDED" | "MODIFIED" | "DELETED", the object, the object cached before or None)
 Listener = Callable[[str, Obj, Obj | None], None]
 
-KINDS = ("pods", "gpuledgers", "nodes", "leases", "configmaps")
+KINDS = ("pods", "gpuledgers", "nodes", "leases", "configmaps", "networkpolicies")
 
 
 class ClusterUnavailable(ClusterError):
@@ -157,6 +158,13 @@ class Informer:
     async def note(self, obj: Obj) -> None:
         """Record an object a write of ours returned, so readers need not wait for the echo."""
         self._apply("MODIFIED", obj)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def note_deleted(self, obj: Obj) -> None:
+        """Record that a write of ours deleted ``obj``, so readers stop seeing it without
+        waiting for the watch's ``DELETED`` event."""
+        self._apply("DELETED", obj)
         async with self._changed:
             self._changed.notify_all()
 

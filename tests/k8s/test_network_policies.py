@@ -6,9 +6,12 @@ controller: tests/k8s/test_controller.py."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
 import json
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,7 @@ from jupyter_gpushare.controller.network import (
     user_policy,
 )
 from jupyter_gpushare.k8s import manifests
+from jupyter_gpushare.k8s.client import ApiException
 
 #: z2jh's labels of a user's server pod and of the hub's pod
 USER_POD = {"app": "jupyterhub", "component": "singleuser-server", "release": "jhub"}
@@ -309,28 +313,46 @@ def test_selector_check_keeps_what_it_accepts() -> None:
 # -- the controller's keeping of the policies (one namespace, an in-memory API) ------------------
 
 
+class _Stream:
+    """What ``on_response`` gets: closing it ends the watch as a dropped connection would."""
+
+    def __init__(self, store: PolicyStore) -> None:
+        self.store = store
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        self.store.wake()
+
+
 class PolicyStore:
-    """The three NetworkPolicy calls of k8s/client.Kube over a dict, with the API server's
-    answers (409 on a second create, 404 on a missing delete, ``forbid``: 403)."""
+    """The NetworkPolicy calls of k8s/client.Kube over a dict, with the API server's answers
+    (409 on a second create, 404 on a missing delete, ``forbid``: 403) and its LIST + watch as
+    the informer calls them (``lister``, ``_json``, ``watch``: resourceVersions, a watch from a
+    version older than ``oldest`` answers 410 Gone). ``calls`` records every request."""
 
     def __init__(self) -> None:
         self.items: dict[str, dict[str, Any]] = {}
         self.calls: list[str] = []
         self.forbid = False
         self.failures: list[Exception] = []  # raised by the next LISTs, one each
+        self.version = 1
+        self.oldest = 1  # the oldest version a watch may start after
+        self.events: list[tuple[int, str, dict[str, Any]]] = []
+        self._changed = asyncio.Event()
 
-    async def list_network_policies(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        self.calls.append("list")
-        if self.failures:
-            raise self.failures.pop(0)
-        key, _, value = selector.partition("=")
-        return [
-            copy.deepcopy(p) for p in self.items.values() if p["metadata"]["labels"][key] == value
-        ]
+    def wake(self) -> None:
+        self._changed.set()
 
+    def _event(self, kind: str, obj: dict[str, Any]) -> dict[str, Any]:
+        self.version += 1
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        self.events.append((self.version, kind, copy.deepcopy(obj)))
+        self.wake()
+        return obj
+
+    # the calls KernelNetwork makes
     async def create_network_policy(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        from jupyter_gpushare.k8s.client import ApiException
-
         self.calls.append("create")
         if self.forbid:
             raise ApiException(status=403, reason="networkpolicies is forbidden")
@@ -339,18 +361,84 @@ class PolicyStore:
             raise ApiException(status=409, reason="already exists")
         stored = copy.deepcopy(body)
         stored["metadata"]["creationTimestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self.items[name] = stored
-        return stored
+        self.items[name] = self._event("ADDED", stored)
+        return copy.deepcopy(stored)
 
     async def delete_network_policy(self, namespace: str, name: str) -> bool:
         self.calls.append("delete")
-        return self.items.pop(name, None) is not None
+        gone = self.items.pop(name, None)
+        if gone is not None:
+            self._event("DELETED", gone)
+        return gone is not None
 
+    # the informer's LIST and watch (k8s/watch.py)
+    def lister(self, kind: str, namespace: str) -> tuple[Any, tuple[Any, ...]]:
+        assert kind == "networkpolicies", kind
+        return self._list, (namespace,)
+
+    async def _list(self, namespace: str, label_selector: str = "", **_: Any) -> dict[str, Any]:
+        self.calls.append("list")
+        if self.failures:
+            raise self.failures.pop(0)
+        return {
+            "metadata": {"resourceVersion": str(self.version)},
+            "items": [copy.deepcopy(p) for p in self.items.values() if _matches(p, label_selector)],
+        }
+
+    async def _json(self, coro: Any) -> dict[str, Any]:
+        return await coro
+
+    async def watch(
+        self,
+        kind: str,
+        namespace: str,
+        resource_version: str,
+        timeout_seconds: int = 240,
+        on_response: Any = None,
+        label_selector: str = "",
+    ) -> AsyncIterator[dict[str, Any]]:
+        self.calls.append("watch")
+        after = int(resource_version)
+        if after < self.oldest:
+            raise ApiException(status=410, reason="too old resource version")
+        stream = _Stream(self)
+        if on_response is not None:
+            on_response(stream)
+        while not stream.closed:
+            self._changed.clear()
+            for version, kind_, obj in [e for e in self.events if e[0] > after]:
+                after = version
+                if _matches(obj, label_selector):
+                    yield {"type": kind_, "object": copy.deepcopy(obj)}
+            await self._changed.wait()
+
+    # for the tests
     def age(self, owner: str, seconds: float) -> None:
+        """Make ``owner``'s policy ``seconds`` old (a MODIFIED event, as an update would)."""
         when = time.gmtime(time.time() - seconds)
-        self.items[policy_name(owner)]["metadata"]["creationTimestamp"] = time.strftime(
-            "%Y-%m-%dT%H:%M:%SZ", when
-        )
+        policy = self.items[policy_name(owner)]
+        policy["metadata"]["creationTimestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", when)
+        self._event("MODIFIED", policy)
+
+    def add_by_hand(self, name: str, labels: dict[str, str]) -> None:
+        """A policy someone else made (kubectl): no 'create' call of the controller's."""
+        body = {"metadata": {"name": name, "labels": labels, "creationTimestamp": "x"}}
+        self.items[name] = self._event("ADDED", body)
+
+
+def _matches(obj: dict[str, Any], selector: str) -> bool:
+    key, _, value = selector.partition("=")
+    return not key or (obj["metadata"].get("labels") or {}).get(key) == value
+
+
+async def caught_up(network: KernelNetwork, store: PolicyStore) -> None:
+    """Wait until the controller's informer has seen every change of the store (the watch is
+    asynchronous, as it is against an API server)."""
+    for _ in range(500):
+        if network.policies.resource_version == str(store.version):
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError(f"informer at {network.policies.resource_version}, store {store.version}")
 
 
 def kernel_object(owner: str) -> dict[str, Any]:
@@ -362,27 +450,92 @@ async def test_policies_follow_kernels_never_racing_a_launch() -> None:
     now = [1000.0]
     network = KernelNetwork(store, "gpushare", default_settings(), 60.0, lambda: now[0])  # type: ignore[arg-type]
     a, b, c = (manifests.owner_label(u) for u in ("alice", "bob", "carol"))
-    # a launch ensures its user's policy before its pod: one create, then none
-    await network.ensure(a)
-    await network.ensure(a)
-    assert store.calls == ["create"] and list(store.items) == [policy_name(a)]
-    # a pass while a's launch is between ensure and pod (no pod yet): kept, even when old
-    store.age(a, 3600)
-    assert await network.run_once([]) == ([], [])
-    # a's pod exists; b's policy was deleted by hand while b's kernel runs: b's comes back;
-    # a kernel pod labelled with something owner_label never makes gets none (nor fails the pass)
-    pods = [kernel_object(a), kernel_object(b), kernel_object("Not.A-Digest"), kernel_object("")]
-    assert await network.run_once(pods) == ([b], [])
-    # a's kernels are gone: once the grace since a's last launch has passed, a's policy goes;
-    # b's stays (its pod is there), and a young policy of c (no pod) stays too
-    await network.ensure(c)
-    now[0] += 61
-    store.age(a, 3600)
-    assert await network.run_once([kernel_object(b)]) == ([], [a])
-    assert set(store.items) == {policy_name(b), policy_name(c)}
-    # the next launch of a creates it again (the pass forgot it)
-    await network.ensure(a)
-    assert policy_name(a) in store.items
+    try:
+        # a launch ensures its user's policy before its pod: one create, then none
+        await network.ensure(a)
+        await network.ensure(a)
+        assert store.calls == ["create"] and list(store.items) == [policy_name(a)]
+        # a pass while a's launch is between ensure and pod (no pod yet): kept, even when old
+        store.age(a, 3600)
+        assert await network.run_once([]) == ([], [])
+        # a's pod exists; b's policy was deleted by hand while b's kernel runs: b's comes back;
+        # a kernel pod labelled with something owner_label never makes gets none (nor fails
+        # the pass)
+        pods = [
+            kernel_object(a),
+            kernel_object(b),
+            kernel_object("Not.A-Digest"),
+            kernel_object(""),
+        ]
+        assert await network.run_once(pods) == ([b], [])
+        # a's kernels are gone: once the grace since a's last launch has passed, a's policy
+        # goes; b's stays (its pod is there), and a young policy of c (no pod) stays too
+        await network.ensure(c)
+        now[0] += 61
+        store.age(a, 3600)
+        await caught_up(network, store)
+        assert await network.run_once([kernel_object(b)]) == ([], [a])
+        assert set(store.items) == {policy_name(b), policy_name(c)}
+        # the next launch of a creates it again (the pass forgot it), and the next pass, before
+        # the watch's DELETED and ADDED reach it, neither deletes nor recreates anything
+        await network.ensure(a)
+        assert policy_name(a) in store.items
+        calls = len(store.calls)
+        assert await network.run_once([kernel_object(a), kernel_object(b)]) == ([], [])
+        assert store.calls[calls:] == []
+        # a policy another hand labels as ours but names otherwise is not the controller's
+        store.add_by_hand("not-ours", {manifests.LABEL_COMPONENT: "gpushare-kernel-access"})
+        await caught_up(network, store)
+        assert await network.run_once([kernel_object(b)]) == ([], [])
+        assert "not-ours" in store.items
+    finally:
+        await network.stop()
+
+
+async def test_passes_read_the_watch_not_a_list() -> None:
+    """Many passes cost one LIST (at the first) and one watch; policies changed by others reach
+    the passes through the watch; a dropped watch resumes without a LIST; only a 410 Gone
+    lists again."""
+    store = PolicyStore()
+    network = KernelNetwork(store, "gpushare", default_settings(), grace=0.0)  # type: ignore[arg-type]
+    owners = [manifests.owner_label(f"user{i}") for i in range(20)]
+    try:
+        pods = [kernel_object(o) for o in owners]
+        assert await network.run_once(pods) == (sorted(owners), [])
+        for _ in range(50):
+            assert await network.run_once(pods) == ([], [])
+        assert store.calls.count("list") == 1 and store.calls.count("watch") == 1
+        assert store.calls.count("create") == 20 and len(store.items) == 20
+        # deleted by hand: the watch tells the next pass, which puts it back
+        await store.delete_network_policy("gpushare", policy_name(owners[3]))
+        await caught_up(network, store)
+        assert await network.run_once(pods) == ([owners[3]], [])
+        # a dropped connection: the watch resumes from its version, no LIST
+        network.policies.drop_watch()
+        await store.delete_network_policy("gpushare", policy_name(owners[4]))
+        await caught_up(network, store)
+        assert await network.run_once(pods) == ([owners[4]], [])
+        assert store.calls.count("list") == 1 and store.calls.count("watch") == 2
+        # the version compacted away (410 Gone): one LIST, which also reports what went
+        # meanwhile (a deletion the watch never carried)
+        store.oldest = store.version + 1
+        del store.items[policy_name(owners[5])]  # gone without an event the watch could give
+        store.version += 1
+        network.policies.drop_watch()
+        for _ in range(1000):
+            if network.policies.get(policy_name(owners[5])) is None:
+                break
+            await asyncio.sleep(0.002)
+        assert store.calls.count("list") == 2
+        assert await network.run_once(pods) == ([owners[5]], [])
+        # the kernels end: every policy goes (grace 0), each once
+        deleted = await network.run_once([])
+        assert deleted == ([], sorted(owners)) and store.items == {}
+        assert await network.run_once([]) == ([], [])
+        assert store.calls.count("delete") == 22  # the 20 and the two deleted "by hand"
+        assert store.calls.count("list") == 2
+    finally:
+        await network.stop()
 
 
 async def test_a_policy_that_cannot_be_made_refuses_the_launch_by_name() -> None:
@@ -395,27 +548,101 @@ async def test_a_policy_that_cannot_be_made_refuses_the_launch_by_name() -> None
         await network.ensure("a")
     assert refused.value.status == 503 and refused.value.code == "kernel_network_failed"
     assert policy_name("a") in str(refused.value) and "deploy/rbac.yaml" in str(refused.value)
+    assert "watch" in str(refused.value)  # the rights it needs, all named
 
 
 async def test_the_pass_outlives_failures(caplog: pytest.LogCaptureFixture) -> None:
-    """The API server away or refusing: the pass logs each distinct error once and keeps
-    going, and puts the missing policy of a running kernel in place once it can."""
-    import asyncio
-
-    from jupyter_gpushare.k8s.client import ApiException
-
+    """The API server away or refusing: the informer retries its LIST, the pass logs each
+    distinct error once and keeps going, and puts the missing policy of a running kernel in
+    place once it can; cancelled, it stops its watch."""
     store = PolicyStore()
-    store.failures = [ConnectionError("api server away")] * 3 + [ApiException(status=500)]
+    store.failures = [ConnectionError("api server away"), ApiException(status=500)]
+    store.forbid = True
     network = KernelNetwork(store, "gpushare", default_settings())  # type: ignore[arg-type]
     owner = manifests.owner_label("alice")
     task = asyncio.create_task(network.run_forever(0.01, lambda: [kernel_object(owner)]))
     try:
-        for _ in range(500):
+        for _ in range(1000):
+            if store.calls.count("create") >= 5:
+                store.forbid = False
             if policy_name(owner) in store.items:
                 break
             await asyncio.sleep(0.01)
     finally:
         task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     assert policy_name(owner) in store.items
+    assert store.calls.count("list") == 3  # two failed, then one
     failed = [r.getMessage() for r in caplog.records if "pass failed" in r.getMessage()]
-    assert len(failed) == 2, failed  # each distinct error once
+    assert failed == [
+        "gpushare controller: NetworkPolicy pass failed: 403 networkpolicies is forbidden"
+    ]
+    assert network.policies._task is None  # its informer stopped with it
+
+
+# -- against the real API server, as the controller's service account ------------------------------
+
+
+def test_the_controller_follows_its_policies_with_one_list(control_plane: Any) -> None:
+    """As the controller (its service account and deploy/rbac.yaml's rights, watch included):
+    many passes cost the API server one LIST of NetworkPolicies (every request of the
+    controller's client counted as it is sent: the API server's own count includes the
+    controller manager's), a policy deleted by hand comes back through the watch, and a dropped
+    watch resumes without a LIST. (A 410 Gone needs a compaction this API server does not make
+    in a test's time: the in-memory test above covers it.)"""
+    from cluster import NAMESPACE
+
+    from jupyter_gpushare.k8s.client import connect
+
+    owners = [manifests.owner_label(f"np-watch-{i}") for i in range(3)]
+
+    async def scenario() -> dict[str, int]:
+        kube = await connect(str(control_plane.kubeconfig("controller")))
+        admin = await connect(str(control_plane.kubeconfig("admin")))
+        sent: dict[str, int] = {}
+        for method in ("list", "create", "delete"):
+            name = f"{method}_namespaced_network_policy"
+            func = getattr(kube.networking, name)
+
+            def counted(*args: Any, _func: Any = func, _method: str = method, **kw: Any) -> Any:
+                verb = "watch" if kw.get("watch") else _method
+                sent[verb] = sent.get(verb, 0) + 1
+                return _func(*args, **kw)
+
+            setattr(kube.networking, name, counted)
+        network = KernelNetwork(kube, NAMESPACE, default_settings(), grace=0.0, sync_timeout=20)
+        pods = [kernel_object(o) for o in owners]
+
+        async def deleted_by_hand(owner: str) -> None:
+            await admin.delete_network_policy(NAMESPACE, policy_name(owner))
+            deadline = time.monotonic() + 20
+            while network.policies.get(policy_name(owner)) is not None:
+                assert time.monotonic() < deadline, "the watch never told the deletion"
+                await asyncio.sleep(0.02)
+
+        try:
+            created, _ = await network.run_once(pods)
+            assert set(owners) <= set(created)
+            for _ in range(20):
+                assert await network.run_once(pods) == ([], [])
+            await deleted_by_hand(owners[0])
+            assert await network.run_once(pods) == ([owners[0]], [])
+            network.policies.drop_watch()  # a connection lost: resumed from its version
+            await deleted_by_hand(owners[1])
+            assert await network.run_once(pods) == ([owners[1]], [])
+            assert await network.run_once([]) == ([], sorted(owners))
+            return sent
+        finally:
+            await network.stop()
+            for owner in owners:
+                with contextlib.suppress(Exception):
+                    await admin.delete_network_policy(NAMESPACE, policy_name(owner))
+            await kube.close()
+            await admin.close()
+
+    sent = asyncio.run(scenario())
+    print("the controller's NetworkPolicy requests over 25 passes:", sent)
+    # one LIST and two watches (the first, the resumed one); 3 creates, and the 2 deleted by
+    # hand made again; the 3 deleted once their kernels are gone
+    assert sent == {"list": 1, "watch": 2, "create": 5, "delete": 3}, sent

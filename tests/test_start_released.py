@@ -14,18 +14,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
 from support import wait_for
 
+from jupyter_gpushare.config import GpuShare
 from jupyter_gpushare.daemon import wire
 from jupyter_gpushare.daemon.client import DaemonClient
 from jupyter_gpushare.daemon.server import default_state_dir
+from jupyter_gpushare.ledger import LedgerUnavailable
 from jupyter_gpushare.ledger.sqlite import SQLiteLedger
+from jupyter_gpushare.provisioner import ShareRefused
+from jupyter_gpushare.provisioner.local import LocalKernelBackend
 
 HOOK = '''
 """Test hook (tests/test_start_released.py): while the file `hold` exists in $GS_HOOK_DIR, a
@@ -171,3 +178,83 @@ def test_a_share_released_while_its_kernel_starts_refuses_the_start_and_leaves_n
     assert "Unhandled error" not in log, log[-4000:]
     assert "Traceback" not in log, log[-4000:]
     assert log.count("kernel start refused (409 share_released)") == len(starts), log[-4000:]
+
+
+# -- in process: the provisioner under jupyter_client's kernel manager, no server -----------------
+
+
+@pytest.fixture
+def settings(gpushare_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """This process's gpushare settings on a simulated A100 (enforcement off: no agent)."""
+    for key, value in gpushare_env.items():
+        monkeypatch.setenv(key, value)
+    GpuShare.clear_instance()
+    yield GpuShare.instance(simulate="1xA100", enforce=False)
+    GpuShare.clear_instance()
+
+
+def _launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The pids of the kernel processes the local backend starts from now on."""
+    pids: list[int] = []
+    real = LocalKernelBackend.launch_kernel
+
+    async def launch(self: LocalKernelBackend, cmd: list[str], **kwargs: Any) -> Any:
+        info = await real(self, cmd, **kwargs)
+        pids.append(self.process.pid)
+        return info
+
+    monkeypatch.setattr(LocalKernelBackend, "launch_kernel", launch)
+    return pids
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+async def test_a_failed_record_of_the_kernel_process_stops_that_process(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ledger cannot record the started kernel's process (a full disk): that error is the
+    start's answer (503 ``ledger_unavailable``), and the process, its connection file and its
+    share are gone with it (before, the process ran on, managed by nobody)."""
+    pids = _launches(monkeypatch)
+
+    async def unavailable(self: SQLiteLedger, allocation_id: str, change: Any) -> Any:
+        raise LedgerUnavailable(str(self.path), "database or disk is full")
+
+    monkeypatch.setattr(SQLiteLedger, "update", unavailable)
+    km = AsyncKernelManager(kernel_name="gpushare-python", kernel_spec_manager=KernelSpecManager())
+    with pytest.raises(LedgerUnavailable, match="disk is full"):
+        await km.start_kernel()
+    [pid] = pids
+    assert _gone(pid)
+    assert not await asyncio.to_thread(os.path.exists, km.connection_file)
+    assert await settings.local_ledger().list() == []
+
+
+async def test_a_release_seen_while_the_launch_is_prepared_refuses_the_start(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend that writes the share while it prepares the launch (the Kubernetes backend
+    records the pod's name there) finds it released: 409 ``share_released`` as well, and no
+    process was started."""
+    pids = _launches(monkeypatch)
+    real = LocalKernelBackend.pre_launch
+
+    async def release_first(self: LocalKernelBackend, allocation: Any, **kwargs: Any) -> Any:
+        ledger = await self.ledger()
+        await ledger.release(allocation.id)  # the user's Release, just before
+        await ledger.update(allocation.id, lambda current, _others: current)  # the backend's CAS
+        return await real(self, allocation, **kwargs)
+
+    monkeypatch.setattr(LocalKernelBackend, "pre_launch", release_first)
+    km = AsyncKernelManager(kernel_name="gpushare-python", kernel_spec_manager=KernelSpecManager())
+    with pytest.raises(ShareRefused) as refused:
+        await km.start_kernel()
+    assert refused.value.status_code == 409 and refused.value.body["error"] == "share_released"
+    assert refused.value.body["allocation"] in refused.value.body["message"]
+    assert pids == []
+    assert await settings.local_ledger().list() == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -64,6 +65,8 @@ class GpuLoop:
         self.lease_until = 0
         self._timers: list[asyncio.TimerHandle] = []
         self._retry: asyncio.TimerHandle | None = None
+        #: tells the processes of a tenant whose lease was revoked early (the daemon's sockets)
+        self.on_revoked: Callable[[Tenant], None] | None = None
         self.handoffs = 0
         self.preemptions = 0
         #: handoffs between tenants under contention: previous holder's device end -> next
@@ -201,6 +204,8 @@ class GpuLoop:
         self.shm.board[holder.slot].lease_until_ns = 0  # its agent drains and hands over
         self.draining = True
         self.preemptions += 1
+        if self.on_revoked is not None:
+            self.on_revoked(holder)  # wake its agents now (else they see it at their next look)
         self._maybe_finish()  # nobody joined: over at once
         if self.holder is not holder:
             return

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import hashlib
+import json
 import logging
 import os
 import socket
@@ -305,6 +307,7 @@ class Daemon:
             shm = GpuShm(self.state, uuid, self.settings.quantum_ns, self.settings.window_ns)
             self.epoch = max(self.epoch, shm.header.epoch)
             gpu = GpuLoop(uuid, shm, self.settings.quantum_ns, self.settings.window_ns)
+            gpu.on_revoked = functools.partial(self._tell_revoked, gpu)
             self.gpus[uuid] = gpu
         return gpu
 
@@ -543,6 +546,17 @@ class Daemon:
             if protocol.client is None:  # else its connection_lost counts it out
                 self.admission.left(protocol.peer)
             conn.close()
+
+    def _tell_revoked(self, gpu: GpuLoop, tenant: Tenant) -> None:
+        """Wake the agents of the processes whose lease on ``gpu`` was revoked (wire.py,
+        ``revoked``). A client with replies unread gets nothing more (bounded memory per client:
+        its agent sees the revocation at its next look)."""
+        line = json.dumps({"op": "revoked", "gpu": gpu.uuid}).encode() + b"\n"
+        for client in self.clients:
+            if any(t is tenant for _, t in client.tenants):
+                transport = client.transport
+                if not transport.is_closing() and transport.get_write_buffer_size() == 0:
+                    transport.write(line)
 
     def disconnected(self, client: Client) -> None:
         self.clients.discard(client)

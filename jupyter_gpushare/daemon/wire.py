@@ -44,6 +44,13 @@ Two channels
    process drained the streams it used under that lease (it already stored ``drain_end_ns`` and
    decremented ``joined``), or hands the lease back early because it went idle.
 
+   From the agent, unasked: ``{"op": "revoked", "gpu": "GPU-…"}`` — the lease of this process's
+   slot was ended early (a waiter below its request preempted it: ``lease_until_ns`` is 0 on the
+   board). It only wakes the process's agent thread, which then sees the board and drains at once
+   instead of at its next look (every millisecond while it holds a lease); clients read and
+   discard whatever comes after the ``hello`` reply, so older clients are unaffected. It is not
+   sent to a client with replies unread (the look finds the revocation then).
+
    ``status`` → ``{"ok": true, "allocations": […], "gpus": […], "daemon": {…}}`` (optionally
    ``"allocation": id`` to get one): only the caller's own shares (by its uid, user name,
    process or pod; admins see all); each GPU entry counts every share on it (``shares``,
@@ -162,9 +169,9 @@ lease's first event, plus the launches after it times the device time per launch
 in ``drain_eta_ns`` (for observers) and sleeps in the driver on its streams' blocking-sync events
 until the device signals them (no polling: a thread spinning on a busy host is preempted for
 milliseconds right at the handoff), so it grants the next holder one wake-up after the device's
-end. The next holder sleeps on its ``grant_seq`` futex until the grant wakes it (a poller there would share
-a CPU with the draining agent on a small host and delay it). A waiter sends ``want`` when it starts
-waiting and again at most every 10 ms.
+end. The next holder sleeps on its ``grant_seq`` futex until the grant wakes it (a poller there
+would share a CPU with the draining agent on a small host and delay it). A waiter sends ``want``
+when it starts waiting and again at most every 10 ms.
 
 Lease extension: when the daemon published the holder itself as ``next_slot`` (nobody else may
 run now), the holder's agent does not drain at the end of its lease: it charges the old lease up

@@ -140,3 +140,67 @@ def test_a_malformed_or_oversized_report_is_refused_naming_the_field() -> None:
             refused.value.to_json(),
         )
         assert len(refused.value.message) < 300  # the value is shown shortened, not echoed whole
+
+
+def test_the_view_is_what_view_of_makes_of_the_latest_reports() -> None:
+    """Reports replaced node by node (allocations come and go, intervals differ, clocks run
+    ahead or behind, nodes stop reporting): after every step the view built from the nodes'
+    parts equals k8s/usage.view_of over the latest reports (ages, stale nodes, message), and a
+    user's GET answers what filtering the whole view would."""
+    import random
+
+    from jupyter_gpushare.k8s.usage import NodeUsage, view_of
+
+    async def main() -> None:
+        rng = random.Random(7)
+        clock = Clock(5000.0)
+        reports = NodeReports(clock=clock)
+        latest: dict[str, dict[str, Any]] = {}
+        for step in range(300):
+            clock.now += rng.choice((0.0, 0.05, 0.5, 3.0))
+            node = f"n{rng.randrange(12)}"
+            ids = [f"{node}-a{i}" for i in range(8) if rng.random() < 0.5]
+            at = clock.now - rng.choice((0.0, 0.3, 1.0, 7.9, 9.0, 20.0, -3.0))
+            latest[node] = report(node, at, *ids, interval=rng.choice((1.0, 2.0, 5.0)))
+            reports.put(node, latest[node])
+            if step % 3:
+                continue
+            view = await reports.read(fresh=True)
+            want = view_of([NodeUsage(n, d, clock.now) for n, d in latest.items()])
+            assert dict(view.allocations) == dict(want.allocations), step
+            assert len(view.allocations) == len(want.allocations)
+            assert (view.nodes, view.stale, view.message) == (want.nodes, want.stale, want.message)
+            assert view.get("n99-a0") is None and view.get(f"{node}-a9") is None
+            allowed = set(rng.sample(sorted(want.allocations) or ["x"], 1)) | {"n0-a1", "nope"}
+            assert usage_json(view, allowed) == usage_json(want, allowed)
+            assert usage_json(view, None) == usage_json(want, None)
+
+    asyncio.run(main())
+
+
+def test_reports_between_gets_are_coalesced_within_the_bound() -> None:
+    """500 reports with a GET after each, all within ``coalesce`` seconds: one view. The next
+    GET after the bound shows the newest report; ``fresh`` (a resize's check) shows it at
+    once."""
+
+    async def main() -> None:
+        clock = Clock(1000.0)
+        reports = NodeReports(clock=clock, coalesce=0.1)
+        for n in range(100):
+            reports.put(f"n{n}", report(f"n{n}", 1000.0, f"a-{n}"))
+        first = await reports.read()
+        assert reports.builds == 1 and len(first.allocations) == 100
+        for i in range(500):
+            clock.now = 1000.0 + i * 0.0001  # 500 reports in 50 ms
+            reports.put(f"n{i % 100}", report(f"n{i % 100}", clock.now, f"a-{i % 100}", f"b-{i}"))
+            assert await reports.read() is first
+        assert reports.builds == 1 and first.get("b-499") is None
+        assert (await reports.read(fresh=True)).get("b-499") is not None  # fresh: at once
+        assert reports.builds == 2
+        reports.put("n0", report("n0", clock.now, "c-1"))
+        clock.now += 0.1  # the bound: the next GET builds again and has the newest report
+        newest = await reports.read()
+        assert reports.builds == 3 and newest.get("c-1") is not None
+        assert newest.get("b-400") is None  # n0's earlier report was replaced
+
+    asyncio.run(main())

@@ -50,11 +50,12 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..k8s.client import ApiException, Kube
-from ..k8s.usage import CLOCK_SLACK, FORMAT, STALE_INTERVALS, NodeUsage, view_of
+from ..k8s.usage import CLOCK_SLACK, FORMAT, STALE_INTERVALS, NodeUsage
 from ..usage import UsageSource, UsageView
 from .client import controller_context
 from .errors import bad_request, forbidden, unauthorized, unavailable
@@ -300,23 +301,88 @@ def check_report(node: str, document: Any) -> dict[str, Any]:
     return document
 
 
+@dataclass(frozen=True)
+class _NodePart:
+    """One node's latest report as the view needs it (built once, when the report comes)."""
+
+    time: float  # the daemon's wall time of the report
+    threshold: float  # stale once older than this (STALE_INTERVALS intervals + CLOCK_SLACK)
+    entries: Mapping[str, Mapping[str, Any]]  # allocation id -> its entry, with "node"
+
+
+class _Allocations(Mapping[str, Mapping[str, Any]]):
+    """The allocations of one view (a :class:`~jupyter_gpushare.usage.UsageView`'s
+    ``allocations``): an allocation id is looked up through the index to its node's part, and
+    its ``age_s`` is that part's age at the view's time. What :func:`view_of` would hold, built
+    in O(nodes) instead of O(allocations); an entry is made when it is read."""
+
+    __slots__ = ("_fresh", "_index", "_now", "_parts")
+
+    def __init__(
+        self,
+        index: Mapping[str, str],
+        parts: Mapping[str, _NodePart],
+        fresh: frozenset[str],
+        now: float,
+    ) -> None:
+        self._index = index
+        self._parts = parts
+        self._fresh = fresh
+        self._now = now
+
+    def __getitem__(self, key: str) -> Mapping[str, Any]:
+        node = self._index.get(key)
+        if node is None or node not in self._fresh:
+            raise KeyError(key)
+        part = self._parts[node]
+        return {**part.entries[key], "age_s": round(max(0.0, self._now - part.time), 1)}
+
+    def __iter__(self) -> Iterator[str]:
+        fresh = self._fresh
+        return (key for key, node in self._index.items() if node in fresh)
+
+    def __len__(self) -> int:
+        fresh = self._fresh
+        return sum(1 for node in self._index.values() if node in fresh)
+
+
 class NodeReports:
     """The latest usage report of each node, in memory; a
     :class:`~jupyter_gpushare.usage.UsageSource` for the controller's resize checks.
 
-    Every user's server polls ``GET /api/usage``; the view it reads is built once and kept until
-    it could change: a new report (``version`` counts them), a fresh report turning stale (the
-    earliest deadline is kept), or ``max_age`` seconds (the ages it shows, ``age_s``, are at most
-    that much behind). ``builds`` counts the views built."""
+    Cost at scale (1,000 nodes reporting every 2 s: 500 reports a second, and every user's
+    server polling ``GET /api/usage``): a report costs the event loop only its own node's part
+    (:meth:`put`: O(its entries), plus the allocation-id index), never a rebuild of the whole
+    view. The view a GET reads is assembled from the parts (O(nodes): which are stale, which
+    part turns stale first; copies of the part and index maps) and kept until it could change:
+
+    - a new report (``version`` counts them), but at most one new view per ``coalesce``
+      seconds: **a view is at most** ``coalesce`` **seconds behind the newest report** (default
+      0.1 s; the reports themselves come every ~2 s). ``read(fresh=True)`` (a resize's
+      below-use check) takes every report received so far;
+    - a fresh report turning stale (the earliest deadline is kept; stale-report semantics as
+      :func:`~jupyter_gpushare.k8s.usage.view_of`: older than ``STALE_INTERVALS`` intervals plus
+      ``CLOCK_SLACK``, the node is named in ``stale``, its allocations dropped);
+    - ``max_age`` seconds (the ages it shows, ``age_s``, are at most that much behind).
+
+    ``builds`` counts the views built; ``received`` the reports. An allocation id reported by two
+    nodes (the controller's handler keeps only entries of allocations the ledger places on the
+    reporting node, so not there): the latest report wins."""
 
     def __init__(
-        self, clock: Any = time.time, fallback: UsageSource | None = None, max_age: float = 1.0
+        self,
+        clock: Any = time.time,
+        fallback: UsageSource | None = None,
+        max_age: float = 1.0,
+        coalesce: float = 0.1,
     ) -> None:
         self.clock = clock
         #: read while no daemon has reported here (daemons still writing usage ConfigMaps)
         self.fallback = fallback
         self.max_age = max_age
-        self._reports: dict[str, Mapping[str, Any]] = {}
+        self.coalesce = coalesce
+        self._parts: dict[str, _NodePart] = {}
+        self._index: dict[str, str] = {}  # allocation id -> the node whose report holds it
         self.received = 0
         self.version = 0
         self.builds = 0
@@ -324,17 +390,28 @@ class NodeReports:
         self._view: tuple[int, float, float, UsageView] | None = None
 
     def put(self, node: str, document: Mapping[str, Any]) -> None:
-        self._reports[node] = document
+        """Keep ``document`` (checked: :func:`check_report`) as ``node``'s latest report."""
+        report = NodeUsage(node, document, 0.0)
+        entries = {str(e["id"]): {**e, "node": node} for e in report.allocations}
+        before = self._parts.get(node)
+        index = self._index
+        if before is not None:
+            for gone in before.entries.keys() - entries.keys():
+                if index.get(gone) == node:
+                    del index[gone]
+        for key in entries:
+            index[key] = node
+        threshold = STALE_INTERVALS * report.interval + CLOCK_SLACK
+        self._parts[node] = _NodePart(float(document.get("time") or 0.0), threshold, entries)
         self.received += 1
         self.version += 1
 
     def nodes(self) -> list[str]:
-        return sorted(self._reports)
+        return sorted(self._parts)
 
     async def read(self, fresh: bool = False) -> UsageView:
-        """The view of the reports; ``fresh`` needs no cache bypass: a new report replaces the
-        view at once."""
-        if not self._reports:
+        """The view of the reports (see the class); ``fresh``: every report received so far."""
+        if not self._parts:
             if self.fallback is not None:
                 return await self.fallback.read(fresh)
             return UsageView(
@@ -343,18 +420,35 @@ class NodeReports:
             )
         now = self.clock()
         cached = self._view
-        if cached is not None and cached[0] == self.version and cached[1] <= now <= cached[2]:
-            return cached[3]
-        reports = [NodeUsage(node, doc, now) for node, doc in self._reports.items()]
-        view = view_of(reports)
-        until = now + self.max_age
-        for report in reports:  # the view changes when a fresh report turns stale
-            if not report.stale:
-                turns_stale = report.read_at - report.age + STALE_INTERVALS * report.interval
-                until = min(until, turns_stale + CLOCK_SLACK)
+        if cached is not None and cached[1] <= now <= cached[2]:
+            if cached[0] == self.version or (not fresh and now - cached[1] < self.coalesce):
+                return cached[3]
+        view, until = self._build(now)
         self._view = (self.version, now, until, view)
         self.builds += 1
         return view
+
+    def _build(self, now: float) -> tuple[UsageView, float]:
+        """The view at ``now`` and until when it holds (the first fresh report to turn stale,
+        or ``max_age``)."""
+        fresh: set[str] = set()
+        stale: dict[str, float] = {}
+        until = now + self.max_age
+        for node, part in self._parts.items():
+            age = max(0.0, now - part.time)
+            if age > part.threshold:
+                stale[node] = round(age, 1)
+                continue
+            fresh.add(node)
+            until = min(until, part.time + part.threshold)
+        nodes = frozenset(fresh)
+        allocations = _Allocations(dict(self._index), dict(self._parts), nodes, now)
+        message = None
+        if stale:
+            message = "no current usage from node(s) " + ", ".join(
+                f"{n} (last report {age:.0f} s ago)" for n, age in sorted(stale.items())
+            )
+        return UsageView("kubernetes", allocations, nodes, stale, message), until
 
     async def changed(self) -> None:
         """Nothing to do: node daemons watch their GpuLedger and apply changes themselves."""
@@ -362,11 +456,13 @@ class NodeReports:
 
 def usage_json(view: UsageView, allowed: set[str] | None) -> dict[str, Any]:
     """``GET /api/usage``: the view, only allocations in ``allowed`` (None: all, for admins)."""
+    if allowed is None:
+        mine = {k: dict(v) for k, v in view.allocations.items()}
+    else:  # a user's few ids looked up, not every allocation of the cluster scanned
+        mine = {k: dict(v) for k in allowed if (v := view.allocations.get(k)) is not None}
     return {
         "source": view.source,
-        "allocations": {
-            k: dict(v) for k, v in view.allocations.items() if allowed is None or k in allowed
-        },
+        "allocations": mine,
         "nodes": sorted(view.nodes),
         "stale": dict(view.stale),
         "message": view.message,

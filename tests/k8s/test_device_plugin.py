@@ -22,12 +22,13 @@ from test_kernels import admin, eventually, execute, kernel_pods, kernel_records
 
 from jupyter_gpushare.inventory import Gpu
 from jupyter_gpushare.k8s import manifests
-from jupyter_gpushare.k8s.device_plugin import plugin, podresources_pb2
+from jupyter_gpushare.k8s.device_plugin import plugin, podresources_pb2, podresources_pb2_grpc
 from jupyter_gpushare.ledger import Allocation
 from jupyter_gpushare.share import ShareSpec
 
 pytestmark = pytest.mark.timeout(300)
 RES = manifests.SHARE_RESOURCE
+ALLOCATED = manifests.ALLOCATED_ANNOTATION
 NVIDIA_PLUGIN_OFF = "nvidia.com/gpu.deploy.device-plugin"
 
 
@@ -199,6 +200,104 @@ def test_device_holders_reads_the_kubelets_pod_resources() -> None:
     assert plugin.PluginSettings("n", "ns").pod_resources_socket == Path(
         "/var/lib/kubelet/pod-resources/kubelet.sock"
     )
+
+
+class _Kubelet(podresources_pb2_grpc.PodResourcesListerServicer):
+    """The kubelet's PodResources ``List`` holding ``held`` (device id -> (namespace, pod))."""
+
+    def __init__(self, held: dict[str, tuple[str, str]]) -> None:
+        self.held = held
+
+    async def List(self, request: Any, context: Any) -> Any:
+        pods: dict[tuple[str, str], list[str]] = {}
+        for dev, owner in self.held.items():
+            pods.setdefault(owner, []).append(dev)
+        pb = podresources_pb2
+        return pb.ListPodResourcesResponse(
+            pod_resources=[
+                pb.PodResources(
+                    namespace=ns,
+                    name=name,
+                    containers=[
+                        pb.ContainerResources(
+                            name="kernel",
+                            devices=[pb.ContainerDevices(resource_name=RES, device_ids=ids)],
+                        )
+                    ],
+                )
+                for (ns, name), ids in pods.items()
+            ]
+        )
+
+
+class _Kube:
+    """The two API calls PreStartContainer makes: list the kernel pods, patch a mark away."""
+
+    def __init__(self, pods: list[dict[str, Any]]) -> None:
+        self.pods = pods
+        self.patched: list[tuple[str, str, dict[str, Any]]] = []
+        self.core = self
+
+    async def list_pods(self, namespace: str, label_selector: str) -> dict[str, Any]:
+        return {"items": self.pods}
+
+    async def patch_namespaced_pod(self, name: str, namespace: str, body: Any) -> None:
+        self.patched.append((namespace, name, body))
+
+
+async def test_pre_start_checks_the_pod_the_kubelet_says_holds_the_devices(
+    tmp_path: Path,
+) -> None:
+    """PreStartContainer: the pod PodResources names must be the one Allocate took the devices
+    for; a forgery holding them is refused and the kernel pod Allocate took them for is
+    unmarked (it waits still); without an answer from the kubelet, every container is refused."""
+    import grpc
+
+    kubelet_dir = tmp_path / "kubelet" / "device-plugins"
+    kubelet_dir.mkdir(parents=True)
+    settings = plugin.PluginSettings("n1", "gpushare", kubelet_socket=kubelet_dir / "kubelet.sock")
+    kernel = pod("zz-kernel", 10, "2026-01-01T00:00:00Z", namespace="gpushare")
+    forged = pod("aa-forged", 10, "2026-01-01T00:00:00Z", namespace="gpushare")
+    kube = _Kube([kernel, forged])
+    share = plugin.SharePlugin(daemon=None, kube=kube, settings=settings)
+    share.pre_start = True
+    ids = ["GPU-a/0", "GPU-a/1"]
+    guess = plugin.Guess("a-" + "0" * 16, "gpushare", "zz-kernel", "zz-kernel")
+
+    with pytest.raises(plugin.PreStartRefused, match=r"PodResources API .* not started until"):
+        await share._pre_start(ids)  # no kubelet socket: fail closed
+
+    settings.pod_resources_socket.parent.mkdir()
+    server = grpc.aio.server()
+    podresources_pb2_grpc.add_PodResourcesListerServicer_to_server(
+        _Kubelet(dict.fromkeys(ids, ("gpushare", "aa-forged"))), server
+    )
+    server.add_insecure_port(f"unix://{settings.pod_resources_socket}")
+    await server.start()
+    try:
+        share.guesses[frozenset(ids)] = guess
+        forgery = r"aa-forged holds the .* gpushare/zz-kernel"
+        with pytest.raises(plugin.PreStartRefused, match=forgery):
+            await share._pre_start(ids)
+        assert kube.patched == [
+            ("gpushare", "zz-kernel", {"metadata": {"annotations": {ALLOCATED: None}}})
+        ]
+        assert not share.guesses
+        with pytest.raises(plugin.PreStartRefused, match=r"no single pod holding .* GPU-a/7"):
+            await share._pre_start(["GPU-a/7"])  # held by no pod
+        # the kernel pod holding the devices Allocate took for it starts
+        await server.stop(0)
+        server = grpc.aio.server()
+        podresources_pb2_grpc.add_PodResourcesListerServicer_to_server(
+            _Kubelet(dict.fromkeys(ids, ("gpushare", "zz-kernel"))), server
+        )
+        server.add_insecure_port(f"unix://{settings.pod_resources_socket}")
+        await server.start()
+        share.guesses[frozenset(ids)] = guess
+        await share._pre_start(ids)
+        assert not share.guesses and len(kube.patched) == 1
+    finally:
+        await server.stop(0)
 
 
 @pytest.mark.parametrize("proto", ["api", "podresources"])

@@ -159,3 +159,18 @@ def test_within_one_second_the_ledgers_pod_comes_first_and_other_namespaces_neve
     impostor = kernel_like("zz-kernel", "2026-01-01T00:00:06Z", None)
     impostor["metadata"]["uid"] = "uid-other"
     assert not named(impostor)
+
+
+def test_with_the_kubelets_word_admitted_pods_are_those_holding_devices() -> None:
+    """With PodResources (``admitted``: the pods holding devices), a pod marked by a wrong
+    guess but holding none is waiting still, and a refused forgery holding its devices is no
+    candidate; without it, the marks decide."""
+    t = "2026-01-01T00:00:06Z"
+    kernel = kernel_like("zz-kernel", t, t)
+    kernel["metadata"]["annotations"] = {manifests.ALLOCATED_ANNOTATION: "n1"}  # a wrong guess
+    forged = kernel_like("aa-forged", t, None)
+    held = {("gpushare", "aa-forged")}
+    order = plugin.pending_pods([forged, kernel], "n1", RES, 25, "gpushare", admitted=held)
+    assert [p["metadata"]["name"] for p in order] == ["zz-kernel"]
+    by_marks = plugin.pending_pods([forged, kernel], "n1", RES, 25, "gpushare")
+    assert [p["metadata"]["name"] for p in by_marks] == ["aa-forged"]

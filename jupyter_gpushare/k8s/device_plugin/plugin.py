@@ -16,7 +16,15 @@ Lifecycle, as the kubelet's device manager expects it:
    CDI devices on real GPUs), the interposer directory read-only, and a directory of its own in
    which the agent listens on a socket for that pod alone (so a pod cannot reach another pod's
    socket; the agent still checks every caller's pod by its cgroups);
-4. the per-pod sockets are served again after an agent restart and removed once their pod is
+4. ``PreStartContainer`` (registered with ``pre_start_required`` when the kubelet's PodResources
+   socket, ``<root dir>/pod-resources/kubelet.sock``, is there: the DaemonSet mounts that
+   directory read-only): the kubelet is about to start a container it admitted, and names its
+   device IDs. The plugin asks PodResources ``List`` which pod holds them and refuses
+   (``FAILED_PRECONDITION``) unless it is the pod ``Allocate`` took them for (one its
+   allocation's record names); the kubelet then does not start the container: it waits in
+   ``CreateContainerConfigError`` with the plugin's message, the pod stays Pending, and the
+   kubelet asks again at each sync;
+5. the per-pod sockets are served again after an agent restart and removed once their pod is
    gone.
 
 Trust: the kubelet's socket directory is root's; the pod list and the allocation come from the
@@ -37,17 +45,33 @@ second the pod the ledger names comes first, then creation and UID - never the p
 which a forger picks (a forgery named to sort first, bound in the kernel pod's second, used to
 make the kernel's admission fail; tests/k8s/test_device_plugin.py plays it).
 
-What is left: ``Allocate`` names devices, not the pod, so the plugin infers the pod. If a forged
-pod in the kernel namespace (direct mode: anyone holding the servers' service account may
-create pods there) is bound in the same second as a kernel pod *and* the kubelet admits it
-first, the plugin takes the kernel's pod for it: the forged container is handed the kernel's
-environment and GPU (its socket directory is the kernel's, where the agent's peer check - the
-caller's cgroups must name the record's pod UID - refuses it), and the kernel's admission then
-fails. A pod the kubelet rejected before ``Allocate`` whose Failed status is not yet written can
-likewise still be counted as waiting. Closing this needs the pod named per container: a
-``PreStartContainer`` check against the kubelet's PodResources API (which pod holds the device
-IDs just allocated), or a DRA driver (claims name their pod). Controller mode removes the
-forger, unless someone else is granted pods in the kernel namespace.
+The pod per container (``PreStartContainer``): ``Allocate`` names devices, not the pod, so it
+infers the pod. A forged pod in the kernel namespace (direct mode: anyone holding the servers'
+service account may create pods there) bound in the same second as a kernel pod *and* admitted
+first is taken for the kernel's pod, and its container is handed the kernel's environment. The
+kubelet records a container's device IDs right after ``Allocate`` returns, before the next
+admission (one pod at a time), and PodResources reports them from then on; so
+``PreStartContainer`` (after admission, before the container starts) learns the pod that holds
+them and refuses the forgery: its container never runs. Its wrong guess must not cost the kernel
+its admission, which may come before the forgery's ``PreStartContainer``: before each
+admission ``Allocate`` takes as admitted exactly the pods PodResources says hold devices (not
+the pods it marked: a pod marked by a wrong guess, or by one an agent restart lost, that holds
+none is waiting still, and the refused forgery, which holds its devices, is no candidate), and
+drops and unmarks the guesses PodResources contradicts. Without a guess (the agent restarted
+since ``Allocate``, or the container starts again) ``PreStartContainer`` accepts only the pod
+this node marked whose allocation's record names it. Both orders are played in
+tests/k8s/test_device_plugin.py.
+
+What is left: of two genuine kernel pods of one size bound in one second and admitted against
+the plugin's order (both waiting when the first is admitted), the first is handed the other's
+allocation: it is now refused before it starts and stays Pending until deleted, and the other is
+served its own (before, both started with the other's and failed the agent's peer check). A
+kubelet without the PodResources socket (or a DaemonSet that does not mount it) leaves the
+plugin as it was without ``PreStartContainer``, inferring the pod alone: it logs so at start.
+A pod the kubelet rejected before ``Allocate`` whose Failed status is not yet written can still
+be counted as waiting. A DRA driver (claims name their pod) would remove the inference.
+Controller mode removes the forger, unless someone else is granted pods in the kernel
+namespace.
 """
 
 from __future__ import annotations
@@ -57,7 +81,7 @@ import contextlib
 import logging
 import re
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -180,13 +204,16 @@ def pending_pods(
     units: int,
     namespace: str | None = None,
     named: Callable[[Mapping[str, Any]], bool] | None = None,
+    admitted: Collection[tuple[str, str]] | None = None,
 ) -> list[Mapping[str, Any]]:
     """Kernel pods that may be waiting for ``units``: in ``namespace`` (the kernel namespace,
-    where only the controller may create pods), bound to ``node``, not yet marked, not finished
-    or being deleted, asking ``units``, with an allocation label; first bound first. Within one
-    second of binding (timestamps have one-second resolution) the pods ``named`` says the ledger
-    names as their allocation's pod (name, namespace and UID, which the API server assigns)
-    come first, then by creation and UID: nothing a forger can pick (not the pod's name)."""
+    where only the controller may create pods), bound to ``node``, not yet admitted, not
+    finished or being deleted, asking ``units``, with an allocation label; first bound first.
+    Admitted: ``admitted`` when the kubelet said which pods ((namespace, name)) hold devices,
+    else marked by ``Allocate``. Within one second of binding (timestamps have one-second
+    resolution) the pods ``named`` says the ledger names as their allocation's pod (name,
+    namespace and UID, which the API server assigns) come first, then by creation and UID:
+    nothing a forger can pick (not the pod's name)."""
     candidates = []
     for pod in pods:
         meta = pod.get("metadata") or {}
@@ -196,7 +223,10 @@ def pending_pods(
             continue
         if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
             continue
-        if manifests.ALLOCATED_ANNOTATION in (meta.get("annotations") or {}):
+        if admitted is None:
+            if manifests.ALLOCATED_ANNOTATION in (meta.get("annotations") or {}):
+                continue
+        elif (meta.get("namespace"), meta.get("name")) in admitted:
             continue
         if not ALLOCATION_ID.match((meta.get("labels") or {}).get(manifests.LABEL_ALLOCATION, "")):
             continue
@@ -414,12 +444,19 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
         )
 
     async def _watch_kubelet(self) -> None:
-        """A restarted kubelet removes the plugins' sockets: serve and register again."""
+        """A restarted kubelet removes the plugins' sockets: serve and register again. So too
+        once its PodResources socket appears (a kubelet that made it after the plugin
+        registered): the kubelet then calls PreStartContainer."""
         while True:
             await asyncio.sleep(2.0)
             if self.registered and self.settings.plugin_socket.exists():
-                continue
-            log.info("device plugin: the kubelet restarted; registering again")
+                if self.pre_start or not self.settings.pod_resources_socket.is_socket():
+                    continue
+                log.info(
+                    "device plugin: the kubelet's PodResources API is there; registering again"
+                )
+            else:
+                log.info("device plugin: the kubelet restarted; registering again")
             self.registered = False
             try:
                 self._check_pod_resources()
@@ -596,9 +633,12 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
                 "its container is not started"
             )
 
-    async def _waiting(self, units: int) -> list[Mapping[str, Any]]:
+    async def _waiting(
+        self, units: int, admitted: Collection[tuple[str, str]] | None = None
+    ) -> list[Mapping[str, Any]]:
         """The kernel pods that may be waiting for ``units``, in the order the kubelet admits
-        them (:func:`pending_pods`), ties broken by what the ledger records."""
+        them (:func:`pending_pods`), ties broken by what the ledger records; ``admitted``: the
+        pods the kubelet says hold devices (else those marked are taken as admitted)."""
         pods = await self._kernel_pods()
         ids = {(p["metadata"].get("labels") or {}).get(manifests.LABEL_ALLOCATION) for p in pods}
         if any(i and i not in self.daemon.allocations for i in ids):
@@ -615,12 +655,20 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
             )
 
         return pending_pods(
-            pods, self.settings.node, self.settings.resource, units, self.settings.namespace, named
+            pods,
+            self.settings.node,
+            self.settings.resource,
+            units,
+            self.settings.namespace,
+            named,
+            admitted,
         )
 
     async def _allocate(self, ids: Sequence[str]) -> Any:
         units = len(ids)
-        admitted: set[tuple[str, str]] = set()
+        # the kubelet records each admitted pod's devices before the next admission: a pod
+        # holding none is waiting, whatever a (wrong, or lost) guess marked
+        admitted: set[tuple[str, str]] | None = None
         if self.pre_start:
             try:
                 holders = await self._holders()
@@ -629,11 +677,7 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
             else:
                 admitted = set(holders.values())
                 await self._drop_refuted(holders)
-        pods = [
-            p
-            for p in await self._waiting(units)
-            if (p["metadata"].get("namespace"), p["metadata"]["name"]) not in admitted
-        ]
+        pods = await self._waiting(units, admitted)
         if not pods:
             raise AllocateError(
                 f"no kernel pod on {self.settings.node} waits for {units} "
@@ -662,7 +706,8 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
             )
         reply = container_response(allocation, self.settings, socket_dir)
         log.info(
-            "device plugin: pod %s gets allocation %s (%s)",
+            "device plugin: Allocate takes %d devices for pod %s: allocation %s (%s)",
+            units,
             meta["name"],
             allocation.id,
             ",".join(allocation.gpus),

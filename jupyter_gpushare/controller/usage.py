@@ -454,8 +454,15 @@ class NodeReports:
         """Nothing to do: node daemons watch their GpuLedger and apply changes themselves."""
 
 
+#: the nodes of the last view answered, sorted (one view answers every GET until the next)
+_sorted_nodes: tuple[frozenset[str], list[str]] = (frozenset(), [])
+
+
 def usage_json(view: UsageView, allowed: set[str] | None) -> dict[str, Any]:
     """``GET /api/usage``: the view, only allocations in ``allowed`` (None: all, for admins)."""
+    global _sorted_nodes
+    if _sorted_nodes[0] is not view.nodes:
+        _sorted_nodes = (view.nodes, sorted(view.nodes))
     if allowed is None:
         mine = {k: dict(v) for k, v in view.allocations.items()}
     else:  # a user's few ids looked up, not every allocation of the cluster scanned
@@ -463,7 +470,7 @@ def usage_json(view: UsageView, allowed: set[str] | None) -> dict[str, Any]:
     return {
         "source": view.source,
         "allocations": mine,
-        "nodes": sorted(view.nodes),
+        "nodes": list(_sorted_nodes[1]),
         "stale": dict(view.stale),
         "message": view.message,
     }

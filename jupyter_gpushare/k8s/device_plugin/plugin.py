@@ -603,15 +603,8 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
             ),
             None,
         )
-        if guess is not None and (
-            pod is None
-            or (guess.namespace, guess.name, guess.uid)
-            != (
-                namespace,
-                name,
-                pod["metadata"]["uid"],
-            )
-        ):
+        uid = pod["metadata"].get("uid") if pod is not None else None
+        if guess is not None and (guess.namespace, guess.name, guess.uid) != (namespace, name, uid):
             if (guess.namespace, guess.name) not in set(holders.values()):
                 await self._unmark(guess)  # the pod it named is waiting still
             raise PreStartRefused(

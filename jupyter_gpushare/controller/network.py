@@ -203,7 +203,7 @@ class KernelNetwork:
         self.grace = grace
         self.clock = clock
         self.sync_timeout = sync_timeout
-        self.policies = Informer(kube, "networkpolicies", namespace, POLICY_SELECTOR)
+        self.policies = self._informer()
         self._known: set[str] = set()  # owners whose policy exists (created or in the cache)
         self._ensured: dict[str, float] = {}  # owner -> clock() of its last launch's ensure
         self._lock = asyncio.Lock()  # ensure's create vs the pass's delete of one policy
@@ -241,7 +241,12 @@ class KernelNetwork:
         await self.policies.start(timeout)
 
     async def stop(self) -> None:
+        """Stop following; the next :meth:`start` (a later leadership term) lists afresh."""
         await self.policies.stop()
+        self.policies = self._informer()
+
+    def _informer(self) -> Informer:
+        return Informer(self.kube, "networkpolicies", self.namespace, POLICY_SELECTOR)
 
     async def run_once(self, pods: Iterable[Mapping[str, Any]]) -> tuple[list[str], list[str]]:
         """One pass over the kernel pods the controller's watch holds and the policies its

@@ -434,7 +434,7 @@ def _matches(obj: dict[str, Any], selector: str) -> bool:
 async def caught_up(network: KernelNetwork, store: PolicyStore) -> None:
     """Wait until the controller's informer has seen every change of the store (the watch is
     asynchronous, as it is against an API server)."""
-    for _ in range(500):
+    for _ in range(2500):
         if network.policies.resource_version == str(store.version):
             return
         await asyncio.sleep(0.002)
@@ -522,7 +522,7 @@ async def test_passes_read_the_watch_not_a_list() -> None:
         del store.items[policy_name(owners[5])]  # gone without an event the watch could give
         store.version += 1
         network.policies.drop_watch()
-        for _ in range(1000):
+        for _ in range(2500):
             if network.policies.get(policy_name(owners[5])) is None:
                 break
             await asyncio.sleep(0.002)
@@ -560,6 +560,7 @@ async def test_the_pass_outlives_failures(caplog: pytest.LogCaptureFixture) -> N
     store.forbid = True
     network = KernelNetwork(store, "gpushare", default_settings())  # type: ignore[arg-type]
     owner = manifests.owner_label("alice")
+    informer = network.policies
     task = asyncio.create_task(network.run_forever(0.01, lambda: [kernel_object(owner)]))
     try:
         for _ in range(1000):
@@ -578,7 +579,8 @@ async def test_the_pass_outlives_failures(caplog: pytest.LogCaptureFixture) -> N
     assert failed == [
         "gpushare controller: NetworkPolicy pass failed: 403 networkpolicies is forbidden"
     ]
-    assert network.policies._task is None  # its informer stopped with it
+    assert informer.synced and informer._task is None  # its informer stopped with it
+    assert network.policies is not informer and not network.policies.synced  # a new term lists
 
 
 # -- against the real API server, as the controller's service account ------------------------------

@@ -81,8 +81,8 @@ struct gpushare_wire_slot {
     _Atomic uint64_t first_launch_ns; /* 152: atomic min (clients): first join of the lease */
     _Atomic uint64_t drain_eta_ns;    /* 160: when the draining holder expects its work done */
     _Atomic uint64_t runahead_ns;     /* 168: device time it may queue ahead (daemon; 0: any) */
-    _Atomic uint64_t fs_next_ns;      /* 176: account: the share's next self-granted lease while
-                                         no agent answers (clients, CAS; 0: none yet) */
+    _Atomic uint64_t fs_next_ns;      /* 176: account: while no agent answers, when the share's
+                                         last self-granted lease was due (clients, CAS; 0: none) */
     uint8_t pad[72];                  /* 184 */
 };
 

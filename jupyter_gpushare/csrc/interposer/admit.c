@@ -24,10 +24,13 @@
 
 #include "gs.h"
 
-#define WAIT_SLICE_NS  50000000ull /* re-check state at least every 50 ms while waiting */
-#define WANT_REPEAT_NS 10000000ull /* a waiter repeats `want` at most every 10 ms */
-#define WANT_QUIET_NS  500000ull   /* no first `want` in the first 0.5 ms of another's lease */
-#define FS_SLACK_NS    1000000ull  /* fail static: a turn further than a period + this is stale */
+#define WAIT_SLICE_NS   50000000ull  /* re-check state at least every 50 ms while waiting */
+#define WANT_REPEAT_NS  10000000ull  /* a waiter repeats `want` at most every 10 ms */
+#define WANT_QUIET_NS   500000ull    /* no first `want` in the first 0.5 ms of another's lease */
+#define FS_SLACK_NS     1000000ull   /* fail static: a turn further than a period + this is stale */
+#define FS_LOOK_NS      1000000ull   /* fail static: look at another share's drain this often */
+#define FS_STUCK_NS     500000000ull /* ... and stop waiting for it this long after its lease */
+#define FS_LEASE_MAX_NS 1000000000ull /* no lease is longer (drain.c's sanity bound) */
 
 /* A lease another slot got less than WANT_QUIET_NS ago: its holder's thread is waking up to
  * launch (a handoff), and a `want` now would wake the daemon on the same CPUs at that moment.
@@ -68,19 +71,46 @@ static int join(struct gs_gpu *g, uint64_t lease) {
     return 0;
 }
 
-/* Fail static: no agent answers, so the share grants itself a lease of one quantum every
- * (quantum + runahead bound) / request. A lease of q leaves up to the runahead bound the agent
- * last published queued at its end (the policy stays mapped): the device runs up to q + bound
- * per lease (q / r ran a saturating tenant at twice its request). No bound (a lone tenant
- * without a limit): q / r, as nobody is to be kept out.
+/* Fail static, between shares: the GPU is taken by moving the board's `holder` to our slot, and
+ * only from a holder whose lease is over and whose processes drained it (`joined` back to 0;
+ * one stuck there, a process that died holding it, is passed over FS_STUCK_NS after its lease
+ * ended). Returns 0 when the GPU is ours, else how long to wait before looking again. Leases
+ * the shares granted themselves overlapped on the device, which then ran whoever queued most:
+ * a share of three processes left a 0.5 neighbour 0.30. Not connected yet: no board, no
+ * neighbours to see. */
+static uint64_t failstatic_take_gpu(struct gs_gpu *g, uint64_t now) {
+    struct gpushare_wire_header *h = g->header;
+    if (!h || g->slot_index < 0) return 0;
+    uint32_t mine = (uint32_t)g->slot_index + 1, holder = atomic_load(&h->holder);
+    if (holder != mine && holder != 0 && holder <= GPUSHARE_WIRE_SLOTS) {
+        struct gpushare_wire_slot *o = gpushare_wire_slot_at(h, holder - 1);
+        uint64_t until = atomic_load(&o->lease_until_ns);
+        if (!until) until = atomic_load(&o->lease_start_ns); /* handed back early */
+        if (until > now && until - now <= FS_LEASE_MAX_NS)   /* (a longer one is no lease) */
+            return until - now < FS_LOOK_NS ? until - now : FS_LOOK_NS;
+        if (until <= now && now - until < FS_STUCK_NS && atomic_load(&o->joined) > 0)
+            return FS_LOOK_NS;
+    }
+    return holder == mine || atomic_compare_exchange_strong(&h->holder, &holder, mine) ? 0 : 1000;
+}
+
+/* Fail static: no agent answers, so the share grants itself leases of one quantum and charges
+ * each the device time it took, as the agent would: from its start to the end of its drain
+ * (`drain_end_ns`, stored by every process that drained it), once all its processes drained it
+ * (`joined` back to 0). The next lease is due that time / request after the last one was due.
+ * (An estimate, one quantum plus the runahead bound, let a share whose processes each queued
+ * work on several streams run at 1.5 times its request.)
  *
- * The pacing is the share's, not the process's: when the share's next self-granted lease may
- * start is `fs_next_ns` in its account (one per allocation and GPU, shared by all its processes
- * and by nobody else), and a process takes a turn by moving it with a compare-and-swap, so
- * whichever process grants the next lease sees the others' (paced per process, a kernel and two
+ * The pacing is the share's, not the process's: `fs_next_ns` in its account (one per
+ * allocation and GPU, shared by all its processes and by nobody else) is when its last lease
+ * was due; the process that takes the next turn moves it with a compare-and-swap, so whichever
+ * process grants the next lease sees the others' (paced per process, a kernel and two
  * subprocesses of a 0.25 share took 0.62 of the GPU from a neighbour while the agent was down).
- * The lease is the share's slot on the board: every process of the share joins it, so the
- * others wait on the slot's futex for the grant (or for their turn) instead of sleeping.
+ * A turn taken late, because another share held the GPU, keeps the cadence (up to two
+ * periods late: a window's worth let it take a run of leases and more than its request). The
+ * lease is the share's slot on the board:
+ * every process of the share joins it, so the others wait on the slot's futex for the grant
+ * (or for their turn) instead of sleeping.
  * `s`: the share's slot, `seq`: its grant_seq as the caller read it before it found no lease. */
 static void failstatic_grant(struct gs_gpu *g, struct gpushare_wire_slot *s, uint32_t seq) {
     struct gpushare_wire_slot *account = atomic_load(&g->account);
@@ -88,22 +118,39 @@ static void failstatic_grant(struct gs_gpu *g, struct gpushare_wire_slot *s, uin
     double r = atomic_load(&policy->request_ppm) / 1e6;
     if (!(r > 0.0)) r = gs.request;
     uint64_t q = gs.quantum_ns ? gs.quantum_ns : GS_DEFAULT_QUANTUM_NS;
-    uint64_t bound = atomic_load(&policy->runahead_ns);
-    uint64_t period = (uint64_t)((double)(q + bound) / r);
-    uint64_t next = atomic_load(&account->fs_next_ns);
-    uint64_t now = gs_now(); /* after the load: a turn taken before it is at most `period` on */
-    /* (a turn further away was set under another request: take it now) */
-    if (now < next && next - now <= period + FS_SLACK_NS) {
-        uint64_t d = next - now;
+    uint64_t last = atomic_load(&account->fs_next_ns); /* when our last lease was due (0: none) */
+    uint64_t now = gs_now();
+    uint64_t until = atomic_load(&s->lease_until_ns), start = atomic_load(&s->lease_start_ns);
+    if (until > now) return; /* the share holds a lease: the caller joins it */
+    uint64_t ended = until > start ? until : start; /* (0: handed back early) */
+    if (last && atomic_load(&s->joined) > 0 && now < ended + FS_STUCK_NS) {
+        gs_futex_wait(&s->grant_seq, seq, FS_LOOK_NS); /* its processes still drain it */
+        return;
+    }
+    /* (a drain is over FS_STUCK_NS after the lease at the latest, see above) */
+    uint64_t end = atomic_load(&s->drain_end_ns), used = end > start ? end - start : 0;
+    if (used > ended - start + FS_STUCK_NS) used = ended - start + FS_STUCK_NS;
+    uint64_t pace = (uint64_t)((double)used / r), pause = (uint64_t)((double)q / r);
+    if (pause < pace) pause = pace;
+    pause *= 2; /* a turn this late keeps the cadence (other shares' leases came first) */
+    uint64_t due = last ? last + (pace ? pace : 1) : now;
+    if (due > now && due - now <= pace) { /* (a turn further away is no turn of ours) */
+        uint64_t d = due - now;
         gs_futex_wait(&s->grant_seq, seq, d < WAIT_SLICE_NS ? d : WAIT_SLICE_NS);
         return;
     }
-    uint64_t old = atomic_load(&s->lease_until_ns);
-    if (old > now) return; /* the share holds a lease: the caller joins it */
+    if (due > now || now - due > pause) due = now;
+    uint64_t busy = failstatic_take_gpu(g, now);
+    if (busy) { /* another share's lease runs or drains */
+        gs_futex_wait(&s->grant_seq, seq, busy);
+        return;
+    }
     /* our turn; a process that loses the swap finds the lease granted (or waits for it) */
-    if (!atomic_compare_exchange_strong(&account->fs_next_ns, &next, now + period)) return;
-    if (atomic_compare_exchange_strong(&s->lease_until_ns, &old, now + q)) {
+    if (!atomic_compare_exchange_strong(&account->fs_next_ns, &last, due)) return;
+    if (atomic_compare_exchange_strong(&s->lease_until_ns, &until, now + q)) {
+        /* nobody drains it before it ends (then these are read) */
         atomic_store(&s->lease_start_ns, now);
+        atomic_store(&s->drain_end_ns, now);
         atomic_fetch_add(&s->grant_seq, 1); /* wake the share's other waiters to join it */
         syscall(SYS_futex, (uint32_t *)&s->grant_seq, FUTEX_WAKE, 1 << 30, NULL, NULL, 0);
     }

@@ -47,8 +47,16 @@ Two runs:
    whole event loop; ``_wall``: their wall clock). The previous code is run over
    ``--usage-old-seconds`` only (its builds take that long).
 
-Run: ``python benchmarks/k8s_scale.py`` (about 3 minutes; ``--quick`` for a smaller run;
-``--only usage`` for the third part alone, about 30 s). Ends with one JSON line.
+4. **The per-user NetworkPolicies** (controller mode) on the real API server: ``--network-users``
+   (1,000) users' policies, then ``--network-passes`` (12: a minute at the 5 s reconcile
+   interval) of :meth:`~jupyter_gpushare.controller.network.KernelNetwork.run_once` with every
+   user's kernel running, ours (the policies' informer) against the previous pass (a LIST of the
+   namespace's policies every pass), side by side: requests and bytes (the controller's
+   client) per minute, and the controller's CPU time per pass.
+
+Run: ``python benchmarks/k8s_scale.py`` (about 4 minutes; ``--quick`` for a smaller run;
+``--only usage`` for the third part alone, about 30 s; ``--only network`` for the fourth, with an
+API server of its own). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -85,6 +93,12 @@ from jupyter_gpushare.controller.api import State, make_app  # noqa: E402
 from jupyter_gpushare.controller.auth import HubUser  # noqa: E402
 from jupyter_gpushare.controller.bounds import Bounds  # noqa: E402
 from jupyter_gpushare.controller.kernels import KernelService  # noqa: E402
+from jupyter_gpushare.controller.network import (  # noqa: E402
+    POLICY_PREFIX,
+    POLICY_SELECTOR,
+    KernelNetwork,
+    NetworkSettings,
+)
 from jupyter_gpushare.controller.servers import ServerLeases  # noqa: E402
 from jupyter_gpushare.controller.usage import (  # noqa: E402
     AUDIENCE,
@@ -798,6 +812,112 @@ async def usage_run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+# -- 4. the per-user NetworkPolicies: an informer against a LIST per pass -----------------------
+
+
+class CountedKube:
+    """A :class:`Kube` whose NetworkPolicy calls (LIST, watch, create, delete) are counted as
+    they are sent, and whose bytes :class:`WireBytes` counts."""
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+        self.wire = WireBytes(kube)
+        self.sent: dict[str, int] = {}
+        for method in ("list", "create", "delete"):
+            name = f"{method}_namespaced_network_policy"
+            func = getattr(kube.networking, name)
+
+            def counted(*args: Any, _func: Any = func, _method: str = method, **kw: Any) -> Any:
+                verb = "watch" if kw.get("watch") else _method
+                self.sent[verb] = self.sent.get(verb, 0) + 1
+                return _func(*args, **kw)
+
+            setattr(kube.networking, name, counted)
+
+    def snapshot(self) -> tuple[dict[str, int], int]:
+        return dict(self.sent), self.wire.total
+
+
+class ListingNetwork(KernelNetwork):
+    """``KernelNetwork.run_once`` before the informer (commit 7d65799): a LIST of the namespace's
+    policies on every pass, the rest as ours (for the side-by-side run)."""
+
+    async def run_once(self, pods: Any) -> tuple[list[str], list[str]]:
+        listed = await self.kube.list_network_policies(self.namespace, POLICY_SELECTOR)
+        policies = {
+            p["metadata"].get("labels", {}).get(manifests.LABEL_OWNER): p
+            for p in listed
+            if p["metadata"]["name"].startswith(POLICY_PREFIX)
+        }
+        policies.pop(None, None)
+        self._known = set(policies)
+        return [], []  # every user has a policy and a kernel here: nothing to create or delete
+
+
+async def network_run(plane: ControlPlane, args: argparse.Namespace) -> dict[str, Any]:
+    settings = NetworkSettings(None, {"matchLabels": {"component": "singleuser-server"}}, {})
+    owners = [manifests.owner_label(f"bench-user-{u}") for u in range(args.network_users)]
+    pods = [
+        {
+            "metadata": {
+                "labels": {
+                    manifests.LABEL_COMPONENT: manifests.KERNEL_COMPONENT,
+                    manifests.LABEL_OWNER: owner,
+                }
+            }
+        }
+        for owner in owners
+    ]
+    maker = KernelNetwork(await connect(str(plane.kubeconfig("controller"))), NAMESPACE, settings)
+    gate = asyncio.Semaphore(16)
+
+    async def ensure(owner: str) -> None:
+        async with gate:
+            await maker.ensure(owner)
+
+    await asyncio.gather(*(ensure(o) for o in owners))  # each user's launch made theirs
+    await maker.kube.close()
+    result: dict[str, Any] = {"network_users": len(owners), "network_passes": args.network_passes}
+    for name, kind in (("ours", KernelNetwork), ("old", ListingNetwork)):
+        counted = CountedKube(await connect(str(plane.kubeconfig("controller"))))
+        network = kind(counted.kube, NAMESPACE, settings)
+        try:
+            sent0, bytes0 = counted.snapshot()
+            c0 = time.thread_time()
+            await network.run_once(pods)  # ours: its informer's LIST is in this pass
+            first_cpu = time.thread_time() - c0
+            sent1, bytes1 = counted.snapshot()
+            cpu = []
+            for _ in range(args.network_passes):
+                c0 = time.thread_time()
+                assert await network.run_once(pods) == ([], [])
+                cpu.append((time.thread_time() - c0) * 1000)
+            sent2, bytes2 = counted.snapshot()
+        finally:
+            await network.stop()
+            await counted.kube.close()
+        minutes = args.network_passes * 5.0 / 60  # at the reconcile interval (5 s)
+        result[f"network_{name}"] = {
+            "first_pass_requests": {k: v - sent0.get(k, 0) for k, v in sent1.items()},
+            "first_pass_bytes": bytes1 - bytes0,
+            "first_pass_cpu_ms": round(first_cpu * 1000, 2),
+            "requests_per_minute": round(
+                sum(v - sent1.get(k, 0) for k, v in sent2.items()) / minutes, 2
+            ),
+            "bytes_per_minute": round((bytes2 - bytes1) / minutes),
+            "pass_cpu_ms_median": round(statistics.median(cpu), 3),
+        }
+        if name == "ours":  # the watch is renewed every timeout_seconds (240 s)
+            result["network_ours"]["watch_renewals_per_minute"] = round(
+                60 / network.policies.timeout_seconds, 2
+            )
+    ours, old = result["network_ours"], result["network_old"]
+    result["network_bytes_per_minute_old_minus_ours"] = (
+        old["bytes_per_minute"] - ours["bytes_per_minute"]
+    )
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=200)
@@ -817,12 +937,15 @@ def main() -> None:
     parser.add_argument("--usage-users", type=int, default=1000)
     parser.add_argument("--usage-seconds", type=float, default=10.0)
     parser.add_argument("--usage-old-seconds", type=float, default=0.5)
-    parser.add_argument("--only", choices=("cache", "apiserver", "usage"), default=None)
+    parser.add_argument("--network-users", type=int, default=1000)
+    parser.add_argument("--network-passes", type=int, default=12)
+    parser.add_argument("--only", choices=("cache", "apiserver", "usage", "network"), default=None)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
     if args.quick:
         args.nodes, args.servers, args.window, args.starts = 20, 10, 10.0, 5
+        args.network_users = 100
         args.places_apiserver, args.places = 50, 300
     result: dict[str, Any] = {}
     if args.only in (None, "usage"):
@@ -842,6 +965,12 @@ def main() -> None:
         plane.start(components=False)
         try:
             apply_deploy(plane.kubeconfig("admin"))
+            if args.only in (None, "network"):
+                result.update(asyncio.run(network_run(plane, args)))
+                print(f"network run: {json.dumps(result)}", flush=True)
+            if args.only == "network":
+                print(json.dumps(result))
+                return
             register_gpu_nodes(
                 plane.kubeconfig("admin"),
                 {f"sim-{n:04d}": gpus_of(f"sim-{n:04d}") for n in range(args.nodes)},

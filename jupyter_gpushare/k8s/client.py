@@ -266,8 +266,9 @@ class Kube:
 
     def lister(self, kind: str, namespace: str) -> tuple[Any, tuple[Any, ...]]:
         """The client's LIST function for ``kind`` ('pods', 'gpuledgers', 'leases',
-        'configmaps' and 'networkpolicies' in ``namespace``; 'nodes' cluster-wide) and its positional arguments: a
-        listing (:func:`.watch.list_objects`) and a watch (:meth:`watch`) call the same one."""
+        'configmaps' and 'networkpolicies' in ``namespace``; 'nodes' cluster-wide) and its
+        positional arguments: a listing (:func:`.watch.list_objects`) and a watch
+        (:meth:`watch`) call the same one."""
         if kind == "pods":
             return self.core.list_namespaced_pod, (namespace,)
         if kind == "gpuledgers":
@@ -299,7 +300,8 @@ class Kube:
         'gpuledgers') after ``resource_version``; ends when the server closes the stream
         (``timeout_seconds``). Raises :class:`ApiException` (410 when the version is too old).
         ``kind`` may also be 'nodes' (cluster-wide), 'leases', 'configmaps' or
-        'networkpolicies' (informers, :mod:`.watch`); ``on_response`` is given the open stream (so it can be closed).
+        'networkpolicies' (informers, :mod:`.watch`); ``on_response`` is given the open stream
+        (so it can be closed).
 
         Our own line reader rather than ``kubernetes_asyncio.watch``: no model decoding (the
         ledger's placers and the pod watcher only need dicts) and no hidden reconnects."""

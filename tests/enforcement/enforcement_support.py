@@ -278,6 +278,14 @@ def device_shares(tenants: list[Any], t0: int, t1: int) -> list[float]:
     return out
 
 
+def peak_device_time(tenant: Any, t0: int, t1: int, width_ns: int = 1_000_000_000) -> float:
+    """The most device time (s) `tenant` got in any window of `width_ns` inside [t0, t1]
+    (windows starting every 10 ms; :func:`device_shares` inside each): what a limit promises
+    per window, where a share over the whole run averages bursts and debt out."""
+    starts = range(t0, max(t0, t1 - width_ns) + 1, 10_000_000)
+    return max(device_shares([tenant], s, s + width_ns)[0] for s in starts) * width_ns / 1e9
+
+
 def _done_by(points: list[tuple[int, int]], when: int) -> float:
     """Device µs of work a queue finished by device time ``when`` (ns), from its reports
     (device time, µs done by then), the work between two reports placed as late as it can be."""

@@ -160,7 +160,9 @@ void *gs_wrapper_for(const char *name);
 struct gs_mark { /* an event recorded before a launch (runahead bound) */
     CUevent event;
     uint64_t count; /* launches on the stream before it */
-    int busy;       /* the mark before it was still queued when it was recorded */
+    /* 1: the mark before it was still queued when it was recorded; 2: a launch was (a first
+     * estimate of the device time per launch: runahead.c) */
+    int busy;
 };
 
 struct gs_stream { /* a stream this process launched on */

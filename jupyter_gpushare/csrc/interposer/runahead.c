@@ -45,8 +45,9 @@ static void retire_marks(struct gs_stream *e) {
         CUresult q = real_cuEventQuery(m->event);
         if (q == CUDA_ERROR_NOT_READY) break;
         float ms = 0;
-        if (q == CUDA_SUCCESS && m->busy && e->ref_valid && m->count > e->ref_count &&
-            real_cuEventElapsedTime_v2 &&
+        /* busy marks only (pure device time between them), and a first estimate */
+        if (q == CUDA_SUCCESS && (m->busy == 1 || (m->busy == 2 && !e->launch_ns)) &&
+            e->ref_valid && m->count > e->ref_count && real_cuEventElapsedTime_v2 &&
             real_cuEventElapsedTime_v2(&ms, e->ref_event, m->event) == CUDA_SUCCESS && ms >= 0) {
             uint64_t per = (uint64_t)((double)ms * 1e6 / (double)(m->count - e->ref_count));
             if (per == 0) per = 1; /* measured: launches that take no device time to speak of */
@@ -151,7 +152,22 @@ int gs_runahead_bound(struct gs_gpu *g, struct gs_stream *e, uint64_t prior, uin
         waited = 1;
         pthread_mutex_lock(&g->streams_lock);
     }
-    if (waited && atomic_load(&g->slot->lease_until_ns) != lease) {
+    /* Work that would run past the lease's end by more than the bound - a kernel longer than
+     * the bound queued behind a running one - waits until the stream's queue is done (the lease
+     * has ended by then, as a rule: no launch now). Otherwise a lease of kernels longer than the
+     * quantum ran two of them, and the share's credit went that far into debt: its leases came
+     * in bursts, up to twice its limit in a 1 s window (limit 0.125, 50 ms kernels). On an idle
+     * stream a launch always goes: a lease runs at least one kernel, however long. */
+    int past = 0;
+    if (bound && e->launch_ns) {
+        uint64_t eta = gs_drain_eta(g, e); /* 0: nothing known queued */
+        past = eta && eta + e->launch_ns > lease + bound;
+    } else if (bound) {
+        /* the device time per launch is not known yet: nothing queued behind a launch until
+         * the mark after it measures it (a first lease of 50 ms kernels queued three) */
+        past = e->count > (e->ref_valid ? e->ref_count : e->mlen ? e->marks[e->mhead].count : 0);
+    }
+    if ((waited || past) && atomic_load(&g->slot->lease_until_ns) != lease) {
         pthread_mutex_unlock(&g->streams_lock); /* the lease ended meanwhile: no launch now */
         return -1;
     }
@@ -159,8 +175,24 @@ int gs_runahead_bound(struct gs_gpu *g, struct gs_stream *e, uint64_t prior, uin
     if (!m->event) real_cuEventCreate(&m->event, CU_EVENT_DEFAULT);
     if (m->event && real_cuEventRecord(m->event, e->stream) == CUDA_SUCCESS) {
         m->count = e->count;
+        /* 1: the mark before it was still queued (device time between them); 2: bounded, with
+         * no estimate yet, a launch was still running (past: the one launch after the newest
+         * mark, recorded right before it; the time between them is that launch's) */
         m->busy = e->mlen > 0;
+        if (!m->busy && past && !e->launch_ns &&
+            real_cuEventQuery(m->event) == CUDA_ERROR_NOT_READY)
+            m->busy = 2;
         e->mlen++;
+        if (past) { /* the mark is behind everything queued: wait for it, outside the lock */
+            CUevent done = m->event;
+            pthread_mutex_unlock(&g->streams_lock);
+            real_cuEventSynchronize(done);
+            pthread_mutex_lock(&g->streams_lock);
+            if (atomic_load(&g->slot->lease_until_ns) != lease) {
+                pthread_mutex_unlock(&g->streams_lock);
+                return -1; /* its next admission launches (the mark stays: it counts no launch) */
+            }
+        }
     }
     e->count += 1; /* the launch being admitted */
     uint64_t per = e->launch_ns;

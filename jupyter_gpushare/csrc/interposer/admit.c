@@ -97,9 +97,10 @@ static uint64_t failstatic_take_gpu(struct gs_gpu *g, uint64_t now) {
 /* Fail static: no agent answers, so the share grants itself leases of one quantum and charges
  * each the device time it took, as the agent would: from its start to the end of its drain
  * (`drain_end_ns`, stored by every process that drained it), once all its processes drained it
- * (`joined` back to 0). The next lease is due that time / request after the last one was due.
- * (An estimate, one quantum plus the runahead bound, let a share whose processes each queued
- * work on several streams run at 1.5 times its request.)
+ * (`joined` back to 0), and at least a quantum plus the runahead bound. The next lease is due
+ * that time / request after the last one was due. (That estimate alone let a share whose
+ * processes each queued work on several streams run at 1.5 times its request, and a share of
+ * 50 ms kernels at 1.7 times.)
  *
  * The pacing is the share's, not the process's: `fs_next_ns` in its account (one per
  * allocation and GPU, shared by all its processes and by nobody else) is when its last lease
@@ -130,6 +131,11 @@ static void failstatic_grant(struct gs_gpu *g, struct gpushare_wire_slot *s, uin
     /* (a drain is over FS_STUCK_NS after the lease at the latest, see above) */
     uint64_t end = atomic_load(&s->drain_end_ns), used = end > start ? end - start : 0;
     if (used > ended - start + FS_STUCK_NS) used = ended - start + FS_STUCK_NS;
+    /* at least what a lease may run: a quantum and the runahead bound queued at its end (the
+     * drain end alone missed a kernel launched as the lease ended: a lone 0.7 share of 10 ms
+     * kernels in a deep queue ran at 0.96) */
+    uint64_t least = q + atomic_load(&policy->runahead_ns);
+    if (last && used < least) used = least;
     uint64_t pace = (uint64_t)((double)used / r), pause = (uint64_t)((double)q / r);
     if (pause < pace) pause = pace;
     pause *= 2; /* a turn this late keeps the cadence (other shares' leases came first) */

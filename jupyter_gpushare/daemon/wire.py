@@ -128,8 +128,8 @@ Two channels
 Fail static: when the socket breaks or ``heartbeat_ns`` is older than :data:`HEARTBEAT_STALE_NS`,
 the share's processes grant its slot leases of one ``quantum`` themselves and keep
 reconnecting. Each lease is charged as the agent would (``drain_end_ns - lease_start_ns``, once
-``joined`` is back to 0) and the next is due that time / ``request_ppm`` after the last one was
-due. The pacing is the share's: the account's ``fs_next_ns`` (when its last lease was due; 0
+``joined`` is back to 0), but at least ``quantum + runahead_ns``, and the next is due that time /
+``request_ppm`` after the last one was due. The pacing is the share's: the account's ``fs_next_ns`` (when its last lease was due; 0
 none yet) is moved with a compare-and-swap by whichever process takes the turn, and the others
 join that lease (paced per process, a share of N processes got about N times its request).
 ``fs_next_ns`` took 8 bytes of the slot's padding, which was always zero and which older clients

@@ -43,8 +43,8 @@ def test_with_no_agent_each_kernel_runs_at_its_request_share(
         assert share <= request + 0.05, (requests, got)  # inside its limit
     if len(requests) == 1:
         assert got[0] >= requests[0] - 0.1, got  # ... and it keeps its request
-    else:  # one share at a time (they overlapped once: 0.12 / 0.46); loose on a busy host
-        assert min(got) > 0 and sum(got) >= 0.7 * sum(requests), (requests, got)
+    else:  # one share at a time: each keeps its request (they overlapped once: 0.12 / 0.46)
+        assert all(s >= r - 0.07 for r, s in zip(requests, got, strict=True)), (requests, got)
 
 
 def test_with_no_agent_a_share_of_several_processes_runs_at_its_request(

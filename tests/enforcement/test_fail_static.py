@@ -17,16 +17,23 @@ from types import SimpleNamespace
 import pytest
 from enforcement_support import add_allocation, device_shares, shares, spawn_tenant
 
+SPIN = ["spin", "8", "1000", "8"]  # 1 ms kernels, a sync every 8 launches
+SYNC = ["load", "8", "1000", "sync"]  # a sync after every launch
 
-@pytest.mark.parametrize("requests", [(0.3,), (0.2, 0.5)], ids=["alone", "two tenants"])
+
+@pytest.mark.parametrize(
+    ("requests", "argv"),
+    [((0.3,), SPIN), ((0.2, 0.5), SPIN), ((0.3,), SYNC)],
+    ids=["alone", "two tenants", "alone, a sync after every launch"],
+)
 def test_with_no_agent_each_kernel_runs_at_its_request_share(
-    daemon, ledger, gpus, tmp_path, requests
+    daemon, ledger, gpus, tmp_path, requests, argv
 ):
+    """(A sync after every launch: the process idles while its kernel runs, and its agent thread
+    handed the lease back early, as the dead agent's board said others waited; each such lease
+    was charged a whole one: 0.01 of the device at request 0.3.)"""
     allocations = [add_allocation(ledger, gpus[0], r, r) for r in requests]
-    tenants = [
-        spawn_tenant(daemon, ledger, a, gpus, ["spin", "8", "1000", "8"], tmp_path)
-        for a in allocations
-    ]
+    tenants = [spawn_tenant(daemon, ledger, a, gpus, argv, tmp_path) for a in allocations]
     time.sleep(2.5)  # connected, and the agent published its runahead bounds
     killed = time.monotonic_ns()
     daemon.kill9()
@@ -38,7 +45,7 @@ def test_with_no_agent_each_kernel_runs_at_its_request_share(
     hi = min(lines[-1]["t"] for lines in runs) - int(0.2e9)
     assert hi - lo >= int(3e9), "the tenants ended too soon after the agent was killed"
     got = shares(tenants, lo, hi)
-    print(f"no agent, requests = limits {requests}: shares {[round(s, 3) for s in got]}")
+    print(f"no agent, requests = limits {requests}, {argv}: shares {[round(s, 3) for s in got]}")
     for request, share in zip(requests, got, strict=True):
         assert share <= request + 0.05, (requests, got)  # inside its limit
     if len(requests) == 1:

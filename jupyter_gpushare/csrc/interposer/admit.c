@@ -133,9 +133,12 @@ static void failstatic_grant(struct gs_gpu *g, struct gpushare_wire_slot *s, uin
     if (used > ended - start + FS_STUCK_NS) used = ended - start + FS_STUCK_NS;
     /* at least what a lease may run: a quantum and the runahead bound queued at its end (the
      * drain end alone missed a kernel launched as the lease ended: a lone 0.7 share of 10 ms
-     * kernels in a deep queue ran at 0.96) */
+     * kernels in a deep queue ran at 0.96); a lease handed back early (`lease_until_ns` 0: the
+     * agent thread saw the process idle while the board, left by the dead agent, said others
+     * wait) only what it ran: charged a whole lease, a sync after every 1 ms kernel ran at 0.01
+     * of the device at request 0.3 */
     uint64_t least = q + atomic_load(&policy->runahead_ns);
-    if (last && used < least) used = least;
+    if (last && until && used < least) used = least;
     uint64_t pace = (uint64_t)((double)used / r), pause = (uint64_t)((double)q / r);
     if (pause < pace) pause = pace;
     pause *= 2; /* a turn this late keeps the cadence (other shares' leases came first) */

@@ -49,6 +49,9 @@ _log = logging.getLogger("jupyter_gpushare.daemon")
 
 #: how long :func:`await_applied` waits for the agent to show a change (s)
 APPLY_TIMEOUT_S = 1.0
+#: ... and how long once it answers: an agent that is there but slow (a loaded host) is waited
+#: for, where one that is not there is reported after APPLY_TIMEOUT_S
+APPLY_ANSWERING_TIMEOUT_S = 5.0
 
 
 def ensure_daemon(
@@ -259,19 +262,26 @@ def await_applied(
     """Block until the agent on ``socket_path`` enforces ``expected`` for ``allocation_id``
     (its ``status`` shows the same request, limit and memory cap; ``None``: the allocation was
     released and the agent no longer holds it), asking it to re-read the ledger first. Raises
-    :class:`NotApplied` with the reason after ``timeout`` s. Blocking: async callers use
-    ``asyncio.to_thread``."""
-    deadline = time.monotonic() + timeout
+    :class:`NotApplied` with the reason after ``timeout`` s, or after
+    :data:`APPLY_ANSWERING_TIMEOUT_S` once the agent answers (on a loaded host a live agent's
+    refresh took over a second, and a release that went through was answered 503). Blocking:
+    async callers use ``asyncio.to_thread``."""
+    start = time.monotonic()
+    deadline = start + timeout
     reason: str | None = "it did not answer"
     while True:
         client = DaemonClient(socket_path, timeout=max(0.05, deadline - time.monotonic()))
         try:
             client.refresh()
+            deadline = max(deadline, start + max(timeout, APPLY_ANSWERING_TIMEOUT_S))
             status = client.status(allocation_id)
             reason = _mismatch(status, expected)
             if reason is None:
                 return
-        except (DaemonUnreachable, OSError, ValueError) as exc:
+        except DaemonUnreachable as exc:  # nobody accepts on the socket, or it hung up
+            reason = f"it does not answer ({exc})"
+        except (OSError, ValueError) as exc:  # it accepted and is slow (or garbled): there
+            deadline = max(deadline, start + max(timeout, APPLY_ANSWERING_TIMEOUT_S))
             reason = f"it does not answer ({exc})"
         if time.monotonic() >= deadline:
             raise NotApplied(

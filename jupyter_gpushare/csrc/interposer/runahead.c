@@ -156,18 +156,18 @@ int gs_runahead_bound(struct gs_gpu *g, struct gs_stream *e, uint64_t prior, uin
      * the bound queued behind a running one - waits until the stream's queue is done (the lease
      * has ended by then, as a rule: no launch now). Otherwise a lease of kernels longer than the
      * quantum ran two of them, and the share's credit went that far into debt: its leases came
-     * in bursts, up to twice its limit in a 1 s window (limit 0.125, 50 ms kernels). On an idle
-     * stream a launch always goes: a lease runs at least one kernel, however long. */
+     * in bursts, up to twice its limit in a 1 s window (limit 0.125, 50 ms kernels). While the
+     * device time per launch is not known, nothing is queued behind a running launch until the
+     * mark after it measures it (a first lease of 50 ms kernels queued three). On an idle stream
+     * a launch always goes: a lease runs at least one kernel, however long. */
     int past = 0;
     if (bound && e->launch_ns) {
         uint64_t eta = gs_drain_eta(g, e); /* 0: nothing known queued */
         past = eta && eta + e->launch_ns > lease + bound;
     } else if (bound) {
-        /* the device time per launch is not known yet: nothing queued behind a launch until
-         * the mark after it measures it (a first lease of 50 ms kernels queued three) */
         past = e->count > (e->ref_valid ? e->ref_count : e->mlen ? e->marks[e->mhead].count : 0);
     }
-    if ((waited || past) && atomic_load(&g->slot->lease_until_ns) != lease) {
+    if (waited && atomic_load(&g->slot->lease_until_ns) != lease) {
         pthread_mutex_unlock(&g->streams_lock); /* the lease ended meanwhile: no launch now */
         return -1;
     }
@@ -175,16 +175,13 @@ int gs_runahead_bound(struct gs_gpu *g, struct gs_stream *e, uint64_t prior, uin
     if (!m->event) real_cuEventCreate(&m->event, CU_EVENT_DEFAULT);
     if (m->event && real_cuEventRecord(m->event, e->stream) == CUDA_SUCCESS) {
         m->count = e->count;
-        /* 1: the mark before it was still queued (device time between them); 2: bounded, with
-         * no estimate yet, a launch was still running (past: the one launch after the newest
-         * mark, recorded right before it; the time between them is that launch's) */
         m->busy = e->mlen > 0;
-        if (!m->busy && past && !e->launch_ns &&
-            real_cuEventQuery(m->event) == CUDA_ERROR_NOT_READY)
-            m->busy = 2;
         e->mlen++;
-        if (past) { /* the mark is behind everything queued: wait for it, outside the lock */
-            CUevent done = m->event;
+        if (past && real_cuEventQuery(m->event) == CUDA_ERROR_NOT_READY) {
+            /* a launch is still running: with no estimate yet, the time from the newest mark
+             * (recorded right before it) to this one is that launch's (busy 2: gs.h) */
+            if (!m->busy && !e->launch_ns) m->busy = 2;
+            CUevent done = m->event; /* behind everything queued: wait outside the lock */
             pthread_mutex_unlock(&g->streams_lock);
             real_cuEventSynchronize(done);
             pthread_mutex_lock(&g->streams_lock);

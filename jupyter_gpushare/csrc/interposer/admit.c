@@ -24,12 +24,11 @@
 
 #include "gs.h"
 
-#define WAIT_SLICE_NS   50000000ull  /* re-check state at least every 50 ms while waiting */
-#define WANT_REPEAT_NS  10000000ull  /* a waiter repeats `want` at most every 10 ms */
-#define WANT_QUIET_NS   500000ull    /* no first `want` in the first 0.5 ms of another's lease */
-#define FS_SLACK_NS     1000000ull   /* fail static: a turn further than a period + this is stale */
-#define FS_LOOK_NS      1000000ull   /* fail static: look at another share's drain this often */
-#define FS_STUCK_NS     500000000ull /* ... and stop waiting for it this long after its lease */
+#define WAIT_SLICE_NS   50000000ull   /* re-check state at least every 50 ms while waiting */
+#define WANT_REPEAT_NS  10000000ull   /* a waiter repeats `want` at most every 10 ms */
+#define WANT_QUIET_NS   500000ull     /* no first `want` in the first 0.5 ms of another's lease */
+#define FS_LOOK_NS      1000000ull    /* fail static: look at another share's drain this often */
+#define FS_STUCK_NS     500000000ull  /* ... and stop waiting for it this long after its lease */
 #define FS_LEASE_MAX_NS 1000000000ull /* no lease is longer (drain.c's sanity bound) */
 
 /* A lease another slot got less than WANT_QUIET_NS ago: its holder's thread is waking up to
@@ -91,6 +90,7 @@ static uint64_t failstatic_take_gpu(struct gs_gpu *g, uint64_t now) {
         if (until <= now && now - until < FS_STUCK_NS && atomic_load(&o->joined) > 0)
             return FS_LOOK_NS;
     }
+    /* (lost the swap to another share: look again in a microsecond) */
     return holder == mine || atomic_compare_exchange_strong(&h->holder, &holder, mine) ? 0 : 1000;
 }
 
@@ -107,11 +107,10 @@ static uint64_t failstatic_take_gpu(struct gs_gpu *g, uint64_t now) {
  * was due; the process that takes the next turn moves it with a compare-and-swap, so whichever
  * process grants the next lease sees the others' (paced per process, a kernel and two
  * subprocesses of a 0.25 share took 0.62 of the GPU from a neighbour while the agent was down).
- * A turn taken late, because another share held the GPU, keeps the cadence (up to two
- * periods late: a window's worth let it take a run of leases and more than its request). The
- * lease is the share's slot on the board:
- * every process of the share joins it, so the others wait on the slot's futex for the grant
- * (or for their turn) instead of sleeping.
+ * A turn taken late, because another share held the GPU, keeps the cadence (up to two periods
+ * late; later, the share starts anew). The lease is the share's slot on the board: every
+ * process of the share joins it, so the others wait on the slot's futex for the grant (or for
+ * their turn) instead of sleeping.
  * `s`: the share's slot, `seq`: its grant_seq as the caller read it before it found no lease. */
 static void failstatic_grant(struct gs_gpu *g, struct gpushare_wire_slot *s, uint32_t seq) {
     struct gpushare_wire_slot *account = atomic_load(&g->account);
@@ -131,14 +130,15 @@ static void failstatic_grant(struct gs_gpu *g, struct gpushare_wire_slot *s, uin
     /* (a drain is over FS_STUCK_NS after the lease at the latest, see above) */
     uint64_t end = atomic_load(&s->drain_end_ns), used = end > start ? end - start : 0;
     if (used > ended - start + FS_STUCK_NS) used = ended - start + FS_STUCK_NS;
-    /* at least what a lease may run: a quantum and the runahead bound queued at its end (the
-     * drain end alone missed a kernel launched as the lease ended: a lone 0.7 share of 10 ms
-     * kernels in a deep queue ran at 0.96); a lease handed back early (`lease_until_ns` 0: the
-     * agent thread saw the process idle while the board, left by the dead agent, said others
-     * wait) only what it ran: charged a whole lease, a sync after every 1 ms kernel ran at 0.01
-     * of the device at request 0.3 */
+    /* A lease that ended with work queued (its drain ran more than a quarter quantum past its
+     * end) is charged at least what such a lease may run, a quantum and the runahead bound: the
+     * drain end alone missed a kernel launched as the lease ended (a lone 0.7 share of 10 ms
+     * kernels in a deep queue ran at 0.96). One that ended with nothing queued (a sync after
+     * every launch; charged the floor: 0.14 at request 0.3) or was handed back early
+     * (`lease_until_ns` 0: the agent thread saw the process idle while the dead agent's board
+     * said others wait; charged a whole lease: 0.01) is charged what it ran. */
     uint64_t least = q + atomic_load(&policy->runahead_ns);
-    if (last && until && used < least) used = least;
+    if (last && until && end > until + q / 4 && used < least) used = least;
     uint64_t pace = (uint64_t)((double)used / r), pause = (uint64_t)((double)q / r);
     if (pause < pace) pause = pace;
     pause *= 2; /* a turn this late keeps the cadence (other shares' leases came first) */

@@ -128,19 +128,20 @@ Two channels
 Fail static: when the socket breaks or ``heartbeat_ns`` is older than :data:`HEARTBEAT_STALE_NS`,
 the share's processes grant its slot leases of one ``quantum`` themselves and keep reconnecting.
 Each lease is charged as the agent would (``drain_end_ns - lease_start_ns``, once ``joined`` is back
-to 0), but at least ``quantum + runahead_ns``, and the next is due that time / ``request_ppm`` after
-the last one was due. The pacing is the share's: the account's ``fs_next_ns`` (when its last lease
-was due; 0 none yet) is moved with a compare-and-swap by whichever process takes the turn, and the
-others join that lease (paced per process, a share of N processes got about N times its request).
-``fs_next_ns`` took 8 bytes of the slot's padding, which was always zero and which older clients
-neither read nor write, so the layout version did not change. One share at a time: a share takes the
-GPU by moving the header's ``holder`` to its slot, only from a holder whose lease is over and
-drained (``joined`` 0, or 0.5 s past its end); a restarted agent clears ``holder``. Processes of one
-share that never reached an agent (started while none answered) have no board or account yet and
-pace alone; interposers from before ``fs_next_ns`` pace per process and ignore ``holder``. A
-restarted daemon reuses the files in its state directory (same slots, same accounts: memory already
-reserved is kept; a reconnecting client sees the same files by ``st_dev``/``st_ino`` and keeps its
-mappings), bumps ``epoch`` and clears leases.
+to 0; at least ``quantum + runahead_ns`` when its drain ran past its end by more than a quarter
+quantum: work queued at its end), and the next is due that time / ``request_ppm`` after the last one
+was due. The pacing is the share's: the account's ``fs_next_ns`` (when its last lease was due; 0
+none yet) is moved with a compare-and-swap by whichever process takes the turn, and the others join
+that lease (paced per process, a share of N processes got about N times its request). ``fs_next_ns``
+took 8 bytes of the slot's padding, which was always zero and which older clients neither read nor
+write, so the layout version did not change. One share at a time: a share takes the GPU by moving
+the header's ``holder`` to its slot, only from a holder whose lease is over and drained (``joined``
+0, or 0.5 s past its end); a restarted agent clears ``holder``. Processes of one share that never
+reached an agent (started while none answered) have no board or account yet and pace alone;
+interposers from before ``fs_next_ns`` pace per process and ignore ``holder``. A restarted daemon
+reuses the files in its state directory (same slots, same accounts: memory already reserved is kept;
+a reconnecting client sees the same files by ``st_dev``/``st_ino`` and keeps its mappings), bumps
+``epoch`` and clears leases.
 
 Direct handoff (the daemon sets policy, the processes do the handoffs): while a lease runs the
 daemon publishes in the header who should run next as if the lease ended now, ``next_slot`` (the

@@ -318,6 +318,9 @@ static void queue_drain(struct queue *q, uint64_t batch_us, struct progress *p) 
  *   streams      four non-blocking streams, each with two batches queued;
  *   graph        a CUDA graph of kernels (about 2 ms of device time, at least one kernel)
  *                replayed, two replays queued;
+ *   pipelined    spin's shape (batches of 8 launches, two batches queued) with the device-time
+ *                reports of a queue: spin's progress counts a batch when it is waited for, so
+ *                with long kernels a window edge misplaces up to a batch (8 x 100 ms);
  *   interactive  bursts: 5 ms of kernels then a sync and 45 ms of think time (about 0.1 of the
  *                device when alone); prints the burst latency beyond its device time at the end.
  */
@@ -397,6 +400,15 @@ static int load_pattern(double seconds, uint64_t kernel_us, const char *pattern)
             progress_line(&p, 0);
         }
         queue_drain(&q, (uint64_t)nodes * kernel_us, &p);
+    } else if (strcmp(pattern, "pipelined") == 0) {
+        struct queue q;
+        queue_init(&q);
+        while (now_ns() < end) {
+            for (int i = 0; i < 8; i++) CHECK(launch_us(q.s, kernel_us));
+            queue_batch(&q, 2, 8 * kernel_us, &p);
+            progress_line(&p, 0);
+        }
+        queue_drain(&q, 8 * kernel_us, &p);
     } else if (strcmp(pattern, "interactive") == 0) {
         CUstream s;
         CHECK(p_cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));

@@ -300,7 +300,7 @@ def run_matrix(daemon, ledger, gpus, tmp, args) -> dict[str, object]:
         print(
             f"{case.name:<30}{kernel_us / 1000:>6.2g}ms{pattern:>9}  {promised:<24}{achieved:<26}"
             f"{worst:>7.3f}{busy:>7.3f}{base:>7.3f}{busy / max(base, 1e-9):>7.3f}"
-            f"{f'+{max(over):.3f}' if over else '':>8}{flag}",
+            f"{f'{max(over):+.3f}' if over else '':>8}{flag}",
             flush=True,
         )
     mixed = []

@@ -159,12 +159,14 @@ the slot has a limit below 1: an eighth of the quantum while the slot uses more 
 in the window (it runs on time others may claim back: only such a holder is preempted), else one
 quantum; 0 means no bound. Its processes then keep at most that much device time queued per stream
 ahead of the device (estimated from timing events recorded before launches: device time per
-launch from intervals in which the stream was busy; until that is known, one launch queued behind
-the running one), so a lease ends with at most that much work left to drain and is not charged for
+launch from intervals in which the stream was busy; until that is known, nothing queued behind a
+running launch), so a lease ends with at most that much work left to drain and is not charged for
 seconds of work queued under it, a revoked lease drains in about ``runahead_ns``, and a waiter
-below its request that preempts the holder runs within a fraction of a quantum. A lease that runs
-past its end (a kernel longer than the quantum) is charged the device time it took and the
-tenant's limit credit carries the debt (scheduler.LimitCredit).
+below its request that preempts the holder runs within a fraction of a quantum. No launch is
+queued whose work would end more than ``runahead_ns`` past the lease while work is in flight: a
+lease of kernels longer than the quantum runs one of them. A lease that runs past its end is
+charged the device time it took and the tenant's limit credit carries the debt
+(scheduler.LimitCredit).
 
 Drain end: every process records timing events ("marks") on its streams about every millisecond
 of device work (more often under a runahead bound); from them the agent of a draining holder knows

@@ -320,7 +320,12 @@ class GpuLoop:
                 credit = min(credit, self._credit(self.tenants[v.key]).cap_ns)
             if v.key == self.holder.allocation:
                 running = self.holder.window.used(now, self.window_ns, self.lease_start)
-                v = replace(v, used_ns=running + left, credit_ns=credit - left, waiting=True)
+                # its lease is charged against its credit only when it ends: what it ran so
+                # far is spent too (else a holder granted with some credit to spare looked
+                # due again near its lease's end and was extended into a second kernel longer
+                # than the quantum: twice its limit in a 1 s window)
+                spent = max(0, now - self.lease_start) + left
+                v = replace(v, used_ns=running + left, credit_ns=credit - spent, waiting=True)
             else:
                 v = replace(v, credit_ns=credit)
             views.append(v)

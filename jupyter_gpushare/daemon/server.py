@@ -153,16 +153,19 @@ class Daemon:
         fd_limit = raise_fd_limit()
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # the caller checked that no live daemon answers on it
-        gid = self.settings.socket_gid  # otherwise peers are known by credentials, not by mode
-        mode = 0o666 if gid is None else 0o660
-        self.server = Listener(str(path), LISTEN_BACKLOG, self._accepted, mode, gid)
         hold = getattr(self.ledger, "hold_open", None)
         if hold is not None:  # SQLite: no checkpoint + fsync on each caller's close (sqlite.py)
             try:
                 await asyncio.to_thread(hold)
             except Exception as exc:  # reading it is retried (and its failures logged) below
                 log.warning("could not hold the ledger open: %s", exc)
+        # the first read before the socket answers: a caller that sees the agent alive finds
+        # the shares it enforces (and a ledger broken after that is a poll's failure, logged
+        # and retried, not a failed start)
         await self.refresh()
+        gid = self.settings.socket_gid  # otherwise peers are known by credentials, not by mode
+        mode = 0o666 if gid is None else 0o660
+        self.server = Listener(str(path), LISTEN_BACKLOG, self._accepted, mode, gid)
         follow = self._watch_ledger if hasattr(self.ledger, "watch_node") else self._poll_ledger
         self._tasks.append(asyncio.create_task(follow()))
         self._tasks.append(asyncio.create_task(self._tick()))

@@ -11,8 +11,8 @@ Measures, each side by side with its baseline and the ratio:
     promised per cell over 10 s windows, the worst error (target 0.03), the device's busy share
     (work conservation, target >= 0.97) and its ratio to the same tenants without gpushare;
   * lease handoff gap (previous holder's device end -> next holder's first launch) p50/p99 next
-    to the host's own timer wake-up p50/p99 measured in the same run, and their ratio (target
-    p99 <= 1.2 x the host's).
+    to the host's own timer + futex wake-ups measured in the same run, and their ratio (target
+    p99 <= 1.2 x the host's), on an idle and on a busy host (benchmarks/handoff.py).
 
 Run: python benchmarks/enforcement.py [--quick] [--seconds 10] [--quantum-ms 20]
     [--only fastpath|small|matrix|handoff ...] [--cell CASE:KERNEL_US:PATTERN ...]
@@ -38,6 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "enforcement"))
 sys.path.insert(0, str(HERE.parent))  # this checkout's package and libraries, whatever is installed
 
+import handoff  # noqa: E402  (benchmarks/handoff.py: the handoff part, on an idle and a busy host)
 from enforcement_support import (  # noqa: E402
     NODE,
     TENANT,
@@ -85,8 +86,9 @@ CASES = {
 
 
 def tenant_argv(kernel_us: int, pattern: str, seconds: float | str) -> list[str]:
-    if pattern == "pipelined":  # the original benchmark's shape: batches of 8, two queued
-        return ["spin", str(seconds), str(kernel_us), "8"]
+    """gs_tenant's `load` shapes; `pipelined` is the original benchmark's (batches of 8, two
+    queued) with device-time reports (spin's progress misplaced up to a batch at a window's
+    edge: 0.8 s with 100 ms kernels)."""
     return ["load", str(seconds), str(kernel_us), pattern]
 
 
@@ -340,79 +342,6 @@ def run_matrix(daemon, ledger, gpus, tmp, args) -> dict[str, object]:
     }
 
 
-def _latency(d: dict[str, float]) -> str:
-    return f"p50 {d['p50_us']} us, p99 {d['p99_us']} us, p99.9 {d['p999_us']} us (n={d['n']})"
-
-
-def run_handoff(tmp: Path, gpus, args) -> dict[str, object]:
-    """Handoff gaps between two saturating tenants (a fresh daemon: its figures are theirs
-    alone; a short quantum, so that a run sees thousands of handoffs) next to the host's floor
-    measured at the same time, under the same load, with the primitives a handoff uses
-    (`gs_tenant futex`: a timer sleep in one process, then a FUTEX_WAKE of a thread sleeping in
-    another, as the draining agent wakes the next holder)."""
-    sub = tmp / "handoff"
-    sub.mkdir()
-    quantum_ms = args.handoff_quantum_ms
-    daemon = start_daemon(sub, quantum_ms=quantum_ms, window_ms=args.window_ms)
-    ledger = SQLiteLedger(daemon.ledger_path)
-    seconds = args.handoff_seconds
-    # one probe every 2 ms for about `seconds`, while the tenants run
-    probes = min(65536, int(seconds * 1000 / 2.1))
-    try:
-        case = Case("handoff", ((0.5, 0.5), (0.5, 0.5)), (0.5, 0.5), True)
-        allocations = [add_allocation(ledger, gpus[0], r, lim) for r, lim in case.specs]
-        argv = tenant_argv(1000, "pipelined", seconds + 3.0)
-        tenants = [
-            spawn_tenant(daemon, ledger, a, gpus, argv, sub, drain=True) for a in allocations
-        ]
-        time.sleep(1.0)
-        before = daemon.client.status()["gpus"][0]
-        floor = json.loads(
-            subprocess.run(
-                [str(TENANT), "futex", str(probes), "2000"],
-                check=True,
-                capture_output=True,
-                text=True,
-                timeout=seconds * 4 + 60,
-            ).stdout
-        )
-        after = daemon.client.status()["gpus"][0]
-        for t in tenants:
-            t.finish(timeout=seconds * 4 + 60)
-    finally:
-        daemon.stop()
-    handoff = after["handoff_us"]
-    notice, wake = after["handoff_notice_us"], after["handoff_wake_us"]
-    futex = floor["timer_futex"]
-    ratio = handoff["p99"] / futex["p99_us"] if handoff.get("n") and futex["p99_us"] else None
-    print(
-        f"\nlease handoff gap (device end -> next holder's first launch; 2 tenants 0.5/0.5,"
-        f" 1 ms kernels, quantum {quantum_ms:g} ms, {seconds:g} s): p50 {handoff.get('p50')} us,"
-        f" p99 {handoff.get('p99')} us, p99.9 {handoff.get('p999')} us (n={handoff.get('n')};"
-        f" {after['handoffs'] - before['handoffs']} leases while the floor was measured,"
-        f" {after['direct_handoffs']} direct handoffs in all)\n"
-        f"  of which device end -> grant (the holder notices its drain's end): "
-        f"p50 {notice.get('p50')} us, p99 {notice.get('p99')} us; grant -> first launch (the next"
-        f" holder wakes): p50 {wake.get('p50')} us, p99 {wake.get('p99')} us\n"
-        f"host floor, same time and load ({floor['timer']['n']} probes every 2 ms):\n"
-        f"  timer wake-up (clock_nanosleep, 1 ns slack)        {_latency(floor['timer'])}\n"
-        f"  futex wake of a sleeper in another process          {_latency(floor['futex'])}\n"
-        f"  timer wake-up + futex wake (a handoff's two steps)  {_latency(futex)}\n"
-        f"handoff p99 / floor p99 = {'n/a' if ratio is None else f'{ratio:.2f}'} (target <= 1.2)"
-    )
-    return {
-        "quantum_ms": quantum_ms,
-        "seconds": seconds,
-        "handoff_us": handoff,
-        "handoff_notice_us": notice,
-        "handoff_wake_us": wake,
-        "leases": after["handoffs"],
-        "direct_handoffs": after["direct_handoffs"],
-        "host_floor_us": floor,
-        "p99_ratio": ratio,
-    }
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="measurement window (s)")
@@ -438,7 +367,9 @@ def main() -> int:
         default=5.0,
         help="quantum of the handoff part (short: thousands of handoffs per run)",
     )
-    parser.add_argument("--handoff-seconds", type=float, default=20.0)
+    parser.add_argument(
+        "--handoff-seconds", type=float, default=15.0, help="each handoff floor's probing time"
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -517,7 +448,9 @@ def main() -> int:
             if daemon is not None:
                 daemon.stop()
         if want("handoff"):
-            figures["handoff"] = run_handoff(tmp, gpus, args)
+            figures["handoff"] = handoff.run_handoff(
+                tmp, gpus, args.handoff_quantum_ms, args.handoff_seconds, os.cpu_count() or 2
+            )
     figures["load1_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(figures))
     return 0

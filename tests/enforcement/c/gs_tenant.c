@@ -282,7 +282,10 @@ static void queue_retire(struct queue *q, uint64_t batch_us, struct progress *p,
     p->done_us += batch_us;
     if (p_cuEventElapsedTime && p_cuEventElapsedTime(&ms, q->ref, q->ev[q->head % RING]) == 0) {
         uint64_t dt = q->ref_ns + (uint64_t)((double)ms * 1e6);
-        if (last || dt >= q->printed_dt + 50000000ull) {
+        /* a report every 50 ms of device time; 1 ms of slack: elapsed times are floats, and
+         * two kernels exactly 50 ms apart could read 49.999 ms, skip a report and place the
+         * skipped kernel's work next to a later one (a window over-counted by a kernel) */
+        if (last || dt + 1000000ull >= q->printed_dt + 50000000ull) {
             printf("{\"q\":%d,\"dt\":%llu,\"dd\":%llu}\n", q->index, (unsigned long long)dt,
                    (unsigned long long)q->done_us);
             q->printed_dt = dt;

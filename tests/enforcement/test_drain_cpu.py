@@ -35,8 +35,9 @@ def agent_cpu_ns(pid: int) -> int:
 
 def test_a_drain_sleeps_until_the_device_is_done(tmp_path, gpus):
     """Two saturating tenants, 5 ms leases of 1 ms kernels (every lease ends in a drain and a
-    handoff): their agents use well under 100 us of CPU per lease. Polling from 0.2 ms before
-    each estimated end used 230-330 us per lease here."""
+    handoff): their agents use under 250 us of CPU per lease (100-136 us measured, 136 in a
+    whole CI run). Polling from 0.2 ms before each estimated end used 450-496 us per lease
+    here."""
     daemon = start_daemon(tmp_path, quantum_ms=5)
     try:
         ledger = SQLiteLedger(daemon.ledger_path)
@@ -58,4 +59,4 @@ def test_a_drain_sleeps_until_the_device_is_done(tmp_path, gpus):
     leases = leases1 - leases0
     assert leases >= 100, leases  # 5 ms leases for 3 s: ~600 on an idle host
     per_lease_us = (cpu1 - cpu0) / leases / 1e3
-    assert per_lease_us < 100, f"{per_lease_us:.0f} us of agent CPU per lease ({leases} leases)"
+    assert per_lease_us < 250, f"{per_lease_us:.0f} us of agent CPU per lease ({leases} leases)"

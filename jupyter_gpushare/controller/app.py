@@ -121,6 +121,7 @@ class ControllerApp(Application):
                 manifests.PodSettings.from_config(kcfg),
                 state.reports,
                 start_timeout=kcfg.start_timeout,
+                admission_wait=kcfg.admission_wait,
                 quotas=quotas,
                 network=network,
             )

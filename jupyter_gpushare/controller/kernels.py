@@ -35,6 +35,7 @@ from typing import Any
 from ..bound import check_within, narrowed, record, recorded, tightest
 from ..inventory import Gpu, TypeAliases, check_spec, simulator_device_list
 from ..k8s import manifests
+from ..k8s.admission import ADMISSION_WAIT_S, AdmissionGate
 from ..k8s.client import ApiException, Kube
 from ..k8s.ledger import WatchedLedger
 from ..k8s.watch import PodWatcher
@@ -140,6 +141,7 @@ class KernelService:
         pod_settings: manifests.PodSettings,
         usage: UsageSource,
         start_timeout: float = 300.0,
+        admission_wait: float = ADMISSION_WAIT_S,
         quotas: Quotas | None = None,
         network: KernelNetwork | None = None,
     ) -> None:
@@ -156,6 +158,8 @@ class KernelService:
         self.watcher = PodWatcher(
             kube, namespace, f"{manifests.LABEL_COMPONENT}={manifests.KERNEL_COMPONENT}"
         )
+        #: one kernel pod per node and size waits for the kubelet's admission at a time
+        self.admission = AdmissionGate(self.watcher, pod_settings.share_resource, admission_wait)
         self.quotas = quotas or Quotas({}, {}, None)
         #: the per-user NetworkPolicies (None: the controller keeps none)
         self.network = network
@@ -387,15 +391,15 @@ class KernelService:
             except ApiException as exc:
                 if exc.status != 409:  # 409: this launch's retry; the Secret is already there
                     raise
-            try:
-                pod = await self.kube.create_pod(
-                    self.namespace, manifests.kernel_pod(request, self.pod_settings)
-                )
-            except ApiException as exc:
-                if exc.status != 409:
-                    raise
-                pod = await self._existing_pod(name, allocation.id)
-            await self.watcher.note(pod)
+            manifest = manifests.kernel_pod(request, self.pod_settings)
+            async with self.admission.turn(manifest):
+                try:
+                    pod = await self.kube.create_pod(self.namespace, manifest)
+                except ApiException as exc:
+                    if exc.status != 409:
+                        raise
+                    pod = await self._existing_pod(name, allocation.id)
+                await self.watcher.note(pod)
             uid = pod["metadata"]["uid"]
 
             def with_uid(current: Allocation, _others: list[Allocation]) -> Allocation:

@@ -39,6 +39,7 @@ from ..ledger import Allocation, Ledger
 from ..progress import pod_phase
 from ..progress import report as report_phase
 from . import manifests
+from .admission import AdmissionGate
 from .anchor import ServerAnchor
 from .client import ApiException, ClusterError, Kube, connect
 from .config import KubernetesBackendConfig
@@ -61,6 +62,8 @@ class KubeContext:
     ledger: KubernetesLedger
     watcher: PodWatcher
     anchor: ServerAnchor
+    #: one pod per node and size waits for admission at a time (among this server's pods)
+    admission: AdmissionGate
 
     async def close(self, delete_lease: bool = False) -> None:
         await self.watcher.stop()
@@ -86,11 +89,12 @@ async def kube_context(config: KubernetesBackendConfig, aliases: Any) -> KubeCon
         if ctx is None:
             kube = await connect(config.kubeconfig, config.context)
             ns = config.namespace
+            watcher = PodWatcher(kube, ns, f"{manifests.LABEL_SERVER}={config.server_id}")
             ctx = KubeContext(
                 config=config,
                 kube=kube,
                 ledger=KubernetesLedger(kube, ns, aliases, inventory_ttl=config.inventory_ttl),
-                watcher=PodWatcher(kube, ns, f"{manifests.LABEL_SERVER}={config.server_id}"),
+                watcher=watcher,
                 anchor=ServerAnchor(
                     kube,
                     ns,
@@ -99,6 +103,7 @@ async def kube_context(config: KubernetesBackendConfig, aliases: Any) -> KubeCon
                     config.lease_renew_interval,
                     config.owner_pod,
                 ),
+                admission=AdmissionGate(watcher, config.share_resource, config.admission_wait),
             )
             try:
                 await ctx.watcher.start(config.connect_timeout)
@@ -275,9 +280,11 @@ class KubernetesKernelBackend(KernelBackend):
                 self.pod_name, ns, self._connection, owner, request.kernel_id
             ),
         )
+        manifest = manifests.kernel_pod(request, settings)
         try:
-            pod = await ctx.kube.create_pod(ns, manifests.kernel_pod(request, settings))
-            await ctx.watcher.note(pod)
+            async with ctx.admission.turn(manifest):
+                pod = await ctx.kube.create_pod(ns, manifest)
+                await ctx.watcher.note(pod)
             await self._record_pod_uid(ctx, pod)
             await ctx.kube.set_secret_owners(
                 ns,

@@ -147,6 +147,14 @@ class KubernetesBackendConfig(SingletonConfigurable):
         "fails. Failures the cluster reports (Unschedulable, image pull errors, ...) fail at "
         "once, not after this timeout.",
     )
+    admission_wait = Float(
+        30.0,
+        config=True,
+        help="Seconds a kernel pod's start waits for the kubelet to admit the pods of the same "
+        "node and share size created before it (the device plugin can tell which pod an "
+        "Allocate is for only while one such pod waits; jupyter_gpushare.k8s.admission). "
+        "After that its pod is created anyway, and the wait is logged.",
+    )
     termination_grace = Int(5, config=True, help="terminationGracePeriodSeconds of kernel pods.")
     connect_timeout = Float(
         15.0,

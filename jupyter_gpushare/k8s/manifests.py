@@ -15,6 +15,7 @@ Objects and who owns them (``ownerReferences``, so the garbage collector cleans 
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import hashlib
 import json
@@ -671,6 +672,17 @@ def pod_exit_code(pod: Mapping[str, Any] | None) -> int | None:
     if term and term.get("exitCode") is not None:
         return int(term["exitCode"]) or (0 if status.get("phase") == "Succeeded" else 1)
     return 0 if status.get("phase") == "Succeeded" else -9
+
+
+def requested_units(pod: Mapping[str, Any], resource: str) -> int:
+    """Units of ``resource`` the pod's containers ask (limits; requests equal them)."""
+    total = 0
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        res = c.get("resources") or {}
+        value = (res.get("limits") or {}).get(resource) or (res.get("requests") or {}).get(resource)
+        with contextlib.suppress(TypeError, ValueError):
+            total += int(str(value)) if value is not None else 0
+    return total
 
 
 def pod_running(pod: Mapping[str, Any]) -> bool:

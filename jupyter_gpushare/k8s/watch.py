@@ -184,6 +184,17 @@ class Informer:
 
         return await asyncio.wait_for(waiting(), timeout)
 
+    async def wait_until(self, done: Callable[[], bool], timeout: float | None) -> None:
+        """Wait until ``done()`` (asked again at each change of the cache). Raises
+        :class:`TimeoutError` after ``timeout`` seconds."""
+
+        async def waiting() -> None:
+            async with self._changed:
+                while not done():
+                    await self._changed.wait()
+
+        await asyncio.wait_for(waiting(), timeout)
+
     def _current(self, name: str) -> Obj | None:
         return self._items.get(name)
 
@@ -307,6 +318,11 @@ class PodWatcher(Informer):
 
     def deleted(self, name: str) -> bool:
         return name in self._deleted
+
+    def get_live(self, name: str) -> Obj | None:
+        """The pod of that name unless it was deleted (``get`` still shows a deleted pod's last
+        state)."""
+        return self._current(name)
 
     def forget(self, name: str) -> None:
         self._items.pop(name, None)

@@ -708,6 +708,78 @@ c.KubernetesBackendConfig.lease_renew_interval = 2
         stop_process(server.proc)
 
 
+# -- concurrent starts of one size on one node: the device plugin's guess is never a tie --------
+
+
+def overlapping_waits(events: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, str]]:
+    """Replay pod events in the API server's order: each pair of kernel pods of one node and size
+    that were both waiting for admission at once (the tie the device plugin cannot break)."""
+    from jupyter_gpushare.k8s.admission import awaiting_admission, pod_node
+
+    waiting: dict[str, tuple[str | None, int]] = {}
+    pairs = []
+    for kind, pod in events:
+        name = pod["metadata"]["name"]
+        key = (pod_node(pod), manifests.requested_units(pod, manifests.SHARE_RESOURCE))
+        if kind != "DELETED" and awaiting_admission(pod):
+            pairs += [(other, name) for other, k in waiting.items() if k == key and other != name]
+            waiting[name] = key
+        else:
+            waiting.pop(name, None)
+    return pairs
+
+
+async def test_starts_of_one_size_on_one_node_are_admitted_one_at_a_time(
+    controllers: list[Controller], hub: Hub, control_plane: ControlPlane
+) -> None:
+    """Six kernels of one size started at once: every start runs its own pod (none is refused
+    at PreStartContainer for holding another's allocation), and at no moment of the API
+    server's history did two pods of one node and size wait for admission together."""
+    kube = await connect(str(control_plane.kubeconfig("admin")))
+    listing = await kube.list_pods(NAMESPACE)
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    async def follow() -> None:
+        async for event in kube.watch("pods", NAMESPACE, listing["metadata"]["resourceVersion"]):
+            if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                events.append((event["type"], event["object"]))
+
+    watcher = asyncio.create_task(follow())
+    client = ControllerClient(
+        [c.url for c in controllers if c.proc.poll() is None], hub.tokens["alice"], retry_for=60
+    )
+    kernels = [kernel_name() for _ in range(6)]
+    server = "srv-" + uuid.uuid4().hex[:8]
+    share = {"gpu_request": 0.1, "gpu_limit": 0.2}
+    try:
+        began = time.monotonic()
+        answers = await asyncio.wait_for(
+            asyncio.gather(
+                *(
+                    client.request("POST", "/api/kernels", start_body(k, server, share))
+                    for k in kernels
+                )
+            ),
+            150,
+        )
+        took = time.monotonic() - began
+        assert sorted(a["allocation"]["kernel_id"] for a in answers) == sorted(kernels)
+        nodes = {a["allocation"]["node"] for a in answers}
+        print(f"6 starts of one size on {len(nodes)} node(s): {took:.1f} s")
+        await asyncio.sleep(1.0)  # the watch catches up
+        ours = [
+            (kind, pod)
+            for kind, pod in events
+            if (pod["metadata"].get("labels") or {}).get(manifests.LABEL_KERNEL) in kernels
+        ]
+        assert ours and not overlapping_waits(ours), overlapping_waits(ours)
+        for answer in answers:
+            await client.request("DELETE", f"/api/allocations/{answer['allocation']['id']}")
+    finally:
+        watcher.cancel()
+        await kube.close()
+
+
 # -- failover: kill -9 of the active controller while kernels start --------------------------------
 
 

@@ -62,10 +62,15 @@ since ``Allocate``, or the container starts again) ``PreStartContainer`` accepts
 this node marked whose allocation's record names it. Both orders are played in
 tests/k8s/test_device_plugin.py.
 
-What is left: of two genuine kernel pods of one size bound in one second and admitted against
-the plugin's order (both waiting when the first is admitted), the first is handed the other's
-allocation: it is now refused before it starts and stays Pending until deleted, and the other is
-served its own (before, both started with the other's and failed the agent's peer check). A
+Two genuine kernel pods of one size bound in one second and admitted against the plugin's
+order (both waiting when the first is admitted) would be the same mistake: the first would be
+handed the other's allocation and refused here. Their creators never make that tie: a kernel
+pod of a node and size is created only while no other waits for admission
+(:mod:`jupyter_gpushare.k8s.admission`), so the waiting pod the plugin finds is the kubelet's.
+
+What is left: in direct mode each server's gate sees only its own pods, so two servers' pods of
+one size can still tie; the mistaken one is refused before it starts (its start fails with this
+plugin's message) and the other is served its own. A
 kubelet without the PodResources socket (or a DaemonSet that does not mount it) leaves the
 plugin as it was without ``PreStartContainer``, inferring the pod alone: it logs so at start.
 A pod the kubelet rejected before ``Allocate`` whose Failed status is not yet written can still
@@ -160,17 +165,6 @@ def devices(gpus: Sequence[Gpu]) -> list[tuple[str, str]]:
     ]
 
 
-def requested_units(pod: Mapping[str, Any], resource: str) -> int:
-    """Units of ``resource`` the pod's containers ask (limits; requests equal them)."""
-    total = 0
-    for c in (pod.get("spec") or {}).get("containers") or []:
-        res = c.get("resources") or {}
-        value = (res.get("limits") or {}).get(resource) or (res.get("requests") or {}).get(resource)
-        with contextlib.suppress(TypeError, ValueError):
-            total += int(str(value)) if value is not None else 0
-    return total
-
-
 def bound_at(pod: Mapping[str, Any]) -> str:
     """When ``pod`` was bound to its node (RFC 3339, comparable as text): the transition of its
     ``PodScheduled`` condition, which the API server stamps when the scheduler binds the pod
@@ -230,7 +224,7 @@ def pending_pods(
             continue
         if not ALLOCATION_ID.match((meta.get("labels") or {}).get(manifests.LABEL_ALLOCATION, "")):
             continue
-        if requested_units(pod, resource) != units:
+        if manifests.requested_units(pod, resource) != units:
             continue
         candidates.append(pod)
     candidates.sort(

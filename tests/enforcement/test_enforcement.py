@@ -377,7 +377,12 @@ def test_every_path_is_enforced(daemon, ledger, gpus, tmp_path):
     daemon.client.refresh()
     gate.touch()
     (released,) = t.finish()
+    # the tenant freed its memory (gpushare_release_memory, as the notebook side does) before
+    # trying the paths: none of it was tracked (-1 would be: the release was not seen)
+    assert released["released_bytes"] == 0, released
     for name in LAUNCHES + ALLOCATIONS:
         assert released[name] == 800, (name, released)  # CUDA_ERROR_NOT_PERMITTED
-    assert released["captured_launch"] == 0  # captured work is not run; launching the graph is
+    # captured while the share held (captured work is not run): launching that graph after the
+    # release is refused like any launch (cuGraphLaunch, in LAUNCHES)
+    assert released["captured_launch"] == 0
     assert "released" in t.stderr

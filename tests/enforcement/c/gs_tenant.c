@@ -626,16 +626,34 @@ static int paths(void) {
     CUmodule mod;
     CHECK(p_cuModuleLoadData(&mod, "gs_tenant"));
     CHECK(p_cuModuleGetFunction(&busy, mod, "busy_us"));
-    CUstream s;
+    CUstream s, cap;
     CHECK(p_cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    CHECK(p_cuStreamCreate(&cap, CU_STREAM_NON_BLOCKING));
+    uint64_t us = 10;
+    void *params[] = {&us};
+    /* a graph captured (and instantiated) while the share holds: launched at the end, after a
+     * release too */
+    CUgraph graph = NULL;
+    CUgraphExec exec = NULL;
+    CUresult r = p_cuStreamBeginCapture_v2(cap, CU_STREAM_CAPTURE_MODE_RELAXED);
+    CUresult captured = p_cuLaunchKernel(busy, 1, 1, 1, 1, 1, 1, 0, cap, params, NULL);
+    CUresult end = p_cuStreamEndCapture(cap, &graph);
+    CUresult instantiated =
+        graph ? p_cuGraphInstantiateWithFlags(&exec, graph, 0) : CUDA_ERROR_INVALID_VALUE;
     const char *gate2 = getenv("GS_TENANT_GATE2"); /* the test may release the share here */
+    long long released_bytes = -2;                 /* -2: not released here */
     if (gate2) {
         printf("{\"ready\":true}\n");
         fflush(stdout);
         while (access(gate2, F_OK) != 0) usleep(2000);
+        /* Released: the interposer frees this process's GPU memory and resets its contexts,
+         * in the agent thread whenever it next looks (within 100 ms) or at once here, as the
+         * notebook side does right after a release. Here, so that every path below meets the
+         * same state (a reset in the middle made the calls after it fail for another reason). */
+        long long (*release_memory)(void) =
+            (long long (*)(void))dlsym(RTLD_DEFAULT, "gpushare_release_memory");
+        released_bytes = release_memory ? release_memory() : -3;
     }
-    uint64_t us = 10;
-    void *params[] = {&us};
     CUlaunchConfig cfg = {1, 1, 1, 1, 1, 1, 0, s, NULL, 0};
     printf("{\"cuLaunchKernel\":%d",
            (int)p_cuLaunchKernel(busy, 1, 1, 1, 1, 1, 1, 0, s, params, NULL));
@@ -644,17 +662,9 @@ static int paths(void) {
     printf(",\"cuLaunchKernelEx\":%d", (int)p_cuLaunchKernelEx(&cfg, busy, params, NULL));
     printf(",\"cuLaunchCooperativeKernel\":%d",
            (int)p_cuLaunchCooperativeKernel(busy, 1, 1, 1, 1, 1, 1, 0, s, params));
-    CUstream cap;
-    CHECK(p_cuStreamCreate(&cap, CU_STREAM_NON_BLOCKING));
-    CUgraph graph = NULL;
-    CUgraphExec exec = NULL;
-    CUresult r = p_cuStreamBeginCapture_v2(cap, CU_STREAM_CAPTURE_MODE_RELAXED);
-    CUresult captured = p_cuLaunchKernel(busy, 1, 1, 1, 1, 1, 1, 0, cap, params, NULL);
-    CUresult end = p_cuStreamEndCapture(cap, &graph);
     printf(",\"capture\":%d,\"captured_launch\":%d,\"end_capture\":%d", (int)r, (int)captured,
            (int)end);
-    r = graph ? p_cuGraphInstantiateWithFlags(&exec, graph, 0) : CUDA_ERROR_INVALID_VALUE;
-    printf(",\"cuGraphLaunch\":%d", exec ? (int)p_cuGraphLaunch(exec, s) : -(int)r);
+    printf(",\"cuGraphLaunch\":%d", exec ? (int)p_cuGraphLaunch(exec, s) : -(int)instantiated);
     CUdeviceptr d = 0;
     size_t pitch;
     r = p_cuMemAlloc_v2(&d, 1 << 20);
@@ -690,7 +700,7 @@ static int paths(void) {
     printf(",\"cuArrayCreate_v2\":%d", (int)r);
     if (r == CUDA_SUCCESS) p_cuArrayDestroy(arr);
     p_cuStreamSynchronize(s);
-    printf("}\n");
+    printf(",\"released_bytes\":%lld}\n", released_bytes);
     return 0;
 }
 

@@ -29,10 +29,18 @@ one size on one node of the test cluster (real API server and scheduler, the kub
 took 0.5-1.0 s with the gate and 0.8 s without it, when none failed. Pods of other sizes or
 other nodes never wait for each other.
 
-What is left: in direct mode a server's informer sees only its own pods, so two users' servers
-can still create pods of one size on one node in the same second; the plugin's
-``PreStartContainer`` then refuses the mistaken one (its start fails with the plugin's message,
-and the next start succeeds). The controller (the default) sees every kernel pod.
+Two gates, one contract (``turn(manifest)``, held while the pod is created):
+
+- :class:`AdmissionGate` (the controller, the only creator of kernel pods in controller mode):
+  a lock per node and size in the process, and the pods ahead read from its informer of all
+  kernel pods;
+- :class:`LeaseGate` (direct mode, the chart's default: every user's server creates its own
+  kernel pods and sees only those): a ``coordination.k8s.io`` Lease per node and size,
+  ``gpushare-admit-<units>-<hash of the node>``, created by the server whose pod is next and
+  deleted (by UID, so never another's) once that pod is admitted. Another server's start waits
+  while the Lease exists; a Lease whose holder died is owned by that server's anchor Lease (the
+  garbage collector removes it with the server) and is taken over once it expired
+  (``admission_wait`` seconds). Servers' clocks only matter for that takeover.
 """
 
 from __future__ import annotations
@@ -41,16 +49,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from datetime import datetime, timezone
 from typing import Any
 
 from . import manifests
+from .client import ApiException, Kube
 from .watch import PodWatcher
 
 log = logging.getLogger(__name__)
 
 #: seconds a start waits for the admissions of the pods ahead of it before it goes anyway
 ADMISSION_WAIT_S = 30.0
+#: an admission Lease lasts the wait plus this (the create, clock steps between servers)
+LEASE_MARGIN_S = 10.0
 
 
 def pod_node(pod: Mapping[str, Any]) -> str | None:
@@ -162,4 +174,118 @@ class AdmissionGate:
             )
 
 
-__all__ = ["ADMISSION_WAIT_S", "AdmissionGate", "awaiting_admission", "pod_node"]
+class LeaseGate:
+    """Creates of kernel pods across servers (direct mode): the server whose pod of a node and
+    size is next holds that node and size's Lease from before the create until the kubelet has
+    admitted the pod (read from its own informer), or ``timeout`` seconds."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        namespace: str,
+        pods: PodWatcher,
+        resource: str,
+        holder: str,
+        owner: Callable[[], Awaitable[Mapping[str, Any] | None]],
+        timeout: float = ADMISSION_WAIT_S,
+    ) -> None:
+        self.kube = kube
+        self.namespace = namespace
+        self.pods = pods
+        self.resource = resource
+        self.holder = holder
+        self.owner = owner
+        self.timeout = timeout
+        #: starts that went ahead without the Lease, or before their pod was admitted
+        self.timeouts = 0
+
+    @contextlib.asynccontextmanager
+    async def turn(self, pod: Mapping[str, Any]) -> AsyncIterator[None]:
+        """Hold the Lease of ``pod``'s node and size while the body creates it (and records it
+        in the informer), and after, until the kubelet has admitted it."""
+        units = manifests.requested_units(pod, self.resource)
+        node = pod_node(pod)
+        if units <= 0 or node is None:
+            yield
+            return
+        name = str(pod["metadata"]["name"])
+        deadline = time.monotonic() + self.timeout
+        held = await self._acquire(node, units, name, deadline)
+        try:
+            yield
+            await self._admitted(name, node, units)
+        finally:
+            if held is not None:
+                with contextlib.suppress(ApiException, OSError):
+                    await self.kube.delete_lease(
+                        self.namespace, held["metadata"]["name"], held["metadata"]["uid"]
+                    )
+
+    async def _acquire(
+        self, node: str, units: int, name: str, deadline: float
+    ) -> dict[str, Any] | None:
+        """Create the Lease (or take over an expired one); None after waiting ``timeout``."""
+        delay = 0.05
+        owner = await self.owner()
+        while True:
+            now = datetime.now(timezone.utc)
+            # held for the create and then at most ``timeout`` for the admission: a Lease
+            # expires only past that (with a margin for the create and clock steps)
+            duration = self.timeout + LEASE_MARGIN_S
+            body = manifests.admission_lease(
+                node, units, self.namespace, self.holder, duration, owner, now
+            )
+            try:
+                return await self.kube.create_lease(self.namespace, body)
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+            held = await self.kube.get_lease(self.namespace, body["metadata"]["name"])
+            if held is not None and manifests.lease_expired(held, now):
+                body["metadata"]["resourceVersion"] = held["metadata"]["resourceVersion"]
+                with contextlib.suppress(ApiException):  # 409: another server took it first
+                    taken = await self.kube.replace_lease(self.namespace, body)
+                    log.warning(
+                        "gpushare: took over the expired admission Lease of %s on %s (%d units)",
+                        (held.get("spec") or {}).get("holderIdentity"),
+                        node,
+                        units,
+                    )
+                    return taken
+            if time.monotonic() >= deadline:
+                self.timeouts += 1
+                log.warning(
+                    "gpushare: kernel pod %s waited %.0f s for %s's admission Lease on %s "
+                    "(%d units); creating it anyway",
+                    name,
+                    self.timeout,
+                    ((held or {}).get("spec") or {}).get("holderIdentity", "another server"),
+                    node,
+                    units,
+                )
+                return None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.4)
+
+    async def _admitted(self, name: str, node: str, units: int) -> None:
+        try:
+            await self.pods.wait_for(name, lambda p: not awaiting_admission(p), self.timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            self.timeouts += 1
+            log.warning(
+                "gpushare: kernel pod %s was not admitted on %s (%d units) within %.0f s; "
+                "letting the next start of that size go",
+                name,
+                node,
+                units,
+                self.timeout,
+            )
+
+
+__all__ = [
+    "ADMISSION_WAIT_S",
+    "AdmissionGate",
+    "LeaseGate",
+    "awaiting_admission",
+    "pod_node",
+]

@@ -39,7 +39,7 @@ from ..ledger import Allocation, Ledger
 from ..progress import pod_phase
 from ..progress import report as report_phase
 from . import manifests
-from .admission import AdmissionGate
+from .admission import LeaseGate
 from .anchor import ServerAnchor
 from .client import ApiException, ClusterError, Kube, connect
 from .config import KubernetesBackendConfig
@@ -62,8 +62,8 @@ class KubeContext:
     ledger: KubernetesLedger
     watcher: PodWatcher
     anchor: ServerAnchor
-    #: one pod per node and size waits for admission at a time (among this server's pods)
-    admission: AdmissionGate
+    #: one pod per node and size waits for admission at a time (across servers: a Lease)
+    admission: LeaseGate
 
     async def close(self, delete_lease: bool = False) -> None:
         await self.watcher.stop()
@@ -90,20 +90,29 @@ async def kube_context(config: KubernetesBackendConfig, aliases: Any) -> KubeCon
             kube = await connect(config.kubeconfig, config.context)
             ns = config.namespace
             watcher = PodWatcher(kube, ns, f"{manifests.LABEL_SERVER}={config.server_id}")
+            anchor = ServerAnchor(
+                kube,
+                ns,
+                config.server_id,
+                config.lease_duration,
+                config.lease_renew_interval,
+                config.owner_pod,
+            )
             ctx = KubeContext(
                 config=config,
                 kube=kube,
                 ledger=KubernetesLedger(kube, ns, aliases, inventory_ttl=config.inventory_ttl),
                 watcher=watcher,
-                anchor=ServerAnchor(
+                anchor=anchor,
+                admission=LeaseGate(
                     kube,
                     ns,
+                    watcher,
+                    config.share_resource,
                     config.server_id,
-                    config.lease_duration,
-                    config.lease_renew_interval,
-                    config.owner_pod,
+                    anchor.owner_reference,
+                    config.admission_wait,
                 ),
-                admission=AdmissionGate(watcher, config.share_resource, config.admission_wait),
             )
             try:
                 await ctx.watcher.start(config.connect_timeout)

@@ -194,11 +194,17 @@ class Kube:
             )
         )
 
-    async def delete_lease(self, namespace: str, name: str) -> bool:
+    async def delete_lease(self, namespace: str, name: str, uid: str | None = None) -> bool:
+        """Delete a Lease (only the one with ``uid``, when given); False when it was gone."""
+        options = {"preconditions": {"uid": uid}} if uid else None
         try:
             await self._json(
                 self.coordination.delete_namespaced_lease(
-                    name, namespace, propagation_policy="Background", _preload_content=False
+                    name,
+                    namespace,
+                    propagation_policy="Background",
+                    body=options,
+                    _preload_content=False,
                 )
             )
             return True

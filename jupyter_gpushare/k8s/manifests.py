@@ -52,6 +52,8 @@ SHARE_UNITS_PER_GPU = 100
 #: container start of the same size is matched with the next pod, as HAMi does).
 ALLOCATED_ANNOTATION = f"{GROUP}/device-allocated"
 KERNEL_COMPONENT = "gpushare-kernel"
+#: the component label of the Leases that order kernel pods' admissions across servers (direct mode)
+ADMISSION_COMPONENT = "gpushare-admission"
 CONNECTION_KEY = "connection.json"
 
 
@@ -448,6 +450,26 @@ def server_lease(
             "renewTime": micro_time(now),
         },
     }
+
+
+def admission_lease(
+    node: str,
+    units: int,
+    namespace: str,
+    holder: str,
+    duration: float,
+    owner: Mapping[str, Any] | None = None,
+    now: datetime | None = None,
+) -> dict[str, Any]:
+    """The Lease a server holds while its kernel pod of ``node`` and ``units`` waits for the
+    kubelet's admission (:class:`jupyter_gpushare.k8s.admission.LeaseGate`); the node's name,
+    which may be longer than a Lease name allows, is hashed (and kept in an annotation)."""
+    body = server_lease("x", namespace, holder, duration, owner, now)
+    digest = hashlib.sha256(node.encode()).hexdigest()[:20]
+    body["metadata"]["name"] = f"gpushare-admit-{units}-{digest}"
+    body["metadata"]["labels"] = {LABEL_COMPONENT: ADMISSION_COMPONENT}
+    body["metadata"]["annotations"] = {f"{GROUP}/node": node, f"{GROUP}/units": str(units)}
+    return body
 
 
 def micro_time(when: datetime) -> str:

@@ -56,6 +56,22 @@ def changed(pod: dict[str, Any], **how: Any) -> dict[str, Any]:
     return made
 
 
+def overlapping_waits(events: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, str]]:
+    """Replay pod events in the API server's order: each pair of kernel pods of one node and size
+    that were both waiting for admission at once (the tie the device plugin cannot break)."""
+    waiting: dict[str, tuple[str | None, int]] = {}
+    pairs = []
+    for kind, pod in events:
+        name = pod["metadata"]["name"]
+        key = (pod_node(pod), manifests.requested_units(pod, manifests.SHARE_RESOURCE))
+        if kind != "DELETED" and awaiting_admission(pod):
+            pairs += [(other, name) for other, k in waiting.items() if k == key and other != name]
+            waiting[name] = key
+        else:
+            waiting.pop(name, None)
+    return pairs
+
+
 async def start(gate: AdmissionGate, pods: PodWatcher, pod: dict[str, Any], log: list[str]) -> None:
     async with gate.turn(pod):
         log.append(pod["metadata"]["name"])

@@ -27,6 +27,7 @@ import yaml
 from cluster import NAMESPACE, ControlPlane, free_port
 from hub import Hub, start_hub
 from servers import spawn, start_jupyter_server, stop_process
+from test_admission_gate import overlapping_waits
 
 from jupyter_gpushare.controller.client import ControllerClient
 from jupyter_gpushare.k8s import manifests
@@ -709,24 +710,6 @@ c.KubernetesBackendConfig.lease_renew_interval = 2
 
 
 # -- concurrent starts of one size on one node: the device plugin's guess is never a tie --------
-
-
-def overlapping_waits(events: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, str]]:
-    """Replay pod events in the API server's order: each pair of kernel pods of one node and size
-    that were both waiting for admission at once (the tie the device plugin cannot break)."""
-    from jupyter_gpushare.k8s.admission import awaiting_admission, pod_node
-
-    waiting: dict[str, tuple[str | None, int]] = {}
-    pairs = []
-    for kind, pod in events:
-        name = pod["metadata"]["name"]
-        key = (pod_node(pod), manifests.requested_units(pod, manifests.SHARE_RESOURCE))
-        if kind != "DELETED" and awaiting_admission(pod):
-            pairs += [(other, name) for other, k in waiting.items() if k == key and other != name]
-            waiting[name] = key
-        else:
-            waiting.pop(name, None)
-    return pairs
 
 
 async def test_starts_of_one_size_on_one_node_are_admitted_one_at_a_time(

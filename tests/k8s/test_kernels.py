@@ -442,3 +442,59 @@ async def test_oom_killed_kernel_is_reported_and_restarted(
         )
 
     await _restarted(control_plane, server, kernel_id, oom, "OOMKilled (exit code 137)")
+
+
+async def test_two_servers_starting_kernels_of_one_size_at_once_all_run(
+    control_plane: ControlPlane, jupyter_server_factory: Any
+) -> None:
+    """Direct mode, where each server sees only its own pods: two users' servers start three
+    kernels of one size each, all at once. Every start runs (none refused at
+    PreStartContainer for holding another's allocation), and at no moment of the API server's
+    history did two pods of one node and size wait for admission together (the admission
+    Lease, jupyter_gpushare.k8s.admission.LeaseGate)."""
+    from test_admission_gate import overlapping_waits
+
+    servers = [jupyter_server_factory(), jupyter_server_factory()]
+    kube = await admin(control_plane)
+    listing = await kube.list_pods(NAMESPACE)
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    async def follow() -> None:
+        async for event in kube.watch("pods", NAMESPACE, listing["metadata"]["resourceVersion"]):
+            if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                events.append((event["type"], event["object"]))
+
+    watcher = asyncio.create_task(follow())
+    kernel_ids: list[str] = []
+    try:
+        kernel_ids = list(
+            await asyncio.gather(
+                *(asyncio.to_thread(start_kernel, s) for s in servers for _ in range(3))
+            )
+        )
+        records = [r for k in kernel_ids for r in await kernel_records(kube, k)]
+        nodes = [r.node for r in records]
+        assert len(records) == 6 and max(nodes.count(n) for n in nodes) >= 2, nodes
+        await asyncio.sleep(1.0)  # the watch catches up
+        ours = [
+            (kind, pod)
+            for kind, pod in events
+            if (pod["metadata"].get("labels") or {}).get(manifests.LABEL_KERNEL) in kernel_ids
+        ]
+        assert ours and not overlapping_waits(ours), overlapping_waits(ours)
+        leases = await kube.list_leases(
+            NAMESPACE, f"{manifests.LABEL_COMPONENT}={manifests.ADMISSION_COMPONENT}"
+        )
+        assert leases == []  # each start removed its admission Lease
+        for server in servers:  # and none waited out its bound
+            assert "creating it anyway" not in server.log_text()
+            assert "letting the next start of that size go" not in server.log_text()
+    finally:
+        watcher.cancel()
+        for server in servers:
+            for kernel_id in kernel_ids:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(server.request, "DELETE", f"/api/kernels/{kernel_id}")
+        for kernel_id in kernel_ids:
+            await nothing_left(kube, kernel_id)
+        await kube.close()

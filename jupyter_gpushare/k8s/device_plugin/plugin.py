@@ -68,9 +68,12 @@ handed the other's allocation and refused here. Their creators never make that t
 pod of a node and size is created only while no other waits for admission
 (:mod:`jupyter_gpushare.k8s.admission`), so the waiting pod the plugin finds is the kubelet's.
 
-What is left: in direct mode each server's gate sees only its own pods, so two servers' pods of
-one size can still tie; the mistaken one is refused before it starts (its start fails with this
-plugin's message) and the other is served its own. A
+(In controller mode the controller sees every kernel pod; in direct mode the servers take turns
+on a Lease per node and size.) Should a tie still happen (a start that waited out
+``admission_wait``), the mistaken pod is refused before it starts (its start fails with this
+plugin's message) and the other is served its own.
+
+What is left: a
 kubelet without the PodResources socket (or a DaemonSet that does not mount it) leaves the
 plugin as it was without ``PreStartContainer``, inferring the pod alone: it logs so at start.
 A pod the kubelet rejected before ``Allocate`` whose Failed status is not yet written can still

@@ -323,6 +323,16 @@ def preferred(
     return chosen
 
 
+def kubelet_channel(path: Path) -> grpc.aio.Channel:
+    """A channel to one of the kubelet's sockets, with a connection of its own: gRPC otherwise
+    shares connections between channels to one target (its global subchannel pool), and a
+    kubelet that restarted (a new socket at the same path) then fails the next call on the old
+    connection ("Stream removed", broken pipe) instead of the call connecting afresh."""
+    return grpc.aio.insecure_channel(
+        f"unix://{path}", options=[("grpc.use_local_subchannel_pool", 1)]
+    )
+
+
 # -- the gRPC service ----------------------------------------------------------------------------
 
 
@@ -422,7 +432,7 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
         )
 
     async def _register(self) -> None:
-        async with grpc.aio.insecure_channel(f"unix://{self.settings.kubelet_socket}") as ch:
+        async with kubelet_channel(self.settings.kubelet_socket) as ch:
             await api_pb2_grpc.RegistrationStub(ch).Register(
                 api_pb2.RegisterRequest(
                     version=API_VERSION,
@@ -536,7 +546,7 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
         """The pod holding each of this resource's device IDs, as the kubelet says
         (PodResources ``List``)."""
         path = self.settings.pod_resources_socket
-        async with grpc.aio.insecure_channel(f"unix://{path}") as channel:
+        async with kubelet_channel(path) as channel:
             reply = await podresources_pb2_grpc.PodResourcesListerStub(channel).List(
                 podresources_pb2.ListPodResourcesRequest(), timeout=10
             )

@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
+from collections.abc import Collection
 from typing import Any
 
 import pytest
+from cluster import NAMESPACE
 
 from jupyter_gpushare.k8s import manifests
 from jupyter_gpushare.k8s.admission import AdmissionGate, awaiting_admission, pod_node
+from jupyter_gpushare.k8s.client import Kube
 from jupyter_gpushare.k8s.watch import PodWatcher
 
 RES = manifests.SHARE_RESOURCE
@@ -70,6 +73,40 @@ def overlapping_waits(events: list[tuple[str, dict[str, Any]]]) -> list[tuple[st
         else:
             waiting.pop(name, None)
     return pairs
+
+
+class PodHistory:
+    """Every pod event of the kernel namespace from :meth:`start` on, in the API server's order
+    (one watch from a LIST's resourceVersion): which pods waited for admission together."""
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        listing = await self.kube.list_pods(NAMESPACE)
+        self._task = asyncio.create_task(self._follow(listing["metadata"]["resourceVersion"]))
+
+    async def _follow(self, version: str) -> None:
+        async for event in self.kube.watch("pods", NAMESPACE, version):
+            if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                self.events.append((event["type"], event["object"]))
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def overlaps(self, kernels: Collection[str]) -> list[tuple[str, str]]:
+        """:func:`overlapping_waits` among the pods of ``kernels`` (after the watch caught up)."""
+        await asyncio.sleep(1.0)
+        ours = [
+            (kind, pod)
+            for kind, pod in self.events
+            if (pod["metadata"].get("labels") or {}).get(manifests.LABEL_KERNEL) in kernels
+        ]
+        assert ours, "no event of these kernels' pods was seen"
+        return overlapping_waits(ours)
 
 
 async def start(gate: AdmissionGate, pods: PodWatcher, pod: dict[str, Any], log: list[str]) -> None:

@@ -27,7 +27,7 @@ import yaml
 from cluster import NAMESPACE, ControlPlane, free_port
 from hub import Hub, start_hub
 from servers import spawn, start_jupyter_server, stop_process
-from test_admission_gate import overlapping_waits
+from test_admission_gate import PodHistory
 
 from jupyter_gpushare.controller.client import ControllerClient
 from jupyter_gpushare.k8s import manifests
@@ -719,15 +719,8 @@ async def test_starts_of_one_size_on_one_node_are_admitted_one_at_a_time(
     at PreStartContainer for holding another's allocation), and at no moment of the API
     server's history did two pods of one node and size wait for admission together."""
     kube = await connect(str(control_plane.kubeconfig("admin")))
-    listing = await kube.list_pods(NAMESPACE)
-    events: list[tuple[str, dict[str, Any]]] = []
-
-    async def follow() -> None:
-        async for event in kube.watch("pods", NAMESPACE, listing["metadata"]["resourceVersion"]):
-            if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                events.append((event["type"], event["object"]))
-
-    watcher = asyncio.create_task(follow())
+    history = PodHistory(kube)
+    await history.start()
     client = ControllerClient(
         [c.url for c in controllers if c.proc.poll() is None], hub.tokens["alice"], retry_for=60
     )
@@ -749,17 +742,11 @@ async def test_starts_of_one_size_on_one_node_are_admitted_one_at_a_time(
         assert sorted(a["allocation"]["kernel_id"] for a in answers) == sorted(kernels)
         nodes = {a["allocation"]["node"] for a in answers}
         print(f"6 starts of one size on {len(nodes)} node(s): {took:.1f} s")
-        await asyncio.sleep(1.0)  # the watch catches up
-        ours = [
-            (kind, pod)
-            for kind, pod in events
-            if (pod["metadata"].get("labels") or {}).get(manifests.LABEL_KERNEL) in kernels
-        ]
-        assert ours and not overlapping_waits(ours), overlapping_waits(ours)
+        assert await history.overlaps(kernels) == []
         for answer in answers:
             await client.request("DELETE", f"/api/allocations/{answer['allocation']['id']}")
     finally:
-        watcher.cancel()
+        history.stop()
         await kube.close()
 
 

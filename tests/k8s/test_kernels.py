@@ -452,19 +452,12 @@ async def test_two_servers_starting_kernels_of_one_size_at_once_all_run(
     PreStartContainer for holding another's allocation), and at no moment of the API server's
     history did two pods of one node and size wait for admission together (the admission
     Lease, jupyter_gpushare.k8s.admission.LeaseGate)."""
-    from test_admission_gate import overlapping_waits
+    from test_admission_gate import PodHistory
 
     servers = [jupyter_server_factory(), jupyter_server_factory()]
     kube = await admin(control_plane)
-    listing = await kube.list_pods(NAMESPACE)
-    events: list[tuple[str, dict[str, Any]]] = []
-
-    async def follow() -> None:
-        async for event in kube.watch("pods", NAMESPACE, listing["metadata"]["resourceVersion"]):
-            if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                events.append((event["type"], event["object"]))
-
-    watcher = asyncio.create_task(follow())
+    history = PodHistory(kube)
+    await history.start()
     kernel_ids: list[str] = []
     try:
         kernel_ids = list(
@@ -475,13 +468,7 @@ async def test_two_servers_starting_kernels_of_one_size_at_once_all_run(
         records = [r for k in kernel_ids for r in await kernel_records(kube, k)]
         nodes = [r.node for r in records]
         assert len(records) == 6 and max(nodes.count(n) for n in nodes) >= 2, nodes
-        await asyncio.sleep(1.0)  # the watch catches up
-        ours = [
-            (kind, pod)
-            for kind, pod in events
-            if (pod["metadata"].get("labels") or {}).get(manifests.LABEL_KERNEL) in kernel_ids
-        ]
-        assert ours and not overlapping_waits(ours), overlapping_waits(ours)
+        assert await history.overlaps(kernel_ids) == []
         leases = await kube.list_leases(
             NAMESPACE, f"{manifests.LABEL_COMPONENT}={manifests.ADMISSION_COMPONENT}"
         )
@@ -490,7 +477,7 @@ async def test_two_servers_starting_kernels_of_one_size_at_once_all_run(
             assert "creating it anyway" not in server.log_text()
             assert "letting the next start of that size go" not in server.log_text()
     finally:
-        watcher.cancel()
+        history.stop()
         for server in servers:
             for kernel_id in kernel_ids:
                 with contextlib.suppress(Exception):

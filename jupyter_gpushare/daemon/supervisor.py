@@ -268,12 +268,13 @@ def await_applied(
     async callers use ``asyncio.to_thread``."""
     start = time.monotonic()
     deadline = start + timeout
+    answering = start + max(timeout, APPLY_ANSWERING_TIMEOUT_S)  # the deadline once it answers
     reason: str | None = "it did not answer"
     while True:
         client = DaemonClient(socket_path, timeout=max(0.05, deadline - time.monotonic()))
         try:
             client.refresh()
-            deadline = max(deadline, start + max(timeout, APPLY_ANSWERING_TIMEOUT_S))
+            deadline = answering
             status = client.status(allocation_id)
             reason = _mismatch(status, expected)
             if reason is None:
@@ -281,7 +282,7 @@ def await_applied(
         except DaemonUnreachable as exc:  # nobody accepts on the socket, or it hung up
             reason = f"it does not answer ({exc})"
         except (OSError, ValueError) as exc:  # it accepted and is slow (or garbled): there
-            deadline = max(deadline, start + max(timeout, APPLY_ANSWERING_TIMEOUT_S))
+            deadline = answering
             reason = f"it does not answer ({exc})"
         if time.monotonic() >= deadline:
             raise NotApplied(

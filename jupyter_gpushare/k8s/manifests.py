@@ -431,12 +431,24 @@ def server_lease(
     owner: Mapping[str, Any] | None = None,
     now: datetime | None = None,
 ) -> dict[str, Any]:
+    labels = {LABEL_COMPONENT: "gpushare-server", LABEL_SERVER: server_id}
+    return _lease(lease_name(server_id), namespace, labels, holder, duration, owner, now)
+
+
+def _lease(
+    name: str,
+    namespace: str,
+    labels: Mapping[str, str],
+    holder: str,
+    duration: float,
+    owner: Mapping[str, Any] | None,
+    now: datetime | None,
+    annotations: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     now = now or datetime.now(timezone.utc)
-    metadata: dict[str, Any] = {
-        "name": lease_name(server_id),
-        "namespace": namespace,
-        "labels": {LABEL_COMPONENT: "gpushare-server", LABEL_SERVER: server_id},
-    }
+    metadata: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(labels)}
+    if annotations:
+        metadata["annotations"] = dict(annotations)
     if owner:
         metadata["ownerReferences"] = [dict(owner)]
     return {
@@ -464,12 +476,17 @@ def admission_lease(
     """The Lease a server holds while its kernel pod of ``node`` and ``units`` waits for the
     kubelet's admission (:class:`jupyter_gpushare.k8s.admission.LeaseGate`); the node's name,
     which may be longer than a Lease name allows, is hashed (and kept in an annotation)."""
-    body = server_lease("x", namespace, holder, duration, owner, now)
     digest = hashlib.sha256(node.encode()).hexdigest()[:20]
-    body["metadata"]["name"] = f"gpushare-admit-{units}-{digest}"
-    body["metadata"]["labels"] = {LABEL_COMPONENT: ADMISSION_COMPONENT}
-    body["metadata"]["annotations"] = {f"{GROUP}/node": node, f"{GROUP}/units": str(units)}
-    return body
+    return _lease(
+        f"gpushare-admit-{units}-{digest}",
+        namespace,
+        {LABEL_COMPONENT: ADMISSION_COMPONENT},
+        holder,
+        duration,
+        owner,
+        now,
+        {f"{GROUP}/node": node, f"{GROUP}/units": str(units)},
+    )
 
 
 def micro_time(when: datetime) -> str:

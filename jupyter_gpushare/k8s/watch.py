@@ -173,16 +173,8 @@ class Informer:
     ) -> Obj | None:
         """Wait until ``done(object)`` (None while there is none); returns the object. Raises
         :class:`TimeoutError` after ``timeout`` seconds."""
-
-        async def waiting() -> Obj | None:
-            async with self._changed:
-                while True:
-                    obj = self._current(name)
-                    if done(obj):
-                        return obj
-                    await self._changed.wait()
-
-        return await asyncio.wait_for(waiting(), timeout)
+        await self.wait_until(lambda: done(self._current(name)), timeout)
+        return self._current(name)
 
     async def wait_until(self, done: Callable[[], bool], timeout: float | None) -> None:
         """Wait until ``done()`` (asked again at each change of the cache). Raises

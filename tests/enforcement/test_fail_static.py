@@ -11,11 +11,15 @@ process's: a share of 3 processes at 0.25 took 0.62 of the GPU from its neighbou
 
 from __future__ import annotations
 
+import mmap
+import struct
 import time
 from types import SimpleNamespace
 
 import pytest
 from enforcement_support import add_allocation, device_shares, shares, spawn_tenant
+
+from jupyter_gpushare.daemon.wire import SLOTS, Header
 
 SPIN = ["spin", "8", "1000", "8"]  # 1 ms kernels, a sync every 8 launches
 SYNC = ["load", "8", "1000", "sync"]  # a sync after every launch
@@ -94,3 +98,36 @@ def test_with_no_agent_a_share_of_several_processes_runs_at_its_request(
     assert got[0] <= request + 0.1, (got, each)  # the share as a whole, not each process
     assert min(each) > 0, (got, each)  # ... every process of it still runs
     assert got[1] >= neighbour_request - 0.15, (got, each)  # the neighbour keeps its share
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [0xFFFFFFFF, SLOTS + 1, SLOTS],  # out of range twice; then a slot that holds no lease
+    ids=["all ones", "one past the slots", "an empty slot"],
+)
+def test_with_no_agent_a_holder_written_by_a_cotenant_is_taken_over(
+    daemon, ledger, gpus, tmp_path, hostile
+):
+    """The board's ``holder`` is writable by every tenant of the GPU (wire.py: a co-tenant may
+    disturb time-sharing, as it could by leaving the interposer). Written every millisecond,
+    while no agent answers, with a value that names no lease: the interposer checks the range
+    and the lease before it reads the slot, takes the GPU over, and the share keeps its request
+    (no crash, no stall)."""
+    share = add_allocation(ledger, gpus[0], 0.3, 0.3)
+    tenant = spawn_tenant(daemon, ledger, share, gpus, SPIN, tmp_path)
+    time.sleep(2.5)  # connected, and the agent published its runahead bounds
+    killed = time.monotonic_ns()
+    daemon.kill9()
+    board = tmp_path / "shm" / f"{gpus[0].uuid}.board"
+    with open(board, "r+b") as f, mmap.mmap(f.fileno(), 0) as shared:
+        while tenant.proc.poll() is None:  # the co-tenant, as root: writes it over and over
+            struct.pack_into("<I", shared, Header.holder.offset, hostile)
+            time.sleep(0.001)
+    lines = tenant.finish()
+    assert tenant.proc.returncode == 0, (lines[-3:], tenant.stderr)
+    assert not [x for x in lines if "error" in x], lines[-3:]
+    lo, hi = killed + int(0.5e9), lines[-1]["t"] - int(0.2e9)
+    assert hi - lo >= int(3e9), "the tenant ended too soon after the agent was killed"
+    [got] = shares([tenant], lo, hi)
+    print(f"no agent, holder written {hostile:#x} every 1 ms: share {got:.3f} at request 0.3")
+    assert 0.3 - 0.1 <= got <= 0.3 + 0.05, got

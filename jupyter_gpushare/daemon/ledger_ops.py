@@ -22,7 +22,9 @@ Users' servers, ``jupyter gpushare run``, provisioners and kernels reach it thro
     agent's ``--max-share`` and its groups' bounds); the uid, user and bound of a record can
     then not be changed by its holder, and every change is checked against the recorded
     bound. A non-admin's new record names its holder (``pid`` or ``server_pid``, a process of
-    the caller's), so the agent's reconciliation releases it when that process is gone; it
+    the caller's, its start time stamped by the agent from /proc, or refused when the caller
+    sent another: :func:`_identify_holders`), so the agent's reconciliation releases it when
+    that process is gone, and never mistakes a later process with its PID for it; it
     goes only to GPUs the deployment admits (not cordoned, not an excluded type). The result
     is checked for capacity (no GPU's requests over 1, no GPU's memory caps over its memory).
 ``ledger.gpus`` → ``{"ok", "gpus": [Gpu…]}``; ``ledger.put_gpus`` (admins only: the agent
@@ -45,8 +47,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-import psutil
-
 from .. import bound as bounds
 from ..inventory import Gpu, TypeAliases
 from ..ledger import Allocation, LedgerUnavailable, Snapshot
@@ -54,6 +54,7 @@ from ..placement import Policy
 from ..placement.engine import SETTLED
 from ..share import ShareError, ShareSpec
 from . import wire
+from .ratelog import RateLimitedLogs
 
 if TYPE_CHECKING:
     from .server import Client, Daemon
@@ -86,6 +87,10 @@ class Access:
     policy: Policy = field(default_factory=Policy)
     aliases: TypeAliases = field(default_factory=TypeAliases)
     _groups: dict[int, tuple[float, frozenset[int]]] = field(default_factory=dict)
+    #: refusals, logged at most once a minute per uid and kind, with a count
+    refusals: RateLimitedLogs = field(
+        default_factory=lambda: RateLimitedLogs(log, "refused ledger.cas")
+    )
 
     def groups_of(self, uid: int) -> frozenset[int]:
         cached = self._groups.get(uid)
@@ -332,7 +337,9 @@ async def _cas(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dict[str
             access.policy,
         )
     except NotPermitted as exc:
-        log.warning("refused ledger.cas from uid %d (%s): %s", who.uid, who.name, exc)
+        access_of(daemon).refusals.failed(
+            (who.uid, "ledger.cas"), f"from uid {who.uid} ({who.name})", exc
+        )
         return wire.refusal(wire.E_NOT_PERMITTED, str(exc))
     except OverCapacity as exc:
         return {"ok": False, "error": "over_capacity", "message": str(exc)}
@@ -427,7 +434,7 @@ def authorize(
             result.append(a)
             continue
         if not who.admin:
-            _check_fields(sent, who, inventory, a)
+            sent = _check_fields(sent, who, inventory, a)
             for key in PROTECTED:
                 if sent.extra.get(key) != a.extra.get(key):
                     raise NotPermitted(
@@ -446,7 +453,7 @@ def authorize(
         if a.id in old:
             continue
         if not who.admin:
-            _check_fields(a, who, inventory)
+            a = _check_fields(a, who, inventory)
             _check_admitted(a, inventory, policy or Policy())
             if a.pid is None and a.server_pid is None:  # else nothing ever releases it
                 raise NotPermitted(
@@ -471,8 +478,9 @@ def authorize(
 
 def _check_fields(
     a: Allocation, who: Caller, inventory: Sequence[Gpu], before: Allocation | None = None
-) -> None:
-    """What a non-admin may put in a record of its own (``before``: the record it changes)."""
+) -> Allocation:
+    """What a non-admin may put in a record of its own (``before``: the record it changes);
+    returns the record with its holders' start times as the agent read them."""
     # the share itself passes the one validator (a record read from JSON skipped it): no
     # negative, NaN or oversized request or memory that would fool the capacity sums
     ShareSpec.from_mapping({k: v for k, v in a.spec.to_json().items() if v is not None})
@@ -488,12 +496,60 @@ def _check_fields(
         raise NotPermitted(
             f"allocation {a.id}: backend {a.backend!r} (this agent records local shares)"
         )
-    for what, pid in (("pid", a.pid), ("server_pid", a.server_pid)):
-        unchanged = before is not None and getattr(before, what) == pid
-        if pid is not None and not unchanged and not _owned_by(pid, who.uid):
+    return _identify_holders(a, who, before)
+
+
+#: where a record keeps each holder's start time: ``pid_start``, ``extra["server_start"]``
+SERVER_START_KEY = "server_start"
+
+
+def _identify_holders(a: Allocation, who: Caller, before: Allocation | None) -> Allocation:
+    """``a`` with each holder it names (``pid``, ``server_pid``) identified by the agent itself:
+    a live process of ``who``'s, its start time as /proc says it stamped (``pid_start``,
+    ``extra["server_start"]``) when the caller left it out, refused when the caller's value
+    is another's. A holder and start time kept as they were recorded are not looked at again.
+    The agent (root) later signals a dead server's kernel by these alone (reconcile.py), so a
+    record must never name a process the agent has not identified."""
+    from ..ledger.reconcile import START_TOLERANCE, process_identity
+
+    extra = dict(a.extra)
+    holders = (
+        ("pid", a.pid, "pid_start", a.pid_start),
+        ("server_pid", a.server_pid, f"extra.{SERVER_START_KEY}", extra.get(SERVER_START_KEY)),
+    )
+    stamped: dict[str, float | None] = {}
+    for what, pid, start_field, start in holders:
+        if before is not None:
+            old_start = before.pid_start if what == "pid" else before.extra.get(SERVER_START_KEY)
+            if getattr(before, what) == pid and old_start == start:
+                continue
+        if pid is None:
+            if start is not None:
+                raise NotPermitted(f"allocation {a.id}: {start_field} without {what}")
+            continue
+        found = process_identity(pid) if isinstance(pid, int) and pid > 0 else None
+        if found is None or found[1] != who.uid:
             raise NotPermitted(
                 f"allocation {a.id}: {what} {pid} is not a process of user {who.name}"
             )
+        if start is None:
+            stamped[start_field] = found[0]
+        elif (
+            not isinstance(start, (int, float))
+            or isinstance(start, bool)
+            or not abs(float(start) - found[0]) <= START_TOLERANCE
+        ):
+            raise NotPermitted(
+                f"allocation {a.id}: {start_field} {start!r} is not the start time of "
+                f"process {pid} ({found[0]:.2f}, as the agent reads it)"
+            )
+    if not stamped:
+        return a
+    if "pid_start" in stamped:
+        a = replace(a, pid_start=stamped["pid_start"])
+    if f"extra.{SERVER_START_KEY}" in stamped:
+        a = replace(a, extra={**extra, SERVER_START_KEY: stamped[f"extra.{SERVER_START_KEY}"]})
+    return a
 
 
 def _check_admitted(a: Allocation, inventory: Sequence[Gpu], policy: Policy) -> None:
@@ -520,13 +576,6 @@ def _check_admitted(a: Allocation, inventory: Sequence[Gpu], policy: Policy) -> 
             raise NotPermitted(
                 f"allocation {a.id}: GPU {uuid} is {why}; new shares do not go there"
             )
-
-
-def _owned_by(pid: int, uid: int) -> bool:
-    try:
-        return psutil.Process(pid).uids().real == uid
-    except (psutil.Error, ValueError, OverflowError):
-        return False
 
 
 def _check_capacity(

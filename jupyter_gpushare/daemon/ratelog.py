@@ -68,3 +68,38 @@ class RateLimitedLog:
         if self.failing:
             self.failing = False
             self.logger.log(max(logging.INFO, self.level - 20), "%s: working again", self.what)
+
+
+class RateLimitedLogs:
+    """A :class:`RateLimitedLog` per key (a uid and a kind of refusal: one user's flood never
+    hides another's first line), each at most one line per ``every`` seconds with the count
+    since; at most ``keys`` keys are remembered (the oldest is forgotten first), so neither the
+    log nor the agent's memory grows with what a user sends."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        what: str,
+        every: float = 60.0,
+        level: int = logging.WARNING,
+        keys: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.logger = logger
+        self.what = what
+        self.every = every
+        self.level = level
+        self.keys = keys
+        self.clock = clock
+        self._logs: dict[object, RateLimitedLog] = {}
+
+    def failed(self, key: object, label: str, reason: object) -> None:
+        """One more refusal for ``key``; ``label`` names it in the line (``uid 1003 (bob)``)."""
+        found = self._logs.get(key)
+        if found is None:
+            while len(self._logs) >= self.keys:
+                self._logs.pop(next(iter(self._logs)))
+            found = self._logs[key] = RateLimitedLog(
+                self.logger, f"{self.what} {label}", self.every, self.level, clock=self.clock
+            )
+        found.failed(reason)

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 from collections import deque
 from collections.abc import Callable
@@ -742,6 +743,40 @@ def _lineage(pid: int) -> dict[int, float]:
 _BOOT_TIME: float | None = None
 
 
+#: how deeply a request may nest arrays and objects (a ledger record is 4 levels deep): deeper
+#: lines are refused before they are decoded (the decoder recurses once per level)
+MAX_DEPTH = 32
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_INNERMOST = re.compile(rb"\[\]|\{\}")
+
+
+def too_deep(line: bytes) -> bool:
+    """Whether ``line`` nests arrays and objects deeper than :data:`MAX_DEPTH` (or its
+    brackets do not pair up). Cheap: a line with at most that many brackets is never scanned;
+    otherwise its strings are cut out and the innermost pairs removed ``MAX_DEPTH`` times over,
+    each pass in C."""
+    if line.count(b"[") + line.count(b"{") <= MAX_DEPTH:
+        return False
+    brackets = _STRING.sub(b"", line).translate(None, _NOT_BRACKETS)
+    for _ in range(MAX_DEPTH):
+        brackets, removed = _INNERMOST.subn(b"", brackets)
+        if not brackets or not removed:
+            break
+    return bool(brackets)
+
+
+def _has_nvml() -> bool:
+    """Whether the driver's NVML library (``libnvidia-ml.so.1``) loads here."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True
+
+
 def _pod_pending(allocation: Allocation | None) -> bool:
     return (
         allocation is not None
@@ -881,9 +916,19 @@ class _Protocol(asyncio.Protocol):
 
     def _dispatch(self, line: bytes) -> None:
         assert self.client is not None
+        if too_deep(line):
+            self._enqueue(
+                None,
+                wire.refusal(
+                    wire.E_BAD_REQUEST,
+                    f"a message nested deeper than {MAX_DEPTH} levels of arrays and objects",
+                ),
+                len(line),
+            )
+            return
         try:
             message: dict[str, Any] | None = wire.decode(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             message = None
         if message is None or not isinstance(message.get("op"), str):
             self._enqueue(

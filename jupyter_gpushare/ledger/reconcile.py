@@ -5,11 +5,17 @@ An allocation is stale when its process is gone (``pid``/``pid_start`` no longer
 process: a crash, ``kill -9``), or when the process that manages it (``server_pid``: the Jupyter
 server or ``gpushare run``) died. Orphaned kernels of a dead server are unreachable (their
 connection files went with the server), so they are stopped too.
+
+A process is signalled only once it is identified (:func:`signal_identified`): its start time
+as recorded (``pid_start``, stamped by the agent when the record was made) and, where the record
+names its owner's uid, that uid; the signal goes through a pidfd opened before the check, so a
+PID reused between the check and the signal is never hit. A record without a start time is
+released when stale, but its process is never signalled (the system agent runs as root: a PID
+a user recorded and then freed may since name another user's process).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -44,6 +50,50 @@ def process_start_time(pid: int) -> float | None:
         return psutil.Process(pid).create_time()
     except psutil.Error:
         return None
+
+
+#: recorded vs live start time of a process: the most they may differ and still name it (s)
+START_TOLERANCE = 0.05
+
+
+def process_identity(pid: int) -> tuple[float, int] | None:
+    """``(start time, real uid)`` of the live process ``pid`` as /proc says, read so that both
+    belong to one process (the start time is read before and after the uid), or None when it
+    is gone, a zombie, or the PID changed hands in between."""
+    try:
+        proc = psutil.Process(pid)
+        start = proc.create_time()
+        uid = proc.uids().real
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        again = psutil.Process(pid).create_time()
+    except (psutil.Error, ValueError, OverflowError):
+        return None
+    return (start, uid) if again == start else None
+
+
+def signal_identified(pid: int | None, start: float | None, uid: int | None, sig: int) -> bool:
+    """Send ``sig`` to ``pid`` only if it is the process that started at ``start`` (and, when
+    ``uid`` is given, runs as ``uid``); True when it was sent. Through a pidfd opened before the
+    check: once the check passes, the signal can only reach that very process."""
+    if not pid or pid <= 0 or start is None:
+        return False
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        found = process_identity(pid)
+        if found is None or abs(found[0] - start) > START_TOLERANCE:
+            return False
+        if uid is not None and found[1] != uid:
+            return False
+        signal.pidfd_send_signal(pidfd, sig)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(pidfd)
 
 
 def stale_reason(
@@ -95,7 +145,8 @@ async def reconcile(
 
 
 def _stop_orphan(allocation: Allocation) -> None:
-    orphan = allocation.owner in ("kernel", "pool")
-    if orphan and process_alive(allocation.pid, allocation.pid_start):
-        with contextlib.suppress(OSError):
-            os.kill(allocation.pid or 0, signal.SIGTERM)
+    """SIGTERM to a dead server's kernel, once identified: its recorded start time and owner."""
+    if allocation.owner in ("kernel", "pool"):
+        uid = allocation.extra.get("uid")
+        owner = uid if isinstance(uid, int) and not isinstance(uid, bool) else None
+        signal_identified(allocation.pid, allocation.pid_start, owner, signal.SIGTERM)

@@ -5,7 +5,8 @@ Rules (the same in :mod:`.naive`, the reference full-scan placer the tests compa
 
 * A GPU can be chosen when it is healthy, not cordoned (``Gpu.cordoned``, ``Policy.cordoned_gpus``,
   ``Policy.cordoned_nodes``), of an admitted type, has the compute and memory the share needs
-  free, and the locality labels allow it. Compute used on a GPU is the sum of the *requests* of
+  free, holds fewer than :data:`~.state.MAX_SHARES_PER_GPU` shares (its lease board's slots),
+  and the locality labels allow it. Compute used on a GPU is the sum of the *requests* of
   the allocations listing it (limits are burst, work-conserving); memory used is the sum of their
   memory caps. Compute is counted in integer millionths of a GPU, so sums are exact.
 * Labels (after KubeShare): ``affinity`` L — every share labelled L is on one GPU, the group's
@@ -45,6 +46,7 @@ from .explain import refusal
 from .orders import Order
 from .policy import Kind, Policy, TypeFilter, resolve_types
 from .state import (
+    MAX_SHARES_PER_GPU,
     SETTLED,
     UNITS,
     GpuState,
@@ -291,6 +293,8 @@ class Placer:
     ) -> bool:
         """Can ``spec`` (``request`` units) go on ``g`` now?"""
         if not g.usable or g.free < request or not types.admits(g.kind):
+            return False
+        if len(g.holders) >= MAX_SHARES_PER_GPU:
             return False
         if g.mem_free < spec.resolved_memory(g.gpu.memory):
             return False

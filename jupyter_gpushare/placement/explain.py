@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from ..inventory import GiB
 from ..share import GpuLabels, ShareError, ShareSpec, format_bytes
 from .policy import Policy, TypeFilter, resolve_types
-from .state import UNITS, GpuState, PlacementRefused, from_units, to_units
+from .state import MAX_SHARES_PER_GPU, UNITS, GpuState, PlacementRefused, from_units, to_units
 
 if TYPE_CHECKING:
     from .engine import Placer
@@ -64,7 +64,13 @@ def _share_reason(placer: Placer, spec: ShareSpec, policy: Policy, types: TypeFi
             f"no {what} has {wanted} free ({_census(pool, policy, what)}, most free "
             f"{_fmt(from_units(max(most, 0)))})"
         )
-    by_memory = [g for g in by_compute if g.mem_free >= spec.resolved_memory(g.gpu.memory)]
+    by_count = [g for g in by_compute if len(g.holders) < MAX_SHARES_PER_GPU]
+    if not by_count:
+        return (
+            f"every {what} with {wanted} free already holds {MAX_SHARES_PER_GPU} shares, the "
+            f"most one GPU holds ({_plural(len(by_compute), what)} with {wanted} free)"
+        )
+    by_memory = [g for g in by_count if g.mem_free >= spec.resolved_memory(g.gpu.memory)]
     if not by_memory:
         needs = {spec.resolved_memory(g.gpu.memory) for g in by_compute}
         need = format_bytes(needs.pop()) if len(needs) == 1 else "its share of"
@@ -122,6 +128,8 @@ def _affinity_reason(
         return where + (
             f"has {format_bytes(max(g.mem_free, 0))} of memory free, not {format_bytes(need)}"
         )
+    if len(g.holders) >= MAX_SHARES_PER_GPU:
+        return where + f"holds {MAX_SHARES_PER_GPU} shares, the most one GPU holds"
     return where + "is ruled out by labels: " + _label_reasons(placer, spec, [g])
 
 
@@ -197,6 +205,9 @@ def _round_down(memory: int) -> int:
 
 
 def _labels_ok(placer: Placer, spec: ShareSpec, g: GpuState) -> bool:
+    """Whether ``g`` may take this share but for its compute and memory."""
+    if len(g.holders) >= MAX_SHARES_PER_GPU:
+        return False
     labels = spec.gpu_labels
     if labels.anti_affinity and placer.anti.get(labels.anti_affinity, {}).get(g.uuid):
         return False

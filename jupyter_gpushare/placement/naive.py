@@ -21,6 +21,7 @@ from .engine import (
     to_units,
 )
 from .policy import Policy, resolve_types
+from .state import MAX_SHARES_PER_GPU
 
 if TYPE_CHECKING:
     from ..ledger import Allocation
@@ -74,6 +75,8 @@ def naive_place(
 
     def fits(g: Gpu) -> bool:
         if not usable(g) or UNITS - used[g.uuid] < request:
+            return False
+        if len(holders[g.uuid]) >= MAX_SHARES_PER_GPU:
             return False
         if g.memory - mem_used[g.uuid] < spec.resolved_memory(g.memory):
             return False

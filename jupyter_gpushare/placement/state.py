@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..daemon.wire import SLOTS
 from ..errors import GpushareError
 from ..inventory import Gpu
 from .policy import Kind
@@ -22,6 +23,11 @@ if TYPE_CHECKING:
 
 #: Compute is counted in millionths of a GPU.
 UNITS = 1_000_000
+
+#: The most shares one GPU holds: its lease board has this many slots, one per share
+#: (``wire.SLOTS``, the one place that number is set). A share past it could be recorded but
+#: never enforced, so placement counts shares as it counts compute and memory.
+MAX_SHARES_PER_GPU = SLOTS
 
 #: ``Allocation.extra`` key set on an affinity group member once it has checked, after being
 #: recorded, that no other settled member of its group is on another GPU (see :mod:`.concurrent`).

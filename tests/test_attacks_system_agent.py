@@ -9,7 +9,9 @@ that the victim's process, share or service is untouched.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import socket as socketlib
 import subprocess
 import time
 from pathlib import Path
@@ -17,7 +19,7 @@ from typing import Any
 
 import pytest
 import test_system_agent as system
-from test_system_agent import ALICE, BOB, run_as, snapshot, unix_user
+from test_system_agent import ALICE, BOB, NODE, place, run_as, snapshot, unix_user
 
 from jupyter_gpushare.ledger.agent import AgentLedger
 from jupyter_gpushare.ledger.reconcile import process_start_time
@@ -116,3 +118,74 @@ def test_a_pid_bob_recorded_and_freed_is_never_signalled_once_alice_has_it(agent
     finally:
         victim.kill()
         victim.wait(10)
+
+
+# -- 4, 5: a user's flood of refused or malformed requests --------------------------------
+
+
+def exchange(sock: socketlib.socket, lines: list[bytes]) -> list[dict[str, Any]]:
+    """Send ``lines`` at once; their replies, in order."""
+    sock.sendall(b"".join(lines))
+    data = b""
+    while data.count(b"\n") < len(lines):
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            raise ConnectionError(f"closed after {len(data.splitlines())} replies")
+        data += chunk
+    return [json.loads(line) for line in data.splitlines()]
+
+
+async def flood_refused_cas(socket: str, count: int) -> dict[str, int]:
+    """``count`` compare-and-swaps that would drop another user's share (each refused), 15 at a
+    time then a ping (16 refusals in a row close a connection); how the agent answered."""
+    version = (await AgentLedger(socket).snapshot()).versions[NODE]
+    cas = json.dumps({"op": "ledger.cas", "node": NODE, "version": version, "allocations": []})
+    batch = [cas.encode() + b"\n"] * 15 + [b'{"op":"ping"}\n']
+    answers: dict[str, int] = {}
+    with socketlib.socket(socketlib.AF_UNIX) as sock:
+        sock.connect(socket)
+        for _ in range(-(-count // 15)):
+            for reply in exchange(sock, batch)[:15]:
+                key = "ok" if reply.get("ok") else str(reply.get("error"))
+                answers[key] = answers.get(key, 0) + 1
+    return answers
+
+
+def deep_then_ping(socket: str, depth: int) -> list[dict[str, Any]]:
+    line = b'{"op":"ledger.cas","allocations":' + b"[" * depth + b"]" * depth + b"}\n"
+    with socketlib.socket(socketlib.AF_UNIX) as sock:
+        sock.connect(socket)
+        return exchange(sock, [line, b'{"op":"ping"}\n'])
+
+
+COUNT = 450
+
+
+def test_a_flood_of_refused_requests_writes_a_bounded_log(agent, holder) -> None:
+    """Refused ``ledger.cas`` from bob (each would drop alice's share): one log line (at most
+    one a minute per uid and kind, with a count), not one each. (The agent takes a user's
+    ledger writes at a bounded rate, 50 a second, so a flood is that many lines a second
+    without the bound: ~7 kB a second here, 600 MB a day.)"""
+    alice, bob = unix_user(ALICE), unix_user(BOB)
+    a = agent()
+    socket = str(a.socket)
+    assert run_as(alice, place, socket, 0.25, None, holder(alice))[0] == "ok"
+    before = a.log.stat().st_size
+    outcome = run_as(bob, flood_refused_cas, socket, COUNT)
+    assert outcome[0] == "ok", outcome
+    assert sum(outcome[1].values()) >= COUNT and "ok" not in outcome[1], outcome
+    grown = a.log.read_bytes()[before:]
+    assert len(grown) < 2_000, grown[:2_000]
+    assert len(asyncio.run(snapshot(socket))) == 1  # alice's share is still there
+
+
+def test_a_deeply_nested_request_is_refused_without_a_traceback(agent) -> None:
+    bob = unix_user(BOB)
+    a = agent()
+    replies = run_as(bob, deep_then_ping, str(a.socket), 30_000)
+    assert replies[0] == "ok", replies
+    refused, pong = replies[1]
+    assert refused["ok"] is False and "nested deeper than 32" in refused["message"], refused
+    assert pong["ok"] is True  # the same connection still answers
+    log = a.log.read_text()
+    assert "Traceback" not in log and "Recursion" not in log, log[-3000:]

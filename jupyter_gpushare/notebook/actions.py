@@ -28,7 +28,7 @@ from typing import Any
 from ..daemon import client as daemon_client
 from ..daemon.client import DaemonClient
 from ..errors import GpushareError
-from ..share import ShareError, ShareSpec, format_bytes, format_share_range
+from ..share import ShareError, ShareSpec, format_bytes, format_share, format_share_range
 
 #: what a kernel can do once its share is released (said after what was released and freed)
 AFTER_RELEASE = (
@@ -464,6 +464,28 @@ def _live_change(current: str, share: dict[str, Any]) -> tuple[dict[str, Any], b
     return change, auto
 
 
+def wait_cause(allocation: dict[str, Any], shares: int) -> str:
+    """Why a share waited for its turn on the GPU, in words: its own limit (alone on the GPU, it
+    waits only when it would go beyond its limit), other shares' turns (limit 100 %), or either."""
+    limit = format_share(float(allocation.get("limit") or allocation.get("gpu_limit") or 1.0))
+    if shares <= 1:
+        return f"its own limit ({limit}): no other share on this GPU"
+    if float(allocation.get("limit") or allocation.get("gpu_limit") or 1.0) >= 1.0:
+        return f"other shares' turns ({shares - 1} other share{'' if shares == 2 else 's'})"
+    return f"its own limit ({limit}) or other shares' turns"
+
+
+def refused_calls() -> int | None:
+    """How many GPU calls the interposer preloaded into this process refused (a released or
+    refused share: ``CUDA_ERROR_NOT_PERMITTED``), None without an interposer."""
+    try:
+        fn = ctypes.CDLL(None).gpushare_refused_calls
+    except AttributeError:
+        return None
+    fn.restype = ctypes.c_ulonglong
+    return int(fn())
+
+
 def describe(allocation: dict[str, Any]) -> str:
     """``25–50 % of an A100 (a-…, 20GiB, GPU-…)`` for an Allocation JSON."""
     if "gpu_request" not in allocation:
@@ -489,8 +511,10 @@ __all__ = [
     "describe",
     "gpus",
     "note_released_by_daemon",
+    "refused_calls",
     "release",
     "released",
     "request",
     "status",
+    "wait_cause",
 ]

@@ -42,6 +42,43 @@ USAGE = """\
             release it reserves a new share for the restart (--gpu-type T too)"""
 
 
+#: the widest line ``%gpushare status`` prints: longer lines wrap between words (an output area
+#: wraps a long line anywhere, even inside a word or a UUID)
+WIDTH = 72
+
+
+def _wrap(lines: list[str]) -> str:
+    """``lines`` wrapped to :data:`WIDTH` between words, each continuation indented under the
+    line's text (never inside a word, a UUID or an allocation id)."""
+    import re
+    import textwrap
+
+    out: list[str] = []
+    for line in lines:
+        if len(line) <= WIDTH:
+            out.append(line)
+            continue
+        # under the value of a "  label        value" row, else two columns in
+        column = re.match(r"( *)\S+(?: \S+)*?( {2,})", line)
+        hang = (
+            column.end()
+            if column and column.end() <= WIDTH // 2
+            else len(line) - len(line.lstrip(" ")) + 2
+        )
+        out.extend(
+            textwrap.wrap(
+                line,
+                WIDTH,
+                initial_indent="",
+                subsequent_indent=" " * hang,
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+            or [line]
+        )
+    return "\n".join(out)
+
+
 def _status_text(status: dict[str, Any]) -> str:
     from ..share import format_bytes, format_share
     from . import actions
@@ -55,7 +92,7 @@ def _status_text(status: dict[str, Any]) -> str:
         if status.get("reserved"):
             lines.append(f"  reserved for the restart: {actions.describe(status['reserved'])}")
         lines.append(f"  {status.get('message')}")
-        return "\n".join(lines)
+        return _wrap(lines)
     a, g = status["allocation"], status.get("gpu") or {}
     nvml = g.get("nvml") or {}
     window = (status.get("daemon") or {}).get("window_ms", 0) / 1000
@@ -69,11 +106,11 @@ def _status_text(status: dict[str, Any]) -> str:
         f"  memory       {format_bytes(int(a.get('memory_used') or 0))} used of "
         f"{format_bytes(int(a.get('memory_cap') or 0))}",
         f"  waited       {float(a.get('lease_wait_seconds') or 0):.3f} s for its turn on the "
-        f"GPU ({waits} time{'' if waits == 1 else 's'})",
+        f"GPU ({waits} time{'' if waits == 1 else 's'}), from {actions.wait_cause(a, shares)}",
         f"  GPU now      {nvml.get('utilization_gpu', '–')} % busy, "
         f"{shares} share{'' if shares == 1 else 's'} on it",
     ]
-    return "\n".join(lines)
+    return _wrap(lines)
 
 
 def _gpus_text(rows: list[dict[str, Any]]) -> str:
@@ -180,19 +217,53 @@ class GpushareMagics(Magics):
         return str(actions.request(**share)["message"])
 
 
-def explain_released(result: Any) -> None:
-    """``post_run_cell``: after a release, a cell that failed on a GPU error gets the reason and
-    what to do (frameworks only say "operation not permitted")."""
-    error = getattr(result, "error_in_exec", None)
-    if error is None:
-        return  # the common case, without importing the actions
-    from . import actions
+class RefusalNotes:
+    """Explains refused GPU calls in the output of the cell they met (``post_run_cell``).
 
-    if actions.allocation_id() is not None or not actions.released():
-        return
-    text = f"{type(error).__name__} {error}".lower()
-    if any(word in text for word in GPU_ERROR_WORDS):
-        print(f"gpushare: {actions.RELEASED_MESSAGE}", file=sys.stderr)
+    After a release every GPU call of the kernel fails with ``CUDA_ERROR_NOT_PERMITTED`` (800);
+    the interposer prints the reason once per process, on the process's stderr, which a refusal
+    in a background thread sends to the server's terminal, and later cells showed a bare
+    ``800``. So after each cell in which the interposer counted a refused call (from any thread,
+    also between cells: then the next cell says it) the cell's output gets the reason and what to
+    do. Without an interposer's count, a cell that failed on a GPU error after a release gets it
+    (frameworks only say "operation not permitted")."""
+
+    def __init__(self) -> None:
+        self.seen: int | None = None  # the interposer's count when the last cell ended
+
+    def post_run_cell(self, result: Any) -> None:
+        from . import actions
+
+        count = actions.refused_calls()
+        if count is not None:
+            new = count - (self.seen or 0)
+            self.seen = count
+            if new > 0:
+                print(f"gpushare: {self.reason(new)}", file=sys.stderr)
+            return
+        error = getattr(result, "error_in_exec", None)
+        if error is None:
+            return  # the common case, without asking the daemon
+        if actions.allocation_id() is not None or not actions.released():
+            return
+        text = f"{type(error).__name__} {error}".lower()
+        if any(word in text for word in GPU_ERROR_WORDS):
+            print(f"gpushare: {actions.RELEASED_MESSAGE}", file=sys.stderr)
+
+    @staticmethod
+    def reason(new: int) -> str:
+        from . import actions
+
+        calls = "a GPU call" if new == 1 else f"{new} GPU calls"
+        head = f"{calls} refused (CUDA_ERROR_NOT_PERMITTED, error 800). "
+        if actions.released() is None:
+            try:
+                state = actions.status()  # learns of a release from outside (REST, an admin)
+            except Exception as exc:  # the reason is a nicety; the cell's own output stays
+                return head + f"The GPU share's state is unknown: {exc}"
+            if state.get("state") != "released":
+                return head + str(state.get("message") or "This kernel holds no GPU share.")
+        return head + actions.RELEASED_MESSAGE
 
 
 GPU_ERROR_WORDS = (
@@ -209,6 +280,9 @@ GPU_ERROR_WORDS = (
 
 def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(GpushareMagics)
-    if explain_released not in ipython.events.callbacks["post_run_cell"]:
-        ipython.events.register("post_run_cell", explain_released)
+    if not any(
+        isinstance(getattr(cb, "__self__", None), RefusalNotes)
+        for cb in ipython.events.callbacks["post_run_cell"]
+    ):
+        ipython.events.register("post_run_cell", RefusalNotes().post_run_cell)
     install_notice(ipython)  # idle-reclaim warning and release, printed before the next cell

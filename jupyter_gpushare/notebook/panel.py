@@ -20,8 +20,10 @@ When the kernel holds no share or the daemon is unreachable, the panel says so a
 from __future__ import annotations
 
 import html
+import sys
 import threading
 import time
+import types
 import weakref
 from collections import deque
 from typing import Any
@@ -94,7 +96,7 @@ def share_table(status: dict[str, Any]) -> str:
     def size(value: Any) -> str:
         return "–" if value is None else format_bytes(int(value))
 
-    rows = [
+    rows: list[tuple[Any, ...]] = [
         ("GPU", ("gpu_type", kind), ("gpu_uuid", uuid)),
         (
             "request / limit",
@@ -116,6 +118,7 @@ def share_table(status: dict[str, Any]) -> str:
             ("lease_wait_seconds", f"{float(a.get('lease_wait_seconds') or 0):.3f} s"),
             ("lease_waits", _plural(int(a.get("lease_waits") or 0), "time")),
         ),
+        ("waits come from", ("wait_cause", actions.wait_cause(a, int(g.get("kernels") or 0)))),
         (
             "GPU busy (all shares)",
             ("gpu_utilization", maybe(nvml.get("utilization_gpu"), "{} %")),
@@ -407,3 +410,15 @@ def _run(ref: weakref.ref[GpuPanel], stop: threading.Event, interval: float) -> 
 def panel(interval: float = INTERVAL) -> GpuPanel:
     """A live panel of this kernel's GPU share; display it (last expression of a cell)."""
     return GpuPanel(interval).start()
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable: ``from jupyter_gpushare.notebook import panel; panel()`` imports
+    the module (``jupyter_gpushare.notebook.panel``), and calling it makes the panel as
+    ``jupyter_gpushare.panel()`` does."""
+
+    def __call__(self, interval: float = INTERVAL) -> GpuPanel:
+        return panel(interval)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,4 +1,6 @@
-"""Inside a gpushare kernel: idle reclaim's warning and release, printed before the next cell.
+"""Inside a gpushare kernel: idle reclaim's warning and release, and what the node agent's
+driver check did to the share (processes stopped or paused, and why), printed before the next
+cell.
 
 The server's idle reclaim (:mod:`jupyter_gpushare.reclaim`) writes its warning into the
 allocation; the node daemon's status carries it to the kernel, and :class:`ReclaimNotice` (a
@@ -12,6 +14,7 @@ imported at the first cell, not at load (issue 12, kernel cold start).
 from __future__ import annotations
 
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -30,6 +33,9 @@ class ReclaimNotice:
         self.socket_path = socket_path
         self._client: DaemonClient | None = None
         self.shown_warning: float | None = None
+        #: the driver check's events up to this time were shown (or are too old to matter: an
+        #: event of the last minutes is shown to a restarted kernel, it may be why it restarted)
+        self.shown_check = time.time() - RECENT_CHECK_S
         self.held = True
 
     @property
@@ -67,6 +73,9 @@ class ReclaimNotice:
                 "kernel."
             )
         [mine] = status.get("allocations") or [{}]
+        checked = self._driver_check(mine.get("driver_check"))
+        if checked:
+            return checked
         warning = mine.get("reclaim_warning")
         if warning and warning.get("warned_at") != self.shown_warning:
             self.shown_warning = warning.get("warned_at")
@@ -75,10 +84,38 @@ class ReclaimNotice:
             self.shown_warning = None
         return None
 
+    def _driver_check(self, report: Any) -> str | None:
+        """The driver check's events not shown yet, one line each."""
+        if not isinstance(report, dict):
+            return None
+        lines = []
+        for event in report.get("events") or []:
+            when = event.get("time")
+            if not isinstance(when, (int, float)) or when <= self.shown_check:
+                continue
+            self.shown_check = when
+            lines.append(driver_check_line(event))
+        return "\n".join(lines) or None
+
     def __call__(self, *_args: Any) -> None:
         text = self.check()
         if text:
             print(text, flush=True)
+
+
+#: how old a driver check event a kernel's first cell still shows (s)
+RECENT_CHECK_S = 600.0
+
+
+def driver_check_line(event: dict[str, Any]) -> str:
+    """One driver check event in the user's words."""
+    what = "stopped" if event.get("action") == "stopped" else "paused"
+    pids = ", ".join(str(p) for p in event.get("pids") or [])
+    when = time.strftime("%H:%M:%S", time.localtime(float(event.get("time") or 0)))
+    line = f"gpushare: at {when} the node agent {what} process(es) {pids} of this GPU share"
+    if what == "paused" and event.get("paused_s"):
+        line += f" for {event['paused_s']} s"
+    return f"{line}: {event.get('reason')}"
 
 
 def install_notice(ipython: Any) -> ReclaimNotice | None:

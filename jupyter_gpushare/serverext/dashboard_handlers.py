@@ -83,21 +83,31 @@ class UsageHistory:
 
     def __init__(self) -> None:
         self.samples: deque[tuple[float, dict[str, float]]] = deque()
+        #: the records of the allocations in :attr:`samples` as last seen in the ledger: a share
+        #: released (or its kernel gone) still counts in its GPU's past, for the viewers who
+        #: saw it whole
+        self.records: dict[str, Allocation] = {}
 
-    def add(self, view: UsageView, now: float | None = None) -> None:
-        if not view.nodes:
-            return  # nothing measured: no sample (a gap, not zeros)
+    def add(
+        self, view: UsageView, allocations: Sequence[Allocation] = (), now: float | None = None
+    ) -> None:
+        for a in allocations:
+            self.records[a.id] = a
         now = time.time() if now is None else now
-        if self.samples and now - self.samples[-1][0] < SAMPLE_MIN_GAP_S:
-            return
-        achieved = {
-            aid: float(u["achieved_share"])
-            for aid, u in view.allocations.items()
-            if _number(u.get("achieved_share")) is not None
-        }
-        self.samples.append((now, achieved))
+        # nothing measured: no sample (a gap, not zeros)
+        if view.nodes and (not self.samples or now - self.samples[-1][0] >= SAMPLE_MIN_GAP_S):
+            achieved = {
+                aid: float(u["achieved_share"])
+                for aid, u in view.allocations.items()
+                if _number(u.get("achieved_share")) is not None
+            }
+            self.samples.append((now, achieved))
         while self.samples and now - self.samples[0][0] > HISTORY_S:
             self.samples.popleft()
+        current = {a.id for a in allocations}
+        sampled = {aid for _t, values in self.samples for aid in values}
+        for gone in [aid for aid in self.records if aid not in current and aid not in sampled]:
+            del self.records[gone]  # bounded by the window
 
 
 _HISTORIES: weakref.WeakKeyDictionary[Any, UsageHistory] = weakref.WeakKeyDictionary()
@@ -190,10 +200,13 @@ def dashboard(
     paths: Mapping[str, str],
     simulated: bool,
     history: Sequence[tuple[float, Mapping[str, float]]] = (),
+    past: Mapping[str, Allocation] | None = None,
     now: float | None = None,
 ) -> dict[str, Any]:
     """The dashboard's body (pure): every GPU with the shares on it, as the viewer may see
-    them: ``own`` records whole; with ``admin`` also the others that are ``visible``."""
+    them: ``own`` records whole; with ``admin`` also the others that are ``visible``.
+    ``past``: the records of allocations in ``history`` (:attr:`UsageHistory.records`), so
+    that a share released since still counts in its GPU's history."""
 
     rows = gpu_usage(gpus, allocations)
     by_id = {a.id: a for a in allocations}
@@ -220,9 +233,14 @@ def dashboard(
             if whole and entry["memory_used"] is not None:
                 memory_used += entry["memory_used"] / max(1, len(a.gpus))
             shares.append(entry)
+        # the GPU's past: the shares on it now, and those released since, seen whole
+        counted = list(seen_here)
+        for a in (past or {}).values():
+            if a.id not in by_id and row["uuid"] in a.gpus and (own(a) or (admin and visible(a))):
+                counted.append(a)
         points = []
         for t, values in history:
-            known = [values[a.id] / max(1, len(a.gpus)) for a in seen_here if a.id in values]
+            known = [values[a.id] / max(1, len(a.gpus)) for a in counted if a.id in values]
             if known:
                 points.append([round(t, 3), round(sum(known), 4)])
         gpu_history[row["uuid"]] = points
@@ -302,7 +320,7 @@ class DashboardHandler(GpushareHandler):
         allocations = await (await self.ledger()).list()
         usage = await (await self.backend.usage()).read()
         history = usage_history(settings)
-        history.add(usage)
+        history.add(usage, allocations)
         body = dashboard(
             gpus,
             allocations,
@@ -313,6 +331,7 @@ class DashboardHandler(GpushareHandler):
             paths=await self.session_paths(),
             simulated=bool(settings.simulated or any(g.simulated for g in gpus)),
             history=list(history.samples),
+            past=history.records,
         )
         if problem:
             body["message"] = problem

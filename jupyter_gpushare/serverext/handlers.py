@@ -13,6 +13,7 @@ everyone's shares.
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -346,9 +347,15 @@ class KernelsHandler(GpushareHandler):
         except ShareError as exc:
             return self.fail(exc)
         km = self.kernel_manager
+        # the notebook's path, as jupyter_server's sessions give it to a kernel they start
+        # (JPY_SESSION_NAME): the provisioner records it, `jupyter gpushare status` shows it
+        extra: dict[str, Any] = {}
+        if path:
+            session_manager: Any = self.session_manager  # typed with jupyter_server's NewTypes
+            extra["env"] = session_manager.get_kernel_env(path, os.path.basename(path))
         try:
             kernel_id = await km.start_kernel(
-                kernel_name=body.get("name"), path=body.get("path"), gpushare_share=share
+                kernel_name=body.get("name"), path=body.get("path"), gpushare_share=share, **extra
             )
         except ShareRefused as exc:
             return self.fail(exc.error)

@@ -33,7 +33,11 @@ class UsageHandler(GpushareHandler):
     async def get(self) -> None:
         backend = self.backend
         view = await (await backend.usage()).read()
-        usage_history(self.gpushare).add(view)  # the GPU dashboard's history
+        history = usage_history(self.gpushare)  # the GPU dashboard's history
+        # a share first measured here: its record (GPU, owner), so that its part of its GPU's
+        # history outlives its release (read once per new share, not at every poll)
+        new = any(aid not in history.records for aid in view.allocations)
+        history.add(view, await (await self.ledger()).list() if new else ())
         body: dict[str, Any] = {
             "daemon": bool(view.nodes),
             "source": view.source,

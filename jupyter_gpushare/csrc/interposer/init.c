@@ -41,7 +41,16 @@ void gs_log(const char *fmt, ...) {
     fprintf(stderr, "gpushare[%d]: %s\n", (int)getpid(), buf);
 }
 
+/* GPU calls refused so far (every caller of gs_deny_message); the notebook side reads it after
+ * each cell (gpushare_refused_calls) to explain a refusal in the output of the cell it met. */
+static _Atomic unsigned long long refused_calls;
+
+__attribute__((visibility("default"))) unsigned long long gpushare_refused_calls(void) {
+    return atomic_load_explicit(&refused_calls, memory_order_relaxed);
+}
+
 void gs_deny_message(void) {
+    atomic_fetch_add_explicit(&refused_calls, 1, memory_order_relaxed);
     if (atomic_exchange(&deny_printed, 1)) return;
     fprintf(stderr, "gpushare: GPU work refused (CUDA_ERROR_NOT_PERMITTED): %s\n",
             gs.deny_reason[0] ? gs.deny_reason : "this process has no GPU share");

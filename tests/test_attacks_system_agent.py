@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_run
 import test_system_agent as system
-from test_system_agent import ALICE, BOB, NODE, place, run_as, snapshot, unix_user
+from test_system_agent import ALICE, BOB, NODE, gpushare_run, place, run_as, snapshot, unix_user
 
+from jupyter_gpushare.ledger import Allocation
 from jupyter_gpushare.ledger.agent import AgentLedger
 from jupyter_gpushare.ledger.reconcile import process_start_time
 from jupyter_gpushare.placement import allocate
@@ -31,6 +33,8 @@ GiB = 2**30
 #: the fixtures of test_system_agent.py: the agent as a root service, users' long-lived processes
 agent = system.agent
 holder = system.holder
+#: a native CUDA program (test_run.py's): cuInit, a context, an allocation, launches
+cuda_program = test_run.cuda_program
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (useradd, setuid)")
 
@@ -189,3 +193,56 @@ def test_a_deeply_nested_request_is_refused_without_a_traceback(agent) -> None:
     assert pong["ok"] is True  # the same connection still answers
     log = a.log.read_text()
     assert "Traceback" not in log and "Recursion" not in log, log[-3000:]
+
+
+# -- 8: tiny shares filling a GPU's lease board --------------------------------------------
+
+
+async def fill_gpu(socket: str, index: int, count: int, holder_pid: int) -> bool:
+    """``count`` shares of 0.01 and 1 MiB on GPU ``index``, recorded in one compare-and-swap."""
+    ledger = AgentLedger(socket)
+    gpu = next(g for g in await ledger.gpus() if g.index == index)
+    snap = await ledger.snapshot()
+    tiny = [
+        Allocation(
+            id=Allocation.new_id(),
+            node=NODE,
+            gpus=(gpu.uuid,),
+            spec=ShareSpec(0.01, 0.01, gpu_memory=2**20),
+            memory=2**20,
+            owner="run",
+            server_pid=holder_pid,
+        )
+        for _ in range(count)
+    ]
+    return await ledger.compare_and_swap(
+        NODE, snap.versions.get(NODE, 0), [*snap.on_node(NODE), *tiny]
+    )
+
+
+def test_tiny_shares_cannot_fill_a_gpu_for_another_user(agent, holder, cuda_program) -> None:
+    """Bob records 64 shares of 0.01 on GPU 1 in one go: refused by the per-user bound (16 by
+    default). Without that bound, 64 fill GPU 1's lease board (a 65th is refused as over
+    capacity), and alice's ``gpushare run --gpu-request 0.3`` of a CUDA program is placed on
+    GPU 0 and runs (it was placed on the fuller GPU 1, where it had no slot:
+    CUDA_ERROR_NOT_PERMITTED)."""
+    alice, bob = unix_user(ALICE), unix_user(BOB)
+    bounded = agent(simulate="2xA100")
+    refused = run_as(bob, fill_gpu, str(bounded.socket), 1, 64, holder(bob))
+    assert refused[:2] == ("error", "AgentRefused") and refused[3] == "not_permitted", refused
+    assert "at most 16" in refused[2], refused
+    assert run_as(bob, fill_gpu, str(bounded.socket), 1, 16, holder(bob)) == ("ok", True)
+    bounded.stop()
+
+    a = agent("--max-shares-per-user", "0", simulate="2xA100")
+    socket = str(a.socket)
+    assert run_as(bob, fill_gpu, socket, 1, 64, holder(bob)) == ("ok", True)
+    over = run_as(bob, fill_gpu, socket, 1, 1, holder(bob))
+    assert over[:2] == ("error", "AgentRefused") and "at most 64" in over[2], over
+    program = a.dir / "prog"  # where alice may run it
+    program.write_bytes(cuda_program.read_bytes())
+    program.chmod(0o755)
+    ran = run_as(alice, gpushare_run, socket, "--gpu-request", "0.3", "--", str(program))
+    assert ran[0] == "ok" and ran[1]["code"] == 0, ran
+    log = a.log.read_text()
+    assert "KeyError" not in log and "no free slot" not in log, log[-3000:]

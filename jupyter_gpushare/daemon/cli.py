@@ -140,6 +140,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "enforced on every later change",
     )
     parser.add_argument(
+        "--max-shares-per-user",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --system: the most GPU shares one user holds on this machine at once "
+        "(default 16; 0: no bound); one GPU holds at most 64 shares (its lease board's slots)",
+    )
+    parser.add_argument(
         "--group-max-share",
         action="append",
         default=[],
@@ -445,6 +453,7 @@ def _access(args: argparse.Namespace) -> Access:
         "--group": args.group,
         "--max-share": args.max_share,
         "--group-max-share": args.group_max_share,
+        "--max-shares-per-user": args.max_shares_per_user is not None,
     }
     for name, value in system_only.items():
         if value and not args.system:
@@ -461,9 +470,19 @@ def _access(args: argparse.Namespace) -> Access:
         user_gid=gid_of(args.group, "--group") if args.group else None,
         max_share=parse_bound(args.max_share, "--max-share") if args.max_share else None,
         group_bounds=group_bounds,
+        **_share_count(args.max_shares_per_user),
         policy=policy,
         aliases=aliases,
     )
+
+
+def _share_count(value: int | None) -> dict[str, int]:
+    """``Access``'s ``max_shares_per_user`` from ``--max-shares-per-user`` (absent: default)."""
+    if value is None:
+        return {}
+    if value < 0:
+        raise ValueError(f"--max-shares-per-user {value}: a number of shares, 0 or more")
+    return {"max_shares_per_user": value}
 
 
 def _placement_config(files: Sequence[Path]) -> tuple[Policy, TypeAliases]:

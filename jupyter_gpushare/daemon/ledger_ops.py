@@ -26,7 +26,9 @@ Users' servers, ``jupyter gpushare run``, provisioners and kernels reach it thro
     sent another: :func:`_identify_holders`), so the agent's reconciliation releases it when
     that process is gone, and never mistakes a later process with its PID for it; it
     goes only to GPUs the deployment admits (not cordoned, not an excluded type). The result
-    is checked for capacity (no GPU's requests over 1, no GPU's memory caps over its memory).
+    is checked for capacity (no GPU's requests over 1, no GPU's memory caps over its memory,
+    no GPU with more than ``MAX_SHARES_PER_GPU`` shares, its lease board's slots) and a
+    non-admin for its number of shares (``--max-shares-per-user``, default 16).
 ``ledger.gpus`` → ``{"ok", "gpus": [Gpu…]}``; ``ledger.put_gpus`` (admins only: the agent
     publishes its node's inventory itself).
 
@@ -52,6 +54,7 @@ from ..inventory import Gpu, TypeAliases
 from ..ledger import Allocation, LedgerUnavailable, Snapshot
 from ..placement import Policy
 from ..placement.engine import SETTLED
+from ..placement.state import MAX_SHARES_PER_GPU
 from ..share import ShareError, ShareSpec
 from . import wire
 from .ratelog import RateLimitedLogs
@@ -67,6 +70,9 @@ UID_KEY = "uid"
 REDACTED_KEY = "redacted"
 #: how long a uid's groups are cached (s)
 GROUPS_TTL_S = 10.0
+#: the most shares one user holds on this node at once (``--max-shares-per-user``): 64 tiny
+#: shares would fill a GPU's lease board, whatever compute is left free on it
+MAX_SHARES_PER_USER = 16
 
 
 @dataclass
@@ -83,6 +89,8 @@ class Access:
     max_share: ShareSpec | None = None
     #: per-group bounds (``--group-max-share GROUP=…``): gid -> bound
     group_bounds: Mapping[int, ShareSpec] = field(default_factory=dict)
+    #: how many shares one user may hold on this node (``--max-shares-per-user``; 0: no bound)
+    max_shares_per_user: int = MAX_SHARES_PER_USER
     #: the deployment's placement policy (``reserve``) and type aliases
     policy: Policy = field(default_factory=Policy)
     aliases: TypeAliases = field(default_factory=TypeAliases)
@@ -127,6 +135,8 @@ class Caller:
     name: str
     admin: bool
     groups: frozenset[int]
+    #: the most shares this caller may hold on the node (None: no bound; admins have none)
+    max_shares: int | None = None
 
 
 def caller(daemon: Daemon, client: Client) -> Caller:
@@ -144,7 +154,8 @@ def caller(daemon: Daemon, client: Client) -> Caller:
         name = pwd.getpwuid(client.uid).pw_name
     except KeyError:
         name = str(client.uid)
-    return Caller(client.uid, name, admin, groups)
+    most = access.max_shares_per_user if access.system and not admin else 0
+    return Caller(client.uid, name, admin, groups, most or None)
 
 
 def may_use(daemon: Daemon, who: Caller) -> dict[str, Any] | None:
@@ -473,7 +484,24 @@ def authorize(
         result.append(stamped)
         touched.update(a.gpus)
     _check_capacity(result, inventory, touched)
+    _check_share_count(current, result, who)
     return result
+
+
+def _check_share_count(
+    current: Sequence[Allocation], result: Sequence[Allocation], who: Caller
+) -> None:
+    """A caller with a bound on its number of shares (``Caller.max_shares``) may not go over
+    it (fewer than before, while over it, is fine)."""
+    if who.max_shares is None:
+        return
+    before = sum(1 for a in current if owner_uid(a) == who.uid)
+    after = sum(1 for a in result if owner_uid(a) == who.uid)
+    if after > who.max_shares and after > before:
+        raise NotPermitted(
+            f"user {who.name} would hold {after} GPU shares on this machine; one user holds "
+            f"at most {who.max_shares} (the agent's --max-shares-per-user)"
+        )
 
 
 def _check_fields(
@@ -590,6 +618,11 @@ def _check_capacity(
             raise OverCapacity(f"GPU {uuid} would hold requests of {request:g} (at most 1)")
         if gpu is not None and sum(a.memory for a in on) > gpu.memory:
             raise OverCapacity(f"GPU {uuid} would hold memory caps over its {gpu.memory} bytes")
+        if len(on) > MAX_SHARES_PER_GPU:
+            raise OverCapacity(
+                f"GPU {uuid} would hold {len(on)} shares; one GPU holds at most "
+                f"{MAX_SHARES_PER_GPU} (its lease board's slots)"
+            )
 
 
 def _group_name(gid: int) -> str:

@@ -399,6 +399,18 @@ class Daemon:
             return refusal
         assert allocation is not None
         wanted = [str(g) for g in message.get("gpus") or allocation.gpus]
+        unplaced = [
+            uuid
+            for uuid in allocation.gpus
+            if uuid in wanted
+            and ((gpu := self.gpus.get(uuid)) is None or allocation.id not in gpu.tenants)
+        ]
+        if unplaced:  # no slot on that GPU's lease board (its shares are at their most)
+            return wire.refusal(
+                wire.E_NOT_PERMITTED,
+                f"allocation {allocation.id} has no lease slot on GPU {unplaced[0]} "
+                f"(a GPU holds at most {wire.SLOTS} shares)",
+            )
         gpus: list[dict[str, Any]] = []
         fds: list[int] = []
         for uuid in allocation.gpus:

@@ -27,6 +27,7 @@ from ..inventory import TypeAliases, local_node_name
 from ..ledger import Ledger
 from ..placement import Policy
 from ..share import ShareError
+from . import idle_exit
 from .ledger_ops import Access, configure
 from .lock import UnsafeDirectory, ensure_private_dir
 from .lock import holder as lock_holder
@@ -69,6 +70,12 @@ class DaemonConfig(Configurable):
         help="Seconds after which a connection that holds no GPU "
         "share and sent no request is closed (0: never).",
     ).tag(config=True)
+    exit_when_idle_s = Float(
+        600.0,
+        help="An agent started on demand (per user, not --system, not on Kubernetes) stops "
+        "after this many seconds with no share, no client and no connection; the next "
+        "gpushare command starts one again (0: never). Default 600 (10 minutes).",
+    ).tag(config=True)
     fd_reserve = Int(
         64,
         help="File descriptors kept for admins and processes that hold a GPU "
@@ -92,6 +99,7 @@ CONFIG_FLAGS: tuple[tuple[str, str, str | None], ...] = (
     ("--max-connections-per-uid", "max_connections_per_uid", "N"),
     ("--max-connections-per-pod", "max_connections_per_pod", "N"),
     ("--idle-timeout", "idle_timeout_s", "S"),
+    ("--exit-when-idle", "exit_when_idle_s", "S"),
     ("--fd-reserve", "fd_reserve", "N"),
     ("--admin-group", "admin_group", "GROUP"),
 )
@@ -350,6 +358,11 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.idle_timeout <= 86400:
         logging.error("--idle-timeout %s: need 0 (never) to 86400 seconds", args.idle_timeout)
         return 2
+    if not 0 <= args.exit_when_idle <= 31_536_000:
+        logging.error(
+            "--exit-when-idle %s: need 0 (never) to 31536000 seconds", args.exit_when_idle
+        )
+        return 2
     if args.device_plugin and not args.kubernetes_namespace:
         logging.error(
             "--device-plugin: needs --kubernetes-namespace (the plugin finds kernel "
@@ -558,6 +571,9 @@ async def _main(args: argparse.Namespace, access: Access) -> None:
     reconciler = None
     if args.system:
         reconciler = asyncio.create_task(_reconcile_forever(ledger, node))
+    idle = None
+    if idle_exit.applies(args.system, bool(args.kubernetes_namespace), args.exit_when_idle):
+        idle = asyncio.create_task(idle_exit.exit_when_idle(daemon, args.exit_when_idle))
     usage = None
     if args.kubernetes_namespace:  # the servers read this node's usage from a ConfigMap
         from ..k8s.usage import start_publisher
@@ -598,10 +614,11 @@ async def _main(args: argparse.Namespace, access: Access) -> None:
     try:
         await daemon.serve_forever()
     finally:
-        if reconciler is not None:
-            reconciler.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await reconciler
+        for task in (reconciler, idle):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         if usage is not None:
             await usage.stop()
         if plugin is not None:

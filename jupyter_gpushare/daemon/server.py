@@ -124,6 +124,7 @@ class Daemon:
         self.epoch = 0
         self.started_ns = monotonic_ns()
         self.refused = 0
+        self.accepted = 0  # connections accepted (an on-demand agent's idle watch, idle_exit.py)
         #: allocations released by their own process (``kernel_ops.release``), for ``reserve``
         self.released: dict[str, Allocation] = {}
         #: idle-reclaim warnings of allocations that left the ledger (told to their kernels)
@@ -532,6 +533,7 @@ class Daemon:
 
     def _accepted(self, conn: socket.socket) -> None:
         """A new connection: admitted (its own ``_Protocol``) or refused and closed at once."""
+        self.accepted += 1
         try:
             peer = read_peer(conn, self.admins)
         except OSError as exc:  # gone already

@@ -519,8 +519,19 @@ def build_parser() -> argparse.ArgumentParser:
         "exits (its exit status is passed through). Without --simulate on a machine with no "
         "GPU, the simulated GPUs of the node agent running here are used.",
     )
-    run.add_argument("--gpu-request", metavar="R", help="guaranteed fraction of a GPU, (0, 1]")
-    run.add_argument("--gpu-limit", metavar="L", help="burst limit, a fraction in (0, 1]")
+    run.add_argument(
+        "--gpu-request",
+        metavar="R",
+        help="guaranteed fraction of a GPU, 0.01 to 1 in steps of 0.01 (default: the default "
+        "share's request, 0.25 unless GpuShare.default_share says otherwise)",
+    )
+    run.add_argument(
+        "--gpu-limit",
+        metavar="L",
+        help="burst limit, a fraction of a GPU up to 1 (default: the larger of the request and "
+        "the default share's limit, 0.5 unless GpuShare.default_share says otherwise: "
+        "--gpu-request 0.3 gets limit 0.5, --gpu-request 0.75 gets 0.75)",
+    )
     run.add_argument("--gpu-memory", metavar="M", help="memory cap, e.g. 10GiB")
     run.add_argument("--gpu-type", metavar="T", help="GPU type, e.g. A100")
     run.add_argument("--gpu-count", metavar="N", help="whole GPUs")

@@ -12,12 +12,10 @@ import base64
 import hashlib
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -29,67 +27,8 @@ IMAGES = ROOT / "deploy" / "images"
 CHART = ROOT / "deploy" / "helm" / "jupyter-gpushare"
 sys.path.insert(0, str(IMAGES))
 
+from build_offline import mounts_and_command, parse  # noqa: E402
 from check_wheel import check, retag  # noqa: E402
-
-
-@dataclass
-class Stage:
-    base: str
-    name: str = ""
-    instructions: list[tuple[str, str]] = field(default_factory=list)
-
-    def runs(self) -> list[str]:
-        return [args for op, args in self.instructions if op == "RUN"]
-
-
-@dataclass
-class Dockerfile:
-    args: dict[str, str]  # ARGs before the first FROM, with their defaults
-    stages: list[Stage]
-    comments: str
-
-
-def parse(path: Path) -> Dockerfile:
-    """Instructions with ``\\`` continuations joined and comments dropped."""
-    lines: list[str] = []
-    comments = []
-    pending = ""
-    for raw in path.read_text().splitlines():
-        if raw.lstrip().startswith("#"):
-            comments.append(raw.lstrip()[1:].strip())
-            continue
-        if raw.rstrip().endswith("\\"):
-            pending += raw.rstrip()[:-1] + " "
-            continue
-        line = (pending + raw).strip()
-        pending = ""
-        if line:
-            lines.append(line)
-    args: dict[str, str] = {}
-    stages: list[Stage] = []
-    for line in lines:
-        op, _, rest = line.partition(" ")
-        op, rest = op.upper(), rest.strip()
-        if op == "FROM":
-            words = rest.split()
-            name = words[2] if len(words) == 3 and words[1].upper() == "AS" else ""
-            stages.append(Stage(base=words[0], name=name))
-        elif not stages and op == "ARG":
-            key, _, default = rest.partition("=")
-            args[key] = default
-        else:
-            assert stages, f"{path}: {op} before FROM"
-            stages[-1].instructions.append((op, rest))
-    return Dockerfile(args, stages, "\n".join(comments))
-
-
-def mounts_and_command(run: str) -> tuple[list[dict[str, str]], str]:
-    """A RUN's ``--mount=`` options and its shell command."""
-    mounts = []
-    words = shlex.split(run)
-    while words and words[0].startswith("--mount="):
-        mounts.append(dict(kv.split("=", 1) for kv in words.pop(0)[8:].split(",")))
-    return mounts, " ".join(shlex.quote(w) for w in words)
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,13 @@ Finding the node agent (:func:`find_agent`, one function for every caller: users
 ``jupyter gpushare run``, the provisioner, kernels): ``GPUSHARE_SOCKET`` when it is set; else the
 system agent's socket (:data:`SYSTEM_SOCKET`) when a system agent answers there (its ``ping``
 says ``"system": true``, or nothing answers on that root-owned socket yet: the service is
-restarting); else this user's own socket (:func:`user_socket_path`), where a per-user agent is
-started on demand. With a system agent nobody starts a per-user agent, and the
-ledger is the agent's (:class:`~jupyter_gpushare.ledger.agent.AgentLedger`).
+restarting), or when this machine has a system agent at all (:func:`has_system_agent`: its
+state directory or its systemd unit exists), running or not; else this user's own socket
+(:func:`user_socket_path`), where a per-user agent is started on demand. With a system agent
+nobody starts a per-user agent, and the ledger is the agent's
+(:class:`~jupyter_gpushare.ledger.agent.AgentLedger`): while it is stopped, callers wait a
+while for it and then fail with the reason, never keep a private ledger beside it (two ledgers
+would book the same GPUs twice).
 """
 
 from __future__ import annotations
@@ -24,6 +28,12 @@ from jupyter_core.paths import jupyter_data_dir, jupyter_runtime_dir
 #: the system agent's socket and ledger (``jupyter gpushare daemon --system``)
 SYSTEM_SOCKET = Path("/run/gpushare/daemon.sock")
 SYSTEM_LEDGER = Path("/var/lib/gpushare/ledger.sqlite")
+#: where an installed systemd unit of the system agent may be (deploy/systemd)
+SYSTEM_UNITS = (
+    Path("/etc/systemd/system/jupyter-gpushare-agent.service"),
+    Path("/lib/systemd/system/jupyter-gpushare-agent.service"),
+    Path("/usr/lib/systemd/system/jupyter-gpushare-agent.service"),
+)
 
 #: how long one discovery is reused (s): a ping per call would add a round trip to each
 FIND_CACHE_S = 5.0
@@ -74,11 +84,26 @@ def find_agent(*, fresh: bool = False) -> AgentAddress:
         # the system service's own socket: while it restarts (nothing answers yet) callers
         # wait for it rather than start a private agent and ledger beside it
         found = AgentAddress(SYSTEM_SOCKET, True)
+    elif has_system_agent():  # stopped (its socket removed): still the machine's only ledger
+        found = AgentAddress(SYSTEM_SOCKET, True)
     else:
         found = AgentAddress(user_socket_path(), False)
     with _found_lock:
         _found[env] = (time.monotonic(), found)
     return found
+
+
+def has_system_agent() -> bool:
+    """Whether this machine has a system agent, running or not: its state directory (the
+    ledger's, root's and private) or its systemd unit exists. Checked by ``lstat`` (a user
+    cannot look inside the 0700 state directory, only see that it is there)."""
+    try:
+        state = os.lstat(SYSTEM_LEDGER.parent)
+    except OSError:
+        state = None
+    if state is not None and state.st_uid == 0 and not state.st_mode & 0o022:
+        return True
+    return any(os.path.exists(unit) for unit in SYSTEM_UNITS)
 
 
 def _root_owned(socket: Path) -> bool:

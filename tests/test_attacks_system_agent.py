@@ -9,6 +9,8 @@ that the victim's process, share or service is untouched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import os
 import socket as socketlib
@@ -17,12 +19,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import test_run
 import test_system_agent as system
 from test_system_agent import ALICE, BOB, NODE, gpushare_run, place, run_as, snapshot, unix_user
 
+from jupyter_gpushare import cli as gpushare_cli
+from jupyter_gpushare import paths
 from jupyter_gpushare.ledger import Allocation
+from jupyter_gpushare.ledger import agent as agent_ledger
 from jupyter_gpushare.ledger.agent import AgentLedger
 from jupyter_gpushare.ledger.reconcile import process_start_time
 from jupyter_gpushare.placement import allocate
@@ -246,3 +252,58 @@ def test_tiny_shares_cannot_fill_a_gpu_for_another_user(agent, holder, cuda_prog
     assert ran[0] == "ok" and ran[1]["code"] == 0, ran
     log = a.log.read_text()
     assert "KeyError" not in log and "no free slot" not in log, log[-3000:]
+
+
+# -- 9: the system agent stopped cleanly ----------------------------------------------------
+
+
+def run_found_agent(*argv: str) -> dict[str, Any]:
+    """``jupyter gpushare run`` as this user with no GPUSHARE_SOCKET: discovery decides."""
+    os.environ.pop("GPUSHARE_SOCKET", None)
+    os.environ["GPUSHARE_NODE_NAME"] = NODE
+    from jupyter_gpushare.config import GpuShare
+
+    GpuShare.clear_instance()
+    found = paths.find_agent(fresh=True)
+    said = io.StringIO()
+    began = time.monotonic()
+    with contextlib.redirect_stderr(said):
+        code = gpushare_cli.main(["run", *argv])
+    return {
+        "found": (str(found.socket), found.system),
+        "code": code,
+        "said": said.getvalue(),
+        "took": time.monotonic() - began,
+    }
+
+
+def test_a_stopped_system_agent_is_never_replaced_by_a_private_ledger(agent, monkeypatch) -> None:
+    """The system agent stopped cleanly (SIGTERM: its socket is removed): alice's ``gpushare
+    run`` still finds the system agent (its state directory is there), waits a bounded time
+    for it and fails with the reason; no per-user agent and no private ledger are made (they
+    would book the GPUs a second time beside the system ledger)."""
+    alice = unix_user(ALICE)
+    a = agent()
+    monkeypatch.setattr(paths, "SYSTEM_SOCKET", a.socket)
+    monkeypatch.setattr(paths, "SYSTEM_LEDGER", a.ledger)
+    monkeypatch.setattr(agent_ledger, "SYSTEM_WAIT_S", 2.0)
+    a.stop()
+    assert not a.socket.exists()
+    outcome = run_as(alice, run_found_agent, "--gpu-request", "0.5", "--", "/bin/true")
+    assert outcome[0] == "ok", outcome
+    ran = outcome[1]
+    assert ran["found"] == (str(a.socket), True), ran
+    assert ran["code"] != 0 and "the system GPU agent is not running" in ran["said"], ran
+    assert "ask your admin" in ran["said"] and "Traceback" not in ran["said"], ran
+    assert 2.0 <= ran["took"] < 20, ran
+    home = Path(alice.pw_dir)
+    private = [p for p in home.rglob("*") if "gpushare" in p.name]
+    assert not [p for p in private if p.name.endswith((".sqlite", ".sock"))], private
+    agents = [
+        p
+        for p in psutil.process_iter(["uids", "cmdline"])
+        if p.info["uids"]
+        and p.info["uids"].real == alice.pw_uid
+        and "jupyter_gpushare.daemon" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert agents == []

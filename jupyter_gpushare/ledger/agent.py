@@ -39,8 +39,18 @@ from typing import Any
 
 from ..errors import GpushareError
 from ..inventory import Gpu
+from ..placement.policy import Policy
+from ..placement.state import PlacementRefused
 from ..share import ShareError, ShareSpec
-from . import Allocation, Ledger, LedgerUnavailable, PlaceFunction, Snapshot
+from . import (
+    Allocation,
+    AllocationNotFound,
+    Ledger,
+    LedgerConflict,
+    LedgerUnavailable,
+    PlaceFunction,
+    Snapshot,
+)
 
 #: seconds one request may take (connect, send, read the reply)
 TIMEOUT_S = 30.0
@@ -56,6 +66,45 @@ PARSED_MAX = 4096
 #: how long the ledger as the last compare-and-swap reply showed it may start the next
 #: read-modify-CAS loop (``Ledger.snapshot_to_change``) instead of a ``ledger.snapshot``
 LAST_SEEN_S = 10.0
+#: the record fields a ``ledger.reserve`` sends (the agent stamps user, uid and bound itself)
+RESERVE_FIELDS = (
+    "id",
+    "owner",
+    "kernel_id",
+    "backend",
+    "state",
+    "pid",
+    "pid_start",
+    "server_pid",
+    "extra",
+)
+#: the longest single ``ledger.queue.wait`` (a progress report at least this often)
+QUEUE_POLL_S = 10.0
+
+
+#: how long a caller waits for the machine's system agent when nothing listens on its socket
+#: (stopped, or restarting: systemd starts it again within seconds)
+SYSTEM_WAIT_S = 10.0
+
+
+class AgentNotRunning(ConnectionError):
+    """Nothing listens on the agent's socket (for the system agent: after waiting for it)."""
+
+    def __init__(self, path: str, exc: OSError) -> None:
+        from .. import paths
+
+        if path == str(paths.SYSTEM_SOCKET):
+            text = (
+                f"the system GPU agent is not running (nothing answers on {path} after "
+                f"{SYSTEM_WAIT_S:g} s); ask your admin to start it (systemctl start "
+                "jupyter-gpushare-agent). GPU shares are booked only by it on this machine"
+            )
+        else:
+            text = f"no gpushare agent answers on {path} ({exc.strerror or exc})"
+        super().__init__(exc.errno, text)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 class _Connection:
@@ -68,14 +117,26 @@ class _Connection:
 
     @classmethod
     async def open(cls, path: str) -> _Connection:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.setblocking(False)
-            await asyncio.get_running_loop().sock_connect(sock, path)
-        except BaseException:
-            sock.close()
-            raise
-        return cls(sock)
+        """A connection to the agent on ``path``. The machine's system agent stopped or
+        restarting (nothing listens there) is waited for up to :data:`SYSTEM_WAIT_S`, then
+        :class:`AgentNotRunning` says so (never a private ledger instead: ``paths.find_agent``)."""
+        from .. import paths
+
+        deadline = time.monotonic() + (SYSTEM_WAIT_S if path == str(paths.SYSTEM_SOCKET) else 0)
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.setblocking(False)
+                await asyncio.get_running_loop().sock_connect(sock, path)
+                return cls(sock)
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise AgentNotRunning(path, exc) from None
+            except BaseException:
+                sock.close()
+                raise
+            await asyncio.sleep(0.25)
 
     def reusable(self, now: float) -> bool:
         """Whether this kept connection may serve another request now: same process and
@@ -145,6 +206,8 @@ class AgentLedger(Ledger):
         #: the ledger as last seen (a snapshot, or a compare-and-swap's reply): when, by which pid
         self._last: tuple[Snapshot, float, int] | None = None
         self._recorded: dict[str, Allocation] = {}
+        #: False once the agent answered that it takes no intents (an older agent)
+        self._intents = True
 
     @property
     def path(self) -> Path:  # where it lives, for messages (``SQLiteLedger.path``'s role)
@@ -167,6 +230,10 @@ class AgentLedger(Ledger):
                 raise LedgerUnavailable(
                     str(reply.get("ledger", self.socket_path)),
                     str(reply.get("reason", reply.get("message", ""))),
+                )
+            if reply.get("error") == PlacementRefused.code:
+                raise PlacementRefused(
+                    str(reply.get("message", "nothing fits")), reply.get("suggestions") or ()
                 )
             if reply.get("field"):
                 raise ShareError(
@@ -218,8 +285,14 @@ class AgentLedger(Ledger):
         self, spec: ShareSpec, inventory: Sequence[Gpu], place: PlaceFunction, **fields: Any
     ) -> Allocation:
         """As :meth:`Ledger.allocate`; returns the allocation as the agent recorded it (owner
-        uid and user name, the bound that applies)."""
-        import os
+        uid and user name, the bound that applies). With a ``place`` that names its policy
+        (``placement.bind``) the agent places and records it in one intent
+        (``ledger.reserve``), so other users' writes cannot make it lose."""
+        policy = getattr(place, "policy", None)
+        if isinstance(policy, Policy):
+            reply = await self._intent(self._reserve_message(spec, policy, fields, queue=False))
+            if reply is not None:
+                return self._took(reply, Allocation.from_json(reply["allocation"]))
         import pwd
 
         uid = os.getuid()
@@ -230,6 +303,179 @@ class AgentLedger(Ledger):
         fields["extra"] = {**dict(fields.get("extra") or {}), "uid": uid}
         made = await super().allocate(spec, inventory, place, **fields)
         return self._recorded.pop(made.id, made)  # as stamped by the agent (its bound)
+
+    # -- intents (issue 23 item 6; the agent applies them in a fair order) -------------------
+
+    def _reserve_message(
+        self, spec: ShareSpec, policy: Policy | None, fields: dict[str, Any], queue: bool
+    ) -> dict[str, Any]:
+        from ..bound import to_json
+
+        sent = {k: v for k, v in fields.items() if k in RESERVE_FIELDS and v is not None}
+        unknown = sorted(set(fields) - set(RESERVE_FIELDS) - {"user"})
+        if unknown:
+            raise TypeError(f"allocate() got fields the agent does not take: {unknown}")
+        if "extra" in sent:
+            sent["extra"] = dict(sent["extra"])
+        return {
+            "op": "ledger.reserve",
+            "share": {k: v for k, v in spec.to_json().items() if v is not None},
+            "policy": policy.to_json() if policy is not None else None,
+            "fields": sent,
+            "bound": to_json(self.bound) if self.bound is not None else None,
+            "queue": queue,
+        }
+
+    async def _intent(self, message: dict[str, Any]) -> dict[str, Any] | None:
+        """The agent's reply to an intent; None from an agent that takes none (then the
+        caller's read-modify-CAS loop does the same)."""
+        if not self._intents:
+            return None
+        try:
+            return await self.request(message)
+        except AgentRefused as exc:
+            if exc.error == "bad_request" and "unknown op" in str(exc):
+                self._intents = False
+                return None
+            raise
+
+    def _took(self, reply: dict[str, Any], made: Allocation) -> Allocation:
+        """An intent took effect: the ledger its reply shows is the view the next change
+        starts from (a stale view only makes the agent answer with the current one)."""
+        if "versions" in reply:
+            self._remember(reply)
+        else:
+            self.forget_snapshot()
+        return made
+
+    async def release(
+        self, allocation_id: str, if_unchanged: Allocation | None = None
+    ) -> Allocation | None:
+        reply = await self._intent(
+            {
+                "op": "ledger.release",
+                "id": allocation_id,
+                "if_unchanged": if_unchanged.to_json() if if_unchanged is not None else None,
+            }
+        )
+        if reply is None:
+            return await super().release(allocation_id, if_unchanged)
+        if "versions" in reply:
+            self._remember(reply)
+        released = reply.get("released")
+        return Allocation.from_json(released) if isinstance(released, dict) else None
+
+    async def update(
+        self,
+        allocation_id: str,
+        change: Any,
+    ) -> Allocation:
+        """As :meth:`Ledger.update`, as an intent on the one record: it loses only when that
+        record changed meanwhile (then ``change`` runs again on the agent's current view)."""
+        if not self._intents:
+            return await super().update(allocation_id, change)
+        for _attempt in range(self.max_attempts):
+            snap, maybe_stale = await self.snapshot_to_change()
+            found = snap.find(allocation_id)
+            others = []
+            if found is not None:
+                others = [a for a in snap.on_node(found.node) if a.id != allocation_id]
+            try:
+                if found is None:
+                    raise AllocationNotFound(allocation_id)
+                changed = change(found, others)
+            except Exception:
+                if not maybe_stale:
+                    raise
+                self.forget_snapshot()
+                continue
+            reply = await self._intent(
+                {
+                    "op": "ledger.update",
+                    "id": allocation_id,
+                    "version": snap.versions.get(found.node, 0),
+                    "before": found.to_json(),
+                    "after": changed.to_json(),
+                }
+            )
+            if reply is None:
+                return await super().update(allocation_id, change)
+            if reply.get("applied"):
+                return self._took(reply, Allocation.from_json(reply["allocation"]))
+            if "versions" in reply:
+                self._remember(reply)  # the ledger as it is: the next try decides on it
+            else:
+                self.forget_snapshot()
+        raise LedgerConflict(f"could not update {allocation_id} after {self.max_attempts} tries")
+
+    async def reserve_waiting(
+        self,
+        spec: ShareSpec,
+        policy: Policy | None,
+        timeout: float | None,
+        progress: Any = None,
+        **fields: Any,
+    ) -> Allocation:
+        """Place ``spec`` now, or wait in the agent's queue (DESIGN box 13) up to ``timeout``
+        seconds (None: for as long as it takes) and return the share it started. ``progress``
+        is called with each view of the waiting entry (``position``, ``eta``, ``message``).
+        Raises ``PlacementRefused`` when the wait ends without a start (the queue's reason
+        and the last position in the message), and the agent's refusal (``never_fits``,
+        ``queue_full``, a bound) at once. A cancelled wait (Ctrl-C, a stopped start) cancels
+        the entry; a share started in that moment is released."""
+        message = self._reserve_message(spec, policy, fields, queue=True)
+        reply = await self.request(message)
+        if reply.get("allocation"):
+            return self._took(reply, Allocation.from_json(reply["allocation"]))
+        entry = reply["entry"]
+        refused = str(reply.get("refusal") or "nothing fits now")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                if progress is not None:
+                    progress(entry)
+                if entry["state"] == "started":
+                    self.forget_snapshot()
+                    return Allocation.from_json(entry["allocation"])
+                if entry["state"] != "waiting":
+                    raise PlacementRefused(f"{refused}; the queued start was {entry['message']}")
+                left = QUEUE_POLL_S if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    break
+                waited = await self.request(
+                    {
+                        "op": "ledger.queue.wait",
+                        "entry": entry["id"],
+                        "timeout": min(left, QUEUE_POLL_S),
+                    }
+                )
+                entry = waited["entry"]
+        except BaseException:
+            ended = await asyncio.shield(self._cancel_entry(entry["id"]))
+            if ended is not None and ended.get("state") == "started":  # nobody waits for it
+                await asyncio.shield(self.release(str(ended["allocation"]["id"])))
+            raise
+        last = await self._cancel_entry(entry["id"])
+        if last is not None and last.get("state") == "started":
+            self.forget_snapshot()
+            return Allocation.from_json(last["allocation"])
+        raise PlacementRefused(
+            f"{refused}; waited {timeout:g} s in the queue: {entry.get('message')}"
+        )
+
+    async def _cancel_entry(self, entry_id: str) -> dict[str, Any] | None:
+        """Cancel a waiting entry; a share started meanwhile is released (its start was not
+        waited for). The entry as it ended."""
+        try:
+            reply = await self.request({"op": "ledger.queue.cancel", "entry": entry_id})
+        except (GpushareError, OSError):
+            return None
+        entry = reply.get("entry")
+        return entry if isinstance(entry, dict) else None
+
+    async def queue(self) -> list[dict[str, Any]]:
+        """The agent's waiting starts in order (others' as capacity only, unless an admin)."""
+        return list((await self.request({"op": "ledger.queue"})).get("entries") or [])
 
     # -- the four primitives -----------------------------------------------------------------
 

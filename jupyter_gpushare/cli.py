@@ -23,6 +23,7 @@ from .config import GpuShare
 from .daemon.client import DaemonClient
 from .daemon.env import local_kernel_env
 from .daemon.supervisor import AgentWatch, ensure_agent
+from .errors import GpushareError
 from .inventory import Gpu, NoGpuError, check_spec, parse_simulate, simulate_text
 from .ledger import Allocation, LedgerUnavailable
 from .ledger.reconcile import process_start_time, reconcile
@@ -310,7 +311,9 @@ async def _watch(
 # -- run -------------------------------------------------------------------------------------------
 
 
-async def _run(settings: GpuShare, spec: ShareSpec, command: Sequence[str]) -> int:
+async def _run(
+    settings: GpuShare, spec: ShareSpec, command: Sequence[str], wait: float | None = None
+) -> int:
     """Hold ``spec`` for ``command``: place and record it, run the command with the share's
     environment, pass its exit status through (a signal N as 128+N) and release the share.
 
@@ -331,20 +334,20 @@ async def _run(settings: GpuShare, spec: ShareSpec, command: Sequence[str]) -> i
         "command": list(command)[:8],
         "uid": os.getuid(),
     }  # the agent's status shows a user their own shares
-    allocation = await allocate(
-        ledger,
-        spec,
-        inventory,
-        settings.policy(),
-        owner="run",
-        backend="local",
-        state="active",
-        pid=me,
-        pid_start=process_start_time(me),
-        server_pid=me,
-        user=getpass.getuser(),
-        extra=extra,
-    )
+    fields: dict[str, Any] = {
+        "owner": "run",
+        "backend": "local",
+        "state": "active",
+        "pid": me,
+        "pid_start": process_start_time(me),
+        "server_pid": me,
+        "user": getpass.getuser(),
+        "extra": extra,
+    }
+    if wait is None:
+        allocation = await allocate(ledger, spec, inventory, settings.policy(), **fields)
+    else:  # --wait: the node agent's queue (DESIGN box 13)
+        allocation = await _wait_in_queue(settings, ledger, spec, wait, fields)
     print(f"gpushare run: {_holding(allocation, inventory)}", file=sys.stderr)
     try:
         env = {**os.environ, **local_kernel_env(allocation, inventory, settings)}
@@ -362,6 +365,52 @@ async def _run(settings: GpuShare, spec: ShareSpec, command: Sequence[str]) -> i
             await watch.stop()
     finally:
         await ledger.release(allocation.id)
+
+
+async def _wait_in_queue(
+    settings: GpuShare, ledger: Any, spec: ShareSpec, wait: float, fields: dict[str, Any]
+) -> Allocation:
+    """Place ``spec`` now or wait in the node agent's queue up to ``wait`` seconds (inf: no
+    limit), printing the position and ETA as they change; Ctrl-C cancels the wait."""
+    from .ledger.agent import AgentLedger
+
+    if not isinstance(ledger, AgentLedger):  # a per-user agent: its socket serves the queue
+        ledger = AgentLedger(settings.socket_path)
+    shown: list[str] = []
+
+    def progress(entry: dict[str, Any]) -> None:
+        text = str(entry.get("message") or "")
+        if entry.get("state") == "waiting" and text and text != (shown[-1] if shown else None):
+            shown.append(text)
+            print(f"gpushare run: waiting: {text}", file=sys.stderr)
+
+    allocation: Allocation = await ledger.reserve_waiting(
+        spec,
+        settings.policy(),
+        None if wait == float("inf") else wait,
+        progress,
+        **{k: v for k, v in fields.items() if k != "user"},
+    )
+    if shown:
+        print("gpushare run: started (a share was freed)", file=sys.stderr)
+    return allocation
+
+
+def parse_wait(text: str) -> float:
+    """``--wait``'s TIMEOUT: seconds, or a number with ``s``, ``m`` or ``h``; ``inf`` (the
+    default of a bare ``--wait``) waits as long as it takes."""
+    value = text.strip().lower()
+    scale = {"s": 1.0, "m": 60.0, "h": 3600.0}.get(value[-1:], None)
+    number = value[:-1] if scale is not None else value
+    try:
+        seconds = float(number) * (scale or 1.0)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds != seconds:
+        raise ShareError(
+            "wait", text, "a time to wait: seconds, or a number with s, m or h (90, 5m, 1h)"
+        )
+    return seconds
 
 
 async def _inventory(settings: GpuShare) -> Sequence[Gpu]:
@@ -449,7 +498,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.gpu_count,
         defaults=settings.default_spec(),
     )
-    return asyncio.run(_run(settings, spec, command))
+    wait = parse_wait(args.wait) if args.wait is not None else None
+    try:
+        return asyncio.run(_run(settings, spec, command, wait))
+    except KeyboardInterrupt:  # Ctrl-C while waiting in the queue: the wait was cancelled
+        print("gpushare run: cancelled", file=sys.stderr)
+        return 130
 
 
 # -- daemon ----------------------------------------------------------------------------------------
@@ -540,6 +594,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N[xTYPE]",
         help="use simulated GPUs (not needed while a simulated node agent runs here)",
     )
+    run.add_argument(
+        "--wait",
+        nargs="?",
+        const="inf",
+        metavar="TIMEOUT",
+        help="when the share does not fit now, wait in the node agent's queue (position and "
+        "ETA are printed) up to TIMEOUT (seconds, or 5m, 1h; no TIMEOUT: as long as it "
+        "takes); Ctrl-C cancels. A share that can never fit is refused at once",
+    )
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS…")
     run.set_defaults(func=cmd_run)
 
@@ -590,6 +653,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LedgerUnavailable as exc:  # a full disk, a read-only or corrupt ledger: one line
         print(f"gpushare: {exc}", file=sys.stderr)
         return 5
+    except GpushareError as exc:  # the agent's refusal (a start that can never fit, …)
+        print(f"gpushare: {exc.message or exc}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

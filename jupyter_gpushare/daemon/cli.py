@@ -18,6 +18,7 @@ import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from traitlets import Float, Int, Unicode
 from traitlets.config import Configurable
@@ -26,6 +27,7 @@ from .. import paths
 from ..inventory import TypeAliases, local_node_name
 from ..ledger import Ledger
 from ..placement import Policy
+from ..queue import QueuePolicy
 from ..share import ShareError
 from . import idle_exit
 from .ledger_ops import Access, configure
@@ -146,6 +148,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '"gpu_memory": "40GiB"}\'; recorded on each share when it is '
         "created (with JupyterHub's GPUSHARE_MAX_SHARE: the smaller wins) and "
         "enforced on every later change",
+    )
+    parser.add_argument(
+        "--max-shares-per-user",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --system: the most GPU shares one user holds on this machine at once "
+        "(default 16; 0: no bound); one GPU holds at most 64 shares (its lease board's slots)",
+    )
+    parser.add_argument(
+        "--queue-max-per-user",
+        type=int,
+        default=8,
+        metavar="N",
+        help="starts one user may have waiting in the queue at once (run --wait, the "
+        "provisioner's queue_wait)",
+    )
+    parser.add_argument(
+        "--queue-hold",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="seconds a waiting start may be passed by later, smaller ones that fit; after "
+        "that nothing of its GPU type goes ahead of it",
+    )
+    parser.add_argument(
+        "--queue-weight",
+        action="append",
+        default=[],
+        metavar="GROUP=W",
+        help="members of GROUP count their holding divided by W in the queue's fair order "
+        "(repeatable; a user has their groups' largest)",
+    )
+    parser.add_argument(
+        "--queue-priority",
+        action="append",
+        default=[],
+        metavar="GROUP=P",
+        help="members of GROUP go ahead of every user of a lower priority in the queue "
+        "(an integer, default 0; repeatable)",
     )
     parser.add_argument(
         "--max-shares-per-user",
@@ -379,6 +421,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     try:
         access = _access(args)
+        args.queue_policy = _queue_policy(args)
     except (ValueError, KeyError) as exc:
         logging.error("%s", exc)
         return 2
@@ -428,6 +471,35 @@ def _serving_pid(path: Path) -> int | None:
             pass
         time.sleep(0.05)
     return lock_holder(path)
+
+
+def _queue_policy(args: argparse.Namespace) -> QueuePolicy:
+    """The queue's rules (``--queue-*``; DESIGN box 13)."""
+
+    def pairs(items: Sequence[str], flag: str, kind: type) -> dict[str, Any]:
+        out = {}
+        for item in items:
+            group, sep, text = item.partition("=")
+            try:
+                value = kind(text)
+            except ValueError:
+                value = None
+            if not sep or not group or value is None or (kind is float and not value > 0):
+                what = "a weight > 0" if kind is float else "an integer"
+                raise ValueError(f"{flag} {item!r}: GROUP={what}")
+            out[group] = value
+        return out
+
+    if args.queue_max_per_user < 1:
+        raise ValueError(f"--queue-max-per-user {args.queue_max_per_user}: at least 1")
+    if not args.queue_hold >= 0:
+        raise ValueError(f"--queue-hold {args.queue_hold}: seconds, 0 or more")
+    return QueuePolicy(
+        weights=pairs(args.queue_weight, "--queue-weight", float),
+        priorities=pairs(args.queue_priority, "--queue-priority", int),
+        max_per_user=args.queue_max_per_user,
+        hold_s=args.queue_hold,
+    )
 
 
 def _access(args: argparse.Namespace) -> Access:
@@ -567,7 +639,12 @@ async def _main(args: argparse.Namespace, access: Access) -> None:
     )
     daemon = Daemon(ledger, settings)
     configure(daemon, access)
+    from . import queue_ops
+
+    queue_ops.configure(daemon, getattr(args, "queue_policy", None) or QueuePolicy())
     await daemon.start()
+    if not args.kubernetes_namespace:  # the queue lives with the SQLite ledger: kept entries
+        await queue_ops.queue_of(daemon)
     reconciler = None
     if args.system:
         reconciler = asyncio.create_task(_reconcile_forever(ledger, node))

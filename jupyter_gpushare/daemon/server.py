@@ -359,7 +359,19 @@ class Daemon:
 
             if op == "gpus":
                 return self._name_only_own(await kernel_ops.gpus(self), client.peer)
-            return await getattr(kernel_ops, op)(self, client, message)
+            from .intents import write_in_turn  # one writer, users' writes in a fair order
+
+            return await write_in_turn(
+                self, client, lambda: getattr(kernel_ops, op)(self, client, message)
+            )
+        if op in ("ledger.cas", "ledger.release", "ledger.update"):  # writes: in a fair order
+            from . import intents
+
+            return await intents.serve(self, client, message)
+        if op == "ledger.reserve" or (isinstance(op, str) and op.startswith("ledger.queue")):
+            from . import queue_ops  # a start that does not fit may wait (DESIGN box 13)
+
+            return await queue_ops.serve(self, client, message)
         if isinstance(op, str) and op.startswith("ledger."):  # the agent owns the ledger
             from . import ledger_ops
 

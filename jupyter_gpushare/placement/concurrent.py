@@ -49,6 +49,7 @@ def bind(policy: Policy | None = None) -> Any:
     ) -> Placement:
         return place(gpus, allocations, spec, chosen)
 
+    placer.policy = chosen  # type: ignore[attr-defined]  # an agent places with it itself
     return placer
 
 

@@ -1,0 +1,159 @@
+"""When a waiting start can expect to begin. Pure.
+
+What frees capacity of a GPU type, and what the estimate may rest on:
+
+- **Reclaim deadlines.** An idle share that idle reclaim has warned is released at its
+  ``release_at`` unless its kernel runs GPU work first. Freeing them in deadline order, the
+  first time the capacity freed covers what this start and the starts ahead of it need is an
+  *upper bound* while those shares stay idle (``by``).
+- **The observed release rate.** Releases of that type seen in the last ``window_s`` seconds (at
+  least :data:`MIN_RELEASES` of them), modelled as a Poisson stream of releases of the observed
+  mean size: the start needs ``k`` of them, so its wait is Erlang(k, rate); the range shown is
+  that distribution's [:data:`LOW_QUANTILE`, :data:`HIGH_QUANTILE`] quantiles, capped by the
+  deadline bound where one applies.
+
+With neither, there is no estimate: :class:`Eta` says so (``lo`` and ``hi`` None) and why, and
+nothing shows a range. The honesty of the ranges shown (the share of starts that began inside
+the first one shown to them) is measured by ``benchmarks/queue.py`` and by the agent's
+``gpushare_queue_eta_*`` metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: releases needed in the window before a rate is used
+MIN_RELEASES = 3
+#: the quantiles of the modelled wait that bound the range shown
+LOW_QUANTILE = 0.02
+HIGH_QUANTILE = 0.98
+#: the model's releases come one at a time; real ones are fragmented over GPUs: the high end
+#: is stretched by this factor (measured by benchmarks/queue.py, ETA honesty)
+SPREAD = 1.5
+
+
+@dataclass(frozen=True)
+class Release:
+    """Capacity given back on a GPU type at wall time ``at`` (a release, a shutdown, a reclaim,
+    a resize down)."""
+
+    at: float
+    request: float
+    gpu_type: str
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """An idle share that idle reclaim releases at ``at`` (wall time) unless it runs again."""
+
+    at: float
+    request: float
+    gpu_type: str
+
+
+@dataclass(frozen=True)
+class Eta:
+    """An estimate in seconds from ``now``: ``lo``..``hi`` (both None: no estimate; ``lo``
+    None and ``hi`` set: by ``hi``), what it rests on (``basis``, the user's words), and the
+    deadline bound (``by``, seconds from now) with how many idle shares it counts."""
+
+    now: float
+    lo: float | None
+    hi: float | None
+    basis: tuple[str, ...]
+    by: float | None = None
+    reclaims: int = 0
+
+    @property
+    def known(self) -> bool:
+        return self.hi is not None
+
+    def contains(self, waited: float, slack: float = 1.0) -> bool:
+        """Whether a start that began ``waited`` seconds after ``now`` began inside the range
+        (``slack`` seconds either side: the agent's own reaction time)."""
+        if self.hi is None:
+            return False
+        return (self.lo or 0.0) - slack <= waited <= self.hi + slack
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "computed_at": self.now,
+            "lo_s": None if self.lo is None else round(self.lo, 1),
+            "hi_s": None if self.hi is None else round(self.hi, 1),
+            "by_s": None if self.by is None else round(self.by, 1),
+            "reclaims": self.reclaims,
+            "basis": list(self.basis),
+        }
+
+
+def erlang_quantile(k: int, q: float) -> float:
+    """The ``q`` quantile of the sum of ``k`` exponential waits of rate 1 (bisection on the
+    Erlang CDF, in logs: stable for large ``k``)."""
+    if k <= 0:
+        return 0.0
+
+    def cdf(x: float) -> float:
+        if x <= 0:
+            return 0.0
+        # P(T <= x) = 1 - sum_{n<k} e^-x x^n / n!
+        logs = [-x + n * math.log(x) - math.lgamma(n + 1) for n in range(k)]
+        top = max(logs)
+        tail = math.exp(top) * sum(math.exp(v - top) for v in logs)
+        return max(0.0, 1.0 - tail)
+
+    lo, hi = 0.0, max(1.0, 2.0 * k + 10.0 * math.sqrt(k) + 10.0)
+    while cdf(hi) < q:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if cdf(mid) < q:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def estimate(
+    need: float,
+    gpu_type: str,
+    now: float,
+    releases: Sequence[Release],
+    deadlines: Sequence[Deadline],
+    window_s: float = 1800.0,
+) -> Eta:
+    """When ``need`` more compute of ``gpu_type`` (this start's request plus what the starts
+    ahead of it take, less what is free) will have been freed, seen at wall time ``now``."""
+    kind = gpu_type.lower()
+    need = max(need, 0.01)
+    basis: list[str] = []
+    by: float | None = None
+    counted = 0
+    freed = 0.0
+    for d in sorted((d for d in deadlines if d.gpu_type.lower() == kind), key=lambda d: d.at):
+        freed += d.request
+        counted += 1
+        if freed + 1e-9 >= need:
+            by = max(0.0, d.at - now)
+            break
+    if by is not None:
+        basis.append(f"{counted} idle share{'s' if counted != 1 else ''} reclaimed by then")
+    seen = [r for r in releases if r.gpu_type.lower() == kind and now - window_s <= r.at <= now]
+    lo: float | None = None
+    hi: float | None = None
+    if len(seen) >= MIN_RELEASES:
+        first = min(r.at for r in seen)
+        span = max(now - first, window_s / 4)
+        rate = len(seen) / span
+        size = sum(r.request for r in seen) / len(seen)
+        k = max(1, math.ceil(need / max(size, 0.01) - 1e-9))
+        lo = erlang_quantile(k, LOW_QUANTILE) / rate
+        hi = SPREAD * erlang_quantile(k, HIGH_QUANTILE) / rate
+        minutes = span / 60
+        basis.append(f"{len(seen)} releases of {gpu_type} shares in the last {minutes:.0f} min")
+    if by is not None:
+        if hi is None or by < hi:
+            hi = by
+            lo = None if lo is None else min(lo, by)
+    return Eta(now=now, lo=lo, hi=hi, basis=tuple(basis), by=by, reclaims=counted if by else 0)

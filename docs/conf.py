@@ -42,6 +42,7 @@ autodoc_typehints = "none"
 html_theme = "pydata_sphinx_theme"
 html_title = f"jupyter_gpushare {release}"
 html_static_path = ["_static"]
+html_css_files = ["css/gpushare.css"]
 html_theme_options = {
     "navigation_with_keys": False,
     "show_toc_level": 2,

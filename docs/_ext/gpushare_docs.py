@@ -70,7 +70,7 @@ class _Generated(SphinxDirective):
 
 def _table(header: list[str], rows: list[list[str]], widths: str | None = None) -> list[str]:
     """A ``list-table`` (cells are inline reStructuredText, one line each)."""
-    out = [".. list-table::", "   :header-rows: 1"]
+    out = [".. list-table::", "   :header-rows: 1", "   :class: gs-figures"]
     if widths:
         out.append(f"   :widths: {widths}")
     out.append("")
@@ -357,7 +357,7 @@ class EnforcementMatrixDirective(_Generated):
                 "error",
                 "busy",
                 "vs. alone",
-                "1 s peak − limit",
+                "1 s over",
             ],
             rows,
         )

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+from .errors import GpushareError
 from .ledger import LedgerUnavailable
 
 
@@ -38,6 +39,8 @@ class PeriodicTask:
                     await self.run_once()
                 except LedgerUnavailable:
                     pass  # the ledger logs that itself, one line a minute; the next pass retries
+                except GpushareError as exc:  # a refusal (the agent's, a busy ledger): expected
+                    self.log.warning("gpushare: %s failed: %s", self.what, exc)
                 except Exception:  # keep going; report
                     self.log.exception("gpushare: %s failed", self.what)
             await asyncio.sleep(max(0.1, self.interval()))

@@ -24,7 +24,8 @@ from collections.abc import Collection
 
 import psutil
 
-from . import Allocation, Ledger
+from ..errors import GpushareError
+from . import Allocation, AllocationNotFound, Ledger, LedgerConflict, LedgerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,17 @@ async def reconcile(
         reason = stale_reason(allocation, my_server_pid, live_kernel_ids)
         if reason is None:
             continue
-        if await ledger.release(allocation.id, if_unchanged=allocation) is not None:
+        try:
+            gone = await ledger.release(allocation.id, if_unchanged=allocation)
+        except (AllocationNotFound, LedgerConflict) as exc:  # another won the race; next pass
+            logger.info("gpushare: %s not released now: %s", allocation.id, exc)
+            continue
+        except GpushareError as exc:  # refused (e.g. by the agent): one line, the rest go on
+            if isinstance(exc, LedgerUnavailable):
+                raise
+            logger.warning("gpushare: could not release %s (%s): %s", allocation.id, reason, exc)
+            continue
+        if gone is not None:
             logger.info("gpushare: released %s (%s): %s", allocation.id, allocation.owner, reason)
             released.append(allocation)
         _stop_orphan(allocation)

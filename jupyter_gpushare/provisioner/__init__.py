@@ -42,7 +42,7 @@ from ..errors import GpushareError
 from ..inventory import check_spec
 from ..ledger import Allocation, AllocationNotFound, Ledger
 from ..ledger.reconcile import process_start_time
-from ..placement import PlacementRefused, allocate
+from ..placement import allocate
 from ..progress import report as report_phase
 from ..share import SHARE_FIELDS, ShareError, ShareSpec
 
@@ -270,12 +270,8 @@ class GpushareProvisioner(KernelProvisionerBase):
             spec = self.resolve_spec(user_share)  # refused before anything is reserved
             spec = check_spec(spec, await self.kernel_backend.inventory(), self.settings.aliases())
             self.allocation = await self._reserve(spec)
-        except ShareError as exc:
-            self._forget_refused_start()
-            self._phase("failed", str(exc))
-            raise ShareRefused(exc) from exc
-        except PlacementRefused as exc:
-            self._forget_refused_start()
+        except GpushareError as exc:  # a bad share, nothing fits, the ledger busy or away:
+            self._forget_refused_start()  # the user's answer (one log line), not a fault
             self._phase("failed", str(exc))
             raise ShareRefused(exc) from exc
         where = f"{self.allocation.node} {','.join(self.allocation.gpus)}"

@@ -21,6 +21,7 @@ import socket as socketlib
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -262,3 +263,83 @@ def test_gpushare_run_wait_waits_then_runs_and_ctrl_c_cancels(agent, holder) -> 
     assert proc.returncode == 0, err
     assert out_text.startswith("ran a-") and "started" in err
     assert asyncio.run(snapshot(path)) == []
+
+
+def test_a_servers_kernel_start_waits_in_the_queue_and_starts_by_itself(
+    gpushare_env: dict[str, str], jupyter_server: Any, holder: Any
+) -> None:
+    """POST /gpushare/api/kernels with the GPU full: the start waits (the provisioner's
+    queue_wait), /gpushare/api/starts and /gpushare/api/queue say where it is in line, and it
+    starts by itself once alice releases; a second start waited for 1 s is refused 409
+    no_fit with the queue's reason."""
+    import threading
+
+    from support import wait_for
+
+    alice = unix_user(ALICE)
+    path = Path(gpushare_env["GPUSHARE_SOCKET"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
+    agent_proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyter_gpushare.daemon",
+            "--system",
+            "--socket",
+            str(path),
+            "--ledger",
+            str(path.parent / "agent-state" / "ledger.sqlite"),
+            "--simulate",
+            "1xA100",
+            "--state-dir",
+            str(path.parent / "agent-shm"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
+    path.parent.chmod(0o755)  # alice reaches the socket
+    try:
+        wait_for(lambda: os.path.exists(path) and bool(ask(str(path), {"op": "ping"})), 30)
+        held = run_as(alice, place, str(path), 1.0, None, holder(alice))[1]["allocation"]
+        server = jupyter_server("1xA100", "--GpushareProvisioner.queue_wait=60")
+        answer: dict[str, Any] = {}
+
+        def start() -> None:
+            answer["reply"] = server.request(
+                "POST", "/gpushare/api/kernels", json={"name": "gpushare-python"}
+            )
+
+        starting = threading.Thread(target=start)
+        starting.start()
+        queued = wait_for(lambda: server.get("/gpushare/api/queue").json()["entries"], 30)
+        assert queued[0]["position"] == 1 and queued[0]["kernel_id"]
+        phases = wait_for(
+            lambda: [
+                s
+                for s in server.get("/gpushare/api/starts").json()["starts"]
+                if "in line" in s["message"]
+            ],
+            10,
+        )
+        assert phases[0]["message"].startswith("waiting: 1st in line for ")
+        run_as(alice, release, str(path), held["id"])
+        starting.join(60)
+        reply = answer["reply"]
+        assert reply.status_code == 201, reply.text
+        assert reply.json()["allocation"]["extra"]["queue_entry"] == queued[0]["id"]
+        assert server.get("/gpushare/api/queue").json()["entries"] == []
+        # 0.9 does not fit beside the kernel just started: waited for 1 s, then refused
+        server2 = jupyter_server("1xA100", "--GpushareProvisioner.queue_wait=1")
+        refused = server2.request(
+            "POST",
+            "/gpushare/api/kernels",
+            json={"name": "gpushare-python", "share": {"gpu_request": 0.9, "gpu_limit": 0.9}},
+        )
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"] == "no_fit"
+        assert "waited 1 s in the queue" in refused.json()["message"]
+    finally:
+        agent_proc.send_signal(signal.SIGTERM)
+        agent_proc.wait(10)

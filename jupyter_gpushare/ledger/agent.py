@@ -185,7 +185,11 @@ class AgentRefused(GpushareError, RuntimeError):
     """The agent refused a request (another user's share, a bound, over capacity)."""
 
     def __init__(self, error: str, message: str, reply: dict[str, Any] | None = None) -> None:
-        super().__init__(message, code=error, status=403 if error == "not_permitted" else 409)
+        super().__init__(
+            message,
+            code=error,
+            status=403 if error == "not_permitted" else 404 if error == "unknown_entry" else 409,
+        )
         self.error = error
         self.reply = reply or {}
 

@@ -32,7 +32,7 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 from tornado.web import HTTPError
 from traitlets import Any as AnyTrait
-from traitlets import Unicode
+from traitlets import Float, Unicode
 
 from .. import backends
 from ..backends.base import KernelBackend
@@ -141,6 +141,17 @@ class GpushareProvisioner(KernelProvisionerBase):
         config=True,
         help="An installed backend ('local', 'kubernetes', ...); default: the server's.",
     )
+    queue_wait = Float(
+        0.0,
+        config=True,
+        help="Seconds a kernel start whose share does not fit now waits in the node agent's "
+        "queue (DESIGN box 13: fair between users, started by itself when a share is freed; "
+        "the start's progress, GET /gpushare/api/starts, shows its position and ETA) before it "
+        "is refused with the queue's reason (409 no_fit). 0: refused at once. A share that "
+        "can never fit is refused at once either way. Needs a node agent that serves the "
+        "ledger (a system agent, `jupyter gpushare daemon --system`); elsewhere starts are "
+        "refused at once.",
+    )
 
     def __init__(self, **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - _BASE_KWARGS - set(CONFIG_KEYS))
@@ -220,23 +231,32 @@ class GpushareProvisioner(KernelProvisionerBase):
                 return await ledger.get(self.allocation.id)
             except AllocationNotFound:
                 self.allocation = None
-        allocation = await allocate(
-            ledger,
-            spec,
-            await backend.inventory(),
-            self.settings.policy(),
-            owner=self._owner,
-            kernel_id=self.kernel_id,
-            backend=backend.name,
-            server_pid=os.getpid(),
-            user=getpass.getuser(),
-            extra={
+        fields: dict[str, Any] = {
+            "owner": self._owner,
+            "kernel_id": self.kernel_id,
+            "backend": backend.name,
+            "server_pid": os.getpid(),
+            "user": getpass.getuser(),
+            "extra": {
                 "server_start": _own_start_time(os.getpid()),
                 **backend.record_extra(),
                 **({"pool": self._pool} if self._pool else {}),
                 **({"notebook": self._notebook} if self._notebook else {}),  # status shows it
             },
-        )
+        }
+        waiting = getattr(ledger, "reserve_waiting", None)
+        if self.queue_wait > 0 and waiting is not None and self._owner != "pool":
+            allocation: Allocation = await waiting(
+                spec,
+                self.settings.policy(),
+                self.queue_wait,
+                self._queued,
+                **{k: v for k, v in fields.items() if k != "user"},
+            )
+        else:
+            allocation = await allocate(
+                ledger, spec, await backend.inventory(), self.settings.policy(), **fields
+            )
         self.log.info(
             "gpushare: kernel %s holds %s on %s %s",
             self.kernel_id,
@@ -245,6 +265,14 @@ class GpushareProvisioner(KernelProvisionerBase):
             ",".join(allocation.gpus),
         )
         return allocation
+
+    def _queued(self, entry: dict[str, Any]) -> None:
+        """A view of this start's place in the node agent's queue: its position and ETA in
+        the start's progress (the Lab picker shows it)."""
+        if entry.get("state") == "waiting":
+            self._phase("placing", f"waiting: {entry.get('message', '')}")
+        elif entry.get("state") == "started":
+            self._phase("placing", "a share was freed: starting")
 
     # -- KernelProvisionerBase -------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from ..periodic import PeriodicTask
 from .admin_handlers import admin_handlers, start_admin_tasks
 from .dashboard_handlers import dashboard_handlers
 from .handlers import handlers
+from .queue_handlers import queue_handlers
 from .session_handlers import session_handlers
 from .ui_handlers import ui_handlers
 
@@ -179,6 +180,7 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
         + handlers(base_url)
         + ui_handlers(base_url)
         + dashboard_handlers(base_url)
+        + queue_handlers(base_url)
         + session_handlers(base_url),
     )
 

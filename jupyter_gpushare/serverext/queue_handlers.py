@@ -1,0 +1,70 @@
+"""REST for the queue (DESIGN box 13): kernel starts waiting for a share to free.
+
+- ``GET /gpushare/api/queue`` → ``{"enabled": bool, "entries": [{id, state, share, since,
+  waited_s, position, eta: {computed_at, lo_s, hi_s, by_s, reclaims, basis}, message} + for
+  the viewer's own starts (an admin: all) {user, kernel_id, owner, first_eta}], "metrics":
+  {waiting, started, cancelled, dropped, failed, eta_shown, eta_inside, …}}``, in the order the
+  starts get capacity; ``enabled`` false (with ``message``) where the backend's ledger has no
+  queue (a ledger this server writes itself, Kubernetes).
+- ``DELETE /gpushare/api/queue/{entry}`` → 200 ``{"entry": …}`` (``cancelled``; or
+  ``started`` with its ``allocation`` when the start won the race: this server's kernel start
+  then goes on); 404 ``unknown_entry`` for an entry that is not the user's.
+
+Starts wait through the provisioner (``GpushareProvisioner.queue_wait``): ``POST
+/gpushare/api/kernels``, ``POST /api/kernels`` and ``/api/sessions`` with a gpushare
+kernelspec; their progress (``GET /gpushare/api/starts``) says where they are in line.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.utils import url_path_join
+from tornado import web
+
+from ..errors import GpushareError
+from .handlers import GpushareHandler
+
+NO_QUEUE = (
+    "this server's ledger has no queue: starts that do not fit wait only where a node agent "
+    "serves the ledger (jupyter gpushare daemon --system)"
+)
+
+
+class QueueHandler(GpushareHandler):
+    async def _ledger(self) -> Any:
+        ledger = await self.gpushare.get_backend().ledger()
+        return ledger if hasattr(ledger, "reserve_waiting") else None
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        ledger = await self._ledger()
+        if ledger is None:
+            self.finish(json.dumps({"enabled": False, "entries": [], "message": NO_QUEUE}))
+            return
+        reply = await ledger.request({"op": "ledger.queue"})
+        body = {
+            "enabled": True,
+            "entries": reply.get("entries") or [],
+            "metrics": reply.get("metrics") or {},
+        }
+        self.finish(json.dumps(body, default=str))
+
+    @web.authenticated
+    @authorized
+    async def delete(self, entry: str) -> None:
+        ledger = await self._ledger()
+        if ledger is None:
+            raise GpushareError(NO_QUEUE, code="no_queue", status=404)
+        reply = await ledger.request({"op": "ledger.queue.cancel", "entry": entry})
+        self.finish(json.dumps({"entry": reply.get("entry")}, default=str))
+
+
+def queue_handlers(base_url: str) -> list[tuple[str, type]]:
+    return [
+        (url_path_join(base_url, r"/gpushare/api/queue"), QueueHandler),
+        (url_path_join(base_url, r"/gpushare/api/queue/(q-[0-9a-f]{16})"), QueueHandler),
+    ]

@@ -82,10 +82,15 @@ class ControlPlane:
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     tokens: dict[str, str] = field(default_factory=dict)
     port: int = 0
+    #: the address the API server listens on and advertises (a real node's pods reach it there)
+    bind_host: str = "127.0.0.1"
+    #: pods get service-account tokens (admission plugin, token controller) and the
+    #: ``kubernetes`` Service its endpoint: what pods on a real node need (real_node.py)
+    service_accounts: bool = False
 
     @property
     def server_url(self) -> str:
-        return f"https://127.0.0.1:{self.port}"
+        return f"https://{self.bind_host}:{self.port}"
 
     def kubeconfig(self, user: str = "admin") -> Path:
         return self.workdir / f"kubeconfig-{user}"
@@ -139,8 +144,7 @@ class ControlPlane:
                     f"--secure-port={free_port()}",
                     f"--authentication-kubeconfig={self.kubeconfig('controller-manager')}",
                     f"--authorization-kubeconfig={self.kubeconfig('controller-manager')}",
-                    "--controllers=*,-serviceaccount-token,-csrsigning,-bootstrapsigner,"
-                    "-tokencleaner,-nodeipam,-route,-service,-cloud-node-lifecycle",
+                    *self._controller_args(),
                     "--use-service-account-credentials=false",
                     "--node-monitor-period=2s",
                     "--node-monitor-grace-period=40s",
@@ -152,6 +156,17 @@ class ControlPlane:
             self.stop()
             raise
         return self
+
+    def _controller_args(self) -> list[str]:
+        off = "-csrsigning,-bootstrapsigner,-tokencleaner,-nodeipam,-route,-service,"
+        off += "-cloud-node-lifecycle"
+        if not self.service_accounts:
+            return [f"--controllers=*,-serviceaccount-token,{off}"]
+        return [
+            f"--controllers=*,{off}",
+            f"--service-account-private-key-file={self.workdir / 'sa.key'}",
+            f"--root-ca-file={self.ca_file}",
+        ]
 
     def stop(self) -> None:
         for name in reversed(list(self.processes)):
@@ -257,14 +272,14 @@ class ControlPlane:
             [
                 str(CACHE_BIN / "kube-apiserver"),
                 f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                f"--bind-address={self.bind_host}",
+                f"--advertise-address={self.bind_host}",
                 f"--secure-port={self.port}",
                 "--insecure-port=0",
                 f"--cert-dir={self.workdir / 'certs'}",
                 f"--token-auth-file={self.workdir / 'tokens.csv'}",
                 "--authorization-mode=RBAC",
-                "--disable-admission-plugins=ServiceAccount",
+                *([] if self.service_accounts else ["--disable-admission-plugins=ServiceAccount"]),
                 f"--service-account-key-file={self.workdir / 'sa.pub'}",
                 f"--service-account-signing-key-file={self.workdir / 'sa.key'}",
                 "--service-account-issuer=https://kubernetes.default.svc",
@@ -272,7 +287,7 @@ class ControlPlane:
                 "--api-audiences=https://kubernetes.default.svc",
                 "--max-requests-inflight=800",
                 "--max-mutating-requests-inflight=400",
-                "--endpoint-reconciler-type=none",
+                f"--endpoint-reconciler-type={'lease' if self.service_accounts else 'none'}",
             ],
         )
         self._wait_http("/readyz", "kube-apiserver", deadline)

@@ -35,13 +35,46 @@ from cluster import (  # noqa: E402
 from servers import JupyterServer, spawn, start_jupyter_server, stop_process  # noqa: E402
 
 NODES = {"gpu-node-1": "2xA100", "gpu-node-2": "1xT4"}
+SIMULATE_LABEL = "gpushare.jupyter.org/simulate"
+#: the simulated GPUs of the real node
+REAL_NODE_GPUS = "2xA100"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if "control_plane" in getattr(item, "fixturenames", ()):
+        names = getattr(item, "fixturenames", ())
+        if "control_plane" in names or "real_node" in names:
             item.add_marker(pytest.mark.k8s)
+        if "real_node" in names:
+            item.add_marker(pytest.mark.real_node)
+
+
+@pytest.fixture(scope="session")
+def real_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real node (kubelet, containerd, CNI bridge, kube-proxy: ``real_node.py``) with its
+    own control plane; yields the :class:`real_node.RealNode` (``.plane`` is the plane). At the
+    end the host must be as before (processes, cgroups, mounts, links, iptables, sysctls): a
+    leftover is an error of the last test."""
+    from real_node import RealNode, start_real_node
+
+    root = Path(tempfile.mkdtemp(prefix="gsr-"))  # short: unix socket paths under it
+    root.chmod(0o755)
+    node: RealNode | None = None
+    try:
+        plane, node = start_real_node(root, labels={SIMULATE_LABEL: REAL_NODE_GPUS})
+    except Exception as exc:
+        shutil.rmtree(root, ignore_errors=True)
+        if IN_CI:
+            pytest.fail(f"the real node did not start (CI): {exc}")
+        pytest.skip(f"no real node: {exc}")
+    yield node
+    node.stop()
+    plane.stop()
+    node.release_host()
+    shutil.rmtree(root, ignore_errors=True)
+    left = node.leftovers()
+    assert not left, "the real node left behind:\n" + "\n".join(left)
 
 
 @pytest.fixture(scope="session")

@@ -44,7 +44,7 @@ c.JupyterHub.proxy_class = NoProxy
 c.JupyterHub.authenticator_class = "dummy"
 c.Authenticator.allowed_users = {users!r}
 c.Authenticator.admin_users = {admins!r}
-c.JupyterHub.hub_bind_url = "http://127.0.0.1:{port}"
+c.JupyterHub.hub_bind_url = "http://{host}:{port}"
 c.JupyterHub.bind_url = "http://127.0.0.1:{proxy_port}"
 c.JupyterHub.db_url = "sqlite:///{root}/hub.sqlite"
 c.JupyterHub.cookie_secret_file = "{root}/cookie_secret"
@@ -76,7 +76,14 @@ class Hub:
         return str(reply.json()["token"])
 
 
-def start_hub(root: Path, users: set[str], admins: set[str], groups: dict[str, list[str]]) -> Hub:
+def start_hub(
+    root: Path,
+    users: set[str],
+    admins: set[str],
+    groups: dict[str, list[str]],
+    host: str = "127.0.0.1",
+) -> Hub:
+    """The Hub's API on ``host`` (a real node's pods reach this host at the bridge's address)."""
     root.mkdir(parents=True, exist_ok=True)
     port, service_token = free_port(), secrets.token_hex(16)
     config = root / "jupyterhub_config.py"
@@ -84,6 +91,7 @@ def start_hub(root: Path, users: set[str], admins: set[str], groups: dict[str, l
         CONFIG.format(
             users=users | admins,
             admins=admins,
+            host=host,
             port=port,
             proxy_port=free_port(),
             root=root,
@@ -93,7 +101,7 @@ def start_hub(root: Path, users: set[str], admins: set[str], groups: dict[str, l
     )
     log = root / "hub.log"
     proc = spawn([sys.executable, "-m", "jupyterhub", "-f", str(config)], log)
-    hub = Hub(proc, f"http://127.0.0.1:{port}", service_token, log)
+    hub = Hub(proc, f"http://{host}:{port}", service_token, log)
     deadline = time.monotonic() + 60
     while True:
         try:

@@ -307,3 +307,33 @@ def test_a_stopped_system_agent_is_never_replaced_by_a_private_ledger(agent, mon
         and "jupyter_gpushare.daemon" in " ".join(p.info["cmdline"] or [])
     ]
     assert agents == []
+
+
+# -- 10: a ledger row that cannot be read ---------------------------------------------------
+
+
+def test_an_unreadable_row_keeps_its_share_reserved_until_repaired(agent, holder) -> None:
+    """Alice's row in the agent's ledger becomes unreadable: it still holds its GPU (status
+    names it for an admin), so bob's 0.75 is refused; once the row is repaired the GPU holds
+    alice's 0.5 alone, never 1.25."""
+    import sqlite3
+
+    from jupyter_gpushare.daemon.client import DaemonClient
+
+    alice, bob = unix_user(ALICE), unix_user(BOB)
+    a = agent()
+    socket = str(a.socket)
+    made = run_as(alice, place, socket, 0.5, None, holder(alice))[1]["allocation"]
+    with sqlite3.connect(a.ledger) as db:
+        (body,) = db.execute("SELECT body FROM allocations WHERE id=?", (made["id"],)).fetchone()
+        db.execute("UPDATE allocations SET body='{oops' WHERE id=?", (made["id"],))
+    time.sleep(5.5)  # the agent reads its file again after 5 s (ledger/cached.py)
+    refused = run_as(bob, place, socket, 0.75, None, holder(bob))
+    assert refused[0] == "ok" and "refused" in refused[1], refused
+    unreadable = DaemonClient(socket).status()["daemon"]["unreadable_rows"]
+    assert unreadable == [made["id"]]
+    assert made["id"] in a.log.read_text()  # named in the agent's log
+    with sqlite3.connect(a.ledger) as db:
+        db.execute("UPDATE allocations SET body=? WHERE id=?", (body, made["id"]))
+        rows = [json.loads(b) for (b,) in db.execute("SELECT body FROM allocations")]
+    assert sum(r["gpu_request"] for r in rows) == 0.5, rows

@@ -160,9 +160,14 @@ def test_corrupt_file_is_reported(tmp_path: Path) -> None:
     assert path.read_bytes().startswith(b"this is not")  # nothing was written over it
 
 
-def test_a_bad_row_is_skipped_with_one_warning_and_kept(
+def test_a_bad_row_keeps_its_gpus_taken_with_one_warning_and_is_kept(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A row that cannot be read is never skipped (its share would be booked again, the GPU
+    over-allocated once the row is repaired): it holds the GPUs its body still names, else all
+    of its node's, until an admin repairs or deletes it; it is never written over."""
+    from jupyter_gpushare.placement import PlacementRefused
+
     ledger = SQLiteLedger(tmp_path / "ledger.sqlite")
     good = asyncio.run(seed(ledger))
     bad_share = asyncio.run(ledger.get(good[0])).to_json() | {
@@ -177,19 +182,27 @@ def test_a_bad_row_is_skipped_with_one_warning_and_kept(
         db.execute("INSERT INTO gpus VALUES ('GPU-bad', 'n1', '[]')")
     with caplog.at_level(logging.WARNING, logger="jupyter_gpushare.ledger"):
         for _ in range(3):
-            assert asyncio.run(ids(ledger)) == good
+            assert asyncio.run(ids(ledger)) == [*good, "a-not-json", "a-bad-share"]
             assert len(asyncio.run(ledger.gpus())) == 2
-        new = asyncio.run(ledger.allocate(ShareSpec(0.25, 0.5), GPUS, place, owner="run"))
+        held = {a.id: a for a in asyncio.run(ledger.list())}
+        assert held["a-not-json"].gpus == tuple(g.uuid for g in GPUS)  # no GPU named: all
+        assert held["a-bad-share"].gpus == tuple(bad_share["gpus"])  # the GPU it names
+        assert held["a-not-json"].state == "unreadable" and held["a-not-json"].request == 1.0
+        with pytest.raises(PlacementRefused):
+            asyncio.run(ledger.allocate(ShareSpec(0.25, 0.5), GPUS, place, owner="run"))
         asyncio.run(ledger.release(good[0]))
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 3, warnings  # one per bad row, however often it is read
-    assert any("'a-not-json'" in w for w in warnings)
+    assert any("'a-not-json'" in w and "as taken by" in w for w in warnings)
     assert any("'a-bad-share'" in w and "gpu_request" in w for w in warnings)
     assert any("'GPU-bad'" in w for w in warnings)
-    assert asyncio.run(ids(ledger)) == [*good[1:], new.id]
+    assert sorted(asyncio.run(ids(ledger))) == sorted([*good[1:], "a-not-json", "a-bad-share"])
     with sqlite3.connect(ledger.path) as db:  # the writes kept the rows nobody could read
-        kept = {r[0] for r in db.execute("SELECT id FROM allocations")}
-    assert {"a-not-json", "a-bad-share"} <= kept
+        kept = dict(db.execute("SELECT id, body FROM allocations").fetchall())
+        assert kept["a-not-json"] == "{oops"
+        db.execute("DELETE FROM allocations WHERE id='a-not-json'")  # an admin resolves it
+    new = asyncio.run(ledger.allocate(ShareSpec(0.25, 0.5), GPUS, place, owner="run"))
+    assert new.gpus != tuple(bad_share["gpus"])  # not on the GPU the bad share still holds
 
 
 # -- as a user meets it: REST and the CLI ----------------------------------------------------

@@ -27,6 +27,7 @@ from typing import Any
 import psutil
 
 from ..ledger import Allocation, Ledger
+from ..ledger.sqlite import UNREADABLE
 from . import wire
 from .admission import Admins, Admission, Listener, Peer, raise_fd_limit, read_peer, user_name
 from .gpu_loop import GpuLoop, Tenant
@@ -124,6 +125,8 @@ class Daemon:
         self.epoch = 0
         self.started_ns = monotonic_ns()
         self.refused = 0
+        #: ids of this node's ledger rows that cannot be read (kept taken until an admin acts)
+        self.unreadable: list[str] = []
         self.accepted = 0  # connections accepted (an on-demand agent's idle watch, idle_exit.py)
         #: allocations released by their own process (``kernel_ops.release``), for ``reserve``
         self.released: dict[str, Allocation] = {}
@@ -259,7 +262,11 @@ class Daemon:
             self._reads_begun += 1
             number = self._reads_begun
             snap = await self.ledger.snapshot()
-            self._sync({a.id: a for a in snap.on_node(self.settings.node)})
+            mine = snap.on_node(self.settings.node)
+            # a ledger row that cannot be read holds its GPUs for placement (ledger/sqlite.py)
+            # but is no share to enforce: no slot, no lease; status reports it to admins
+            self.unreadable = sorted(a.id for a in mine if a.backend == UNREADABLE)
+            self._sync({a.id: a for a in mine if a.backend != UNREADABLE})
             self._read_done = number
 
     def _sync(self, current: dict[str, Allocation]) -> None:
@@ -609,6 +616,7 @@ class Daemon:
             return wire.refusal(wire.E_BAD_REQUEST, "allocation: an allocation id (a string)")
         now = monotonic_ns()
         mine = self.caller_shares(viewer) if viewer is not None else None
+        viewer_admin = viewer is not None and bool(viewer.admin)
         allocations = []
         for allocation in self.allocations.values():
             if allocation_id is not None and allocation.id != allocation_id:
@@ -685,6 +693,7 @@ class Daemon:
                 "uptime_s": round((now - self.started_ns) / 1e9, 3),
                 "clients": len(self.clients),
                 "refused": self.refused,
+                "unreadable_rows": list(self.unreadable) if mine is None or viewer_admin else [],
                 "metrics_port": self.metrics_port,
                 "quantum_ms": self.settings.quantum_ns / 1e6,
                 "window_ms": self.settings.window_ns / 1e6,

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ..inventory import Gpu
 from . import Allocation, Snapshot
-from .sqlite import SQLiteLedger, _unavailable
+from .sqlite import SQLiteLedger, _unavailable, is_unreadable
 
 
 class CachedSQLiteLedger(SQLiteLedger):
@@ -70,9 +70,14 @@ class CachedSQLiteLedger(SQLiteLedger):
             self._snap = None
             return swapped
         old = {a.id: a for a in base.on_node(node)}
+        # a row that cannot be read stays as it is in the file (and in the cached view) until
+        # it is replaced by a readable record of its id: never deleted or written from here
+        held = [a for a in old.values() if is_unreadable(a)]
+        allocations = [a for a in allocations if not is_unreadable(a)]
         new_ids = {a.id for a in allocations}
         upserts = [a for a in allocations if old.get(a.id) is not a and old.get(a.id) != a]
-        gone = [i for i in old if i not in new_ids] + [a.id for a in upserts]
+        gone = [i for i in old if i not in new_ids and not is_unreadable(old[i])]
+        gone += [a.id for a in upserts]
         self._writes += 1
         swapped = await asyncio.to_thread(
             self._write_changes_sync, node, expected_version, gone, upserts
@@ -80,8 +85,9 @@ class CachedSQLiteLedger(SQLiteLedger):
         self._writes += 1
         if swapped and self._snap is base:
             kept = tuple(a for a in base.allocations if a.node != node)
+            still = tuple(a for a in held if a.id not in new_ids)
             self._snap = Snapshot(
-                allocations=kept + tuple(allocations),
+                allocations=kept + still + tuple(allocations),
                 versions={**base.versions, node: expected_version + 1},
             )
         else:

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 from ..inventory import Gpu
+from ..share import ShareSpec
 from . import Allocation, Ledger, LedgerUnavailable, Snapshot
 
 log = logging.getLogger("jupyter_gpushare.ledger")
@@ -176,6 +177,44 @@ def _hold_open(path: Path) -> None:
         _HELD[key] = db
 
 
+#: ``Allocation.backend`` (and ``owner``, ``state``) of a ledger row that cannot be read
+UNREADABLE = "unreadable"
+
+
+def is_unreadable(allocation: Allocation) -> bool:
+    return allocation.backend == UNREADABLE
+
+
+def unreadable_row(
+    row_id: str, node: str, body: str, inventory: Sequence[Gpu], exc: Exception
+) -> Allocation:
+    """A row that cannot be read, as a record that keeps what it may hold reserved: the whole
+    of the GPUs it names (those of its node that its body still lists), else of every GPU of
+    its node. Never released by reconciliation (not a ``local`` record), never written back;
+    an admin repairs or deletes the row (``jupyter gpushare status`` and the agent's log name
+    it). A skipped row would free its share for others: the GPU booked twice once repaired."""
+    on_node = {g.uuid: g for g in inventory if g.node == node}
+    try:
+        named = json.loads(body).get("gpus")
+        listed = tuple(dict.fromkeys(u for u in named if isinstance(u, str) and u in on_node))
+    except (ValueError, TypeError, AttributeError, RecursionError):
+        listed = ()
+    gpus = listed or tuple(on_node)
+    memory = max((on_node[u].memory for u in gpus), default=0)
+    return Allocation(
+        id=row_id,
+        node=node,
+        gpus=gpus,
+        spec=ShareSpec(1.0, 1.0, gpu_memory=memory, gpu_count=max(1, len(gpus))),
+        memory=memory,
+        owner=UNREADABLE,
+        backend=UNREADABLE,
+        state=UNREADABLE,
+        created=0.0,
+        extra={UNREADABLE: f"{type(exc).__name__}: {exc}"[:300]},
+    )
+
+
 class SQLiteLedger(Ledger):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -224,15 +263,16 @@ class SQLiteLedger(Ledger):
                     pass  # the first error is the one to report; closing discards the rest
             raise
 
-    def _warn_once(self, key: str, what: str, exc: Exception) -> None:
+    def _warn_once(self, key: str, what: str, exc: Exception, held: str = "skipping") -> None:
         with self._lock:
             if key in self._warned:
                 return
             self._warned.add(key)
         log.warning(
-            "gpushare: the ledger %s: skipping %s that cannot be read (%s: %s); it is "
+            "gpushare: the ledger %s: %s %s that cannot be read (%s: %s); it is "
             "kept in the file as it is",
             self.path,
+            held,
             what,
             type(exc).__name__,
             exc,
@@ -241,9 +281,25 @@ class SQLiteLedger(Ledger):
     def _allocation(self, row_id: str, body: str) -> Allocation | None:
         try:
             return Allocation.from_json(json.loads(body))
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-            self._warn_once(f"allocation:{row_id}", f"allocation row {row_id!r}", exc)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return None
+
+    def _held(
+        self, row_id: str, node: str, body: str, inventory: Callable[[], Sequence[Gpu]]
+    ) -> Allocation:
+        """The record of row ``row_id``; an unreadable one as :func:`unreadable_row` (counted as
+        taking its GPUs, named once in the log) until an admin repairs or deletes it."""
+        try:
+            return Allocation.from_json(json.loads(body))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            held = unreadable_row(row_id, node, body, inventory(), exc)
+            self._warn_once(
+                f"allocation:{row_id}",
+                f"allocation row {row_id!r} on node {node!r}",
+                exc,
+                f"counting GPU(s) {', '.join(held.gpus) or '(none known)'} as taken by",
+            )
+            return held
 
     # -- synchronous primitives (also used directly by the CLI and tests) --------------------
 
@@ -252,10 +308,19 @@ class SQLiteLedger(Ledger):
         with closing(self._connect()) as db:
             with self._transaction(db):
                 versions = dict(db.execute("SELECT node, version FROM nodes").fetchall())
-                rows = db.execute("SELECT id, body FROM allocations ORDER BY rowid").fetchall()
-        allocations = (self._allocation(row_id, body) for row_id, body in rows)
+                rows = db.execute(
+                    "SELECT id, node, body FROM allocations ORDER BY rowid"
+                ).fetchall()
+        known: list[list[Gpu]] = []  # read once, only when a row cannot be read
+
+        def inventory() -> list[Gpu]:
+            if not known:
+                known.append(self.gpus_sync())
+            return known[0]
+
         return Snapshot(
-            allocations=tuple(a for a in allocations if a is not None), versions=versions
+            allocations=tuple(self._held(i, node, body, inventory) for i, node, body in rows),
+            versions=versions,
         )
 
     @_unavailable
@@ -267,8 +332,9 @@ class SQLiteLedger(Ledger):
             if (row[0] if row else 0) != expected_version:
                 return False
             rows = db.execute("SELECT id, body FROM allocations WHERE node=?", (node,))
+            allocations = [a for a in allocations if not is_unreadable(a)]  # never written
             new = {a.id for a in allocations}
-            unreadable = [
+            unreadable = [  # kept as they are, unless replaced by a readable record
                 row_id
                 for row_id, body in rows.fetchall()
                 if row_id not in new and self._allocation(row_id, body) is None

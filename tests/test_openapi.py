@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from pathlib import Path
@@ -54,6 +55,29 @@ class _RecordingServer(LoggingConfigurable):
         return None
 
 
+#: a path parameter in a handler's pattern: ``(?P<name>...)`` or an unnamed ``(...)``
+_GROUP = re.compile(r"\((?:\?P<(\w+)>)?[^()]*\)")
+
+
+def _parameter(match: re.Match[str]) -> str:
+    return "{" + (match.group(1) or "") + "}"
+
+
+def _takes(method: Any, arguments: int) -> bool:
+    """Whether a handler method answers a route whose pattern has ``arguments`` groups (one class
+    may serve a collection and its items: ``get(self)`` and ``delete(self, entry)``)."""
+    try:
+        inspect.signature(method).bind(None, *(["x"] * arguments))
+    except TypeError:
+        return False
+    return True
+
+
+def _same_shape(path: str) -> str:
+    """A path with its parameters' names left out (the document names them, a pattern may not)."""
+    return re.sub(r"\{[^}]*\}", "{}", path)
+
+
 def registered_routes() -> dict[str, set[str]]:
     """``/gpushare/api/...`` path template -> the HTTP methods its handler answers."""
     from jupyter_gpushare.serverext import _load_jupyter_server_extension
@@ -62,10 +86,16 @@ def registered_routes() -> dict[str, set[str]]:
     _load_jupyter_server_extension(server)
     routes: dict[str, set[str]] = {}
     for pattern, cls in server.routes:
-        template = re.sub(r"\(\?P<(\w+)>[^)]*\)", r"{\1}", pattern).rstrip("$").removesuffix("/?")
+        template = _GROUP.sub(_parameter, pattern).rstrip("$").removesuffix("/?")
         if not template.startswith(PREFIX):
             continue  # /api/sessions: jupyter_server's own route, answered by ours
-        methods = {m for m in METHODS if getattr(cls, m) is not getattr(web.RequestHandler, m)}
+        arguments = len(_GROUP.findall(pattern))  # tornado passes each group to the method
+        methods = {
+            m
+            for m in METHODS
+            if getattr(cls, m) is not getattr(web.RequestHandler, m)
+            and _takes(getattr(cls, m), arguments)
+        }
         routes.setdefault(template, set()).update(methods)
     return routes
 
@@ -77,8 +107,13 @@ def described_routes() -> dict[str, set[str]]:
     return {path: {m for m in item if m in METHODS} for path, item in paths.items()}
 
 
-def test_every_route_of_the_server_is_described_and_nothing_else() -> None:
-    registered, described = registered_routes(), described_routes()
+def test_every_route_of_the_server_is_described_and_nothing_else(
+    gpushare_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in gpushare_env.items():  # the settings the extension makes stay in tmp
+        monkeypatch.setenv(name, value)
+    registered = {_same_shape(p): m for p, m in registered_routes().items()}
+    described = {_same_shape(p): m for p, m in described_routes().items()}
     assert registered, "the extension registered no /gpushare/api/ route"
     missing = {
         f"{m.upper()} {p}" for p, ms in registered.items() for m in ms - described.get(p, set())

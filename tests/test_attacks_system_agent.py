@@ -337,3 +337,36 @@ def test_an_unreadable_row_keeps_its_share_reserved_until_repaired(agent, holder
         db.execute("UPDATE allocations SET body=? WHERE id=?", (body, made["id"]))
         rows = [json.loads(b) for (b,) in db.execute("SELECT body FROM allocations")]
     assert sum(r["gpu_request"] for r in rows) == 0.5, rows
+
+
+# -- 11: the simulator's shared state, damaged by a user --------------------------------------
+
+
+def damage_device_count(state: str) -> None:
+    """Bob writes a device count far past the table into the simulator's shared state (a file
+    every user may write, as /dev/nvidia* are): ``struct sim_state.ndev``, at byte 24."""
+    with open(state, "r+b") as f:
+        f.seek(24)
+        f.write((0xFFFFFFF0).to_bytes(4, "little"))
+
+
+def test_a_damaged_simulator_state_fails_cuda_calls_without_a_crash(agent, cuda_program) -> None:
+    """A device count out of range in the simulator's state makes alice's CUDA program fail with
+    an error it can report (cuInit returns CUDA_ERROR_OPERATING_SYSTEM), never die of SIGSEGV;
+    the agent goes on answering."""
+    from jupyter_gpushare.daemon.client import DaemonClient
+    from jupyter_gpushare.daemon.env import SIM_STATE_NAME
+
+    alice, bob = unix_user(ALICE), unix_user(BOB)
+    a = agent()
+    socket = str(a.socket)
+    program = a.dir / "prog"
+    program.write_bytes(cuda_program.read_bytes())
+    program.chmod(0o755)
+    ran = run_as(alice, gpushare_run, socket, "--gpu-request", "0.3", "--", str(program))
+    assert ran[0] == "ok" and ran[1]["code"] == 0, ran
+    state = a.dir / SIM_STATE_NAME
+    assert run_as(bob, damage_device_count, str(state)) == ("ok", None)
+    ran = run_as(alice, gpushare_run, socket, "--gpu-request", "0.3", "--", str(program))
+    assert ran[0] == "ok" and ran[1]["code"] == 10, ran  # the program's "a CUDA call failed"
+    assert DaemonClient(socket).alive()

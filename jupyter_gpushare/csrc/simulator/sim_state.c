@@ -440,13 +440,21 @@ static void default_state_path(char *out, size_t cap, const char *spec) {
              (unsigned long long)fnv1a(spec));
 }
 
-/* Registers the spec's devices in the (locked) state; fills spec_slots. */
+/* Registers the spec's devices in the (locked) state; fills spec_slots. The state file is
+ * writable by every user (as /dev/nvidia* are): a device count out of range is refused (-1),
+ * read once per device, so a value changed meanwhile is never used as an index. */
 static int register_devices(struct spec_entry *e, int n) {
     for (int i = 0; i < n; i++) {
-        int ndev = (int)atomic_load(&sim_state->ndev);
+        uint32_t count = atomic_load(&sim_state->ndev);
+        if (count > SIM_MAX_DEVICES) {
+            sim_log("the state file is damaged: it says it holds %u devices (at most %d)", count,
+                    SIM_MAX_DEVICES);
+            return -1;
+        }
+        int ndev = (int)count;
         int slot = -1;
         for (int d = 0; d < ndev; d++)
-            if (strcmp(sim_state->dev[d].uuid, e[i].uuid) == 0) slot = d;
+            if (strncmp(sim_state->dev[d].uuid, e[i].uuid, SIM_UUID_LEN) == 0) slot = d;
         if (slot < 0) {
             if (ndev >= SIM_MAX_DEVICES) {
                 sim_log("the state file holds %d devices already; ignoring %s", ndev, e[i].uuid);
@@ -465,6 +473,25 @@ static int register_devices(struct spec_entry *e, int n) {
         spec_slots[spec_count++] = slot;
     }
     return 0;
+}
+
+/* The state is mapped with a page of zeros after it (anonymous, read-only): a string another
+ * user left without its terminating NUL (a device's name or UUID) ends there at the latest,
+ * never past the mapping. */
+#define SIM_GUARD    4096u
+#define SIM_MAP_SIZE (sizeof(struct sim_state) + SIM_GUARD)
+
+static void *map_state(int fd) {
+    void *area = mmap(NULL, SIM_MAP_SIZE, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (area == MAP_FAILED) return MAP_FAILED;
+    void *map =
+        mmap(area, sizeof(struct sim_state), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
+    if (map == MAP_FAILED) {
+        int saved = errno;
+        munmap(area, SIM_MAP_SIZE);
+        errno = saved;
+    }
+    return map;
 }
 
 static int state_header_ok(const struct sim_state *s) {
@@ -548,7 +575,7 @@ static void do_open(void) {
             close(fd);
             continue;
         }
-        void *map = mmap(NULL, sizeof(struct sim_state), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        void *map = map_state(fd);
         if (map == MAP_FAILED) {
             sim_log("cannot map %s: %s", path, strerror(errno));
             close(fd);
@@ -562,13 +589,19 @@ static void do_open(void) {
             __atomic_store_n(&s->magic, SIM_MAGIC, __ATOMIC_RELEASE);
         } else if (!state_header_ok(s)) {
             sim_log("replacing %s (made by another simulator version)", path);
-            munmap(map, sizeof *s);
+            munmap(map, SIM_MAP_SIZE);
             unlink(path);
             close(fd);
             continue;
         }
         sim_state = s;
-        register_devices(entries, n);
+        if (register_devices(entries, n) != 0) { /* a damaged file: every call fails, no crash */
+            sim_state = NULL;
+            munmap(map, SIM_MAP_SIZE);
+            flock(fd, LOCK_UN);
+            close(fd);
+            return;
+        }
         flock(fd, LOCK_UN);
         close(fd);
         /* Record locks go through a descriptor of their own: the mapping keeps the descriptor
@@ -611,7 +644,7 @@ int sim_open(int reopen_if_changed) {
     pthread_mutex_lock(&open_lock);
     if (open_result != 0 || (reopen_if_changed && strcmp(key, opened_env) != 0)) {
         if (sim_state && atomic_load(&self_index) < 0) {
-            munmap(sim_state, sizeof *sim_state);
+            munmap(sim_state, SIM_MAP_SIZE);
             sim_state = NULL;
         }
         if (!sim_state) {

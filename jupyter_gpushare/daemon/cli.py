@@ -30,7 +30,7 @@ from ..placement import Policy
 from ..queue import QueuePolicy
 from ..share import ShareError
 from . import idle_exit
-from .ledger_ops import Access, configure
+from .ledger_ops import MAX_SHARES_PER_USER, Access, configure
 from .lock import UnsafeDirectory, ensure_private_dir
 from .lock import holder as lock_holder
 from .lock import take as take_lock
@@ -555,19 +555,19 @@ def _access(args: argparse.Namespace) -> Access:
         user_gid=gid_of(args.group, "--group") if args.group else None,
         max_share=parse_bound(args.max_share, "--max-share") if args.max_share else None,
         group_bounds=group_bounds,
-        **_share_count(args.max_shares_per_user),
+        max_shares_per_user=_share_count(args.max_shares_per_user),
         policy=policy,
         aliases=aliases,
     )
 
 
-def _share_count(value: int | None) -> dict[str, int]:
-    """``Access``'s ``max_shares_per_user`` from ``--max-shares-per-user`` (absent: default)."""
+def _share_count(value: int | None) -> int:
+    """``Access.max_shares_per_user`` from ``--max-shares-per-user`` (absent: the default)."""
     if value is None:
-        return {}
+        return MAX_SHARES_PER_USER
     if value < 0:
         raise ValueError(f"--max-shares-per-user {value}: a number of shares, 0 or more")
-    return {"max_shares_per_user": value}
+    return value
 
 
 def _placement_config(files: Sequence[Path]) -> tuple[Policy, TypeAliases]:

@@ -197,8 +197,9 @@ KERNELSPEC_KEYS = {
     "gpu_type": ("GPU type alias (``A100``, ``H100``, ``T4``, …)", "a type in the inventory"),
     "gpu_count": ("whole GPUs (request = limit = 1 each)", "1 to 16"),
     "gpu_labels": (
-        "placement labels: ``affinity``, ``anti_affinity``, ``exclusive``",
-        "an object of lists of label strings",
+        "placement labels: ``affinity`` (same label, same GPU), ``anti_affinity`` (same label, "
+        "different GPUs), ``exclusive`` (a GPU holds only shares of that label)",
+        "an object with those keys and a label each, or ``affinity=a,exclusive=b``",
     ),
     "backend": (
         "where the kernel runs",
@@ -241,35 +242,38 @@ class KernelspecKeysDirective(_Generated):
 
 
 class MetricsDirective(_Generated):
+    """Every ``*_METRICS`` list of ``daemon/metrics.py`` (``(kind, name, help, …)``, labels from
+    the matching ``*_LABELS`` list, else ``Hostname``) and every ``*_HISTOGRAMS`` list
+    (``(name, help, …)``), checked against ``metric_names()``."""
+
     def rst(self) -> list[str]:
         from jupyter_gpushare.daemon import metrics
 
-        groups = [
-            ("per allocation and GPU", metrics.ALLOCATION_METRICS, metrics.ALLOCATION_LABELS),
-            ("per GPU", metrics.GPU_METRICS, metrics.GPU_LABELS),
-            ("the node agent's own", metrics.DAEMON_METRICS, ["Hostname"]),
-        ]
-        rows = []
-        for where, family, labels in groups:
-            for kind, name, help_text in family:
-                exported = f"{name}_total" if kind == "counter" else name
-                rows.append(
-                    [
-                        f"``{exported}``",
-                        kind,
-                        help_text,
-                        where,
-                        ", ".join(f"``{label}``" for label in labels),
-                    ]
-                )
-        names = {r[0].strip("`") for r in rows}
+        rows, names = [], set()
+        for attr in sorted(vars(metrics)):
+            family = getattr(metrics, attr)
+            group, _, kind_of_list = attr.rpartition("_")
+            if not group or kind_of_list not in ("METRICS", "HISTOGRAMS"):
+                continue
+            labels = getattr(metrics, f"{group}_LABELS", ["Hostname"])
+            shown = ", ".join(f"``{label}``" for label in labels)
+            for entry in family:
+                if kind_of_list == "METRICS":
+                    kind, name, help_text = entry[:3]
+                    exported = [f"{name}_total" if kind == "counter" else name]
+                else:
+                    kind, (name, help_text) = "histogram", entry[:2]
+                    exported = [f"{name}_bucket", f"{name}_sum", f"{name}_count"]
+                names.update(exported)
+                series = exported[0] if len(exported) == 1 else f"{name}_{{bucket,sum,count}}"
+                rows.append([f"``{series}``", kind, help_text, group.lower(), shown])
         if names != set(metrics.metric_names()):
             log.warning(
                 "gpushare-metrics: the table's names differ from metric_names(): %s",
                 sorted(names ^ set(metrics.metric_names())),
                 location=self.get_location(),
             )
-        return _table(["series", "type", "what", "for", "labels"], rows, "28 8 32 12 20")
+        return _table(["series", "type", "what", "of", "labels"], rows, "28 8 32 10 22")
 
 
 # -- measured figures ---------------------------------------------------------------------------

@@ -200,6 +200,12 @@ def ignored(path: str, patterns: list[str]) -> bool:
     return False
 
 
+def in_context(path: str, patterns: list[str]) -> bool:
+    """``path`` is in the build context: neither it nor a directory above it is ignored."""
+    parts = path.split("/")
+    return not any(ignored("/".join(parts[: i + 1]), patterns) for i in range(len(parts)))
+
+
 def copy_context(image: str, dest: Path) -> None:
     """The Docker build context of ``image``: the repository root less its .dockerignore."""
     patterns = dockerignore(image)
@@ -436,6 +442,13 @@ def requirements_of(wheel: Path) -> list[str]:
     return out
 
 
+#: the env layer's install, in the chroot as the image's user: the requirements' wheels only
+ENV_INSTALL = (
+    f"{VENV}/bin/python -m pip install --no-cache-dir --disable-pip-version-check"
+    " --no-index --find-links /tmp/wheels -r /tmp/requirements.txt"
+)
+
+
 def env_layer(
     cache: Path, image: str, debian: tuple[Path, dict[str, Any]], requirements: list[str]
 ) -> tuple[Path, dict[str, Any]]:
@@ -482,15 +495,10 @@ def env_layer(
             env = {"PATH": PATH, "HOME": "/root", "LANG": "C.UTF-8"}
             in_chroot([debian[0] / "rootfs"], upper, base.setup, env=env)
             home = "/home/jovyan" if base.owner.startswith("1000") else "/root"
-            install = (
-                f"{VENV}/bin/python -m pip install --no-cache-dir --disable-pip-version-check"
-                " --no-index --find-links /tmp/wheels -r /tmp/requirements.txt"
-                f" && find {VENV} -name __pycache__ -path '*/pip/*' -prune -exec rm -rf {{}} +"
-            )
             in_chroot(
                 [debian[0] / "rootfs"],
                 upper,
-                install,
+                ENV_INSTALL,
                 user=base.owner,
                 env={**env, "HOME": home},
                 binds={"/tmp/wheels": house, "/tmp/requirements.txt": reqs},
@@ -499,7 +507,7 @@ def env_layer(
         info["created_by"] = f"{image} base: venv {VENV}, " + " ".join(wanted)
         return info
 
-    key = key_of(RECIPE_VERSION, debian[1]["diff_id"], base.setup, base.owner, wanted)
+    key = key_of(RECIPE_VERSION, debian[1]["diff_id"], base.setup, base.owner, ENV_INSTALL, wanted)
     return cached(cache, f"{image}-env", key, build)
 
 
@@ -570,6 +578,8 @@ def final_stage(
             # offline: every requirement is in the base already
             env["PIP_NO_INDEX"] = "1"
             env["GPUSHARE_PIP_ARGS"] = "--quiet"
+            # the layer gets the package's bytecode (pip compiles it), not that of pip itself
+            env["PYTHONDONTWRITEBYTECODE"] = "1"
             log(f"{image}: RUN {command} (as {uid}:{gid})")
             in_chroot(lowers, upper, command, user=f"{uid}:{gid}", env=env, binds=binds)
         elif op == "USER":
@@ -694,6 +704,8 @@ def build(outdir: Path, cache: Path, images: list[str]) -> list[dict[str, Any]]:
     with open(cache / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         started = time.monotonic()
+        for stale in cache.glob("gpushare-images-*"):  # a build killed before its cleanup
+            shutil.rmtree(stale)
         with tempfile.TemporaryDirectory(prefix="gpushare-images-", dir=cache) as tmp:
             wheels = Path(tmp) / "wheels"
             wheels.mkdir()

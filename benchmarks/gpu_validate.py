@@ -14,13 +14,19 @@ PyTorch tenants as separate processes with the interposer preloaded:
      real GPU is what this measures; target p99 <= 1.2 x the floor, benchmarks/handoff.py);
   6. the matrix of benchmarks/enforcement.py where PyTorch can express it: matmuls of about
      0.1 ms, 3 ms and 70 ms (longer than the quantum) x a sync after every launch, a deep queue
-     (a sync every 256), four streams, CUDA graph replays; 0.3/0.7 and a limit 0.5 alone each.
+     (a sync every 256), four streams, CUDA graph replays; 0.3/0.7 and a limit 0.5 alone each;
+  7. host-bound training loops (issue 26): a small MLP's step (hidden sizes 512 and 2048) with
+     `loss.item()` every step, so the host waits after each step. The same tenants run without
+     gpushare (plain processes, together) and with it (0.3/0.7 at their limits, requests 0.2/0.3
+     with limit 1.0, 8 x 0.125): the ratio of their total steps per second with to without
+     gpushare (target >= 0.97: the holder's host gaps are backfilled by the others), and each
+     tenant's part next to its fair part (by request, up to its limit).
 
 A tenant's share is its matmul throughput divided by the throughput of the same loop running
 alone without gpushare (measured first). Prints a table and ends with one JSON line.
 Where there is no GPU (or no PyTorch with CUDA) it prints "no GPU" and exits 0.
 
-Run: python benchmarks/gpu_validate.py [--seconds 10]
+Run: python benchmarks/gpu_validate.py [--seconds 10] [--only item]
 """
 
 from __future__ import annotations
@@ -109,6 +115,49 @@ TENANT = textwrap.dedent(
                 torch.cuda.synchronize()
                 done += 16
             print(json.dumps({"t": time.monotonic_ns(), "done": done}), flush=True)
+    elif mode == "item":
+        # a host-bound training step: a small MLP forward and backward, then loss.item() (the
+        # host waits for the step's result, as most training loops do every step)
+        n = int(sys.argv[3])
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(n, n), torch.nn.ReLU(), torch.nn.Linear(n, n), torch.nn.ReLU(),
+            torch.nn.Linear(n, 1),
+        ).to(dev)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+        x = torch.randn(256, n, device=dev)
+        y = torch.randn(256, 1, device=dev)
+        for _ in range(20):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss.item()
+        # every 20th step is timed on the device (events around its work): alone on the GPU,
+        # the device time of a step
+        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        timed, timed_ms = 0, 0.0
+        start = time.monotonic_ns()
+        end = start + int(seconds * 1e9)
+        done = 0
+        print(json.dumps({"start": start}), flush=True)
+        while time.monotonic_ns() < end:
+            timing = done % 20 == 0
+            if timing:
+                ev0.record()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if timing:
+                ev1.record()
+            loss.item()
+            if timing:
+                timed, timed_ms = timed + 1, timed_ms + ev0.elapsed_time(ev1)
+            done += 1
+            if done % 20 == 0:
+                print(json.dumps({"t": time.monotonic_ns(), "done": done}), flush=True)
+        print(json.dumps({"step_device_ms": timed_ms / max(timed, 1)}), flush=True)
     elif mode == "small":
         x = torch.zeros(1, device=dev)
         for _ in range(2000):
@@ -359,9 +408,103 @@ def run_matrix(rig: Rig, args: argparse.Namespace, warm: float, span: float) -> 
     return rows
 
 
+#: host-bound steps (issue 26): hidden sizes of the MLP whose step ends with loss.item()
+ITEM_SIZES = (512, 2048)
+#: the tenant sets: (request, limit) each, as benchmarks/enforcement.py's cases
+ITEM_CASES = {
+    "0.3/0.7 at their limits": ((0.3, 0.3), (0.7, 0.7)),
+    "requests 0.2/0.3, limits 1.0": ((0.2, 1.0), (0.3, 1.0)),
+    "8 x 0.125": ((0.125, 0.125),) * 8,
+}
+
+
+def fair_parts(specs, alone: float, capacity: float) -> list[float]:
+    """Max-min fair parts of ``capacity`` weighted by request, each bounded by its limit and by
+    what one tenant gets alone (``alone``): as benchmarks/enforcement.py's ``fair_parts``."""
+    bounds = [min(lim, alone) for _, lim in specs]
+    parts = [0.0] * len(specs)
+    left = min(capacity, sum(bounds))
+    open_ = [i for i in range(len(specs)) if bounds[i] > 0]
+    while open_ and left > 1e-9:
+        weight = sum(specs[i][0] for i in open_)
+        step = min(left / weight, min((bounds[i] - parts[i]) / specs[i][0] for i in open_))
+        for i in open_:
+            parts[i] += step * specs[i][0]
+        left -= step * weight
+        open_ = [i for i in open_ if bounds[i] - parts[i] > 1e-9]
+    return parts
+
+
+def _short(xs: list[float]) -> str:
+    return "/".join(f"{x:.2f}" for x in xs) if len(xs) < 4 else f"{min(xs):.2f}..{max(xs):.2f}"
+
+
+def run_item(rig: Rig, args: argparse.Namespace, warm: float, span: float) -> list[dict]:
+    """Host-bound loops (loss.item() every step): each tenant set without gpushare (plain
+    processes together) and with it, side by side in this run. A tenant's part of the GPU is its
+    steps per second times the device time of a step (timed with events on the loop alone); the
+    ratio is the steps of all tenants with gpushare over those without (the device time they got:
+    the work per step is the same). The fair parts are those of what the tenants use together
+    without gpushare: by request, each bounded by its limit and by what one loop uses alone."""
+    rows = []
+    print(
+        f"\n{'loss.item() every step':<34}{'size':>6}{'alone/s':>9}{'plain':>7}{'with':>7}"
+        f"{'ratio':>7}  {'fair':<18}achieved (of the GPU)"
+    )
+    for n in ITEM_SIZES:
+        argv = ["item", str(span), str(n)]
+        one = lines_of(rig.spawn(None, argv), span * 3 + 120)
+        t0 = one[0]["start"] + int(warm * 1e9)
+        alone = rate(one, t0, t0 + int(args.seconds * 1e9))
+        # the GPU's time one step takes, measured alone: a tenant's part of the GPU is its steps
+        # per second times that, and a loop alone keeps the GPU `busy1` busy
+        step_s = next(x["step_device_ms"] for x in one if "step_device_ms" in x) / 1e3
+        busy1 = min(1.0, alone * step_s)
+        for name, specs in ITEM_CASES.items():
+            procs = [rig.spawn(None, argv) for _ in specs]
+            plain_lines = [lines_of(p, span * 3 + 120) for p in procs]
+            t0 = max(x[0]["start"] for x in plain_lines) + int(warm * 1e9)
+            plain = [rate(x, t0, t0 + int(args.seconds * 1e9)) * step_s for x in plain_lines]
+            allocations = [rig.allocate(r, lim) for r, lim in specs]
+            procs = [rig.spawn(x, argv) for x in allocations]
+            lines = [lines_of(p, span * 3 + 120) for p in procs]
+            for x in allocations:
+                rig.release(x)
+            t0 = max(x[0]["start"] for x in lines) + int(warm * 1e9)
+            got = [rate(x, t0, t0 + int(args.seconds * 1e9)) * step_s for x in lines]
+            fair = fair_parts(specs, busy1, min(1.0, sum(plain)))
+            ratio = sum(got) / max(sum(plain), 1e-9)
+            rows.append(
+                {
+                    "case": name,
+                    "hidden": n,
+                    "alone_steps_per_s": alone,
+                    "step_device_ms": step_s * 1e3,
+                    "alone_busy": busy1,
+                    "plain": plain,
+                    "achieved": got,
+                    "fair": fair,
+                    "ratio_to_plain": ratio,
+                }
+            )
+            print(
+                f"{name:<34}{n:>6}{alone:>9.0f}{sum(plain):>7.2f}{sum(got):>7.2f}{ratio:>7.3f}"
+                f"  {_short(fair):<18}{_short(got)}",
+                flush=True,
+            )
+    worst = min(r["ratio_to_plain"] for r in rows)
+    print(f"worst ratio to the same loops without gpushare: {worst:.3f} (target 0.97)")
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--only",
+        choices=("item",),
+        help="run only the host-bound loops (loss.item() every step) of part 7",
+    )
     args = parser.parse_args()
     reason = has_gpu()
     if reason is not None:
@@ -381,6 +524,10 @@ def main() -> int:
         rig = Rig(Path(d))
         figures["gpu"] = rig.gpus[0].name
         try:
+            if args.only == "item":
+                figures["item"] = run_item(rig, args, warm, span)
+                print(json.dumps(figures))
+                return 0
             alone = lines_of(rig.spawn(None, ["matmul", str(span)]), span * 3 + 60)
             t0 = alone[0]["start"] + int(warm * 1e9)
             full = rate(alone, t0, t0 + int(args.seconds * 1e9))
@@ -413,6 +560,7 @@ def main() -> int:
             figures["limit_alone"] = sc
 
             figures["matrix"] = run_matrix(rig, args, warm, span)
+            figures["item"] = run_item(rig, args, warm, span)
 
             cap = 2 * GiB
             m = rig.allocate(0.2, 1.0, memory=cap)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import wire
-from .scheduler import Grant, LimitCredit, TenantView, UsageWindow, pick
+from .scheduler import Grant, LimitCredit, TenantView, UsageWindow, backfill_allowance, pick
 from .shm import GpuShm, monotonic_ns
 
 log = logging.getLogger("jupyter_gpushare.daemon")
@@ -33,6 +33,9 @@ HANDOFF_SETTLE_NS = 2_000_000
 #: at most this share of a quantum of device work ahead (its slot's ``runahead_ns``): when a waiter
 #: below its request preempts it, its lease drains in about that long.
 RUNAHEAD_QUANTA = 0.125
+#: An unlimited share may backfill this many quanta between two of the agent's looks (a limited
+#: one its limit credit, at most that): the allowance is renewed at every lease and tick.
+BACKFILL_BURST_QUANTA = 2
 
 
 @dataclass
@@ -84,6 +87,18 @@ class GpuLoop:
         self._prev_holder: Tenant | None = None
         self.draining = False
         self._deferred = False
+        #: backfill (wire.py, "Backfill"): each share's account ``backfill_ns`` as last charged,
+        #: the device time others backfilled into the running lease, and all backfilled so far
+        self._backfill_seen: dict[str, int] = {}
+        self._lease_backfill = 0
+        #: the same for ``idle_ns``: device time the holder's processes measured idle between
+        #: their launches in its lease (a sync per step), taken off its charge
+        self._idle_seen: dict[str, int] = {}
+        self._lease_idle = 0
+        self._backfill_looked = monotonic_ns()
+        self.backfilled_ns = 0
+        for policy in self.shm.policy:  # no allowance left by an earlier agent
+            policy.backfill_cap_ns = 0
 
     # -- tenants ------------------------------------------------------------------------------
 
@@ -104,6 +119,8 @@ class GpuLoop:
             tenant.credit = LimitCredit(monotonic_ns(), 2 * self.quantum_ns)
             tenant.window.total_ns = self.shm.policy[index].used_ns
             self.tenants[allocation] = tenant
+            self._backfill_seen[allocation] = int(self.shm.account(index).backfill_ns)
+            self._idle_seen[allocation] = int(self.shm.account(index).idle_ns)
             # its bound (and the others': the GPU may be shared now) is in place before its
             # first lease: a first admission that read 0 (no bound) queued 32 launches unchecked
             self._publish_runahead(monotonic_ns())
@@ -122,6 +139,9 @@ class GpuLoop:
         if tenant is None:
             return
         self.shm.release(tenant.slot)
+        self.shm.policy[tenant.slot].backfill_cap_ns = 0
+        self._backfill_seen.pop(allocation, None)
+        self._idle_seen.pop(allocation, None)
         if self.holder is tenant:
             self._end_lease(monotonic_ns())
         log.info("GPU %s: released %s", self.uuid, allocation)
@@ -303,6 +323,7 @@ class GpuLoop:
         self._timers.append(loop.call_at((start + UNUSED_LEASE_NS) / 1e9, self._check_unused))
         self._update_next()
         self._publish_runahead(start)
+        self._publish_backfill(start)
 
     def _update_next(self) -> None:
         """Publish who the holder should hand the GPU to when its lease ends."""
@@ -430,6 +451,7 @@ class GpuLoop:
         self._end_lease(end)
 
     def _charge(self, tenant: Tenant, end: int) -> None:
+        self._collect_backfill(monotonic_ns())  # others' backfill into this lease is theirs
         slot = self.shm.board[tenant.slot]
         first = int(slot.first_launch_ns)
         # charged from the first launch: the wake-up before it is nobody's device time (a lease
@@ -455,7 +477,11 @@ class GpuLoop:
         self._prev_end = end
         self._prev_holder = tenant
         self.overruns.append(max(0, end - self.lease_until))
-        tenant.window.charge(start, end)
+        # what others backfilled into the lease and what its processes measured idle in it are
+        # not its device time: a lease is charged the device time it used, not its length
+        backfilled = min(self._lease_backfill + self._lease_idle, end - start)
+        self._lease_backfill = self._lease_idle = 0
+        tenant.window.charge(start, end - backfilled)
         credit = self._credit(tenant)
         # a lease runs at least one kernel: with kernels longer than the quantum a burst cap
         # of two quanta would throw away credit a tenant earns while it waits for its turn
@@ -463,8 +489,55 @@ class GpuLoop:
         # cap follows the leases' length (an extension splits one kernel's lease in pieces:
         # the cap shrinks slowly)
         credit.cap_ns = max(2 * self.quantum_ns, 2 * (end - start), (3 * credit.cap_ns) // 4)
-        credit.charge(end - start, max(end, credit.t), tenant.limit)
+        credit.charge(end - start - backfilled, max(end, credit.t), tenant.limit)
         self.shm.policy[tenant.slot].used_ns = tenant.window.total_ns
+
+    def _collect_backfill(self, now: int) -> None:
+        """Charge each share the device time its processes backfilled since the last look (its
+        account's ``backfill_ns``), and note what went into the running lease (taken off its
+        holder's charge). The account is the share's own: a step back or more than the wall time
+        since the last look is no figure (its own processes wrote it) and only moves the mark."""
+        elapsed = max(0, now - self._backfill_looked) + self.quantum_ns
+        self._backfill_looked = now
+        for t in self.tenants.values():
+            account = self.shm.account(t.slot)
+            idle = int(account.idle_ns)
+            idle_seen = self._idle_seen.get(t.allocation, idle)
+            self._idle_seen[t.allocation] = idle
+            if t is self.holder and 0 < idle - idle_seen <= elapsed:
+                self._lease_idle += idle - idle_seen
+            value = int(account.backfill_ns)
+            seen = self._backfill_seen.get(t.allocation, value)
+            self._backfill_seen[t.allocation] = value
+            ran = value - seen
+            if ran <= 0 or ran > elapsed:
+                continue
+            t.window.charge(now - ran, now)
+            credit = self._credit(t)
+            credit.value(now, t.limit)
+            credit.credit -= ran  # (a holder's credit stays uncapped until its lease is charged)
+            self.shm.policy[t.slot].used_ns = t.window.total_ns
+            self.backfilled_ns += ran
+            if self.holder is not None and t is not self.holder:
+                self._lease_backfill += ran
+
+    def _publish_backfill(self, now: int) -> None:
+        """How much more each share may backfill (its policy's ``backfill_cap_ns``, against its
+        account's ``backfill_ns``): :func:`.scheduler.backfill_allowance` for the running
+        lease's holder, nothing while no lease runs or a share is alone."""
+        self._collect_backfill(now)
+        views = {v.key: v for v in self._views(now)}
+        holder = None
+        if self.holder is not None and self.holder.allocation in views:
+            running = self.holder.window.used(now, self.window_ns, self.lease_start)
+            holder = replace(views[self.holder.allocation], used_ns=running)
+        burst = BACKFILL_BURST_QUANTA * self.quantum_ns
+        for t in self.tenants.values():
+            allow = 0
+            if holder is not None and t.connections > 0:
+                allow = backfill_allowance(views[t.allocation], holder, self.window_ns, burst)
+            seen = self._backfill_seen.get(t.allocation, 0)
+            self.shm.policy[t.slot].backfill_cap_ns = seen + allow
 
     def _end_lease(self, end: int) -> None:
         tenant = self.holder
@@ -500,6 +573,7 @@ class GpuLoop:
         self._publish_waiting()
         self._update_next()
         self._publish_runahead(monotonic_ns())
+        self._publish_backfill(monotonic_ns())
         if self.holder is not None and self.shm.board[self.holder.slot].lease_until_ns == 0:
             self._maybe_finish()  # over without a (usable) message
         self.schedule()
@@ -556,6 +630,9 @@ class GpuLoop:
             "handoff_notice_us": _percentiles(self.handoff_notice),
             "handoff_wake_us": _percentiles(self.handoff_wake),
             "overrun_us": _percentiles(self.overruns),
+            # host gaps of holders filled by others (wire.py, "Backfill")
+            "backfills": int(self.shm.header.backfills),
+            "backfilled_s": round(self.backfilled_ns / 1e9, 3),
             "allocations": sorted(self.tenants),
         }
 

@@ -15,6 +15,12 @@ Policy (per GPU, leases exclusive, time measured as device time charged in a sli
 3. Otherwise idle time goes to tenants below their limit, shared in proportion to their
    requests (smallest ``used / request`` first): work-conserving.
 4. Ties go to the tenant that was granted least recently.
+5. While the holder's host leaves the device idle (a sync per step), others may **backfill**
+   its gaps with one short launch at a time (wire.py, "Backfill"), each charged the device time
+   it took (and taken off the holder's lease). :func:`backfill_allowance` says how much each may
+   backfill: shares with limit credit, those below their request always, the others unless the
+   holder, too, runs above its request and is further behind than they are (idle time is split
+   by request, as in 3).
 
 :class:`UsageWindow` keeps the charged intervals of one tenant and answers "how much device time
 in the last ``window`` ns"; it is plain data too (the caller passes ``now``).
@@ -67,6 +73,28 @@ def pick(tenants: Sequence[TenantView], quantum_ns: int, window_ns: int) -> Gran
         return None
     rank, tenant = best
     return Grant(tenant.key, quantum_ns, rank[0] == 0)
+
+
+def backfill_allowance(
+    tenant: TenantView, holder: TenantView | None, window_ns: int, burst_ns: int
+) -> int:
+    """How much device time ``tenant`` may backfill into ``holder``'s lease from now until the
+    next decision (0: none): its limit credit (``credit_ns``, the burst for an unlimited share),
+    when it is not the holder, below its limit, and either below its request or not
+    ahead of a holder that also runs above its own (then idle time is split by request: the one
+    with the smaller ``used / request`` goes first, as in :func:`pick`)."""
+    if holder is None or tenant.key == holder.key or tenant.limit <= 0:
+        return 0
+    allowance = burst_ns if tenant.limit >= 1.0 else min(tenant.credit_ns, burst_ns)
+    if allowance <= 0:
+        return 0
+    if tenant.used_ns < tenant.request * window_ns:
+        return allowance
+    if holder.used_ns < holder.request * window_ns:
+        return allowance  # the holder is owed time but cannot use its gaps: they are idle time
+    mine = tenant.used_ns / max(tenant.request, 1e-9)
+    theirs = holder.used_ns / max(holder.request, 1e-9)
+    return allowance if mine <= theirs else 0
 
 
 class LimitCredit:

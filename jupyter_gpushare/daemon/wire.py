@@ -185,6 +185,35 @@ to now (``drain_end_ns``), stores ``lease_start_ns`` and a new ``lease_until_ns`
 compare-and-swap from the old value and sends ``done`` with ``"extended": true``. The daemon
 waits ``EXTEND_GRACE_NS`` for that before it revokes a lease whose holder is next.
 
+Backfill (sharing costs no device time): while the holder's host works (a sync per step: its
+queue is empty), other shares' kernels fill the gaps, as they would without gpushare. The
+holder's processes say when their queued work should be done, ``queued_until_ns`` on their
+board slot (an atomic max, at each slow admission while others wait or once backfills began: the
+known backlog, or now, plus the launches they may make before they look again times the device
+time per launch; 0: a holder that does not say, an older interposer, which is never backfilled).
+The agent publishes in each share's policy ``backfill_cap_ns``: its account's ``backfill_ns``
+may grow up to it (``scheduler.backfill_allowance``: limit credit, the burst for an unlimited
+share; shares above their request only when not ahead of a holder above its own; renewed at
+every lease and tick; 0 more while no lease runs). A share waiting for a lease whose next launch
+is known to take at most its ``runahead_ns`` and fits its allowance launches ONE kernel once
+what is queued on the device (the holder's queue, then ``backfill_until_ns`` in the header, the
+last backfill's expected end) is at most that launch long: it queues behind it and fills the
+gap that follows however late its thread woke up; it moves ``backfill_until_ns`` with a
+compare-and-swap. The holder's next launch waits behind it: at most the bound. The backfill is
+timed on the device (an event before the launch on the share's idle stream, one after it; from
+``backfill_until_ns``'s old value or the event's time, whichever is later) and added to the
+account's ``backfill_ns``; the agent charges that to the share (window and limit credit) and
+takes what others backfilled during a lease off its holder's charge. A process's next backfill
+waits until the previous one is done and charged. A lease is charged the device time it used,
+not its length: a holder process alone on one stream whose every launch is timed (a sync per
+launch, or the bound's one at a time) adds to its account's ``idle_ns`` the time from one
+launch's end to the next launch (less another share's backfill in between), and the agent takes
+what it added during a lease off that lease; so a limited share alone gets min(limit, what it
+uses without gpushare). The fields took padding that was always zero and that older clients
+neither read nor write (like ``fs_next_ns``): an older agent publishes no allowance (no
+backfill), an older holder publishes no ``queued_until_ns`` (not backfilled), so the layout
+version did not change.
+
 Idle handback: while other slots wait (``waiting_slots`` > 0), a holder whose process has not
 launched for 1 ms and has no queued work left hands its lease back early (stores 0, drains, sends
 ``done``). A lease nobody launched under is taken back by the daemon after 3 ms.
@@ -288,7 +317,9 @@ class Header(ctypes.Structure):
         ("next_other", ctypes.c_uint32),  # 132: the best of the others (holder idle), 0 none
         ("next_lease_ns", ctypes.c_uint64),  # 136: the lease to give it
         ("direct_handoffs", ctypes.c_uint64),  # 144: handoffs done by clients (atomic add)
-        ("_pad", ctypes.c_uint8 * 104),  # 152
+        ("backfill_until_ns", ctypes.c_uint64),  # 152: a backfill runs until then (clients, CAS)
+        ("backfills", ctypes.c_uint64),  # 160: backfill launches (clients, atomic add)
+        ("_pad", ctypes.c_uint8 * 88),  # 168
     ]
 
 
@@ -320,7 +351,11 @@ class Slot(ctypes.Structure):
         ("drain_eta_ns", ctypes.c_uint64),  # 160 (clients): a draining holder's expected end
         ("runahead_ns", ctypes.c_uint64),  # 168 (daemon): device time it may queue ahead, 0 any
         ("fs_next_ns", ctypes.c_uint64),  # 176 account, CAS (clients): last fail-static turn
-        ("_pad", ctypes.c_uint8 * 72),  # 184
+        ("queued_until_ns", ctypes.c_uint64),  # 184 board, atomic max (holder): its queue's end
+        ("backfill_cap_ns", ctypes.c_uint64),  # 192 policy (daemon): backfill_ns may reach this
+        ("backfill_ns", ctypes.c_uint64),  # 200 account, atomic add (clients): time backfilled
+        ("idle_ns", ctypes.c_uint64),  # 208 account, atomic add (clients): device idle in leases
+        ("_pad", ctypes.c_uint8 * 40),  # 216
     ]
 
 

@@ -10,8 +10,8 @@
  * the lease board (a 256-byte header, then GPUSHARE_WIRE_SLOTS slots of 256 bytes, one per
  * (allocation, GPU); read-write for the GPU's tenants: lease fields only) and the policy (same
  * size; read-only for clients: state, generation, mem_cap, request/limit, runahead_ns,
- * allocation), and per (allocation, GPU) the account (one slot: mem_used, mem_peak, oom_count,
- * lease_waits, wait_ns, fs_next_ns). All three arrive as descriptors with the hello reply
+ * backfill_cap_ns, allocation), and per (allocation, GPU) the account (one slot: mem_used,
+ * mem_peak, oom_count, lease_waits, wait_ns, fs_next_ns, backfill_ns). All three arrive as descriptors with the hello reply
  * (SCM_RIGHTS). Fields declared _Atomic are only accessed atomically.
  */
 #ifndef GPUSHARE_WIRE_H
@@ -38,24 +38,27 @@
 #define GPUSHARE_SLOT_RELEASED 2u
 
 struct gpushare_wire_header {
-    uint32_t magic;                   /* 0 */
-    uint32_t version;                 /* 4 */
-    uint32_t slot_count;              /* 8 */
-    uint32_t slot_size;               /* 12 */
-    uint64_t daemon_pid;              /* 16 */
-    _Atomic uint64_t epoch;           /* 24: bumped by every daemon start */
-    _Atomic uint64_t heartbeat_ns;    /* 32: CLOCK_MONOTONIC */
-    _Atomic uint64_t quantum_ns;      /* 40 */
-    _Atomic uint64_t window_ns;       /* 48 */
-    _Atomic uint32_t holder;          /* 56: slot + 1 of the lease holder, 0 none */
-    _Atomic uint32_t waiting_slots;   /* 60: slots other than the holder waiting for a lease */
-    char uuid[64];                    /* 64 */
-    _Atomic uint32_t next_slot;       /* 128: slot + 1 the holder may hand the GPU to (daemon) */
-    _Atomic uint32_t next_other;      /* 132: slot + 1 to hand to when the holder is next but
+    uint32_t magic;                     /* 0 */
+    uint32_t version;                   /* 4 */
+    uint32_t slot_count;                /* 8 */
+    uint32_t slot_size;                 /* 12 */
+    uint64_t daemon_pid;                /* 16 */
+    _Atomic uint64_t epoch;             /* 24: bumped by every daemon start */
+    _Atomic uint64_t heartbeat_ns;      /* 32: CLOCK_MONOTONIC */
+    _Atomic uint64_t quantum_ns;        /* 40 */
+    _Atomic uint64_t window_ns;         /* 48 */
+    _Atomic uint32_t holder;            /* 56: slot + 1 of the lease holder, 0 none */
+    _Atomic uint32_t waiting_slots;     /* 60: slots other than the holder waiting for a lease */
+    char uuid[64];                      /* 64 */
+    _Atomic uint32_t next_slot;         /* 128: slot + 1 the holder may hand the GPU to (daemon) */
+    _Atomic uint32_t next_other;        /* 132: slot + 1 to hand to when the holder is next but
                                         does not want more (idle): the best of the others */
-    _Atomic uint64_t next_lease_ns;   /* 136: the lease to give it */
-    _Atomic uint64_t direct_handoffs; /* 144: handoffs done by clients */
-    uint8_t pad[104];                 /* 152 */
+    _Atomic uint64_t next_lease_ns;     /* 136: the lease to give it */
+    _Atomic uint64_t direct_handoffs;   /* 144: handoffs done by clients */
+    _Atomic uint64_t backfill_until_ns; /* 152: a share backfills the holder's gap until then
+                                           (clients, CAS; wire.py "Backfill") */
+    _Atomic uint64_t backfills;         /* 160: backfill launches (clients, atomic add) */
+    uint8_t pad[88];                    /* 168 */
 };
 
 struct gpushare_wire_slot {
@@ -83,7 +86,12 @@ struct gpushare_wire_slot {
     _Atomic uint64_t runahead_ns;     /* 168: device time it may queue ahead (daemon; 0: any) */
     _Atomic uint64_t fs_next_ns;      /* 176: account: while no agent answers, when the share's
                                          last self-granted lease was due (clients, CAS; 0: none) */
-    uint8_t pad[72];                  /* 184 */
+    _Atomic uint64_t queued_until_ns; /* 184: board: when the holder's queued work should be done
+                                         (its processes, atomic max; 0: it does not say) */
+    _Atomic uint64_t backfill_cap_ns; /* 192: policy: backfill_ns may grow up to this (daemon) */
+    _Atomic uint64_t backfill_ns;     /* 200: account: device time backfilled (clients, add) */
+    _Atomic uint64_t idle_ns; /* 208: account: device idle in its holder's leases (clients) */
+    uint8_t pad[40];          /* 216 */
 };
 
 _Static_assert(sizeof(struct gpushare_wire_header) == GPUSHARE_WIRE_HEADER_SIZE, "header size");
@@ -103,11 +111,13 @@ static inline struct gpushare_wire_slot *gpushare_wire_slot_at(void *board, size
 /* clang-format off */
 #define GPUSHARE_WIRE_HEADER_FIELDS(X) X(magic) X(version) X(slot_count) X(slot_size) \
     X(daemon_pid) X(epoch) X(heartbeat_ns) X(quantum_ns) X(window_ns) X(holder) \
-    X(waiting_slots) X(uuid) X(next_slot) X(next_other) X(next_lease_ns) X(direct_handoffs)
+    X(waiting_slots) X(uuid) X(next_slot) X(next_other) X(next_lease_ns) X(direct_handoffs) \
+    X(backfill_until_ns) X(backfills)
 #define GPUSHARE_WIRE_SLOT_FIELDS(X) X(lease_until_ns) X(lease_start_ns) X(grant_seq) X(state) \
     X(joined) X(waiters) X(mem_cap) X(mem_used) X(used_ns) X(drain_end_ns) X(request_ppm) \
     X(limit_ppm) X(lease_waits) X(wait_ns) X(oom_count) X(mem_peak) X(generation) \
-    X(allocation) X(launches) X(first_launch_ns) X(drain_eta_ns) X(runahead_ns) X(fs_next_ns)
+    X(allocation) X(launches) X(first_launch_ns) X(drain_eta_ns) X(runahead_ns) X(fs_next_ns) \
+    X(queued_until_ns) X(backfill_cap_ns) X(backfill_ns) X(idle_ns)
 /* clang-format on */
 
 #endif

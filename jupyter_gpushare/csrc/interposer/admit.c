@@ -210,6 +210,7 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
             } else if (gs_tl.lease == until && gs_tl.stream == stream && gs_tl.gpu == g) {
                 gs_runahead_check(g, e);
             }
+            gs_holder_queue(g, e, budget, bound, until); /* when our queue is done (backfill.c) */
             gs_tl.lease = until;
             gs_tl.stream = stream;
             gs_tl.gpu = g;
@@ -238,6 +239,16 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
             failstatic_grant(g, s, seq);
             continue;
         }
+        uint64_t look = 0; /* another share holds the GPU: fill its host gap? (backfill.c) */
+        if (gs_backfill(g, stream, &look)) {
+            if (counted) gs_dec_floor(&counted->waiters);
+            gs_tl.lease = 0; /* the next launch comes back here (budget 0) */
+            gs_tl.stream = stream;
+            gs_tl.gpu = g;
+            gs_tl.budget = 0;
+            gs_tl.given = 0;
+            return CUDA_SUCCESS;
+        }
         if (!poked && atomic_load(&g->joined_lease) != 0) {
             poked = 1; /* our lease was revoked: the agent drains and hands over now */
             gs_poke_agent();
@@ -253,7 +264,8 @@ CUresult gs_admit_slow(struct gs_gpu *g, CUstream stream) {
             gs_send_lease_msg("want", g, 0);
             last_want = now;
         }
-        gs_futex_wait(&s->grant_seq, seq, quiet ? quiet - now : WAIT_SLICE_NS);
+        uint64_t nap = quiet ? quiet - now : WAIT_SLICE_NS;
+        gs_futex_wait(&s->grant_seq, seq, look && look < nap ? look : nap);
         if (gs_now() - now > WAIT_SLICE_NS - 1000000ull)
             gs_log("waited a whole slice (until %llu): seq %u->%u lease %llu joined %llu holder %u "
                    "next %u",

@@ -5,7 +5,7 @@ GS_DIR := $(CURDIR)/interposer
 # the interposer's C test programs live with the tests (tests/enforcement/c/)
 GS_TESTS := $(abspath $(CURDIR)/../../tests/enforcement/c)
 GS_SRC := $(GS_DIR)/dispatch.c $(GS_DIR)/init.c $(GS_DIR)/connect.c $(GS_DIR)/admit.c \
-	$(GS_DIR)/runahead.c $(GS_DIR)/drain.c $(GS_DIR)/agent.c $(GS_DIR)/launch.c $(GS_DIR)/memory.c $(GS_DIR)/release.c
+	$(GS_DIR)/runahead.c $(GS_DIR)/backfill.c $(GS_DIR)/drain.c $(GS_DIR)/agent.c $(GS_DIR)/launch.c $(GS_DIR)/memory.c $(GS_DIR)/release.c
 GS_HDR := $(GS_DIR)/gs.h $(CURDIR)/include/gpushare_wire.h $(CURDIR)/include/gpushare_cuda.h \
 	$(CURDIR)/include/glibc_baseline.h
 GS_LIBS := -ldl -lpthread

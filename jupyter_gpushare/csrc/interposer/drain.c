@@ -164,6 +164,9 @@ static uint64_t drain(struct gs_gpu *g, uint64_t lease) {
             for (unsigned k = 0; k < GS_MARKS && real_cuEventDestroy_v2; k++)
                 if (e->marks[k].event) real_cuEventDestroy_v2(e->marks[k].event);
             if (e->ref_event && real_cuEventDestroy_v2) real_cuEventDestroy_v2(e->ref_event);
+            if (e->t0 && real_cuEventDestroy_v2) real_cuEventDestroy_v2(e->t0);
+            if (e->t1 && real_cuEventDestroy_v2) real_cuEventDestroy_v2(e->t1);
+            if (gs_tl.tail == e) gs_tl.tail = NULL;
             free(e);
         } else {
             pp = &e->next;

@@ -179,6 +179,17 @@ struct gs_stream { /* a stream this process launched on */
     uint64_t ref_count; /* ... and the launches before it */
     int ref_valid;
     uint64_t launch_ns; /* device time per launch (EWMA of busy intervals), 0 unknown */
+    /* one launch onto the idle stream timed from an event before it to one after it
+     * (backfill.c): the device time of a launch where launch_ns cannot learn it (a sync after
+     * every launch), and what a backfill launch is charged */
+    CUevent t0, t1;
+    int tstate;       /* 0 none, 1 t0 recorded (t1 after the launch), 2 both: to read */
+    int tbackfill;    /* the timed launch is a backfill: charge it to the account */
+    uint64_t solo_ns; /* device time per launch onto an idle stream (EWMA), 0 unknown */
+    uint64_t prev_end, prev_lease,
+        idle_from;             /* the idle clock (backfill.c): last timed launch's end */
+    uint64_t t0_host, t_floor; /* a backfill's t0 (CLOCK_MONOTONIC) and when the holder's work
+                                  ahead of it should be done: what it is charged from */
     struct gs_stream *next;
 };
 
@@ -260,8 +271,10 @@ struct gs_tls {
     uint64_t lease;  /* lease this thread last launched under */
     CUstream stream; /* ... on this stream */
     struct gs_gpu *gpu;
-    int budget; /* launches before the next runahead check */
-    int given;  /* the budget the last slow path gave (launch counting) */
+    int budget;             /* launches before the next runahead check */
+    int given;              /* the budget the last slow path gave (launch counting) */
+    struct gs_stream *tail; /* record its t1 after this launch (backfill.c), else NULL */
+    struct gs_gpu *tail_gpu;
 };
 extern __thread struct gs_tls gs_tl;
 
@@ -334,5 +347,21 @@ uint64_t gs_drain_eta(struct gs_gpu *g, struct gs_stream *e);
 void gs_runahead_check(struct gs_gpu *g, struct gs_stream *e);
 int gs_runahead_bound(struct gs_gpu *g, struct gs_stream *e, uint64_t prior, uint64_t bound,
                       uint64_t lease);
+/* backfill.c: the holder says when its queue should be done (and times a launch onto its idle
+ * stream); a waiting share backfills the holder's host gap (1: launch now, else *look_ns: when to
+ * look again, 0 nothing to wait for); after a launch, the timing event behind it */
+void gs_holder_queue(struct gs_gpu *g, struct gs_stream *e, int budget, uint64_t bound,
+                     uint64_t lease);
+int gs_backfill(struct gs_gpu *g, CUstream stream, uint64_t *look_ns);
+void gs_before_launch(void);
+void gs_after_launch(CUresult r);
+/* The launch wrappers' tail: one thread-local load when nothing is timed (launch.c). */
+static inline void gs_launching(void) {
+    if (__builtin_expect(gs_tl.tail != NULL, 0)) gs_before_launch();
+}
+static inline CUresult gs_launched(CUresult r) {
+    if (__builtin_expect(gs_tl.tail != NULL, 0)) gs_after_launch(r);
+    return r;
+}
 
 #endif

@@ -46,37 +46,42 @@ int gs_stream_capturing(CUstream stream) {
 CUresult cuLaunchKernel(LAUNCH_ARGS_DECL, void **kernelParams, void **extra) {
     CUresult r = admit(hStream);
     if (r != CUDA_SUCCESS) return r;
+    gs_launching();
     if (!real_cuLaunchKernel) return CUDA_ERROR_NOT_SUPPORTED;
-    return real_cuLaunchKernel(LAUNCH_ARGS, kernelParams, extra);
+    return gs_launched(real_cuLaunchKernel(LAUNCH_ARGS, kernelParams, extra));
 }
 
 CUresult cuLaunchKernel_ptsz(LAUNCH_ARGS_DECL, void **kernelParams, void **extra) {
     CUresult r = admit(hStream ? hStream : CU_STREAM_PER_THREAD);
     if (r != CUDA_SUCCESS) return r;
+    gs_launching();
     if (!real_cuLaunchKernel_ptsz) return CUDA_ERROR_NOT_SUPPORTED;
-    return real_cuLaunchKernel_ptsz(LAUNCH_ARGS, kernelParams, extra);
+    return gs_launched(real_cuLaunchKernel_ptsz(LAUNCH_ARGS, kernelParams, extra));
 }
 
 CUresult cuLaunchCooperativeKernel(LAUNCH_ARGS_DECL, void **kernelParams) {
     CUresult r = admit(hStream);
     if (r != CUDA_SUCCESS) return r;
+    gs_launching();
     if (!real_cuLaunchCooperativeKernel) return CUDA_ERROR_NOT_SUPPORTED;
-    return real_cuLaunchCooperativeKernel(LAUNCH_ARGS, kernelParams);
+    return gs_launched(real_cuLaunchCooperativeKernel(LAUNCH_ARGS, kernelParams));
 }
 
 CUresult cuLaunchCooperativeKernel_ptsz(LAUNCH_ARGS_DECL, void **kernelParams) {
     CUresult r = admit(hStream ? hStream : CU_STREAM_PER_THREAD);
     if (r != CUDA_SUCCESS) return r;
+    gs_launching();
     if (!real_cuLaunchCooperativeKernel_ptsz) return CUDA_ERROR_NOT_SUPPORTED;
-    return real_cuLaunchCooperativeKernel_ptsz(LAUNCH_ARGS, kernelParams);
+    return gs_launched(real_cuLaunchCooperativeKernel_ptsz(LAUNCH_ARGS, kernelParams));
 }
 
 CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
                           void **extra) {
     CUresult r = admit(config ? config->hStream : NULL);
     if (r != CUDA_SUCCESS) return r;
+    gs_launching();
     if (!real_cuLaunchKernelEx) return CUDA_ERROR_NOT_SUPPORTED;
-    return real_cuLaunchKernelEx(config, f, kernelParams, extra);
+    return gs_launched(real_cuLaunchKernelEx(config, f, kernelParams, extra));
 }
 
 CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
@@ -84,22 +89,25 @@ CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void 
     CUstream s = config ? config->hStream : NULL;
     CUresult r = admit(s ? s : CU_STREAM_PER_THREAD);
     if (r != CUDA_SUCCESS) return r;
+    gs_launching();
     if (!real_cuLaunchKernelEx_ptsz) return CUDA_ERROR_NOT_SUPPORTED;
-    return real_cuLaunchKernelEx_ptsz(config, f, kernelParams, extra);
+    return gs_launched(real_cuLaunchKernelEx_ptsz(config, f, kernelParams, extra));
 }
 
 CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
     CUresult r = admit(hStream);
     if (r != CUDA_SUCCESS) return r;
+    gs_launching();
     if (!real_cuGraphLaunch) return CUDA_ERROR_NOT_SUPPORTED;
-    return real_cuGraphLaunch(hGraphExec, hStream);
+    return gs_launched(real_cuGraphLaunch(hGraphExec, hStream));
 }
 
 CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
     CUresult r = admit(hStream ? hStream : CU_STREAM_PER_THREAD);
     if (r != CUDA_SUCCESS) return r;
+    gs_launching();
     if (!real_cuGraphLaunch_ptsz) return CUDA_ERROR_NOT_SUPPORTED;
-    return real_cuGraphLaunch_ptsz(hGraphExec, hStream);
+    return gs_launched(real_cuGraphLaunch_ptsz(hGraphExec, hStream));
 }
 
 /* -- streams -------------------------------------------------------------------------------- */

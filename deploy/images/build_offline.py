@@ -710,6 +710,7 @@ def build(outdir: Path, cache: Path, images: list[str]) -> list[dict[str, Any]]:
             wheels = Path(tmp) / "wheels"
             wheels.mkdir()
             wheel = build_wheel(images[0], wheels)
+            log(f"wheel: {wheel.name} in {time.monotonic() - started:.1f} s")
             requirements = requirements_of(wheel)
             debian = debian_layer(cache)
             for image in images:

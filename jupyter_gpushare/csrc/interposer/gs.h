@@ -3,9 +3,9 @@
  * Files: dispatch.c (real symbols, dlsym and cuGetProcAddress); leases: admit.c (the slow path:
  * waiting for a lease, joining it, fail static), runahead.c (queued device time: marks, backlog,
  * drain estimate, runahead bound), backfill.c (filling the holder's host gaps, timing a launch
- * onto an idle stream, the idle clock), drain.c (the end of a lease: drain, direct handoff, extension),
- * agent.c (the agent thread), connect.c (the daemon connection: hello, lease memory), init.c
- * (env, init, fork, logging); memory.c (the cap: reserve/rollback, frees, memory queries incl.
+ * onto an idle stream, the idle clock), drain.c (the end of a lease: drain, direct handoff,
+ * extension), agent.c (the agent thread), connect.c (the daemon connection: hello, lease
+ * memory), init.c (env, init, fork, logging); memory.c (the cap: reserve/rollback, frees, memory queries incl.
  * NVML), launch.c (every launch path, streams, capture), release.c (a released share). The wire
  * format is in ../include/gpushare_wire.h.
  */

@@ -42,6 +42,8 @@ CHART = ROOT / "deploy" / "helm" / "jupyter-gpushare"
 sys.path.insert(0, str(IMAGES))
 
 from build_offline import (  # noqa: E402
+    _check_owned,
+    _create,
     dockerignore,
     in_context,
     mounts_and_command,
@@ -574,3 +576,24 @@ def test_overlay_whiteouts_become_oci_whiteouts(tmp_path: Path) -> None:
     assert set(members) == {".wh.gone", "d", "d/.wh..wh..opq", "d/new", "added"}, members
     assert not any(m.ischr() for m in members.values())
     assert info["digest"] == _sha256(tmp_path / "layer.tar.gz")
+
+
+def test_outputs_replace_a_planted_link_and_the_cache_must_be_private(tmp_path: Path) -> None:
+    """The build runs as root into a directory the caller names: a link planted at the name of
+    a file it writes is replaced, not followed (the link's target is left as it was), and a
+    cache directory others may write to is refused."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    planted = tmp_path / "node.tar.partial"
+    planted.symlink_to(victim)
+    with _create(planted) as f:
+        f.write(b"archive")
+    assert victim.read_text() == "keep"
+    assert not planted.is_symlink() and planted.read_bytes() == b"archive"
+    shared = tmp_path / "cache"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(SystemExit, match="writable by nobody else"):
+        _check_owned(shared)
+    shared.chmod(0o755)
+    _check_owned(shared)

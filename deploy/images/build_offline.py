@@ -615,6 +615,27 @@ def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
+def _create(path: Path) -> IO[bytes]:
+    """``path`` opened for writing as a new file: a stale one is removed first, and a link
+    someone put there is replaced, never followed (the output directory is the caller's)."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    return os.fdopen(fd, "wb")
+
+
+def _check_owned(directory: Path) -> None:
+    """The cache is run as root from: it must be root's and writable by nobody else."""
+    st = directory.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise SystemExit(
+            f"build-offline: {directory} must be a directory owned by uid {os.geteuid()} and "
+            f"writable by nobody else (it is uid {st.st_uid}, mode {oct(st.st_mode & 0o7777)})"
+        )
+
+
 def write_archive(
     out: Path,
     ref: str,
@@ -670,7 +691,10 @@ def write_archive(
         ],
     }
     partial = out.with_name(out.name + ".partial")
-    with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT) as tar:
+    with (
+        _create(partial) as sink,
+        tarfile.open(fileobj=sink, mode="w", format=tarfile.PAX_FORMAT) as tar,
+    ):
         _add_bytes(tar, "oci-layout", json.dumps({"imageLayoutVersion": "1.0.0"}).encode())
         _add_bytes(tar, "index.json", json.dumps(index, indent=1).encode())
         _add_bytes(tar, f"blobs/sha256/{manifest_digest[7:]}", manifest_bytes)
@@ -698,8 +722,8 @@ def write_archive(
 
 def build(outdir: Path, cache: Path, images: list[str]) -> list[dict[str, Any]]:
     outdir.mkdir(parents=True, exist_ok=True)
-    cache.mkdir(parents=True, exist_ok=True)
-    os.chmod(cache, 0o755)
+    cache.mkdir(mode=0o755, parents=True, exist_ok=True)
+    _check_owned(cache)
     reports = []
     with open(cache / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -745,7 +769,10 @@ def build(outdir: Path, cache: Path, images: list[str]) -> list[dict[str, Any]]:
                 )
                 reports.append(report)
         log(f"done in {time.monotonic() - started:.1f} s")
-    (outdir / "images.json").write_text(json.dumps(reports, indent=1) + "\n")
+    summary = outdir / "images.json.partial"
+    with _create(summary) as f:
+        f.write((json.dumps(reports, indent=1) + "\n").encode())
+    summary.rename(outdir / "images.json")
     return reports
 
 

@@ -301,7 +301,7 @@ def test_check_wheel_refuses_a_newer_glibc_and_missing_libraries(tmp_path: Path)
 # -- the images deploy/images/build-offline.sh built (.ci/setup.d/images.sh) ------------------
 
 #: where .ci/setup.d/images.sh writes node.tar and kernel.tar
-BUILT = Path(os.environ.get("GPUSHARE_IMAGES_OUT", "/var/cache/gpushare-images/out"))
+BUILT = Path(os.environ.get("GPUSHARE_IMAGES_DIR", "/var/cache/gpushare-images/out"))
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 

@@ -17,4 +17,4 @@ if ((${#need[@]})); then
   apt-get update -q
   apt-get install -y -q --no-install-recommends "${need[@]}"
 fi
-nice -n 10 deploy/images/build-offline.sh "${GPUSHARE_IMAGES_OUT:-/var/cache/gpushare-images/out}"
+nice -n 10 deploy/images/build-offline.sh "${GPUSHARE_IMAGES_DIR:-/var/cache/gpushare-images/out}"

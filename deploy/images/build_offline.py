@@ -4,8 +4,10 @@ wheels from PyPI, and the Dockerfile's own steps, written as OCI image archives 
 ``ctr images import`` (containerd), ``podman load`` or ``skopeo`` take.
 
 One recipe: the Dockerfile's builder stage (its RUN: build-wheel.sh) runs here on this machine
-with the build context the Dockerfile's .dockerignore leaves, and its final stage's instructions
-(RUN with its bind mounts, LABEL, ENV, USER, WORKDIR, CMD) run on the base below, in a chroot.
+(Debian 12 in CI, not manylinux_2_28: check_wheel.py still refuses an interposer asking for a
+glibc symbol newer than 2.28) with the build context the Dockerfile's .dockerignore leaves, and
+its final stage's instructions (RUN with its bind mounts, LABEL, ENV, USER, WORKDIR, CMD) run on
+the base below, in a chroot.
 Only the base differs from a Docker build's ``BASE`` (python:3.11-slim-bookworm, a docker-stacks
 image): Debian 12 with its Python 3.11 in a virtual environment on ``PATH`` (/opt/venv), and for
 the kernel image the user jovyan (uid 1000, gid 100, home /home/jovyan, owning /opt/venv) and
@@ -16,7 +18,8 @@ Layers (gzip), each cached under the cache directory by what goes into it:
 1. debian: ``mmdebstrap --variant=minbase`` with python3, python3-venv, ca-certificates
    (shared by both images);
 2. env: the image's base step (the virtual environment, the user) and the wheel's requirements
-   installed from wheels downloaded here (``pip wheel``; the chroot has no network);
+   installed from wheels downloaded here for the image's Python (``pip download``; the chroot
+   has no network);
 3. the Dockerfile's final stage with this checkout's wheel: rebuilt every time.
 
 The chroot steps run in an overlay (lower: the cached layers, upper: the new layer) inside a
@@ -314,10 +317,6 @@ def write_layer(
 def skip_dev(arcname: str) -> bool:
     """The runtime mounts /dev; device nodes and bind targets stay out of the layers."""
     return arcname.startswith("dev/")
-
-
-def skip_nothing(arcname: str) -> bool:
-    return False
 
 
 def in_chroot(

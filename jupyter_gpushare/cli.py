@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -212,6 +213,12 @@ async def _status_reader(
         gpus = await ledger.gpus()
         # "no NVIDIA GPU here" only when there is nothing else to show (simulated GPUs are)
         status = _status_of(gpus, await ledger.list(), None if gpus else problem)
+        waiting = getattr(ledger, "queue", None)  # the node agent's queue (DESIGN box 13)
+        if waiting is not None:
+            try:
+                status["queue"] = await waiting()
+            except GpushareError:  # an agent without a queue
+                pass
         return _with_view(status, await agent.read())
 
     yield read_local
@@ -252,10 +259,34 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     console = Console(width=None if sys.stdout.isatty() else _columns())
     if args.watch is None:
-        console.print(render(asyncio.run(read())))
+        doc = asyncio.run(read())
+        console.print(render(doc))
+        if doc.get("queue"):
+            console.print(_queue_table(doc["queue"]))
         return 0
     reader = functools.partial(_status_reader, settings, args.kubernetes_namespace, args.kubeconfig)
     return asyncio.run(_watch(console, reader, args.watch))
+
+
+def _queue_table(entries: Sequence[dict[str, Any]]) -> Any:
+    """The starts waiting in the node agent's queue, in order: who (where the viewer may see
+    it), what, since when, position and ETA in words."""
+    from rich.table import Table
+
+    table = Table(title="Waiting starts (queue)", title_justify="left")
+    for column in ("#", "user", "share", "since", "waiting", "where in line"):
+        table.add_column(column)
+    for e in entries:
+        share = e.get("share") or {}
+        table.add_row(
+            str(e.get("position", "")),
+            str(e.get("user") or "(another user)"),
+            f"{share.get('gpu_request', '?')} of {share.get('gpu_type') or 'a GPU'}",
+            time.strftime("%H:%M:%S", time.localtime(float(e.get("since") or 0))),
+            f"{float(e.get('waited_s') or 0) / 60:.0f} min",
+            str(e.get("message") or ""),
+        )
+    return table
 
 
 def _columns() -> int:

@@ -118,7 +118,10 @@ def test_a_start_that_does_not_fit_waits_and_begins_within_a_second_of_the_relea
     agent, holder
 ) -> None:
     alice, bob = unix_user(ALICE), unix_user(BOB)
-    a: Agent = agent()
+    with socketlib.socket() as probe:  # a free port for the agent's metrics
+        probe.bind(("127.0.0.1", 0))
+        free_port = probe.getsockname()[1]
+    a: Agent = agent("--metrics-port", str(free_port))
     path = str(a.socket)
     held = run_as(alice, place, path, 1.0, None, holder(alice))
     assert held[0] == "ok" and "allocation" in held[1], held
@@ -133,6 +136,24 @@ def test_a_start_that_does_not_fit_waits_and_begins_within_a_second_of_the_relea
     # alice sees bob's start only as capacity, and her place in no line
     theirs = run_as(alice, ask, path, {"op": "ledger.queue"})[1]["entries"]
     assert [set(e) & {"user", "kernel_id"} for e in theirs] == [set()]
+    # the admin's view: jupyter gpushare status
+    env = {**os.environ, "GPUSHARE_SOCKET": path, "GPUSHARE_NODE_NAME": NODE}
+    shown = subprocess.run(
+        [sys.executable, "-m", "jupyter_gpushare.cli", "status", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert [e["user"] for e in json.loads(shown.stdout)["queue"]] == [BOB], shown.stderr
+    table = subprocess.run(
+        [sys.executable, "-m", "jupyter_gpushare.cli", "status"],
+        env={**env, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "Waiting starts (queue)" in table.stdout and BOB in table.stdout, table.stdout
 
     released_at = run_as(alice, release_timed, path, full["id"])[1]
     outcome = result_of(waiting, 60)
@@ -150,6 +171,14 @@ def test_a_start_that_does_not_fit_waits_and_begins_within_a_second_of_the_relea
     figures = ask(path, {"op": "ledger.queue"})["metrics"]
     assert figures["started"] == 1 and figures["waiting"] == 0
     assert max(figures["reactions_s"]) <= 1.0
+    port = ask(path, {"op": "status"})["daemon"]["metrics_port"]
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+        metrics = page.read().decode()
+    assert 'gpushare_queue_started_total{Hostname="gs-h3"} 1.0' in metrics, metrics[-2000:]
+    assert 'gpushare_queue_length{Hostname="gs-h3"} 0.0' in metrics
+    assert 'gpushare_queue_wait_seconds_count{Hostname="gs-h3"} 1.0' in metrics
 
 
 def test_the_queue_survives_a_restart_drops_the_dead_and_cancels(agent, holder) -> None:

@@ -94,19 +94,17 @@ def test_policy_resolves_a_users_groups() -> None:
     assert policy.priority_of([]) == 0
 
 
-def test_backfill_until_the_hold_then_no_one_passes() -> None:
+def test_backfill_until_the_hold_then_its_gpus_are_kept_for_it() -> None:
     big = Entry("q-1", "ann", 1.0, 0, gpu_type="A100", since=0.0)
-    small = Entry("q-2", "bob", 0.1, 0, gpu_type="A100", since=1.0)
-    other = Entry("q-3", "cy", 0.1, 0, gpu_type="T4", since=2.0)
+    pair = Entry("q-2", "bob", 1.0, 0, count=2, gpu_type="A100", since=0.0)
     young = Pass(now=100.0, hold_s=300.0)
-    young.missed(big)
-    assert young.may_try(small) and young.may_try(other)
+    young.missed(big, ["GPU-b", "GPU-a"])
+    assert young.held == set()  # still young: later starts may pass it anywhere
     old = Pass(now=400.0, hold_s=300.0)
-    old.missed(big)
-    assert not old.may_try(small)
-    assert old.may_try(other)  # another type is not held up
-    anyone = Entry("q-4", "dee", 0.1, 0, gpu_type=None, since=3.0)
-    assert not old.may_try(anyone)  # a start of any type could take the A100's capacity
+    old.missed(big, ["GPU-b", "GPU-a", "GPU-c"])
+    assert old.held == {"GPU-b"}  # the emptiest is kept for it, the others stay in use
+    old.missed(pair, ["GPU-b", "GPU-a", "GPU-c"])
+    assert old.held == {"GPU-b", "GPU-a", "GPU-c"}  # two more, not the one held already
 
 
 def test_erlang_quantiles() -> None:

@@ -174,6 +174,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "that nothing of its GPU type goes ahead of it",
     )
     parser.add_argument(
+        "--queue-eta-window",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="how far back (seconds) the queue's ETA looks for releases to estimate their rate",
+    )
+    parser.add_argument(
         "--queue-weight",
         action="append",
         default=[],
@@ -494,11 +501,14 @@ def _queue_policy(args: argparse.Namespace) -> QueuePolicy:
         raise ValueError(f"--queue-max-per-user {args.queue_max_per_user}: at least 1")
     if not args.queue_hold >= 0:
         raise ValueError(f"--queue-hold {args.queue_hold}: seconds, 0 or more")
+    if not args.queue_eta_window > 0:
+        raise ValueError(f"--queue-eta-window {args.queue_eta_window}: seconds, more than 0")
     return QueuePolicy(
         weights=pairs(args.queue_weight, "--queue-weight", float),
         priorities=pairs(args.queue_priority, "--queue-priority", int),
         max_per_user=args.queue_max_per_user,
         hold_s=args.queue_hold,
+        eta_window_s=args.queue_eta_window,
     )
 
 
@@ -723,7 +733,13 @@ async def _reconcile_forever(ledger: Ledger, node: str) -> None:
 
 
 async def _status(daemon: object) -> dict:
-    return daemon.status()  # type: ignore[attr-defined]
+    from . import queue_ops
+
+    status = daemon.status()  # type: ignore[attr-defined]
+    queue = queue_ops.figures_of(daemon)  # type: ignore[arg-type]
+    if queue is not None:  # the queue's series (metrics.QUEUE_METRICS)
+        status["queue"] = queue
+    return status
 
 
 def _sim_nvml() -> str | None:

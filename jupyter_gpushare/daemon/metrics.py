@@ -32,7 +32,7 @@ from typing import Any
 from wsgiref.simple_server import make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.registry import Collector
 
@@ -76,11 +76,46 @@ DAEMON_METRICS = [
 ]
 
 
+#: the queue's series (DESIGN box 13; ``daemon/queue_ops.py``): (kind, name, help, status key)
+QUEUE_METRICS = [
+    ("gauge", "gpushare_queue_length", "Starts waiting in the queue", "waiting"),
+    ("counter", "gpushare_queue_started", "Queued starts that began", "started"),
+    ("counter", "gpushare_queue_cancelled", "Queued starts cancelled", "cancelled"),
+    ("counter", "gpushare_queue_dropped", "Queued starts whose requester died", "dropped"),
+    ("counter", "gpushare_queue_eta_shown", "Started entries that were shown an ETA", "eta_shown"),
+    (
+        "counter",
+        "gpushare_queue_eta_inside",
+        "Started entries that began inside the first ETA range shown",
+        "eta_inside",
+    ),
+]
+#: (name, help, buckets key, sum key): histograms of the queue
+QUEUE_HISTOGRAMS = [
+    (
+        "gpushare_queue_wait_seconds",
+        "How long started entries waited",
+        "wait_buckets",
+        "wait_sum_s",
+    ),
+    (
+        "gpushare_queue_eta_error_seconds",
+        "How far outside the first ETA range shown an entry began",
+        "eta_error_buckets",
+        "eta_error_sum_s",
+    ),
+]
+
+
 def metric_names() -> set[str]:
     """Every series name the endpoint can export (a counter ``x`` is exported as ``x_total``)."""
     names = set()
     for kind, name, _ in [*ALLOCATION_METRICS, *GPU_METRICS, *DAEMON_METRICS]:
         names.add(f"{name}_total" if kind == "counter" else name)
+    for kind, name, _, _ in QUEUE_METRICS:
+        names.add(f"{name}_total" if kind == "counter" else name)
+    for name, *_ in QUEUE_HISTOGRAMS:
+        names.update({f"{name}_bucket", f"{name}_sum", f"{name}_count"})
     return names
 
 
@@ -136,6 +171,24 @@ class DaemonCollector(Collector):
         clients.add_metric([host], status["daemon"]["clients"])
         refused.add_metric([host], status["daemon"]["refused"])
         yield from (*per_allocation, *per_gpu, clients, refused)
+        queue = status.get("queue")
+        if queue is not None:
+            yield from _queue_families(queue, host)
+
+
+def _queue_families(queue: dict[str, Any], host: str) -> Iterator[Any]:
+    for kind, name, help_text, key in QUEUE_METRICS:
+        family = _family(kind, name, help_text, ["Hostname"])
+        family.add_metric([host], queue.get(key, 0))
+        yield family
+    for name, help_text, buckets_key, sum_key in QUEUE_HISTOGRAMS:
+        family = HistogramMetricFamily(name, help_text, labels=["Hostname"])
+        buckets = [
+            ("+Inf" if bound == float("inf") else f"{bound:g}", count)
+            for bound, count in queue.get(buckets_key) or []
+        ]
+        family.add_metric([host], buckets, queue.get(sum_key, 0.0))
+        yield family
 
 
 class _Handler(_SilentHandler):

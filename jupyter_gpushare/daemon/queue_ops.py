@@ -3,7 +3,9 @@
 The order, the ETA and the words are the pure :mod:`jupyter_gpushare.queue`; this is its shell
 in the node agent, which owns the ledger and so the queue:
 
-``ledger.reserve`` (:mod:`.intents`) with ``"queue": true`` → placed and recorded when it fits;
+``ledger.reserve`` (:mod:`.intents`) with ``"queue": true`` → placed and recorded when it fits
+    and no other start waits for its kind of GPU (else it joins the queue, whose fair order
+    decides: a newcomer does not pass those already waiting by arriving while capacity frees);
     else, when it could fit on this machine at all (on its GPUs with nothing else on them, and
     within the caller's bound), a queue entry: ``{"ok", "queued": true, "entry": view}``; a
     start that can never fit is refused at once with the reason (``never_fits``), as is one
@@ -73,6 +75,8 @@ ENTRY_KEY = "queue_entry"
 HISTORY = 2048
 #: finished entries kept (to answer a late ``wait``/``cancel``)
 FINISHED_KEPT = 1024
+#: the wait and ETA-error histograms' buckets (s)
+BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, float("inf"))
 
 WAITING, STARTED, CANCELLED, DROPPED, FAILED = (
     "waiting",
@@ -180,6 +184,16 @@ class QueueMetrics:
     eta_errors: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     #: seconds from the write that freed capacity to the start (release -> start)
     reactions: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    #: cumulative histograms for Prometheus: bucket upper bound -> count, and the sums
+    wait_buckets: dict[float, int] = field(default_factory=lambda: dict.fromkeys(BUCKETS, 0))
+    wait_sum: float = 0.0
+    error_buckets: dict[float, int] = field(default_factory=lambda: dict.fromkeys(BUCKETS, 0))
+    error_sum: float = 0.0
+
+    def observe(self, buckets: dict[float, int], value: float) -> None:
+        for bound in buckets:
+            if value <= bound:
+                buckets[bound] += 1
 
 
 class AgentQueue:
@@ -304,7 +318,8 @@ class AgentQueue:
         changed: list[QueueEntry] = list(dead)
         now = time.time()
         turn = Pass(now, self.policy.hold_s)
-        for item in self._ordered(snap, await daemon.ledger.gpus()):
+        gpus = await daemon.ledger.gpus()
+        for item in self._ordered(snap, gpus):
             entry = self.entries.get(item.id)
             if entry is None:
                 continue
@@ -313,15 +328,14 @@ class AgentQueue:
                 self._finish(entry, STARTED)
                 changed.append(entry)
                 continue
-            if not turn.may_try(item):
-                continue
-            reply = await self._try(entry)
+            reply = await self._try(entry, turn.held)
             if reply.get("ok"):
                 entry.allocation = reply["allocation"]
                 self._started(entry, now, kicked)
                 changed.append(entry)
+                snap = await daemon.ledger.snapshot()
             elif reply.get("error") == PlacementRefused.code:
-                turn.missed(item)
+                turn.missed(item, self._emptiest(entry, snap, gpus))
             else:
                 self._finish(entry, FAILED, str(reply.get("message") or reply.get("error")))
                 self.metrics.failed += 1
@@ -330,10 +344,27 @@ class AgentQueue:
             await self._persist(*changed)
         return {"ok": True}
 
-    async def _try(self, entry: QueueEntry) -> dict[str, Any]:
+    def _emptiest(self, entry: QueueEntry, snap: Snapshot, gpus: Sequence[Gpu]) -> list[str]:
+        """The GPUs ``entry`` could use, the one with most free compute first."""
+        spec = entry.spec
+        kind = (spec.gpu_type or "").lower()
+        node = self.daemon.settings.node
+        usable = [
+            g for g in gpus if g.node == node and g.healthy and (not kind or g.type.lower() == kind)
+        ]
+        used = {g.uuid: 0.0 for g in usable}
+        for a in snap.allocations:
+            for u in a.gpus:
+                if u in used:
+                    used[u] += a.request
+        return sorted(used, key=lambda u: (used[u], u))
+
+    async def _try(self, entry: QueueEntry, held: set[str]) -> dict[str, Any]:
         try:
             spec = entry.spec
             policy = policy_for(self.daemon, entry.policy)
+            if held:  # GPUs kept for starts that waited past the hold: not for this one
+                policy = replace(policy, cordoned_gpus=policy.cordoned_gpus | frozenset(held))
             fields = dict(entry.fields)
             fields["extra"] = {**dict(fields.get("extra") or {}), ENTRY_KEY: entry.id}
             who = Caller(entry.uid, entry.user, False, frozenset())
@@ -348,6 +379,8 @@ class AgentQueue:
         m = self.metrics
         m.started += 1
         m.waits.append(waited)
+        m.observe(m.wait_buckets, waited)
+        m.wait_sum += waited
         if kicked is not None:
             m.reactions.append(time.monotonic() - kicked)
         first = entry.first_eta
@@ -360,7 +393,10 @@ class AgentQueue:
                 m.eta_inside += 1
             else:
                 lo = float(first.get("lo_s") or 0.0)
-                m.eta_errors.append(lo - at if at < lo else at - float(first["hi_s"]))
+                error = lo - at if at < lo else at - float(first["hi_s"])
+                m.eta_errors.append(error)
+                m.observe(m.error_buckets, error)
+                m.error_sum += error
         self._finish(entry, STARTED)
 
     # -- order, position, ETA ---------------------------------------------------------------
@@ -438,27 +474,31 @@ class AgentQueue:
             for g in gpus
             if g.node == self.daemon.settings.node and (kind == "gpu" or g.type.lower() == kind)
         ]
-        uuids = {g.uuid for g in node}
-        used: dict[str, float] = {u: 0.0 for u in uuids}
-        deadlines = []
+        used: dict[str, float] = {g.uuid: 0.0 for g in node}
+        deadlines: list[Deadline] = []
         for a in snap.allocations:
             for u in a.gpus:
                 if u in used:
                     used[u] += a.request
             warning = a.extra.get("reclaim_warning")
-            if isinstance(warning, dict) and set(a.gpus) & uuids:
+            if isinstance(warning, dict):
                 with contextlib.suppress(TypeError, ValueError):
                     at = float(warning.get("release_at", 0))
-                    deadlines.append(Deadline(at, a.request, str(a.spec.gpu_type or "GPU")))
-        most_free = max((1.0 - v for v in used.values()), default=0.0)
+                    deadlines.extend(
+                        Deadline(at, a.request, str(a.spec.gpu_type or "GPU"), u)
+                        for u in a.gpus
+                        if u in used
+                    )
         same = [e for e in ahead if e.kind in (kind, "*") or kind == "gpu"]
-        need = spec.gpu_request * spec.gpu_count + sum(e.compute for e in same) - most_free
         return estimate(
-            need,
+            spec.gpu_request,
             str(spec.gpu_type or "GPU"),
             time.time(),
             [r for r in self.releases if kind == "gpu" or r.gpu_type.lower() == kind],
             deadlines,
+            window_s=self.policy.eta_window_s,
+            ahead=sum(e.request for e in same),
+            free={u: max(0.0, 1.0 - v) for u, v in used.items()},
         )
 
     # -- ops -----------------------------------------------------------------------------------
@@ -519,6 +559,13 @@ class AgentQueue:
             weight=self.policy.weight_of(groups),
         )
         self.entries[entry.id] = entry
+        # one pass first: a start the fair order lets in now starts now, shown no ETA
+        await write(daemon, None, functools.partial(self._pass, None))
+        if entry.state != WAITING:
+            await self._persist(entry)
+            if entry.state == STARTED and entry.allocation is not None:
+                return {"ok": True, "allocation": entry.allocation}
+            return wire.refusal("refused", f"the start could not begin: {entry.reason}")
         snap = await daemon.ledger.snapshot()
         gpus = await daemon.ledger.gpus()
         shown = self.view(entry, who, snap, gpus)
@@ -528,6 +575,12 @@ class AgentQueue:
         log.info("queue: %s waits for %s (%s)", who.name, spec.describe(), shown["message"])
         self.kick()
         return {"ok": True, "queued": True, "entry": shown, "refusal": refused.get("message")}
+
+    def competing(self, spec: ShareSpec) -> int:
+        """How many waiting starts could take the capacity ``spec`` would (same GPU type, or
+        either takes any type)."""
+        kind = (spec.gpu_type or "*").lower()
+        return sum(1 for e in self.entries.values() if kind == "*" or e.entry().kind in (kind, "*"))
 
     def find(self, entry_id: object, who: Caller) -> QueueEntry | dict[str, Any]:
         key = entry_id if isinstance(entry_id, str) else ""
@@ -589,6 +642,10 @@ class AgentQueue:
             "waits_s": list(m.waits)[-256:],
             "eta_errors_s": list(m.eta_errors)[-256:],
             "reactions_s": list(m.reactions)[-256:],
+            "wait_buckets": [[b, n] for b, n in m.wait_buckets.items()],
+            "wait_sum_s": m.wait_sum,
+            "eta_error_buckets": [[b, n] for b, n in m.error_buckets.items()],
+            "eta_error_sum_s": m.error_sum,
         }
 
 
@@ -610,6 +667,12 @@ def _group_names(gids: frozenset[int]) -> list[str]:
 
 _QUEUES: weakref.WeakKeyDictionary[Any, AgentQueue] = weakref.WeakKeyDictionary()
 _POLICIES: weakref.WeakKeyDictionary[Any, QueuePolicy] = weakref.WeakKeyDictionary()
+
+
+def figures_of(daemon: Daemon) -> dict[str, Any] | None:
+    """The queue's figures (metrics), None where the agent has no queue."""
+    found = _QUEUES.get(daemon)
+    return found.figures() if found is not None else None
 
 
 def configure(daemon: Daemon, policy: QueuePolicy) -> None:
@@ -637,10 +700,15 @@ async def serve(daemon: Daemon, client: Client, message: dict[str, Any]) -> dict
         if op == "ledger.reserve":
             spec, policy, fields = parse_reserve(daemon, message)
             bound = bound_for(daemon, who, bounds.from_json(message.get("bound"), "bound"))
+            waits = message.get("queue") is True
+            ahead = queue.competing(spec) if waits else 0
+            if ahead:  # others wait for this kind of GPU: the fair order decides, not arrival
+                refused = {"message": f"{ahead} start{'s' if ahead != 1 else ''} wait already"}
+                return await queue.enqueue(who, client, spec, policy, fields, bound, refused)
             reply = await write(
                 daemon, who, lambda: place_and_record(daemon, who, spec, policy, fields, bound)
             )
-            if reply.get("error") == PlacementRefused.code and message.get("queue") is True:
+            if reply.get("error") == PlacementRefused.code and waits:
                 return await queue.enqueue(who, client, spec, policy, fields, bound, reply)
             return reply
         if op == "ledger.queue":

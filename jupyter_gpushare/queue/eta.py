@@ -21,7 +21,7 @@ the first one shown to them) is measured by ``benchmarks/queue.py`` and by the a
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 #: releases needed in the window before a rate is used
@@ -29,9 +29,10 @@ MIN_RELEASES = 3
 #: the quantiles of the modelled wait that bound the range shown
 LOW_QUANTILE = 0.02
 HIGH_QUANTILE = 0.98
-#: the model's releases come one at a time; real ones are fragmented over GPUs: the high end
-#: is stretched by this factor (measured by benchmarks/queue.py, ETA honesty)
-SPREAD = 1.5
+#: the model's releases come one at a time and the order lets a user who holds less go ahead:
+#: the range is widened by this factor at both ends (measured by benchmarks/queue.py, ETA
+#: honesty)
+SPREAD = 2.0
 
 
 @dataclass(frozen=True)
@@ -46,11 +47,13 @@ class Release:
 
 @dataclass(frozen=True)
 class Deadline:
-    """An idle share that idle reclaim releases at ``at`` (wall time) unless it runs again."""
+    """An idle share that idle reclaim releases at ``at`` (wall time) unless it runs again,
+    on GPU ``gpu`` (a share of several GPUs: one deadline per GPU)."""
 
     at: float
     request: float
     gpu_type: str
+    gpu: str = ""
 
 
 @dataclass(frozen=True)
@@ -116,27 +119,38 @@ def erlang_quantile(k: int, q: float) -> float:
 
 
 def estimate(
-    need: float,
+    request: float,
     gpu_type: str,
     now: float,
     releases: Sequence[Release],
     deadlines: Sequence[Deadline],
     window_s: float = 1800.0,
+    ahead: float = 0.0,
+    free: Mapping[str, float] | None = None,
 ) -> Eta:
-    """When ``need`` more compute of ``gpu_type`` (this start's request plus what the starts
-    ahead of it take, less what is free) will have been freed, seen at wall time ``now``."""
+    """When a start of ``request`` (per GPU) on ``gpu_type`` can expect to begin, seen at wall
+    time ``now``, behind starts that take ``ahead`` of that type first; ``free``: each GPU's
+    free compute now (per GPU of the type)."""
     kind = gpu_type.lower()
-    need = max(need, 0.01)
+    free = dict(free or {})
+    need = max(request + ahead - max(free.values(), default=0.0), 0.01)
     basis: list[str] = []
+    # the deadline bound: the first time one GPU has room for this start and all ahead of it
+    # (as if they all went there: an upper bound while the idle shares stay idle)
     by: float | None = None
     counted = 0
-    freed = 0.0
-    for d in sorted((d for d in deadlines if d.gpu_type.lower() == kind), key=lambda d: d.at):
-        freed += d.request
-        counted += 1
-        if freed + 1e-9 >= need:
-            by = max(0.0, d.at - now)
-            break
+    per_gpu: dict[str, list[Deadline]] = {}
+    for d in deadlines:
+        if d.gpu_type.lower() == kind:
+            per_gpu.setdefault(d.gpu, []).append(d)
+    for gpu, due in per_gpu.items():
+        room = free.get(gpu, 0.0)
+        for n, d in enumerate(sorted(due, key=lambda d: d.at), 1):
+            room += d.request
+            if room + 1e-9 >= request + ahead:
+                if by is None or d.at - now < by:
+                    by, counted = max(0.0, d.at - now), n
+                break
     if by is not None:
         basis.append(f"{counted} idle share{'s' if counted != 1 else ''} reclaimed by then")
     seen = [r for r in releases if r.gpu_type.lower() == kind and now - window_s <= r.at <= now]
@@ -148,12 +162,11 @@ def estimate(
         rate = len(seen) / span
         size = sum(r.request for r in seen) / len(seen)
         k = max(1, math.ceil(need / max(size, 0.01) - 1e-9))
-        lo = erlang_quantile(k, LOW_QUANTILE) / rate
+        lo = erlang_quantile(k, LOW_QUANTILE) / rate / SPREAD
         hi = SPREAD * erlang_quantile(k, HIGH_QUANTILE) / rate
         minutes = span / 60
         basis.append(f"{len(seen)} releases of {gpu_type} shares in the last {minutes:.0f} min")
-    if by is not None:
-        if hi is None or by < hi:
-            hi = by
-            lo = None if lo is None else min(lo, by)
+    if by is not None and (hi is None or by < hi):
+        hi = by  # the bound is sooner than the rate says
+        lo = lo if lo is not None and lo < by else None
     return Eta(now=now, lo=lo, hi=hi, basis=tuple(basis), by=by, reclaims=counted if by else 0)

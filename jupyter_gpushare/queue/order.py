@@ -9,9 +9,9 @@ user's ten queued kernels do not go ahead of another user's one. An admin's grou
 comes first (a higher priority always goes ahead: a course over ad-hoc use), arrival last.
 
 Backfill: a start further down may begin while one ahead of it does not fit (a smaller share
-fits where a larger does not), until the one ahead has waited ``hold_s``; from then on no later
-start of its GPU type goes ahead of it (:class:`Pass`), so a large share is not starved by a
-stream of small ones.
+fits where a larger does not); once the one ahead has waited ``hold_s`` it holds the GPUs it
+waits for (:class:`Pass`): later starts go elsewhere, so a large share is not starved by a
+stream of small ones, and the other GPUs stay in use.
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ class QueuePolicy:
     max_per_user: int = 8
     #: how long a start may be passed by later ones of its type that fit before it (s)
     hold_s: float = 300.0
+    #: how far back the ETA looks for releases (s)
+    eta_window_s: float = 1800.0
 
     def weight_of(self, groups: Iterable[str]) -> float:
         found = [self.weights[g] for g in groups if g in self.weights]
@@ -111,24 +113,21 @@ def fair_order(
 
 
 class Pass:
-    """One pass over the ordered entries (the agent tries each in turn): which may still be
-    tried. An entry that did not fit and has waited ``hold_s`` or more blocks later entries of
-    its type (and entries of any type, which could take its capacity); one of any type blocks
-    all later entries."""
+    """One pass over the ordered entries (the agent tries each in turn). An entry that did not
+    fit and has waited ``hold_s`` or more holds the GPUs it is waiting for (the emptiest of its
+    type, as many as it needs): later entries in this pass are placed elsewhere, so those GPUs
+    drain until it fits, while the others stay in use (backfill)."""
 
     def __init__(self, now: float, hold_s: float) -> None:
         self.now = now
         self.hold_s = hold_s
-        self.blocked: set[str] = set()
+        #: GPUs held for starts that waited past the hold
+        self.held: set[str] = set()
 
-    def may_try(self, entry: Entry) -> bool:
-        if ANY in self.blocked:
-            return False
-        if entry.kind == ANY:
-            return not self.blocked
-        return entry.kind not in self.blocked
-
-    def missed(self, entry: Entry) -> None:
-        """``entry`` was tried and did not fit."""
-        if self.now - entry.since >= self.hold_s:
-            self.blocked.add(entry.kind)
+    def missed(self, entry: Entry, emptiest: Sequence[str]) -> None:
+        """``entry`` was tried and did not fit; ``emptiest``: the GPUs it could use, the one
+        with most room first."""
+        if self.now - entry.since < self.hold_s:
+            return
+        free = [g for g in emptiest if g not in self.held]
+        self.held.update(free[: max(1, entry.count)])

@@ -53,6 +53,15 @@ class PoolKernelManager(AsyncMappingKernelManager):
                 pool.backend,
             )
 
+    def __bool__(self) -> bool:
+        """Always true. ``MultiKernelManager`` is false while it holds no kernel (``__len__``),
+        and jupyter_server's ``cleanup_kernels`` skips ``shutdown_all`` for a false kernel
+        manager: a server stopped while its pool's first warm kernel starts (no kernel yet)
+        never stopped the pool, whose start then outlived the server's event loop ("Task was
+        destroyed but it is pending", "no running event loop" in the provisioner's cleanup)
+        and left its share reserved (tests/test_pool_server_stop.py)."""
+        return True
+
     # -- share resolution (the provisioner's rule, without a provisioner) ------------------------
 
     def resolve(

@@ -209,6 +209,17 @@ export class GpushareAPI {
     });
   }
 
+  /** Change a share live (`PATCH`, acknowledged once the node agent enforces it). */
+  resize(
+    allocationId: string,
+    change: { gpu_request?: number; gpu_limit?: number; gpu_memory?: number }
+  ): Promise<IAllocation> {
+    return this.request(`allocations/${encodeURIComponent(allocationId)}`, {
+      method: 'PATCH',
+      body: JSON.stringify(change)
+    });
+  }
+
   /** Start a kernel holding `share`; resolves with the kernel model and its allocation. */
   startKernel(
     name: string,

@@ -1,5 +1,5 @@
 /**
- * The GPU dashboard, a side panel: the current notebook kernel's share live (what the
+ * The GPU dashboard, in the right side bar or in the main area (wide: the GPUs side by side): the current notebook kernel's share live (what the
  * ipywidgets panel shows, without a notebook cell) and the node's or cluster's GPUs - per GPU
  * the shares on it, whose they are (user, notebook or command), request, limit, achieved share
  * and memory, live, with the last two minutes as a chart. Reads `GET /gpushare/api/dashboard`
@@ -130,17 +130,6 @@ export function chart(title: string, lines: ILine[], rules: IRule[], now: number
     label.textContent = text;
     root.append(label);
   }
-  for (const rule of rules) {
-    root.append(
-      svg('line', {
-        x1: left,
-        x2: left + plotW,
-        y1: y(rule.value),
-        y2: y(rule.value),
-        class: `jp-gpushare-rule ${rule.className}`
-      })
-    );
-  }
   for (const line of lines) {
     const points = line.samples
       .filter(s => s.v !== null)
@@ -152,11 +141,34 @@ export function chart(title: string, lines: ILine[], rules: IRule[], now: number
       root.append(svg('polyline', { points: points.join(' '), class: `jp-gpushare-line ${line.className}` }));
     }
   }
+  // the rules after the lines, so that they are drawn over them: "reserved 100 %" stays
+  // visible where the use is 100 % too
+  for (const rule of rules) {
+    const line = svg('line', {
+      x1: left,
+      x2: left + plotW,
+      y1: y(rule.value),
+      y2: y(rule.value),
+      class: `jp-gpushare-rule ${rule.className}`
+    });
+    line.dataset.series = rule.label;
+    root.append(line);
+  }
   const caption = el('figcaption', 'jp-gpushare-legend');
   for (const item of [...lines, ...rules]) {
     const entry = el('span', 'jp-gpushare-legend-item');
-    const swatch = el('span', `jp-gpushare-swatch ${item.className}`);
-    swatch.setAttribute('aria-hidden', 'true');
+    // the swatch is the line itself (same class: same colour and dashes as in the chart, and
+    // as the notebook panel's legend)
+    const swatch = svg('svg', { width: 18, height: 8, class: 'jp-gpushare-swatch', 'aria-hidden': 'true' });
+    swatch.append(
+      svg('line', {
+        x1: 0,
+        x2: 18,
+        y1: 4,
+        y2: 4,
+        class: `${'value' in item ? 'jp-gpushare-rule' : 'jp-gpushare-line'} ${item.className}`
+      })
+    );
     const value = 'value' in item ? ` ${formatPercent(item.value)}` : '';
     entry.append(swatch, document.createTextNode(`${item.label}${value}`));
     caption.append(entry);
@@ -164,6 +176,12 @@ export function chart(title: string, lines: ILine[], rules: IRule[], now: number
   box.append(el('div', 'jp-gpushare-chart-title', title), root, caption);
   return box;
 }
+
+/** Where a dashboard lives: the right side bar (narrow) or the main area (wide). */
+export type DashboardArea = 'right' | 'main';
+
+/** Wider than this, the GPUs are laid out side by side. */
+const WIDE_PX = 720;
 
 export interface ICurrentKernel {
   id: string;
@@ -177,15 +195,23 @@ export class GpuDashboard extends Widget {
   private error = '';
   private history = new Map<string, ISample[]>();
 
+  private resizeObserver: ResizeObserver;
+
   constructor(
     private api: GpushareAPI,
     private currentKernel: () => ICurrentKernel | null,
-    private commands: CommandRegistry
+    private commands: CommandRegistry,
+    readonly area: DashboardArea = 'right'
   ) {
     super();
-    this.id = 'jp-gpushare-dashboard';
+    this.id = area === 'main' ? 'jp-gpushare-dashboard-main' : 'jp-gpushare-dashboard';
     this.addClass('jp-gpushare-dashboard');
-    this.title.label = 'GPUs';
+    this.addClass(area === 'main' ? 'jp-mod-main' : 'jp-mod-side');
+    this.resizeObserver = new ResizeObserver(() => {
+      this.toggleClass('jp-mod-wide', this.node.clientWidth >= WIDE_PX);
+    });
+    this.resizeObserver.observe(this.node);
+    this.title.label = area === 'main' ? 'GPU Dashboard' : 'GPUs';
     this.title.caption = 'GPU dashboard: this kernel’s share and the GPUs';
     this.node.tabIndex = 0;
     this.node.setAttribute('role', 'region');
@@ -352,7 +378,7 @@ export class GpuDashboard extends Widget {
     const actions = el('div', 'jp-gpushare-actions');
     for (const [command, text, key] of [
       ['gpushare:release', 'Release the GPU share', 'release'],
-      ['gpushare:restart-with-share', 'Restart with a new share…', 'restart']
+      ['gpushare:restart-with-share', 'Change the share…', 'restart']
     ]) {
       const button = el('button', 'jp-mod-styled jp-gpushare-button', text);
       button.type = 'button';
@@ -416,7 +442,7 @@ export class GpuDashboard extends Widget {
     const table = el('table', 'jp-gpushare-shares');
     const caption = el('caption', '', `Shares on ${gpu.type} #${gpu.index}`);
     const head = el('tr');
-    for (const h of ['Whose, notebook or command', 'Request–limit, using, memory']) {
+    for (const h of ['Whose, what', 'Share, use, memory']) {
       const th = el('th', '', h);
       th.scope = 'col';
       head.append(th);
@@ -439,7 +465,11 @@ export class GpuDashboard extends Widget {
           ? `${formatBytes(share.memory_used)} / ${formatBytes(share.memory_cap)}`
           : `up to ${formatBytes(share.memory_cap)}`;
       const who = el('td');
-      who.append(el('div', 'jp-gpushare-whose', whose(share)), el('div', '', what(share)));
+      // a notebook path or command on one line, cut with "…" (the whole in its tooltip), never
+      // broken inside a file name
+      const held = el('div', 'jp-gpushare-what', what(share));
+      held.title = what(share);
+      who.append(el('div', 'jp-gpushare-whose', whose(share)), held);
       const numbers = el('td');
       numbers.append(
         el('div', '', formatRange(share.request, share.limit)),
@@ -455,6 +485,7 @@ export class GpuDashboard extends Widget {
 
   dispose(): void {
     this.onAfterHide();
+    this.resizeObserver.disconnect();
     super.dispose();
   }
 }

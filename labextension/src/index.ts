@@ -29,10 +29,10 @@ import { IStatusBar } from '@jupyterlab/statusbar';
 import { CommandToolbarButton, LabIcon } from '@jupyterlab/ui-components';
 
 import { GpushareAPI } from './api';
-import { GpuDashboard } from './dashboard';
-import { IStarted, pickAndStart } from './picker';
+import { DashboardArea, GpuDashboard } from './dashboard';
+import { IStarted, pickAndChange, pickAndStart } from './picker';
 import { StartProgress } from './progress';
-import { IShare } from './share';
+import { formatRange, IShare } from './share';
 import { GpuStatus } from './status';
 
 export const PROVISIONER = 'gpushare-provisioner';
@@ -70,11 +70,22 @@ function isCancel(err: unknown): boolean {
  * Make JupyterLab's session context quiet about a cancelled pick: no "Error Starting Kernel"
  * dialog, and no kernel chooser after it (the notebook stays without a kernel; the user can pick
  * one from the Kernel menu). Other errors are shown as before.
+ *
+ * The context stays as a notebook with "No Kernel" is: not ready (`sessionContext.ready` resolves
+ * once a kernel is started later). Lab would mark it ready with no session, and extensions that
+ * await `ready` and then read `session.kernel` (ipywidgets' manager) failed with "Cannot read
+ * properties of null (reading 'kernel')".
  */
 function quietCancel(): void {
+  type Delegate = { promise: Promise<void>; resolve(value: void): void };
   type Private = {
     _handleSessionError(err: unknown): Promise<void>;
-    _handleNewSession(session: null): unknown;
+    _statusChanged: { emit(status: string): void };
+    _kernelChanged: { emit(change: { name: string; oldValue: null; newValue: null }): void };
+    _pendingKernelName: string;
+    noKernelName: string;
+    _ready: Delegate;
+    _isReady: boolean;
     _session: unknown;
     startKernel(): Promise<boolean>;
     __gpushareCancelled?: boolean;
@@ -88,9 +99,10 @@ function quietCancel(): void {
   proto._handleSessionError = async function (this: Private, err: unknown) {
     if (isCancel(err)) {
       this.__gpushareCancelled = true;
-      if (!this._session) {
-        this._handleNewSession(null); // status back from "starting" to "unknown"
-      }
+      // as a notebook whose kernel was shut down: "No Kernel", status back from "starting"
+      this._pendingKernelName = this.noKernelName;
+      this._kernelChanged.emit({ name: 'kernel', oldValue: null, newValue: null });
+      this._statusChanged.emit('unknown');
       return;
     }
     return handle.call(this, err);
@@ -99,8 +111,40 @@ function quietCancel(): void {
   proto.startKernel = async function (this: Private) {
     this.__gpushareCancelled = false;
     const needsChoice = await startKernel.call(this);
-    return needsChoice && !this.__gpushareCancelled;
+    if (!this.__gpushareCancelled) {
+      return needsChoice;
+    }
+    // `initialize` marks the context ready when no choice is needed: keep it as it was
+    const real = this._ready;
+    const wasReady = this._isReady;
+    this._ready = {
+      promise: real.promise,
+      resolve: () => {
+        this._ready = real;
+        if (this._session) {
+          real.resolve(); // a kernel was started since: ready now
+        } else {
+          this._isReady = wasReady;
+        }
+      }
+    };
+    return false;
   };
+}
+
+/**
+ * The notebook a new session is for. JupyterLab creates a session under a temporary path (a
+ * UUID in the notebook's directory) with the notebook's file name as the session's name, and
+ * renames it afterwards; jupyter_server gives a kernel it starts for a session the directory
+ * joined with that name (`JPY_SESSION_NAME`). The same here, for the share's record.
+ */
+export function notebookPath(options: { path?: string; name?: string }): string | undefined {
+  const { path, name } = options;
+  if (!path || !name) {
+    return path;
+  }
+  const slash = path.lastIndexOf('/');
+  return slash < 0 ? name : `${path.slice(0, slash + 1)}${name}`;
 }
 
 function plugin(
@@ -196,7 +240,7 @@ function plugin(
   const startNew = sessions.startNew.bind(sessions);
   sessions.startNew = async (createOptions, connectOptions) => {
     const name = createOptions.kernel?.name;
-    const started = name ? await startWithShare(name, createOptions.path) : null;
+    const started = name ? await startWithShare(name, notebookPath(createOptions)) : null;
     if (started === null) {
       return startNew(createOptions, connectOptions);
     }
@@ -210,27 +254,45 @@ function plugin(
     return session;
   };
 
-  let dashboard: GpuDashboard | null = null;
+  /** The dashboards: one in the right side bar, one in the main area (wide), each opened on
+   * demand. */
+  const dashboards = new Map<DashboardArea, GpuDashboard>();
+  const dashboard = {
+    refreshSoon: () => dashboards.forEach(d => d.isDisposed || d.refreshSoon())
+  };
   const currentKernel = () => {
     const session = tracker.currentWidget?.sessionContext.session;
     const kernel = session?.kernel;
     return kernel && session ? { id: kernel.id, name: kernel.name, path: session.path } : null;
   };
-  const openDashboard = () => {
-    if (!dashboard || dashboard.isDisposed) {
-      dashboard = new GpuDashboard(api, currentKernel, app.commands);
-      dashboard.title.icon = gpuIcon;
-      app.shell.add(dashboard, 'right', { rank: 600 });
+  const openDashboard = (area: DashboardArea) => {
+    let widget = dashboards.get(area);
+    if (!widget || widget.isDisposed) {
+      widget = new GpuDashboard(api, currentKernel, app.commands, area);
+      widget.title.icon = gpuIcon;
+      dashboards.set(area, widget);
+      if (area === 'main') {
+        widget.title.closable = true;
+        app.shell.add(widget, 'main');
+      } else {
+        app.shell.add(widget, 'right', { rank: 600 });
+      }
     }
-    app.shell.activateById(dashboard.id);
-    dashboard.refreshSoon();
+    app.shell.activateById(widget.id);
+    widget.refreshSoon();
   };
   const status = new GpuStatus(api, isGpushare, progress, () => {
     void app.commands.execute(CommandIDs.dashboard);
   });
+  // Release is enabled while the current kernel holds a share (the status bar's reading)
+  status.allocationChanged.connect(() => {
+    for (const id of [CommandIDs.release, CommandIDs.restart]) {
+      app.commands.notifyCommandChanged(id);
+    }
+  });
   const follow = () => {
     status.track(tracker.currentWidget?.sessionContext ?? null);
-    dashboard?.refreshSoon();
+    dashboard.refreshSoon();
     for (const id of [CommandIDs.release, CommandIDs.restart]) {
       if (app.commands.hasCommand(id)) {
         app.commands.notifyCommandChanged(id);
@@ -258,10 +320,17 @@ function plugin(
     return !!kernel && isGpushare(kernel.name);
   };
 
+  /** The current kernel's share as the status bar last read it (null: none, or released). */
+  const heldShare = () => {
+    const kernel = current()?.sessionContext.session?.kernel;
+    const held = status.allocation;
+    return kernel && held && held.kernel_id === kernel.id ? held : null;
+  };
+
   app.commands.addCommand(CommandIDs.release, {
     label: 'Release GPU Share (Keep the Kernel)',
     caption: 'Give this kernel’s GPU share back; the kernel keeps running without a GPU',
-    isEnabled: hasGpushareKernel,
+    isEnabled: () => hasGpushareKernel() && heldShare() !== null,
     execute: async () => {
       const kernel = current()?.sessionContext.session?.kernel;
       if (!kernel) {
@@ -274,17 +343,21 @@ function plugin(
         return;
       }
       await api.release(mine.id);
+      status.allocation = null; // no second Release while the status bar reads again
+      app.commands.notifyCommandChanged(CommandIDs.release);
       Notification.success('Released this kernel’s GPU share; the kernel keeps running.', {
         autoClose: 5000
       });
       status.refreshSoon();
-      dashboard?.refreshSoon();
+      dashboard.refreshSoon();
     }
   });
 
   app.commands.addCommand(CommandIDs.restart, {
-    label: 'Restart Kernel with a New GPU Share…',
-    caption: 'Pick another GPU share and restart this notebook’s kernel with it',
+    label: 'Change the GPU Share (Live, or Restart the Kernel)…',
+    caption:
+      'Pick another GPU share for this notebook’s kernel: changed live where it fits on the ' +
+      'kernel’s GPU, else the kernel restarts with it (its state is lost; the dialog says so)',
     isEnabled: hasGpushareKernel,
     execute: async () => {
       const session = current()?.sessionContext.session;
@@ -292,35 +365,50 @@ function plugin(
       if (!session || !kernel) {
         return;
       }
-      // The new kernel starts (and is placed) before the old one stops, so a refused pick
-      // leaves the running kernel alone; the sessions API shuts the old kernel down.
-      const started = await pickAndStart(
+      const held = (await api.allocations()).find(a => a.kernel_id === kernel.id) ?? null;
+      // A restart starts (and places) the new kernel before the old one stops, so a refused
+      // pick leaves the running kernel alone; the sessions API shuts the old kernel down.
+      const done = await pickAndChange(
         api,
         kernel.name,
         labelOf(kernel.name),
         session.path,
+        held,
         kernelspecShare(kernel.name),
         progress
       );
-      if (started) {
+      if (done?.kind === 'restart') {
+        const started = done.started;
         await session.changeKernel({ id: started.id }).catch(err => abandon(started, err));
+      } else if (done?.kind === 'live') {
+        const range = formatRange(done.allocation.gpu_request, done.allocation.gpu_limit);
+        Notification.success(`This kernel’s GPU share is now ${range}; it kept running.`, {
+          autoClose: 5000
+        });
+      }
+      if (done) {
         status.refreshSoon();
-        dashboard?.refreshSoon();
+        dashboard.refreshSoon();
       }
     }
   });
 
   app.commands.addCommand(CommandIDs.dashboard, {
-    label: args => (args.isLauncher ? 'GPU Dashboard' : 'Open the GPU Dashboard'),
+    label: args =>
+      args.isLauncher
+        ? 'GPU Dashboard'
+        : args.area === 'main'
+          ? 'Open the GPU Dashboard in the Main Area'
+          : 'Open the GPU Dashboard',
     caption: 'This kernel’s GPU share and the GPUs of this node or cluster, live',
     icon: gpuIcon,
-    execute: openDashboard
+    execute: args => openDashboard(args.area === 'main' ? 'main' : 'right')
   });
 
   function addToolbarButtons(panel: NotebookPanel): void {
     const buttons: [string, string, string][] = [
       [CommandIDs.dashboard, 'gpushare-dashboard', 'GPUs'],
-      [CommandIDs.restart, 'gpushare-restart', 'New GPU share'],
+      [CommandIDs.restart, 'gpushare-restart', 'Change GPU share'],
       [CommandIDs.release, 'gpushare-release', 'Release GPU']
     ];
     let at = 10;
@@ -343,12 +431,18 @@ function plugin(
     );
   }
   if (launcher) {
-    launcher.add({ command: CommandIDs.dashboard, category: 'Other', rank: 20, args: { isLauncher: true } });
+    launcher.add({
+      command: CommandIDs.dashboard,
+      category: 'Other',
+      rank: 20,
+      args: { isLauncher: true, area: 'main' }
+    });
   }
   if (palette) {
     for (const command of [CommandIDs.restart, CommandIDs.release, CommandIDs.dashboard]) {
       palette.addItem({ command, category: 'GPU share' });
     }
+    palette.addItem({ command: CommandIDs.dashboard, category: 'GPU share', args: { area: 'main' } });
   }
 }
 

@@ -19,13 +19,25 @@ export interface IShareFields {
   gpu_type: string;
 }
 
+/** The picker's name for each field, the words its messages use. */
+export const FIELD_WORDS: Record<keyof IShareFields, string> = {
+  gpu_request: 'Request',
+  gpu_limit: 'Limit',
+  gpu_memory: 'Memory',
+  gpu_type: 'GPU type'
+};
+
+/**
+ * A value the picker refuses: `field` is the share key (`gpu_request`, as the server names it),
+ * the message is in the form's words and units ("Request: 0.333 is not allowed: …").
+ */
 export class ShareError extends Error {
   constructor(
-    readonly field: string,
+    readonly field: keyof IShareFields,
     readonly value: unknown,
     readonly allowed: string
   ) {
-    super(`${field}=${JSON.stringify(value)} is not allowed: ${allowed}`);
+    super(`${FIELD_WORDS[field]}: ${JSON.stringify(String(value))} is not allowed: ${allowed}`);
   }
 }
 
@@ -51,44 +63,72 @@ const UNITS: Record<string, number> = {
 };
 const MEMORY_RE = /^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$/;
 const TYPE_RE = /^[A-Za-z0-9][A-Za-z0-9 _.-]{0,63}$/;
-const FRACTION = 'a number in (0, 1], the fraction of one GPU';
+/** share.py's COMPUTE_UNIT: compute in whole percents. */
+const STEP = 0.01;
+const FRACTION = 'a fraction of the GPU from 0.01 to 1 (0.25 is 25 %)';
 
-export function parseFraction(text: string, field: string): number {
+export function parseFraction(text: string, field: 'gpu_request' | 'gpu_limit'): number {
   const trimmed = text.trim();
   const value = Number(trimmed);
   if (trimmed === '' || !Number.isFinite(value) || value <= 0 || value > 1) {
     throw new ShareError(field, text, FRACTION);
   }
+  if (Math.abs(value / STEP - Math.round(value / STEP)) > 1e-9) {
+    const nearest = Math.max(STEP, Math.round(value / STEP) * STEP);
+    throw new ShareError(
+      field,
+      text,
+      `whole percents only, steps of 0.01 (${trimmed} is ${formatPercent1(value)}; ` +
+        `nearest: ${+nearest.toFixed(2)} = ${formatPercent(nearest)})`
+    );
+  }
   return value;
 }
 
-export function parseMemory(text: string, field = 'gpu_memory'): number {
+function formatPercent1(fraction: number): string {
+  return `${+(fraction * 100).toFixed(1)} %`;
+}
+
+export function parseMemory(text: string, field: 'gpu_memory' = 'gpu_memory'): number {
   const match = MEMORY_RE.exec(text);
   const unit = match ? match[2].toLowerCase() : '';
   if (!match || !(unit in UNITS)) {
     throw new ShareError(
       field,
       text,
-      'a size in bytes or with a unit (B, KiB, MiB, GiB, TiB, K, M, G, T)'
+      'a size such as 10GiB or 512MiB, or empty for request × the GPU’s memory'
     );
   }
   const bytes = Math.floor(Number(match[1]) * UNITS[unit]);
-  if (bytes <= 0) {
-    throw new ShareError(field, text, 'more than 0 bytes');
+  if (bytes < 2 ** 20) {
+    throw new ShareError(field, text, 'at least 1MiB');
   }
   return bytes;
 }
 
-/** Parse and check the picker's fields; throws {@link ShareError} naming the field. */
-export function parseShare(fields: IShareFields, types: string[]): IShare {
+/**
+ * The one default-limit rule (share.py, `ShareSpec.from_mapping`; `jupyter gpushare run --help`
+ * and the README say the same): without a limit, the limit is the default share's limit, or the
+ * request where the request is larger.
+ */
+export function defaultLimit(request: number, baseLimit: number): number {
+  return Math.max(baseLimit, request);
+}
+
+/**
+ * Parse and check the picker's fields; throws {@link ShareError} naming the field. `baseLimit`:
+ * the default share's limit, for an empty Limit ({@link defaultLimit}).
+ */
+export function parseShare(fields: IShareFields, types: string[], baseLimit = 0.5): IShare {
   const request = parseFraction(fields.gpu_request, 'gpu_request');
   const limitText = fields.gpu_limit.trim();
-  const limit = limitText === '' ? request : parseFraction(limitText, 'gpu_limit');
+  const limit =
+    limitText === '' ? defaultLimit(request, baseLimit) : parseFraction(limitText, 'gpu_limit');
   if (request > limit) {
     throw new ShareError(
       'gpu_request',
-      request,
-      `at most gpu_limit (${limit}); the request is the guaranteed part of the limit`
+      fields.gpu_request,
+      `at most the limit (${formatPercent(limit)}): the request is the guaranteed part of it`
     );
   }
   const memText = fields.gpu_memory.trim();
@@ -107,6 +147,41 @@ export function parseShare(fields: IShareFields, types: string[]): IShare {
     gpu_memory: memory,
     gpu_type: gpuType
   };
+}
+
+/**
+ * Each field's problem as the user types (the field's own words), or none: the Limit is checked
+ * against the Request only once the Request itself is right.
+ */
+export function fieldProblems(
+  fields: IShareFields,
+  types: string[],
+  baseLimit = 0.5
+): Partial<Record<keyof IShareFields, string>> {
+  const problems: Partial<Record<keyof IShareFields, string>> = {};
+  const note = (f: () => void) => {
+    try {
+      f();
+    } catch (err) {
+      if (!(err instanceof ShareError)) {
+        throw err;
+      }
+      problems[err.field] ??= err.message;
+    }
+  };
+  note(() => parseFraction(fields.gpu_request, 'gpu_request'));
+  if (fields.gpu_limit.trim() !== '') {
+    note(() => parseFraction(fields.gpu_limit, 'gpu_limit'));
+  }
+  const memText = fields.gpu_memory.trim();
+  if (memText !== '' && memText !== 'auto') {
+    note(() => parseMemory(memText));
+  }
+  if (!problems.gpu_request && !problems.gpu_limit) {
+    note(() => parseShare({ ...fields, gpu_memory: '', gpu_type: '' }, [], baseLimit));
+  }
+  note(() => parseShare({ ...fields, gpu_request: '1', gpu_limit: '1', gpu_memory: '' }, types));
+  return problems;
 }
 
 /** `10737418240` -> `10GiB`, as `format_bytes` in share.py. */

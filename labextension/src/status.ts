@@ -6,6 +6,7 @@
  * Enter / Space when focused) opens the GPU dashboard.
  */
 import { ISessionContext } from '@jupyterlab/apputils';
+import { ISignal, Signal } from '@lumino/signaling';
 import { Widget } from '@lumino/widgets';
 
 import { GpushareAPI, IAllocation, IInventory, IStart, IUsage } from './api';
@@ -20,6 +21,13 @@ export class GpuStatus extends Widget {
   private inventory: IInventory | null = null;
   /** The allocation shown now (used by the release command). */
   allocation: IAllocation | null = null;
+  private _allocationChanged = new Signal<this, IAllocation | null>(this);
+  private shownId: string | null = null;
+
+  /** The current kernel's allocation changed (a share taken, released, or another kernel). */
+  get allocationChanged(): ISignal<this, IAllocation | null> {
+    return this._allocationChanged;
+  }
   private starting: IStart | null = null;
 
   constructor(
@@ -100,6 +108,10 @@ export class GpuStatus extends Widget {
   }
 
   private render(a: IAllocation | null, live: IUsage | null = null, metered = false): void {
+    if ((a?.id ?? null) !== this.shownId) {
+      this.shownId = a?.id ?? null;
+      this._allocationChanged.emit(a);
+    }
     if (this.starting) {
       return; // the start's phase is shown until it ends
     }

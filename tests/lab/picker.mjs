@@ -128,9 +128,9 @@ try {
   };
 
   // 1b. restart this notebook's kernel with a new share (palette), 1c. open the GPU dashboard
-  await palette('Restart kernel with a new GPU share');
+  await palette('Change the GPU Share');
   await fillPicker({ request: '0.5', limit: '1', type: 'A100' });
-  await accept();
+  await dialog.locator('.jp-Dialog-footer button', { hasText: 'Restart with new share' }).click();
   await dialog.waitFor({ state: 'detached' });
   seen.statusRestarted = await statusText('50–100 %');
   seen.cellRestarted = await runCell('import os; os.environ["GPUSHARE_ALLOCATION_ID"]');
@@ -158,13 +158,13 @@ try {
   );
   await accept();
   seen.serverAnswer = { status: (await refused).status(), body: await (await refused).json() };
-  await picker.locator('.jp-gpushare-problem', { hasText: 'would fit' }).waitFor();
-  seen.serverRefusal = await picker.locator('.jp-gpushare-problem').innerText();
+  // the reopened picker says why, once, in percent (its own check agrees with the server)
+  await picker.locator('.jp-gpushare-fit[data-fits="no"]').waitFor();
+  seen.serverRefusal = await picker.locator('.jp-gpushare-fit').innerText();
+  seen.problemBoxes = await picker.locator('.jp-gpushare-problem').count();
   await shot('05-refused-by-server');
-  // "Use" next to a suggestion fills it in; then the limit is set by hand
-  await picker.locator('.jp-gpushare-suggestions li', { hasText: ' on A100' })
-    .locator('button.jp-gpushare-use')
-    .click();
+  // "Use" next to the sentence fills in what fits; then the limit is set by hand
+  await picker.locator('.jp-gpushare-fit button.jp-gpushare-use').click();
   seen.afterUse = {
     request: await picker.locator('input[name="gpu_request"]').inputValue(),
     type: await picker.locator('select[name="gpu_type"]').inputValue()

@@ -36,6 +36,11 @@ RUNAHEAD_QUANTA = 0.125
 #: An unlimited share may backfill this many quanta between two of the agent's looks (a limited
 #: one its limit credit, at most that): the allowance is renewed at every lease and tick.
 BACKFILL_BURST_QUANTA = 2
+#: A holder whose processes measured more than this part of a lease idle is host-bound (and
+#: stays so while others' backfill fills that much of its leases): any share below its limit
+#: may fill its gaps (idle time, not the holder's). A holder with short gaps (a sync after 1 ms
+#: kernels: ~7 %) is not: idle time then goes by request (scheduler.backfill_allowance).
+IDLE_PART = 0.25
 
 
 @dataclass
@@ -95,6 +100,8 @@ class GpuLoop:
         #: their launches in its lease (a sync per step), taken off its charge
         self._idle_seen: dict[str, int] = {}
         self._lease_idle = 0
+        #: per share, the part of its last lease it left to others or idle (its host's gaps)
+        self._idle_part: dict[str, float] = {}
         self._backfill_looked = monotonic_ns()
         self.backfilled_ns = 0
         for policy in self.shm.policy:  # no allowance left by an earlier agent
@@ -142,6 +149,7 @@ class GpuLoop:
         self.shm.policy[tenant.slot].backfill_cap_ns = 0
         self._backfill_seen.pop(allocation, None)
         self._idle_seen.pop(allocation, None)
+        self._idle_part.pop(allocation, None)
         if self.holder is tenant:
             self._end_lease(monotonic_ns())
         log.info("GPU %s: released %s", self.uuid, allocation)
@@ -480,6 +488,14 @@ class GpuLoop:
         # what others backfilled into the lease and what its processes measured idle in it are
         # not its device time: a lease is charged the device time it used, not its length
         backfilled = min(self._lease_backfill + self._lease_idle, end - start)
+        # host-bound: a quarter of the lease measured idle, and it stays so while its gaps are
+        # filled (backfill covers what was idle: the holder's own idle clock then reads ~0)
+        length = max(1, end - start)
+        was = self._idle_part.get(tenant.allocation, 0.0) > IDLE_PART
+        part = self._lease_idle / length
+        if was and part <= IDLE_PART:
+            part = backfilled / length
+        self._idle_part[tenant.allocation] = part
         self._lease_backfill = self._lease_idle = 0
         tenant.window.charge(start, end - backfilled)
         credit = self._credit(tenant)
@@ -532,10 +548,12 @@ class GpuLoop:
             running = self.holder.window.used(now, self.window_ns, self.lease_start)
             holder = replace(views[self.holder.allocation], used_ns=running)
         burst = BACKFILL_BURST_QUANTA * self.quantum_ns
+        idles = holder is not None and self._idle_part.get(holder.key, 0.0) > IDLE_PART
         for t in self.tenants.values():
             allow = 0
             if holder is not None and t.connections > 0:
-                allow = backfill_allowance(views[t.allocation], holder, self.window_ns, burst)
+                view = views[t.allocation]
+                allow = backfill_allowance(view, holder, self.window_ns, burst, idles)
             seen = self._backfill_seen.get(t.allocation, 0)
             self.shm.policy[t.slot].backfill_cap_ns = seen + allow
 

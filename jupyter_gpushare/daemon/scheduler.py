@@ -18,9 +18,9 @@ Policy (per GPU, leases exclusive, time measured as device time charged in a sli
 5. While the holder's host leaves the device idle (a sync per step), others may **backfill**
    its gaps with one short launch at a time (wire.py, "Backfill"), each charged the device time
    it took (and taken off the holder's lease). :func:`backfill_allowance` says how much each may
-   backfill: shares with limit credit, those below their request always, the others unless the
-   holder, too, runs above its request and is further behind than they are (idle time is split
-   by request, as in 3).
+   backfill: shares with limit credit, those below their request always, the others when the
+   holder's leases leave the device idle, or unless the holder, too, runs above its request and
+   is further behind than they are (idle time is split by request, as in 3).
 
 :class:`UsageWindow` keeps the charged intervals of one tenant and answers "how much device time
 in the last ``window`` ns"; it is plain data too (the caller passes ``now``).
@@ -76,13 +76,19 @@ def pick(tenants: Sequence[TenantView], quantum_ns: int, window_ns: int) -> Gran
 
 
 def backfill_allowance(
-    tenant: TenantView, holder: TenantView | None, window_ns: int, burst_ns: int
+    tenant: TenantView,
+    holder: TenantView | None,
+    window_ns: int,
+    burst_ns: int,
+    holder_idles: bool = False,
 ) -> int:
     """How much device time ``tenant`` may backfill into ``holder``'s lease from now until the
     next decision (0: none): its limit credit (``credit_ns``, the burst for an unlimited share),
     when it is not the holder, below its limit, and either below its request or not
     ahead of a holder that also runs above its own (then idle time is split by request: the one
-    with the smaller ``used / request`` goes first, as in :func:`pick`)."""
+    with the smaller ``used / request`` goes first, as in :func:`pick`), or the holder leaves the
+    device idle in its leases (``holder_idles``: its host is the bound, and what it cannot use
+    is idle time for the others, by max-min fairness)."""
     if holder is None or tenant.key == holder.key or tenant.limit <= 0:
         return 0
     allowance = burst_ns if tenant.limit >= 1.0 else min(tenant.credit_ns, burst_ns)
@@ -90,8 +96,8 @@ def backfill_allowance(
         return 0
     if tenant.used_ns < tenant.request * window_ns:
         return allowance
-    if holder.used_ns < holder.request * window_ns:
-        return allowance  # the holder is owed time but cannot use its gaps: they are idle time
+    if holder_idles or holder.used_ns < holder.request * window_ns:
+        return allowance  # the holder cannot use its gaps: they are idle time
     mine = tenant.used_ns / max(tenant.request, 1e-9)
     theirs = holder.used_ns / max(holder.request, 1e-9)
     return allowance if mine <= theirs else 0

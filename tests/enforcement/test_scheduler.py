@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jupyter_gpushare.daemon.scheduler import LimitCredit, TenantView, UsageWindow, pick
+from jupyter_gpushare.daemon.scheduler import (
+    LimitCredit,
+    TenantView,
+    UsageWindow,
+    backfill_allowance,
+    pick,
+)
 
 Q = 20_000_000
 W = 1_000_000_000
@@ -165,3 +171,34 @@ def test_simulated_eight_tenants():
     specs = {f"t{i}": (0.125, 0.125) for i in range(8)}
     shares = simulate(specs)
     assert all(abs(s - 0.125) <= 0.01 for s in shares.values())
+
+
+def _view(key, request, limit, used_s, credit_ns=Q):
+    return TenantView(key, request, limit, int(used_s * W), False, 0, credit_ns)
+
+
+def test_backfill_goes_to_shares_with_limit_credit_only():
+    """A limited share backfills at most its credit (never past its limit); one in debt, the
+    holder itself, or any share while no lease runs, none."""
+    holder = _view("h", 0.7, 0.7, 0.5)
+    assert (
+        backfill_allowance(_view("a", 0.3, 0.3, 0.1, credit_ns=Q // 2), holder, W, 2 * Q) == Q // 2
+    )
+    assert backfill_allowance(_view("a", 0.3, 0.3, 0.1, credit_ns=-1), holder, W, 2 * Q) == 0
+    assert backfill_allowance(holder, holder, W, 2 * Q) == 0
+    assert backfill_allowance(_view("a", 0.3, 0.3, 0.1), None, W, 2 * Q) == 0
+    assert backfill_allowance(_view("a", 0.3, 1.0, 0.9, credit_ns=-Q), holder, W, 2 * Q) == 2 * Q
+
+
+def test_backfill_between_shares_above_their_requests_goes_by_request():
+    """Idle time is split by request: a share above its request backfills a holder above its
+    own only when it is not further ahead (used / request), unless the holder's leases leave the
+    device idle (host-bound: its gaps are nobody's) or the holder is below its request."""
+    holder = _view("h", 0.3, 1.0, 0.45)  # 1.5 x its request
+    ahead = _view("a", 0.2, 1.0, 0.4)  # 2 x
+    behind = _view("b", 0.2, 1.0, 0.25)  # 1.25 x
+    assert backfill_allowance(ahead, holder, W, 2 * Q) == 0
+    assert backfill_allowance(behind, holder, W, 2 * Q) == 2 * Q
+    assert backfill_allowance(ahead, holder, W, 2 * Q, holder_idles=True) == 2 * Q
+    owed = _view("h", 0.7, 1.0, 0.5)  # below its request but cannot use its gaps
+    assert backfill_allowance(ahead, owed, W, 2 * Q) == 2 * Q

@@ -122,8 +122,11 @@ void gs_holder_queue(struct gs_gpu *g, struct gs_stream *e, int budget, uint64_t
         e->idle_from = 0; /* (counted right before the launch: gs_before_launch) */
         if (e->prev_end && e->prev_lease == lease && now > e->prev_end &&
             alone_on_one_stream(g, lease)) {
+            /* (a backfill queued now, or ended after our last launch: the device ran it up to
+             * its end, and the time before it is not counted: at most idle is) */
             uint64_t other = atomic_load(&h->backfill_until_ns);
-            e->idle_from = other > e->prev_end && other <= now ? other : e->prev_end;
+            if (other - now < SANE_NS && other > now) other = now;
+            e->idle_from = other > e->prev_end ? other : e->prev_end;
         }
         e->prev_lease = budget == 1 ? lease : 0;
         e->t0_host = now;

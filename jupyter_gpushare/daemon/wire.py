@@ -193,8 +193,9 @@ known backlog, or now, plus the launches they may make before they look again ti
 time per launch; 0: a holder that does not say, an older interposer, which is never backfilled).
 The agent publishes in each share's policy ``backfill_cap_ns``: its account's ``backfill_ns``
 may grow up to it (``scheduler.backfill_allowance``: limit credit, the burst for an unlimited
-share; shares above their request only when not ahead of a holder above its own; renewed at
-every lease and tick; 0 more while no lease runs). A share waiting for a lease whose next launch
+share; shares above their request only when not ahead of a holder above its own, unless the
+holder is host-bound, more than ``gpu_loop.IDLE_PART`` of its leases idle or backfilled;
+renewed at every lease and tick; 0 more while no lease runs). A share waiting for a lease whose next launch
 is known to take at most its ``runahead_ns`` and fits its allowance launches ONE kernel once
 what is queued on the device (the holder's queue, then ``backfill_until_ns`` in the header, the
 last backfill's expected end) is at most that launch long: it queues behind it and fills the

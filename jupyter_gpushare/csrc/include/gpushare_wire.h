@@ -12,7 +12,8 @@
  * size; read-only for clients: state, generation, mem_cap, request/limit, runahead_ns,
  * backfill_cap_ns, allocation), and per (allocation, GPU) the account (one slot: mem_used,
  * mem_peak, oom_count, lease_waits, wait_ns, fs_next_ns, backfill_ns, idle_ns). All three arrive
- * as descriptors with the hello reply (SCM_RIGHTS). Fields declared _Atomic are only accessed atomically.
+ * as descriptors with the hello reply (SCM_RIGHTS). Fields declared _Atomic are only accessed
+ * atomically.
  */
 #ifndef GPUSHARE_WIRE_H
 #define GPUSHARE_WIRE_H

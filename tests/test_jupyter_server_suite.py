@@ -187,7 +187,7 @@ def _run_all(
 
 
 def _ours(messages: list[str]) -> list[str]:
-    return [m for m in messages if "jupyter_gpushare" in m]
+    return [m for m in messages if "jupyter_gpushare" in m or "gpushare:" in m]
 
 
 def test_jupyter_servers_own_kernel_and_session_tests_pass_with_gpushare(tmp_path):
@@ -260,15 +260,9 @@ def test_jupyter_servers_own_kernel_and_session_tests_pass_with_gpushare(tmp_pat
         f"{tmp_path})"
     )
     for mode in GPUSHARE_MODES:
+        # a server stopped while its pool's first warm kernel started left PoolManager._run
+        # pending (jupyter_server skipped shutdown_all for a kernel manager with no kernel);
+        # PoolKernelManager is always true now (tests/test_pool_server_stop.py)
         ours = _ours(first[mode]["destroyed_pending"])
-        if mode == "pool":
-            # KNOWN, open: now and then (0-4 in a run) a PoolManager._run task is collected
-            # pending, logged while test_api's test_kernel_handler_startup_error* set up (pending
-            # kernels); not understood yet, so printed and kept in the artifact, not asserted
-            print(
-                "pool mode: PoolManager tasks destroyed pending:",
-                [m for m in ours if "PoolManager" in m or "Event.wait" in m],
-            )
-            ours = [m for m in ours if "PoolManager" not in m and "Event.wait" not in m]
         assert ours == [], first[mode]["destroyed_pending"]
     assert first["pool"]["warm_claims"] > 10, first["pool"]  # the pool really served kernels

@@ -59,7 +59,8 @@ COUNTS = {"warm_claims": 0, "cold_starts_with_pools": 0}
 
 
 class _DestroyedPending(logging.Handler):
-    """Counts asyncio's "Task was destroyed but it is pending!" (a task outlived its loop)."""
+    """Counts asyncio's "Task was destroyed but it is pending!" (a task outlived its loop), and
+    a cleanup that ran after its loop ("no running event loop", any logger)."""
 
     def __init__(self) -> None:
         super().__init__(logging.ERROR)
@@ -67,7 +68,7 @@ class _DestroyedPending(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
-        if "Task was destroyed but it is pending" in message:
+        if "Task was destroyed but it is pending" in message or "no running event loop" in message:
             test = os.environ.get("PYTEST_CURRENT_TEST", "?")
             self.messages.append(f"{message[:300]} (logged during {test})")
 
@@ -79,7 +80,8 @@ class _Report:
         self.passed = 0
         self.seconds: dict[str, float] = {}  # per test file: setup + call + teardown
         self.destroyed = _DestroyedPending()
-        logging.getLogger("asyncio").addHandler(self.destroyed)
+        # asyncio's and the servers' logs propagate to the root logger
+        logging.getLogger().addHandler(self.destroyed)
 
     @pytest.hookimpl
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:

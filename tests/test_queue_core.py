@@ -153,7 +153,8 @@ def test_eta_rests_only_on_what_it_has() -> None:
 
 def test_eta_of_a_poisson_stream_contains_about_nine_in_ten() -> None:
     """Releases of one size at a steady rate: the first range shown contains the actual wait
-    for at least 90 % of starts (the model's own case; benchmarks/queue.py measures the rest)."""
+    for at least 90 % of starts (the model's own case; benchmarks/fair_queue.py measures the
+    rest)."""
     rng = random.Random(7)
     inside = 0
     trials = 400

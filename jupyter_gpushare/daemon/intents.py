@@ -6,9 +6,11 @@ since the caller read it, so one user who swaps in a loop (even swaps that chang
 every other user's placement lose 200 times and answer ``busy``. The agent owns the ledger, so
 users ask it for what they mean and it applies that to the ledger as it is:
 
-Every reply that changed the ledger also carries it as the caller may see it afterwards
-(``allocations``, ``versions``: the view the caller's next change starts from, as a
-``ledger.cas`` with ``"snapshot": true`` does).
+Every reply that changed the ledger also says the node's ``version`` after the change: a
+caller whose view of the node was the version before patches its view with the one record
+(the view its next change starts from, as after a ``ledger.cas`` with ``"snapshot": true``);
+a request with ``"view": true`` (a caller with no view yet) gets the ledger as it may see it
+(``allocations``, ``versions``).
 
 ``ledger.reserve`` ``{"share": ShareSpec JSON, "policy": Policy JSON|null, "fields": {owner,
     kernel_id, backend, state, pid, pid_start, server_pid, extra, id}, "bound": …, "queue":
@@ -70,8 +72,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 #: writes per second one uid may make (sustained), and its burst
-RATE = 50.0
-BURST = 100.0
+RATE = 500.0
+BURST = 1000.0
 #: writes one uid may have waiting for their turn
 MAX_WAITING = 64
 #: the fields of a new record a caller may fill (the rest is the agent's)
@@ -287,8 +289,10 @@ async def place_and_record(
     policy: Policy,
     fields: dict[str, Any],
     bound: ShareSpec | None,
+    view: bool = False,
 ) -> dict[str, Any]:
-    """Place ``spec`` on the ledger as it is and record it (run in the writer's turn)."""
+    """Place ``spec`` on the ledger as it is and record it (run in the writer's turn); with
+    ``view``, the reply carries the ledger as ``who`` may see it afterwards."""
     node = daemon.settings.node
     inventory = [g for g in await daemon.ledger.gpus() if g.node == node]
     for _ in range(3):  # only a write from outside the writer (none in system mode) loses
@@ -339,8 +343,8 @@ async def place_and_record(
         if await daemon.ledger.compare_and_swap(placement.node, version, result):
             await daemon.refresh()
             made = next(a for a in result if a.id == allocation.id)
-            after = await daemon.ledger.snapshot()
-            return {"ok": True, "allocation": made.to_json(), **_view(after, who)}
+            reply = {"ok": True, "allocation": made.to_json(), "version": version + 1}
+            return await _with_view(daemon, who, view, reply)
     return wire.refusal("busy", "the ledger kept changing under the agent; try again")
 
 
@@ -373,8 +377,9 @@ async def _release(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dict
         return wire.refusal("busy", "the ledger changed under the agent; try again")
     if found.node == daemon.settings.node:
         await daemon.refresh()
-    after = await daemon.ledger.snapshot()
-    return {"ok": True, "released": found.to_json(), **_view(after, who)}
+    version = snap.versions.get(found.node, 0) + 1
+    reply = {"ok": True, "released": found.to_json(), "version": version}
+    return await _with_view(daemon, who, message.get("view") is True, reply)
 
 
 async def _update(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dict[str, Any]:
@@ -419,8 +424,19 @@ async def _update(daemon: Daemon, who: Caller, message: dict[str, Any]) -> dict[
     if node == daemon.settings.node:
         await daemon.refresh()
     made = next(a for a in result if a.id == allocation_id)
-    view = await daemon.ledger.snapshot()
-    return {"ok": True, "applied": True, "allocation": made.to_json(), **_view(view, who)}
+    version = snap.versions.get(node, 0) + 1
+    reply = {"ok": True, "applied": True, "allocation": made.to_json(), "version": version}
+    return await _with_view(daemon, who, message.get("view") is True, reply)
+
+
+async def _with_view(
+    daemon: Daemon, who: Caller, view: bool, reply: dict[str, Any]
+) -> dict[str, Any]:
+    """``reply``, with the ledger as ``who`` may see it now when the caller asked (``"view":
+    true``: it has no view of the node to patch)."""
+    if view:
+        reply.update(_view(await daemon.ledger.snapshot(), who))
+    return reply
 
 
 def _view(snap: Any, who: Caller) -> dict[str, Any]:

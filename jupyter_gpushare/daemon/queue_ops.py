@@ -705,8 +705,11 @@ async def serve(daemon: Daemon, client: Client, message: dict[str, Any]) -> dict
             if ahead:  # others wait for this kind of GPU: the fair order decides, not arrival
                 refused = {"message": f"{ahead} start{'s' if ahead != 1 else ''} wait already"}
                 return await queue.enqueue(who, client, spec, policy, fields, bound, refused)
+            view = message.get("view") is True
             reply = await write(
-                daemon, who, lambda: place_and_record(daemon, who, spec, policy, fields, bound)
+                daemon,
+                who,
+                lambda: place_and_record(daemon, who, spec, policy, fields, bound, view),
             )
             if reply.get("error") == PlacementRefused.code and waits:
                 return await queue.enqueue(who, client, spec, policy, fields, bound, reply)

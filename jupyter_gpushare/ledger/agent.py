@@ -296,7 +296,9 @@ class AgentLedger(Ledger):
         if isinstance(policy, Policy):
             reply = await self._intent(self._reserve_message(spec, policy, fields, queue=False))
             if reply is not None:
-                return self._took(reply, Allocation.from_json(reply["allocation"]))
+                made = Allocation.from_json(reply["allocation"])
+                self._took(reply, made)
+                return made
         import pwd
 
         uid = os.getuid()
@@ -328,7 +330,14 @@ class AgentLedger(Ledger):
             "fields": sent,
             "bound": to_json(self.bound) if self.bound is not None else None,
             "queue": queue,
+            "view": self._needs_view(),
         }
+
+    def _needs_view(self) -> bool:
+        """Whether this process keeps no recent view of the ledger (an intent's reply then
+        carries one, for the next change to start from)."""
+        last = self._last
+        return last is None or last[2] != os.getpid() or time.monotonic() - last[1] >= LAST_SEEN_S
 
     async def _intent(self, message: dict[str, Any]) -> dict[str, Any] | None:
         """The agent's reply to an intent; None from an agent that takes none (then the
@@ -343,14 +352,34 @@ class AgentLedger(Ledger):
                 return None
             raise
 
-    def _took(self, reply: dict[str, Any], made: Allocation) -> Allocation:
-        """An intent took effect: the ledger its reply shows is the view the next change
-        starts from (a stale view only makes the agent answer with the current one)."""
-        if "versions" in reply:
+    def _took(
+        self, reply: dict[str, Any], made: Allocation | None, gone: Allocation | None = None
+    ) -> None:
+        """An intent took effect (``made`` is the record now, ``gone`` the one removed): the
+        view the next change starts from gets that one record, when it showed the node at the
+        version just before (else it is dropped: the next change reads afresh)."""
+        if "versions" in reply:  # the ledger as it is (asked for with "view": true)
             self._remember(reply)
-        else:
+            return
+        record = made or gone
+        version = reply.get("version")
+        last = self._last
+        if (
+            record is None
+            or not isinstance(version, int)
+            or last is None
+            or last[2] != os.getpid()
+            or last[0].versions.get(record.node, 0) != version - 1
+        ):
             self.forget_snapshot()
-        return made
+            return
+        kept = tuple(a for a in last[0].allocations if a.id != record.id)
+        self._keep_view(
+            Snapshot(
+                allocations=kept + ((made,) if made is not None else ()),
+                versions={**last[0].versions, record.node: version},
+            )
+        )
 
     async def release(
         self, allocation_id: str, if_unchanged: Allocation | None = None
@@ -360,14 +389,16 @@ class AgentLedger(Ledger):
                 "op": "ledger.release",
                 "id": allocation_id,
                 "if_unchanged": if_unchanged.to_json() if if_unchanged is not None else None,
+                "view": self._needs_view(),
             }
         )
         if reply is None:
             return await super().release(allocation_id, if_unchanged)
-        if "versions" in reply:
-            self._remember(reply)
         released = reply.get("released")
-        return Allocation.from_json(released) if isinstance(released, dict) else None
+        gone = Allocation.from_json(released) if isinstance(released, dict) else None
+        if gone is not None:
+            self._took(reply, None, gone)
+        return gone
 
     async def update(
         self,
@@ -400,12 +431,15 @@ class AgentLedger(Ledger):
                     "version": snap.versions.get(found.node, 0),
                     "before": found.to_json(),
                     "after": changed.to_json(),
+                    "view": self._needs_view(),
                 }
             )
             if reply is None:
                 return await super().update(allocation_id, change)
             if reply.get("applied"):
-                return self._took(reply, Allocation.from_json(reply["allocation"]))
+                changed = Allocation.from_json(reply["allocation"])
+                self._took(reply, changed)
+                return changed
             if "versions" in reply:
                 self._remember(reply)  # the ledger as it is: the next try decides on it
             else:
@@ -430,7 +464,9 @@ class AgentLedger(Ledger):
         message = self._reserve_message(spec, policy, fields, queue=True)
         reply = await self.request(message)
         if reply.get("allocation"):
-            return self._took(reply, Allocation.from_json(reply["allocation"]))
+            made = Allocation.from_json(reply["allocation"])
+            self._took(reply, made)
+            return made
         entry = reply["entry"]
         refused = str(reply.get("refusal") or "nothing fits now")
         deadline = None if timeout is None else time.monotonic() + timeout

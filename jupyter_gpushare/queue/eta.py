@@ -8,13 +8,15 @@ What frees capacity of a GPU type, and what the estimate may rest on:
   *upper bound* while those shares stay idle (``by``).
 - **The observed release rate.** Releases of that type seen in the last ``window_s`` seconds (at
   least :data:`MIN_RELEASES` of them), modelled as a Poisson stream of releases of the observed
-  mean size: the start needs ``k`` of them, so its wait is Erlang(k, rate); the range shown is
-  that distribution's [:data:`LOW_QUANTILE`, :data:`HIGH_QUANTILE`] quantiles, capped by the
-  deadline bound where one applies.
+  mean size: ``k`` of them free enough, so the wait is Erlang(k, rate). The range shown runs
+  from the :data:`LOW_QUANTILE` of the wait for room for this start alone (it may pass starts
+  ahead of it that do not fit yet) to the :data:`HIGH_QUANTILE` of the wait for room for it and
+  every start ahead, each widened by :data:`SPREAD`, and is capped by the deadline bound where
+  one applies.
 
 With neither, there is no estimate: :class:`Eta` says so (``lo`` and ``hi`` None) and why, and
 nothing shows a range. The honesty of the ranges shown (the share of starts that began inside
-the first one shown to them) is measured by ``benchmarks/queue.py`` and by the agent's
+the first one shown to them) is measured by ``benchmarks/fair_queue.py`` and by the agent's
 ``gpushare_queue_eta_*`` metrics.
 """
 
@@ -30,7 +32,7 @@ MIN_RELEASES = 3
 LOW_QUANTILE = 0.02
 HIGH_QUANTILE = 0.98
 #: the model's releases come one at a time and the order lets a user who holds less go ahead:
-#: the range is widened by this factor at both ends (measured by benchmarks/queue.py, ETA
+#: the range is widened by this factor at both ends (measured by benchmarks/fair_queue.py, ETA
 #: honesty)
 SPREAD = 2.0
 
@@ -161,9 +163,13 @@ def estimate(
         span = max(now - first, window_s / 4)
         rate = len(seen) / span
         size = sum(r.request for r in seen) / len(seen)
-        k = max(1, math.ceil(need / max(size, 0.01) - 1e-9))
-        lo = erlang_quantile(k, LOW_QUANTILE) / rate / SPREAD
-        hi = SPREAD * erlang_quantile(k, HIGH_QUANTILE) / rate
+        # the earliest: enough freed for this start alone (it may pass starts ahead of it
+        # that do not fit yet); the latest: for every start ahead of it too
+        alone = max(request - max(free.values(), default=0.0), 0.01)
+        k_lo = max(1, math.ceil(alone / max(size, 0.01) - 1e-9))
+        k_hi = max(1, math.ceil(need / max(size, 0.01) - 1e-9))
+        lo = erlang_quantile(k_lo, LOW_QUANTILE) / rate / SPREAD
+        hi = SPREAD * erlang_quantile(k_hi, HIGH_QUANTILE) / rate
         minutes = span / 60
         basis.append(f"{len(seen)} releases of {gpu_type} shares in the last {minutes:.0f} min")
     if by is not None and (hi is None or by < hi):

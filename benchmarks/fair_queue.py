@@ -22,7 +22,7 @@ two shares); for the queue also the ETA's honesty (starts that began inside the 
 were shown, of those shown one; target >= 90 %) and the release -> start latency (the agent's,
 from the ledger write that woke its queue to the start, real seconds; target p99 <= 1 s).
 
-Run (root): ``python benchmarks/queue.py`` (~2 min; ``--hours``, ``--hour-s``, ``--users``,
+Run (root): ``python benchmarks/fair_queue.py`` (~2 min; ``--hours``, ``--hour-s``, ``--users``,
 ``--gpus``, ``--seed``). The last line is one JSON object.
 """
 
@@ -293,13 +293,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hours", type=float, default=8.0, help="simulated hours in the day")
     parser.add_argument("--hour-s", type=float, default=9.0, help="real seconds per hour")
-    parser.add_argument("--users", type=int, default=6)
-    parser.add_argument("--gpus", type=int, default=4)
+    parser.add_argument("--users", type=int, default=8)
+    parser.add_argument("--gpus", type=int, default=6)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--retry-min", type=float, default=3.0)
     parser.add_argument("--give-up-min", type=float, default=120.0)
     parser.add_argument("--grace-min", type=float, default=10.0)
-    parser.add_argument("--hold-min", type=float, default=20.0, help="the queue's --queue-hold")
+    parser.add_argument("--hold-min", type=float, default=60.0, help="the queue's --queue-hold")
     parser.add_argument(
         "--eta-window-min", type=float, default=60.0, help="the queue's --queue-eta-window"
     )

@@ -100,6 +100,17 @@ def enqueue(path: str, request: float, held_by: int, **share: Any) -> dict[str, 
     )
 
 
+async def name_entry(path: str, allocation_id: str, entry_id: str) -> str:
+    """Write a queue entry's id into one's own share (an attack on another's waiting start)."""
+    from dataclasses import replace
+
+    ledger = AgentLedger(path)
+    changed = await ledger.update(
+        allocation_id, lambda a, _o: replace(a, extra={**a.extra, "queue_entry": entry_id})
+    )
+    return str(changed.extra.get("queue_entry"))
+
+
 def release_timed(path: str, allocation_id: str) -> float:
     asyncio.run(release(path, allocation_id))
     return time.time()
@@ -202,6 +213,14 @@ def test_the_queue_survives_a_restart_drops_the_dead_and_cancels(agent, holder) 
     assert refused[1]["ok"] is False and refused[1]["error"] == "unknown_entry"
     cancelled = run_as(bob, ask, path, {"op": "ledger.queue.cancel", "entry": third["entry"]["id"]})
     assert cancelled[1]["entry"]["state"] == "cancelled"
+
+    # alice names bob's first entry on her own share: it is not taken as started (before the
+    # fix the next pass marked it started with alice's share)
+    assert (
+        run_as(alice, name_entry, path, held["id"], first["entry"]["id"])[1] == first["entry"]["id"]
+    )
+    time.sleep(0.6)  # a few passes of the queue
+    assert first["entry"]["id"] in [e["id"] for e in queue_as_admin(path)]
 
     a.stop()  # the agent restarts: the waiting starts are kept
     a.__init__(a.dir)

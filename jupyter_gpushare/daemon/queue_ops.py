@@ -57,7 +57,15 @@ from ..queue import Deadline, Entry, Eta, Pass, QueuePolicy, Release, describe, 
 from ..share import ShareError, ShareSpec
 from . import wire
 from .intents import parse_reserve, place_and_record, policy_for, write, writer_of
-from .ledger_ops import Caller, NotPermitted, OverCapacity, bound_for, caller, may_use
+from .ledger_ops import (
+    Caller,
+    NotPermitted,
+    OverCapacity,
+    bound_for,
+    caller,
+    may_use,
+    owner_uid,
+)
 
 if TYPE_CHECKING:
     from .server import Client, Daemon
@@ -314,7 +322,13 @@ class AgentQueue:
             self._finish(e, DROPPED, "the process that asked for it is gone")
             self.metrics.dropped += 1
         snap = await daemon.ledger.snapshot()
-        made = {a.extra.get(ENTRY_KEY): a for a in snap.allocations if a.extra.get(ENTRY_KEY)}
+        # shares started for an entry (before a restart, say): only a share of the entry's
+        # own user counts, so nobody can mark another's waiting start as started
+        made = {
+            (a.extra.get(ENTRY_KEY), owner_uid(a)): a
+            for a in snap.allocations
+            if a.extra.get(ENTRY_KEY)
+        }
         changed: list[QueueEntry] = list(dead)
         now = time.time()
         turn = Pass(now, self.policy.hold_s)
@@ -323,8 +337,8 @@ class AgentQueue:
             entry = self.entries.get(item.id)
             if entry is None:
                 continue
-            if entry.id in made:  # started before a restart: never twice
-                entry.allocation = made[entry.id].to_json()
+            if (entry.id, entry.uid) in made:  # started before a restart: never twice
+                entry.allocation = made[entry.id, entry.uid].to_json()
                 self._finish(entry, STARTED)
                 changed.append(entry)
                 continue

@@ -105,6 +105,9 @@ def test_backfill_until_the_hold_then_its_gpus_are_kept_for_it() -> None:
     assert old.held == {"GPU-b"}  # the emptiest is kept for it, the others stay in use
     old.missed(pair, ["GPU-b", "GPU-a", "GPU-c"])
     assert old.held == {"GPU-b", "GPU-a", "GPU-c"}  # two more, not the one held already
+    again = Entry("q-5", "ann", 1.0, 0, gpu_type="A100", since=0.0)
+    old.missed(again, ["GPU-d"])
+    assert "GPU-d" not in old.held  # one start per user holds GPUs
 
 
 def test_erlang_quantiles() -> None:

@@ -123,11 +123,15 @@ class Pass:
         self.hold_s = hold_s
         #: GPUs held for starts that waited past the hold
         self.held: set[str] = set()
+        #: users one of whose starts holds GPUs in this pass (one start per user holds)
+        self.holders: set[str] = set()
 
     def missed(self, entry: Entry, emptiest: Sequence[str]) -> None:
         """``entry`` was tried and did not fit; ``emptiest``: the GPUs it could use, the one
-        with most room first."""
-        if self.now - entry.since < self.hold_s:
+        with most room first. One start per user holds GPUs, so nobody drains the machine for
+        themselves by queueing many large starts."""
+        if self.now - entry.since < self.hold_s or entry.user in self.holders:
             return
         free = [g for g in emptiest if g not in self.held]
         self.held.update(free[: max(1, entry.count)])
+        self.holders.add(entry.user)

@@ -306,6 +306,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --kubernetes-namespace: seconds between writes of this node's "
         "usage to its ConfigMap gpushare-usage-<node> (0: never)",
     )
+    parser.add_argument(
+        "--driver-check",
+        choices=("on", "shares", "off"),
+        default="on",
+        help="check what the driver (NVML) reports per process against the shares and stop "
+        "or pause processes beyond a share's memory cap or compute limit (on); 'shares': "
+        "and leave alone processes of users without a share on the GPU (the default on "
+        "Kubernetes, where other pods may use a node's GPUs); off: never",
+    )
     for flag, trait, metavar in CONFIG_FLAGS:  # one flag per DaemonConfig setting
         default = getattr(d, trait)
         parser.add_argument(
@@ -646,6 +655,8 @@ async def _main(args: argparse.Namespace, access: Access) -> None:
         idle_timeout_s=args.idle_timeout,
         admin_group=args.admin_group or None,
         socket_gid=access.user_gid if args.system else None,
+        driver_check=args.driver_check != "off",
+        stop_unshared=args.driver_check == "on" and not args.kubernetes_namespace,
     )
     daemon = Daemon(ledger, settings)
     configure(daemon, access)

@@ -59,6 +59,8 @@ class Tenant:
     connections: int = 0
     #: when this daemon started tracking it (the idle clock of a share that never launched)
     created_ns: int = field(default_factory=monotonic_ns)
+    #: its processes are paused by the driver check (driver_check.py): no lease meanwhile
+    fenced: bool = False
 
 
 class GpuLoop:
@@ -92,6 +94,9 @@ class GpuLoop:
         self._prev_holder: Tenant | None = None
         self.draining = False
         self._deferred = False
+        #: the slots (+ 1) the agent published as ``next_slot``/``next_other`` during the
+        #: running lease: the only handoffs and extensions it adopts from the board
+        self._offered: set[int] = set()
         #: backfill (wire.py, "Backfill"): each share's account ``backfill_ns`` as last charged,
         #: the device time others backfilled into the running lease, and all backfilled so far
         self._backfill_seen: dict[str, int] = {}
@@ -175,6 +180,21 @@ class GpuLoop:
                 bound = short if over else self.quantum_ns
                 bound = max(1, bound // max(1, t.connections))
             self.shm.policy[t.slot].runahead_ns = bound
+
+    def fence(self, allocation: str, on: bool) -> None:
+        """The driver check paused (``on``) or resumed this share's processes: while paused it
+        gets no lease, and a lease it holds (or forged on the board) ends now."""
+        tenant = self.tenants.get(allocation)
+        if tenant is None:
+            return
+        tenant.fenced = on
+        if on:
+            self.shm.board[tenant.slot].lease_until_ns = 0
+            if self.holder is tenant:
+                self._end_lease(monotonic_ns())
+            elif self.shm.header.holder == tenant.slot + 1:
+                self.shm.header.holder = 0 if self.holder is None else self.holder.slot + 1
+        self.schedule()
 
     def disconnected(self, tenant: Tenant) -> None:
         if tenant.connections == 0:  # nobody can be waiting or draining any more
@@ -266,7 +286,7 @@ class GpuLoop:
                     request=t.request,
                     limit=t.limit,
                     used_ns=t.window.used(now, self.window_ns),
-                    waiting=slot.waiters > 0,
+                    waiting=slot.waiters > 0 and not t.fenced,
                     last_grant_ns=t.last_grant_ns,
                     credit_ns=self._credit(t).value(now, t.limit),
                 )
@@ -320,6 +340,7 @@ class GpuLoop:
         self.lease_until = until
         self.draining = False
         self._deferred = False
+        self._offered = set()
         tenant.last_grant_ns = start
         tenant.grants += 1
         self._credit(tenant).hold(start, tenant.limit)
@@ -367,6 +388,7 @@ class GpuLoop:
             header.next_lease_ns = chosen.lease_ns
         header.next_other = 0 if other is None else self.tenants[other.key].slot + 1
         header.next_slot = 0 if grant is None else self.tenants[grant.key].slot + 1
+        self._offered.update(x for x in (header.next_other, header.next_slot) if x)
 
     def _sync_holder(self) -> bool:
         """Adopt a handoff a client made: ``holder`` moved off our holder's slot, or our holder
@@ -376,10 +398,22 @@ class GpuLoop:
         moved = int(self.shm.header.holder)
         if moved == 0:
             return False
+        if not 0 < moved <= len(self.shm.board):
+            # written by a tenant (the board is theirs to write): no slot; the holder stays ours
+            self.shm.header.holder = self.holder.slot + 1
+            return False
         if moved == self.holder.slot + 1:
             until = int(self.shm.board[self.holder.slot].lease_until_ns)
             if until == 0 or until == self.lease_until:
                 return False
+            if moved not in self._offered:  # an extension the agent never offered: forged
+                self.shm.board[self.holder.slot].lease_until_ns = self.lease_until
+                return False
+        elif moved not in self._offered:  # a handoff to a slot never offered: forged
+            self.shm.header.holder = self.holder.slot + 1
+            if any(t.slot == moved - 1 for t in self.tenants.values()):
+                self.shm.board[moved - 1].lease_until_ns = 0
+            return False
         new = next((t for t in self.tenants.values() if t.slot == moved - 1), None)
         if new is not None and new is not self.holder:
             slot = self.shm.board[new.slot]
@@ -401,7 +435,12 @@ class GpuLoop:
             self.schedule()
             return True
         slot = self.shm.board[new.slot]
-        self._begin(new, int(slot.lease_start_ns), int(slot.lease_until_ns))
+        now = monotonic_ns()
+        # a lease from the board is the tenants' word: the agent's clock bounds it (a handoff
+        # or an extension is never longer than a window, nor started in the future)
+        start = min(int(slot.lease_start_ns), now)
+        until = min(max(int(slot.lease_until_ns), start), now + self.window_ns)
+        self._begin(new, start, until)
         return True
 
     def _check_unused(self) -> None:
@@ -465,7 +504,7 @@ class GpuLoop:
         # charged from the first launch: the wake-up before it is nobody's device time (a lease
         # never launched under is charged whole: it kept the others out)
         start = first if self.lease_start <= first <= end else self.lease_start
-        end = max(end, start)
+        end = max(min(end, monotonic_ns()), start)  # a drain end from the board: not future
         handed = self._prev_holder is not None and self._prev_holder is not tenant
         if handed and first and 0 <= self.lease_start - self._prev_end < 5_000_000:
             self.handoff_gaps.append(max(0, first - self._prev_end))  # granted on the spot

@@ -50,6 +50,17 @@ ALLOCATION_METRICS = [
     ("counter", "gpushare_allocation_oom_refusals", "Allocations refused at the cap"),
     ("counter", "gpushare_allocation_lease_waits", "Launches that waited for a lease"),
     ("counter", "gpushare_allocation_lease_wait_seconds", "Time launches waited for a lease"),
+    (
+        "counter",
+        "gpushare_allocation_memory_kills",
+        "Processes of the allocation stopped because the driver reported its memory over its cap",
+    ),
+    (
+        "counter",
+        "gpushare_allocation_compute_fences",
+        "Processes paused because the driver reported device time beyond the share's limit or "
+        "taken from another share's request",
+    ),
 ]
 #: status key of each allocation metric, in ALLOCATION_METRICS' order
 _ALLOCATION_KEYS = [
@@ -62,6 +73,8 @@ _ALLOCATION_KEYS = [
     "oom_refusals",
     "lease_waits",
     "lease_wait_seconds",
+    "memory_kills",
+    "compute_fences",
 ]
 GPU_METRICS = [
     ("gauge", "gpushare_gpu_busy_share", "Share of the window the GPU was leased"),
@@ -73,6 +86,11 @@ GPU_METRICS = [
 DAEMON_METRICS = [
     ("gauge", "gpushare_daemon_clients", "Connected processes"),
     ("counter", "gpushare_daemon_refused_connections", "Processes refused (no or another's share)"),
+    (
+        "counter",
+        "gpushare_daemon_unshared_kills",
+        "Processes stopped for using a GPU without a share on it (the driver's figures)",
+    ),
 ]
 
 
@@ -155,7 +173,7 @@ class DaemonCollector(Collector):
             for g in allocation["gpus"]:
                 labels = who + gpu_labels(g["gpu"])
                 for family, key in zip(per_allocation, _ALLOCATION_KEYS, strict=True):
-                    family.add_metric(labels, g[key])
+                    family.add_metric(labels, g.get(key, 0))
         per_gpu = [_family(*m, GPU_LABELS) for m in GPU_METRICS]
         for g in status["gpus"]:
             values = [
@@ -167,10 +185,11 @@ class DaemonCollector(Collector):
             ]
             for family, value in zip(per_gpu, values, strict=True):
                 family.add_metric(gpu_labels(g["uuid"]), value)
-        clients, refused = (_family(*m, ["Hostname"]) for m in DAEMON_METRICS)
+        clients, refused, unshared = (_family(*m, ["Hostname"]) for m in DAEMON_METRICS)
         clients.add_metric([host], status["daemon"]["clients"])
         refused.add_metric([host], status["daemon"]["refused"])
-        yield from (*per_allocation, *per_gpu, clients, refused)
+        unshared.add_metric([host], status["daemon"].get("unshared_kills", 0))
+        yield from (*per_allocation, *per_gpu, clients, refused, unshared)
         queue = status.get("queue")
         if queue is not None:
             yield from _queue_families(queue, host)

@@ -59,3 +59,57 @@ def _thermal(pynvml: Any, handle: Any) -> dict[str, Any]:
     except pynvml.NVMLError:
         pass
     return entry
+
+
+def processes(library: str | None, last_seen: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
+    """The driver's per-process figures (the node agent's check, :mod:`.driver_check`):
+    ``{uuid: [{"pid", "memory", "busy"}]}`` for every visible GPU — ``memory`` the bytes the
+    driver accounts to the process (``nvmlDeviceGetComputeRunningProcesses``, _v3 where the
+    library has it), ``busy`` its share of the device since the previous call (the mean of
+    ``nvmlDeviceGetProcessUtilization``'s samples newer than ``last_seen[uuid]``, a fraction;
+    None where the driver has no sample). ``last_seen`` is the caller's, updated here."""
+    import ctypes
+
+    import pynvml
+
+    with _lock:
+        if library is not None:
+            pynvml.nvmlLib = ctypes.CDLL(library)
+        pynvml.nvmlInit()
+        try:
+            found: dict[str, list[dict[str, Any]]] = {}
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = pynvml.nvmlDeviceGetUUID(handle)
+                uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+                rows: dict[int, dict[str, Any]] = {}
+                for info in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    pid = int(info.pid)
+                    used = info.usedGpuMemory
+                    # NVML_VALUE_NOT_AVAILABLE (all ones, None in pynvml) where it cannot say
+                    memory = int(used) if isinstance(used, int) and 0 <= used < 2**63 else 0
+                    row = rows.setdefault(pid, {"pid": pid, "memory": 0, "busy": None})
+                    row["memory"] += memory
+                samples: dict[int, list[int]] = {}
+                newest = last_seen.get(uuid, 0)
+                try:
+                    for sample in pynvml.nvmlDeviceGetProcessUtilization(handle, newest):
+                        stamp = int(sample.timeStamp)
+                        if stamp <= last_seen.get(uuid, 0):
+                            continue
+                        newest = max(newest, stamp)
+                        samples.setdefault(int(sample.pid), []).append(
+                            max(0, min(100, int(sample.smUtil)))
+                        )
+                except pynvml.NVMLError:  # NOT_FOUND: no sample since then; NOT_SUPPORTED
+                    pass
+                last_seen[uuid] = newest
+                for pid, utils in samples.items():
+                    row = rows.setdefault(pid, {"pid": pid, "memory": 0, "busy": None})
+                    row["busy"] = sum(utils) / len(utils) / 100.0
+                found[uuid] = list(rows.values())
+            return found
+        finally:
+            pynvml.nvmlShutdown()
+            if library is not None:
+                pynvml.nvmlLib = None

@@ -30,6 +30,7 @@ from ..ledger import Allocation, Ledger
 from ..ledger.sqlite import UNREADABLE
 from . import wire
 from .admission import Admins, Admission, Listener, Peer, raise_fd_limit, read_peer, user_name
+from .driver_check import DriverCheck
 from .gpu_loop import GpuLoop, Tenant
 from .identity import pod_uid_of
 from .ratelog import RateLimitedLog
@@ -94,6 +95,10 @@ class DaemonSettings:
     admin_group: str | None = None
     #: the socket is 0660 with this group (only its members reach the agent); None: 0666
     socket_gid: int | None = None
+    #: check the driver's per-process figures against the shares and act (driver_check.py)
+    driver_check: bool = True
+    #: stop processes of users without a share on the GPU they use (else only shares count)
+    stop_unshared: bool = True
 
 
 @dataclass(eq=False)
@@ -134,6 +139,9 @@ class Daemon:
         self.reclaimed: dict[str, dict[str, Any]] = {}
         self.metrics_port: int | None = None
         self.nvml: dict[str, dict[str, Any]] = {}
+        self.driver_check: DriverCheck | None = None
+        #: one GPU's lease loop failing must not stop another's (logged at most once a minute)
+        self.gpu_log = RateLimitedLog(log, "a GPU's lease loop failed", first_traceback=True)
         self._tasks: list[asyncio.Task[Any]] = []
         self._refresh_lock = asyncio.Lock()
         self._reads_begun = 0  # ledger reads begun by ``refresh``, and the last one finished
@@ -176,6 +184,15 @@ class Daemon:
         self._tasks.append(asyncio.create_task(self._tick()))
         if self.settings.nvml_library is not None or os.environ.get("GPUSHARE_SIMULATED"):
             self._tasks.append(asyncio.create_task(self._sample_nvml()))
+        if self.settings.driver_check and (
+            self.settings.nvml_library is not None or _has_nvml()
+        ):  # the driver's own figures against the shares (driver_check.py)
+            from .driver_check import DriverCheck
+
+            self.driver_check = DriverCheck(
+                self, self.settings.nvml_library, stop_unshared=self.settings.stop_unshared
+            )
+            self._tasks.append(asyncio.create_task(self.driver_check.run()))
         # what start built (modules, the ledger, the GPUs' state) lives as long as the agent:
         # the garbage collector's full passes need not scan it again (a pause of milliseconds
         # in some request's way otherwise; issue 12's p99)
@@ -326,8 +343,11 @@ class Daemon:
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(0.05)
-            for gpu in self.gpus.values():
-                gpu.tick()
+            for gpu in list(self.gpus.values()):
+                try:
+                    gpu.tick()
+                except Exception as exc:  # a bug one GPU's board hit: the others go on
+                    self.gpu_log.failed(f"GPU {gpu.uuid}: {type(exc).__name__}: {exc}", exc)
 
     async def _sample_nvml(self) -> None:
         from .nvml import sample
@@ -400,10 +420,14 @@ class Daemon:
         uuid = message.get("gpu")
         for gpu, tenant in client.tenants:
             if gpu.uuid == uuid and gpu.tenants.get(tenant.allocation) is tenant:
-                if op == "want":
-                    gpu.want(tenant)
-                else:
-                    gpu.done(tenant, int(message.get("lease", 0)))
+                lease = int(message.get("lease", 0))
+                try:
+                    if op == "want":
+                        gpu.want(tenant)
+                    else:
+                        gpu.done(tenant, lease)
+                except Exception as exc:  # a bug one GPU's board hit: the others go on
+                    self.gpu_log.failed(f"GPU {gpu.uuid}: {type(exc).__name__}: {exc}", exc)
 
     async def _hello(self, client: Client, message: dict[str, Any]) -> dict[str, Any]:
         version, refused = wire.negotiate(message)  # a range of versions: upgrades (wire.py)
@@ -628,6 +652,8 @@ class Daemon:
                 for uuid in allocation.gpus
                 if (gpu := self.gpus.get(uuid)) is not None and allocation.id in gpu.tenants
             ]
+            for entry in per_gpu:
+                entry.update(self._driver_counts(allocation.id, entry["gpu"]))
             allocations.append(
                 {
                     "id": allocation.id,
@@ -656,6 +682,10 @@ class Daemon:
                         default=None,
                     ),
                     "reclaim_warning": allocation.extra.get("reclaim_warning"),
+                    # what the driver check did to it (its processes stopped or paused, why)
+                    "driver_check": self.driver_check.report(allocation.id)
+                    if self.driver_check is not None
+                    else None,
                     "gpus": per_gpu,
                 }
             )
@@ -693,6 +723,7 @@ class Daemon:
                 "uptime_s": round((now - self.started_ns) / 1e9, 3),
                 "clients": len(self.clients),
                 "refused": self.refused,
+                "unshared_kills": self.driver_check.unshared_kills if self.driver_check else 0,
                 "unreadable_rows": list(self.unreadable) if mine is None or viewer_admin else [],
                 "metrics_port": self.metrics_port,
                 "quantum_ms": self.settings.quantum_ns / 1e6,
@@ -701,6 +732,11 @@ class Daemon:
             "allocations": allocations,
             "gpus": gpus,
         }
+
+    def _driver_counts(self, allocation: str, gpu: str) -> dict[str, int]:
+        if self.driver_check is None:
+            return {"memory_kills": 0, "compute_fences": 0}
+        return self.driver_check.counts(allocation, gpu)
 
     def _name_only_own(self, reply: dict[str, Any], viewer: Peer | None) -> dict[str, Any]:
         """A ``gpus`` reply as ``viewer`` may see it: every GPU's free capacity and number of
@@ -799,6 +835,17 @@ def too_deep(line: bytes) -> bool:
         if not brackets or not removed:
             break
     return bool(brackets)
+
+
+def _has_nvml() -> bool:
+    """Whether the driver's NVML library (``libnvidia-ml.so.1``) loads here."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def _has_nvml() -> bool:

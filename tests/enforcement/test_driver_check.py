@@ -1,0 +1,214 @@
+"""The driver check's decision (``daemon/driver_check.py``: pure, hypothesis) and the lease loop
+against a hostile board (``daemon/gpu_loop.py``: every value a tenant may write is range-checked,
+nothing a tenant writes raises in the agent).
+
+The attacks themselves, as real users against the system agent: tests/test_driver_check_attacks.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import random
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jupyter_gpushare.daemon import wire
+from jupyter_gpushare.daemon.driver_check import (
+    MEMORY,
+    NO_SHARE,
+    OVER_LIMIT,
+    TOOK_REQUEST,
+    Margins,
+    Process,
+    Share,
+    Window,
+    decide,
+    memory_allowed,
+)
+from jupyter_gpushare.daemon.gpu_loop import GpuLoop
+from jupyter_gpushare.daemon.shm import GpuShm, StateDir, monotonic_ns
+
+GiB = 2**30
+GPU = "GPU-x"
+
+
+def share(name: str, request: float = 0.3, limit: float = 0.3, cap: int = GiB, **kw) -> Share:
+    return Share(name, request, limit, cap, **kw)
+
+
+def proc(pid: int, memory: int, owner: str | None, uid: int = 1000) -> Process:
+    return Process(pid, uid, 1.0 + pid, memory, owner)
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+
+def test_a_share_over_its_cap_loses_its_largest_processes_first() -> None:
+    bob = share("bob", cap=GiB)
+    procs = [proc(1, 3 * GiB, "bob"), proc(2, GiB // 2, "bob"), proc(3, 2 * GiB, "bob")]
+    [action] = decide(GPU, [bob], procs)
+    assert (action.kind, action.cause, action.allocation) == ("kill", MEMORY, "bob")
+    assert [p.pid for p in action.processes] == [1, 3]  # 0.5 GiB left: inside the cap
+    assert "over its cap of 1.00 GiB" in action.reason
+
+
+def test_within_the_cap_and_its_margin_nothing_happens() -> None:
+    alice = share("alice", cap=4 * GiB)
+    allowed = memory_allowed(alice, 2, Margins())
+    procs = [proc(1, allowed // 2, "alice"), proc(2, allowed - allowed // 2, "alice")]
+    assert decide(GPU, [alice], procs) == []
+    procs[1] = proc(2, allowed - allowed // 2 + 1, "alice")
+    assert [a.cause for a in decide(GPU, [alice], procs)] == [MEMORY]
+
+
+def test_a_process_of_no_share_is_stopped_unless_told_not_to() -> None:
+    stray = proc(9, GiB, None)
+    [action] = decide(GPU, [], [stray])
+    assert (action.kind, action.cause, action.allocation) == ("kill", NO_SHARE, None)
+    assert decide(GPU, [], [stray], stop_unshared=False) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    caps=st.lists(st.integers(1, 64 * GiB), min_size=1, max_size=4),
+    held=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 96 * GiB)), max_size=12),
+)
+def test_memory_kills_leave_each_share_within_its_allowance(caps, held) -> None:
+    """After the kills every share fits its cap plus its margin; only over-cap shares lose
+    processes, and no process is killed that did not have to be (the largest go first, so
+    sparing any killed one would leave the share over)."""
+    shares = [share(f"s{i}", cap=c) for i, c in enumerate(caps)]
+    procs = [proc(n, m, f"s{i % len(caps)}") for n, (i, m) in enumerate(held, start=1)]
+    actions = decide(GPU, shares, procs)
+    killed = {p.pid for a in actions for p in a.processes}
+    for s in shares:
+        mine = [p for p in procs if p.share == s.allocation]
+        left = [p for p in mine if p.pid not in killed]
+        assert sum(p.memory for p in left) <= memory_allowed(s, len(left), Margins())
+        before = sum(p.memory for p in mine)
+        if before <= memory_allowed(s, len(mine), Margins()):
+            assert not killed & {p.pid for p in mine}
+        gone = [p for p in mine if p.pid in killed]
+        if gone:
+            smallest = min(gone, key=lambda p: p.memory)
+            spared = [*left, smallest]
+            assert sum(p.memory for p in spared) > memory_allowed(s, len(spared), Margins())
+            assert all(p.memory >= q.memory for p in gone for q in left)
+
+
+# -- compute -----------------------------------------------------------------------------------
+
+
+def test_over_its_limit_by_the_driver_is_fenced() -> None:
+    bob = share("bob", 0.3, 0.3, used=0.99, granted=0.99)
+    [action] = decide(GPU, [bob], [proc(1, 0, "bob")])
+    assert (action.kind, action.cause) == ("fence", OVER_LIMIT)
+    assert decide(GPU, [share("bob", 0.3, 0.3, used=0.39)], [proc(1, 0, "bob")]) == []
+    assert decide(GPU, [share("bob", 0.3, 1.0, used=1.0)], [proc(1, 0, "bob")]) == []
+
+
+def test_taking_a_waiting_shares_request_is_fenced_only_when_outside_the_schedule() -> None:
+    alice = share("alice", 0.3, 1.0, used=0.1, granted=0.1, waiting=True)
+    # bob ran outside his leases (LD_PRELOAD cleared, or a lease he wrote himself, which the
+    # lease loop does not adopt) while alice waited below her request
+    outside = share("bob", 0.3, 1.0, used=0.9, granted=0.2)
+    [action] = decide(GPU, [alice, outside], [proc(1, 0, "bob"), proc(2, 0, "alice")])
+    assert (action.allocation, action.cause) == ("bob", TOOK_REQUEST)
+    # bob ran inside the leases he was granted: alice's waiting flag is her own word
+    inside = share("bob", 0.3, 1.0, used=0.9, granted=0.9)
+    assert decide(GPU, [alice, inside], [proc(1, 0, "bob")]) == []
+    # not waiting, or not below her request: nothing was taken from her
+    assert decide(GPU, [share("alice", 0.3, 1.0, used=0.1), outside], [proc(1, 0, "bob")]) == []
+    assert decide(GPU, [share("alice", 0.3, 1.0, used=0.3, waiting=True), outside], []) == []
+
+
+fractions = st.floats(0.0, 1.0, allow_nan=False)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([0.1, 0.2, 0.3, 0.5]),
+            st.sampled_from([0.3, 0.5, 1.0]),
+            fractions,
+            fractions,
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_a_share_that_keeps_to_its_schedule_is_never_fenced(rows) -> None:
+    """A share whose driver figure stays within what it was granted (the agent's own figure) and
+    within its limit is never fenced, whatever its neighbours do or claim (waiting, starved)."""
+    shares = []
+    for i, (request, limit, used, granted, waiting) in enumerate(rows):
+        limit = max(limit, request)
+        shares.append(share(f"s{i}", request, limit, used=used, granted=granted, waiting=waiting))
+    honest = share("honest", 0.3, 0.5, used=0.45, granted=0.4)
+    actions = decide(GPU, [honest, *shares], [proc(1, 0, "honest")])
+    assert not [a for a in actions if a.allocation == "honest"]
+
+
+def test_the_window_averages_the_drivers_samples() -> None:
+    w = Window(2_000_000_000)
+    t = 0
+    assert w.figures(t) is None
+    for i in range(12):  # 3 s at 0.25 s: busy 1.0 for 1 s, then 0.2; granted 0.5 of the time
+        t += 250_000_000
+        w.add(t, 1.0 if i < 4 else 0.2, 250_000_000, t // 2, waiting=i % 2 == 0)
+    used, granted, waiting = w.figures(t)  # type: ignore[misc]
+    assert abs(used - 0.2) < 1e-9 and abs(granted - 0.5) < 1e-9 and waiting
+
+
+# -- the lease loop against a hostile board ----------------------------------------------------
+
+
+def test_random_writes_to_the_board_never_raise_in_the_lease_loop(tmp_path: Path) -> None:
+    """A tenant may write anything to its GPU's board at any time (it is read-write by design):
+    out-of-range holders and next slots, leases in the far future or past, huge counters. The
+    agent's loop (tick, want, done, its timers) must never raise on it and keeps its heartbeat.
+    Before the range checks: IndexError in _sync_holder on the first holder past the slots."""
+    state = StateDir(tmp_path / "state")
+    shm = GpuShm(state, GPU, 20_000_000, 1_000_000_000)
+    loop = GpuLoop(GPU, shm, 20_000_000, 1_000_000_000)
+    rand = random.Random(23)
+    special = [0, 1, wire.SLOTS, wire.SLOTS + 1, 2**31, 2**32 - 1, 2**63, 2**64 - 1]
+    base = ctypes.addressof(shm.header)
+    errors: list[BaseException] = []
+
+    async def attack() -> None:
+        asyncio.get_running_loop().set_exception_handler(
+            lambda _loop, ctx: errors.append(ctx.get("exception") or RuntimeError(ctx["message"]))
+        )
+        tenants = [loop.upsert(f"a-{i:016x}", 0.3, 0.5, GiB, set()) for i in range(3)]
+        assert all(tenants)
+        for step in range(20_000):
+            for _ in range(rand.randrange(1, 8)):
+                value = rand.choice(special) if rand.random() < 0.5 else rand.getrandbits(64)
+                offset = 8 * rand.randrange(wire.FILE_SIZE // 8)
+                ctypes.c_uint64.from_address(base + offset).value = value
+            t = rand.choice(tenants)
+            assert t is not None
+            match rand.randrange(4):
+                case 0:
+                    loop.tick()
+                case 1:
+                    loop.want(t)
+                case 2:
+                    loop.done(t, rand.getrandbits(64))
+                case _:
+                    loop.fence(t.allocation, rand.random() < 0.5)
+            if step % 500 == 0:
+                await asyncio.sleep(0.001)  # let its timers run
+        loop.tick()
+        assert monotonic_ns() - shm.header.heartbeat_ns < 1_000_000_000
+
+    asyncio.run(attack())
+    assert errors == []
+    shm.close()
+    state.close()

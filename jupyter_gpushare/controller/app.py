@@ -33,6 +33,7 @@ from .config import GpushareController
 from .kernels import KernelService
 from .leader import LeaderElection
 from .network import KernelNetwork, NetworkSettings
+from .queue import ControllerQueue, ControllerQueueSettings
 from .servers import ServerLeases
 from .usage import NodeAuth
 
@@ -42,7 +43,7 @@ log = logging.getLogger("jupyter_gpushare.controller")
 class ControllerApp(Application):
     name = "jupyter-gpushare-controller"
     description = "The gpushare cluster controller: the only holder of Kubernetes rights."
-    classes = [GpushareController, KubernetesBackendConfig, GpuShare]
+    classes = [GpushareController, ControllerQueueSettings, KubernetesBackendConfig, GpuShare]
     config_file = Unicode("", config=True, help="A Python config file to load.")
     aliases = {
         "config": "ControllerApp.config_file",
@@ -71,6 +72,7 @@ class ControllerApp(Application):
         settings = GpushareController(config=self.config)
         kcfg = KubernetesBackendConfig.instance(config=self.config)
         share = GpuShare.instance(config=self.config)
+        queue_settings = ControllerQueueSettings(config=self.config)
         bounds = Bounds(
             parse_bounds(settings.user_bounds, "GpushareController.user_bounds"),
             parse_bounds(settings.group_bounds, "GpushareController.group_bounds"),
@@ -148,11 +150,22 @@ class ControllerApp(Application):
                 active["network"] = asyncio.create_task(
                     network.run_forever(settings.reconcile_interval, service.watcher.values)
                 )
+            # the queue (read from its GpuQueue object) before requests are served
+            queue = ControllerQueue(
+                service, queue_settings.policy(), settings.identity, queue_settings.server_grace
+            )
+            await queue.start()
+            active["queue"] = queue
+            state.queue = queue
             active["service"] = service
             state.service = service
 
         async def lost() -> None:
             state.service = None
+            state.queue = None
+            queue = active.pop("queue", None)
+            if queue is not None:
+                await queue.stop()
             for name in ("reconcile", "network"):
                 task = active.pop(name, None)
                 if task is not None:

@@ -29,6 +29,7 @@ from urllib.parse import quote
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.web import HTTPError
 
+from ..errors import GpushareError
 from ..inventory import Gpu
 from ..ledger import Allocation, AllocationNotFound, Ledger, PlaceFunction, Snapshot
 from ..placement import PlacementRefused
@@ -36,6 +37,9 @@ from ..resize import RESIZABLE
 from ..share import ShareError, ShareSpec
 
 log = logging.getLogger("jupyter_gpushare.controller")
+
+#: the longest single wait for a queued start's change (a progress report at least this often)
+QUEUE_POLL_S = 10.0
 
 
 class ControllerRefused(HTTPError):
@@ -186,6 +190,93 @@ class ControllerLedger(Ledger):
             "owner": fields.get("owner", "kernel"),
         }
         return Allocation.from_json(await self.client.request("POST", "/api/allocations", body))
+
+    async def reserve_waiting(
+        self,
+        spec: ShareSpec,
+        policy: Any,
+        timeout: float | None,
+        progress: Callable[[dict[str, Any]], None] | None = None,
+        **fields: Any,
+    ) -> Allocation:
+        """Place ``spec`` now, or wait in the controller's queue (DESIGN box 13,
+        :mod:`.queue`) up to ``timeout`` seconds (None: as long as it takes) and return the
+        share it started; no kernel pod exists meanwhile. ``progress`` is called with each view
+        of the waiting entry (``position``, ``eta``, ``message``). Raises ``PlacementRefused``
+        when the wait ends without a start, and at once for a start that can never fit or
+        one over the user's cap on waiting starts. A cancelled wait (a stopped start, Ctrl-C)
+        cancels the entry; a share started in that moment is released. ``policy`` is the
+        controller's (ignored here)."""
+        body = {
+            "share": spec.to_json(),
+            "kernel_id": fields.get("kernel_id"),
+            "server_id": self.server_id,
+            "owner": fields.get("owner", "kernel"),
+        }
+        try:
+            reply = await self.client.request("POST", "/api/queue", body)
+        except ControllerRefused as exc:
+            if exc.body.get("error") in ("never_fits", "queue_full"):
+                raise PlacementRefused(str(exc)) from None
+            raise
+        if reply.get("allocation"):
+            return Allocation.from_json(reply["allocation"])
+        entry = reply["entry"]
+        refused = str(entry.get("refusal") or "nothing fits now")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                if progress is not None:
+                    progress(entry)
+                if entry["state"] == "started":
+                    return Allocation.from_json(entry["allocation"])
+                if entry["state"] != "waiting":
+                    raise PlacementRefused(f"{refused}; the queued start was {entry['message']}")
+                left = QUEUE_POLL_S if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    break
+                wait = max(0.0, min(left, QUEUE_POLL_S))
+                entry = (
+                    await self.client.request("GET", f"/api/queue/{entry['id']}?wait={wait:.1f}")
+                )["entry"]
+        except BaseException:
+            ended = await asyncio.shield(self._cancel_quietly(str(entry["id"])))
+            if ended.get("state") == "started" and ended.get("allocation"):
+                await asyncio.shield(self.release(str(ended["allocation"]["id"])))
+            raise
+        last = await self._cancel_quietly(str(entry["id"]))
+        if last.get("state") == "started" and last.get("allocation"):
+            return Allocation.from_json(last["allocation"])
+        raise PlacementRefused(
+            f"{refused}; waited {timeout:g} s in the queue: {entry.get('message')}"
+        )
+
+    async def queue_listing(self) -> dict[str, Any]:
+        """``{"entries", "metrics"}``: the waiting starts in the controller's order (others'
+        as capacity only, unless an admin)."""
+        return await self.client.request("GET", "/api/queue")
+
+    async def queue_cancel(self, entry_id: str) -> dict[str, Any]:
+        """Cancel a waiting start; the entry as it ended (``started`` with its allocation
+        when the start won: the caller then holds a share it may release). 404
+        ``unknown_entry`` for an entry that is not the user's."""
+        try:
+            reply = await self.client.request("DELETE", f"/api/queue/{quote(entry_id, safe='')}")
+        except ControllerRefused as exc:
+            if exc.status_code == 404:
+                raise GpushareError(str(exc), code="unknown_entry", status=404) from None
+            raise
+        entry = reply.get("entry")
+        return entry if isinstance(entry, dict) else {}
+
+    async def _cancel_quietly(self, entry_id: str) -> dict[str, Any]:
+        """:meth:`queue_cancel` for a wait that ends: ``{}`` when the controller could not
+        be asked (the entry is dropped once this server's Lease expires)."""
+        try:
+            return await self.queue_cancel(entry_id)
+        except (GpushareError, ControllerRefused, OSError) as exc:
+            log.warning("gpushare: could not cancel the queued start %s: %s", entry_id, exc)
+            return {}
 
     async def release(
         self, allocation_id: str, if_unchanged: Allocation | None = None

@@ -5,7 +5,8 @@
   the viewer's own starts (an admin: all) {user, kernel_id, owner, first_eta}], "metrics":
   {waiting, started, cancelled, dropped, failed, eta_shown, eta_inside, …}}``, in the order the
   starts get capacity; ``enabled`` false (with ``message``) where the backend's ledger has no
-  queue (a ledger this server writes itself, Kubernetes).
+  queue (a ledger this server writes itself: Kubernetes in direct mode). In controller mode
+  the controller's queue answers (:mod:`jupyter_gpushare.controller.queue`, same shapes).
 - ``DELETE /gpushare/api/queue/{entry}`` → 200 ``{"entry": …}`` (``cancelled``; or
   ``started`` with its ``allocation`` when the start won the race: this server's kernel start
   then goes on); 404 ``unknown_entry`` for an entry that is not the user's.
@@ -45,7 +46,10 @@ class QueueHandler(GpushareHandler):
         if ledger is None:
             self.finish(json.dumps({"enabled": False, "entries": [], "message": NO_QUEUE}))
             return
-        reply = await ledger.request({"op": "ledger.queue"})
+        if hasattr(ledger, "queue_listing"):  # the controller's queue (Kubernetes)
+            reply = await ledger.queue_listing()
+        else:
+            reply = await ledger.request({"op": "ledger.queue"})
         body = {
             "enabled": True,
             "entries": reply.get("entries") or [],
@@ -59,7 +63,10 @@ class QueueHandler(GpushareHandler):
         ledger = await self._ledger()
         if ledger is None:
             raise GpushareError(NO_QUEUE, code="no_queue", status=404)
-        reply = await ledger.request({"op": "ledger.queue.cancel", "entry": entry})
+        if hasattr(ledger, "queue_cancel"):  # the controller's queue (Kubernetes)
+            reply = {"entry": await ledger.queue_cancel(entry)}
+        else:
+            reply = await ledger.request({"op": "ledger.queue.cancel", "entry": entry})
         self.finish(json.dumps({"entry": reply.get("entry")}, default=str))
 
 

@@ -280,6 +280,113 @@ async def test_a_start_that_does_not_fit_waits_without_a_pod_and_starts_when_a_s
         await kube.close()
 
 
+async def test_a_jupyter_server_in_controller_mode_waits_shows_its_place_and_cancels(
+    queue_controllers: list[Controller],
+    hub: Any,  # noqa: F811 - the imported fixture
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Kubelet double. bob's real Jupyter server (controller mode, no Kubernetes credentials,
+    ``GpushareProvisioner.queue_wait = 60``): with the T4 full, ``POST /gpushare/api/kernels``
+    waits; its ``/gpushare/api/queue`` and the start's progress say 1st in line; a second start
+    cancelled with ``DELETE /gpushare/api/queue/{id}`` is refused 409 with that reason; alice's
+    release starts the first by itself and the kernel runs code."""
+    from servers import start_jupyter_server
+    from test_kernels import execute
+
+    replicas = queue_controllers
+    alice, carol = hub.tokens["alice"], hub.tokens["carol"]
+    await asyncio.to_thread(clear, replicas, carol)
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", hub.tokens["bob"])
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.delenv("GPUSHARE_KUBECONFIG", raising=False)
+    urls = ",".join(c.url for c in replicas)
+    a_server = "srv-" + uuid.uuid4().hex[:8]
+    a_client = ControllerClient([c.url for c in replicas], alice, retry_for=30)
+    server = await asyncio.to_thread(
+        start_jupyter_server,
+        tmp_path / "server",
+        None,
+        "kubernetes",
+        extra=f"""
+c.KubernetesBackendConfig.controller_url = {urls!r}
+c.KubernetesBackendConfig.kubeconfig = "/nonexistent/kubeconfig"
+c.KubernetesBackendConfig.lease_renew_interval = 1
+c.GpushareProvisioner.queue_wait = 60.0
+""",
+    )
+    body = {"name": "gpushare-k8s-t4", "share": {"gpu_request": 0.25, "gpu_limit": 0.5}}
+    try:
+        async with heartbeats(a_client, a_server):
+            full = await a_client.request(
+                "POST",
+                "/api/allocations",
+                {
+                    "kernel_id": kernel_name(),
+                    "server_id": a_server,
+                    "share": {"gpu_request": 1.0, "gpu_type": "T4"},
+                },
+            )
+            first = asyncio.create_task(
+                asyncio.to_thread(server.request, "POST", "/gpushare/api/kernels", json=body)
+            )
+
+            async def listed(count: int) -> list[dict[str, Any]]:
+                deadline = time.monotonic() + 30
+                while True:
+                    reply = await asyncio.to_thread(server.request, "GET", "/gpushare/api/queue")
+                    assert reply.status_code == 200, reply.text
+                    entries = reply.json()["entries"]
+                    if len(entries) >= count:
+                        assert reply.json()["enabled"] is True
+                        return list(entries)
+                    assert time.monotonic() < deadline, (entries, server.log_text()[-3000:])
+                    await asyncio.sleep(0.2)
+
+            (waiting,) = await listed(1)
+            assert waiting["position"] == 1 and waiting["kernel_id"], waiting
+            deadline = time.monotonic() + 10
+            while True:
+                starts = await asyncio.to_thread(server.request, "GET", "/gpushare/api/starts")
+                said = [s["message"] for s in starts.json()["starts"] if "in line" in s["message"]]
+                if said:
+                    break
+                assert time.monotonic() < deadline, starts.text
+                await asyncio.sleep(0.2)
+            assert said[0].startswith("waiting: 1st in line for 0.25–0.5 of a T4"), said
+
+            second = asyncio.create_task(
+                asyncio.to_thread(server.request, "POST", "/gpushare/api/kernels", json=body)
+            )
+            entries = await listed(2)
+            assert [e["position"] for e in entries] == [1, 2], entries
+            reply = await asyncio.to_thread(
+                server.request, "DELETE", f"/gpushare/api/queue/{entries[1]['id']}"
+            )
+            assert reply.status_code == 200 and reply.json()["entry"]["state"] == "cancelled"
+            refused = await asyncio.wait_for(second, 30)
+            assert refused.status_code == 409 and "cancelled" in refused.json()["message"], (
+                refused.text
+            )
+            reply = await asyncio.to_thread(
+                server.request, "DELETE", "/gpushare/api/queue/q-0123456789abcdef"
+            )
+            assert reply.status_code == 404 and reply.json()["error"] == "unknown_entry", reply.text
+
+            await a_client.request("DELETE", f"/api/allocations/{full['id']}")
+            reply = await asyncio.wait_for(first, 60)
+            assert reply.status_code == 201, reply.text + server.log_text()[-3000:]
+            started = reply.json()
+            assert started["allocation"]["extra"]["queue_entry"] == waiting["id"], started
+            kernel_id = started["id"]
+            assert (await execute(server, kernel_id, "print(6 * 7)")).strip() == "42"
+            reply = await asyncio.to_thread(server.request, "DELETE", f"/api/kernels/{kernel_id}")
+            assert reply.status_code == 204, reply.text
+            assert "Traceback" not in server.log_text()
+    finally:
+        stop_process(server.proc)
+
+
 async def test_the_queue_survives_a_new_leader_cancel_removes_it_a_dead_server_drops_it(
     queue_controllers: list[Controller],
     hub: Any,  # noqa: F811 - the imported fixture

@@ -37,7 +37,9 @@ CUresult sim_ready(void) {
 
 CUresult sim_device_ordinal(CUdevice dev) {
     SIM_TRY(sim_ready());
-    return dev >= 0 && dev < sim_cuda_count() ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+    if (dev < 0 || dev >= sim_cuda_count()) return CUDA_ERROR_INVALID_DEVICE;
+    /* the shared state is anybody's to write: a damaged device record is an error, not a crash */
+    return sim_dev_sound(sim_cuda_slot(dev)) ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM;
 }
 
 struct CUctx_st *sim_current(void) {

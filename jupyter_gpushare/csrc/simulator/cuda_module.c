@@ -229,7 +229,8 @@ CUresult cuOccupancyMaxPotentialBlockSize(int *minGridSize, int *blockSize, CUfu
     if (!minGridSize || !blockSize) return CUDA_ERROR_INVALID_VALUE;
     int block = blockSizeLimit > 0 && blockSizeLimit < 1024 ? blockSizeLimit : 1024;
     *blockSize = block;
-    *minGridSize = (int)sim_dev(c->slot)->sms * (2048 / block);
+    uint32_t sms = sim_dev(c->slot)->sms; /* shared state: bounded before the product */
+    *minGridSize = (int)(sms < SIM_MAX_SMS ? sms : SIM_MAX_SMS) * (2048 / block);
     return CUDA_SUCCESS;
 }
 

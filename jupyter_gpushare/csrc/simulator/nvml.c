@@ -34,6 +34,7 @@ nvmlReturn_t sim_nvml_device(nvmlDevice_t h, struct sim_device **out) {
     nvmlReturn_t r = sim_nvml_ready();
     if (r) return r;
     if (!h || h < handles || h >= handles + sim_machine_count()) return NVML_ERROR_INVALID_ARGUMENT;
+    if (!sim_dev_sound(h->slot)) return NVML_ERROR_GPU_IS_LOST; /* a damaged shared record */
     *out = sim_dev(h->slot);
     return NVML_SUCCESS;
 }
@@ -101,8 +102,10 @@ const char *nvmlErrorString(nvmlReturn_t result) {
 
 static nvmlReturn_t put_string(char *dst, unsigned length, const char *src) {
     if (!dst) return NVML_ERROR_INVALID_ARGUMENT;
-    if (strlen(src) + 1 > length) return NVML_ERROR_INSUFFICIENT_SIZE;
-    memcpy(dst, src, strlen(src) + 1);
+    size_t n = strnlen(src, length); /* src may be shared state another process rewrites */
+    if (n >= length) return NVML_ERROR_INSUFFICIENT_SIZE;
+    memcpy(dst, src, n);
+    dst[n] = 0;
     return NVML_SUCCESS;
 }
 

@@ -422,6 +422,16 @@ struct sim_device *sim_dev(int slot) {
     return &sim_state->dev[slot];
 }
 
+int sim_dev_sound(int slot) {
+    if (!sim_state || slot < 0 || slot >= SIM_MAX_DEVICES) return 0;
+    const struct sim_device *d = &sim_state->dev[slot];
+    uint64_t bytes = d->total_bytes;
+    uint32_t sms = d->sms;
+    return d->name[0] != 0 && memchr(d->name, 0, SIM_NAME_LEN) != NULL &&
+           strncmp(d->uuid, "GPU-", 4) == 0 && memchr(d->uuid, 0, SIM_UUID_LEN) != NULL &&
+           bytes > 0 && bytes <= SIM_MAX_DEVICE_BYTES && sms > 0 && sms <= SIM_MAX_SMS;
+}
+
 /* -- opening the state file ------------------------------------------------------------------- */
 
 static uint64_t fnv1a(const char *s) {
@@ -442,7 +452,8 @@ static void default_state_path(char *out, size_t cap, const char *spec) {
 
 /* Registers the spec's devices in the (locked) state; fills spec_slots. The state file is
  * writable by every user (as /dev/nvidia* are): a device count out of range is refused (-1),
- * read once per device, so a value changed meanwhile is never used as an index. */
+ * read once per device, so a value changed meanwhile is never used as an index, and so is a
+ * device whose record is not sound (sim_dev_sound). */
 static int register_devices(struct spec_entry *e, int n) {
     for (int i = 0; i < n; i++) {
         uint32_t count = atomic_load(&sim_state->ndev);
@@ -469,6 +480,12 @@ static int register_devices(struct spec_entry *e, int n) {
             atomic_store(&d->busy_until, d->created_ns);
             atomic_store_explicit(&sim_state->ndev, (uint32_t)ndev + 1, memory_order_release);
             slot = ndev;
+        }
+        if (!sim_dev_sound(slot)) {
+            sim_log("the state file is damaged: device %d (%s) has a name, UUID, memory size or "
+                    "SM count out of bounds",
+                    slot, e[i].uuid);
+            return -1;
         }
         spec_slots[spec_count++] = slot;
     }
@@ -667,12 +684,23 @@ uint64_t sim_schedule(int slot, uint64_t dep_ns, uint64_t dur_ns) {
      * moment (never as a gap). */
     atomic_fetch_add(&d->busy_total, dur_ns);
     uint64_t until = atomic_load(&d->busy_until);
-    uint64_t start, end;
+    uint64_t start, end, latest = now + SIM_MAX_BACKLOG_NS;
+    if (dep_ns > latest) dep_ns = now; /* from a damaged time line (see below) */
     do {
-        start = now > until ? now : until;
+        /* A time line further ahead than any work could take it was written by someone else
+         * (the state is shared by every user): it starts over from now, so no launch or
+         * synchronise waits for it. */
+        uint64_t line = until <= latest ? until : now;
+        start = now > line ? now : line;
         if (dep_ns > start) start = dep_ns;
         end = start + dur_ns;
     } while (!atomic_compare_exchange_weak(&d->busy_until, &until, end));
+    if (until > latest) {
+        static atomic_int told;
+        if (!atomic_exchange(&told, 1))
+            sim_log("device %d's time line was %llu s ahead (a damaged state): it starts over now",
+                    slot, (unsigned long long)((until - now) / 1000000000ull));
+    }
     atomic_fetch_add_explicit(&d->launches, 1, memory_order_relaxed);
     struct sim_proc *p = sim_self();
     if (p) {
@@ -708,9 +736,13 @@ uint64_t sim_mem_reserve(int slot, uint64_t bytes) {
     struct sim_device *d = &sim_state->dev[slot];
     struct sim_proc *p = sim_self();
     if (!p) return 0;
+    uint64_t total = d->total_bytes;
     for (int pass = 0; pass < 2; pass++) {
         uint64_t used = atomic_load(&d->mem_used);
-        while (used + bytes <= d->total_bytes && used + bytes >= used) {
+        /* bounded: another user rewriting mem_used all the time gets an out-of-memory, not a
+         * spinning caller */
+        for (int tries = 0; tries < 100000 && used + bytes <= total && used + bytes >= used;
+             tries++) {
             if (atomic_compare_exchange_weak(&d->mem_used, &used, used + bytes)) {
                 atomic_fetch_add(&p->dev[slot].mem, bytes);
                 return atomic_load(&self_generation);
@@ -746,14 +778,14 @@ void sim_context_count(int slot, int delta) {
 
 uint64_t sim_busy_done(int slot, uint64_t now) {
     struct sim_device *d = &sim_state->dev[slot];
-    for (;;) {
-        uint64_t u1 = atomic_load(&d->busy_until);
-        uint64_t total = atomic_load(&d->busy_total);
-        uint64_t u2 = atomic_load(&d->busy_until);
-        if (u1 != u2) continue;
-        uint64_t future = u1 > now ? u1 - now : 0;
-        return total > future ? total - future : 0;
+    uint64_t u1, total;
+    for (int tries = 0; tries < 1000; tries++) { /* bounded: the state is anybody's to write */
+        u1 = atomic_load(&d->busy_until);
+        total = atomic_load(&d->busy_total);
+        if (atomic_load(&d->busy_until) == u1) break;
     }
+    uint64_t future = u1 > now ? u1 - now : 0;
+    return total > future ? total - future : 0;
 }
 
 void sim_sample(int slot, uint64_t now) {
@@ -783,9 +815,9 @@ static int read_sample(struct sim_sample *s, uint64_t *t, uint64_t *done, uint64
         *t = atomic_load(&s->t);
         *done = atomic_load(&s->done);
         *until = atomic_load(&s->until);
-        if (atomic_load(&s->seq) == a) return *t != 0;
+        if (atomic_load(&s->seq) == a) return *t != 0 && *t <= sim_now_ns();
     }
-    return 0;
+    return 0; /* being written all along (or a seq left odd by someone else): no sample */
 }
 
 double sim_utilisation(int slot) {

@@ -30,6 +30,13 @@
 #define SIM_SAMPLES        64            /* utilisation samples kept per device ... */
 #define SIM_SAMPLE_NS      50000000ull   /* ... one per 50 ms: 3.2 s of history */
 #define SIM_UTIL_WINDOW_NS 1000000000ull /* NVML utilisation: busy fraction over the last second */
+/* The state file is writable by every user (as /dev/nvidia* are), so every value read from it is
+ * checked. Bounds of what the simulator's own processes can write: a device's time line at most
+ * two hours ahead (twice the longest kernel the driver accepts; further out it is damage, and the
+ * time line starts over from now), a device of at most 1 PiB and 4096 SMs. */
+#define SIM_MAX_BACKLOG_NS   (2ull * 3600ull * 1000000000ull)
+#define SIM_MAX_DEVICE_BYTES (1ull << 50)
+#define SIM_MAX_SMS          4096u
 
 typedef _Atomic uint64_t a64;
 typedef _Atomic uint32_t a32;
@@ -113,6 +120,10 @@ int sim_machine_slot(int ordinal);
 int sim_cuda_count(void);
 int sim_cuda_slot(int ordinal);
 struct sim_device *sim_dev(int slot);
+/* Whether a device's record reads as one the simulator made: its name and UUID ("GPU-…") end
+ * within their fields, its memory and SM count are within bounds. A device that fails it is
+ * refused (the open fails; later, CUDA_ERROR_OPERATING_SYSTEM / NVML_ERROR_GPU_IS_LOST). */
+int sim_dev_sound(int slot);
 
 /* This process's record, claimed on first use (NULL if the table is full). */
 struct sim_proc *sim_self(void);

@@ -2,10 +2,11 @@
 
 The trust edge of the node agent's control socket. :func:`read_peer` is the one place a caller's
 identity is read: the kernel's credentials of the connecting process (``SO_PEERCRED``: PID, uid,
-gid), the kernel pod it runs in (its cgroups, :func:`.identity.pod_uid_of`) and whether it is an
-admin (uid 0, the agent's own uid or a member of the admin group; never a process in a kernel
-pod). Everything behind it (:class:`Admission`, the status filter, the peer checks) takes the
-:class:`Peer` it returns.
+gid), its start time (read at once, through a pidfd of that process where the kernel has
+``SO_PEERPIDFD``: what tells it from a later process on its PID), the kernel pod it runs in (its
+cgroups, :func:`.identity.pod_uid_of`) and whether it is an admin (uid 0, the agent's own uid or
+a member of the admin group; never a process in a kernel pod). Everything behind it
+(:class:`Admission`, the status filter, the peer checks) takes the :class:`Peer` it returns.
 
 :class:`Admission` keeps one client from taking the agent's descriptors from the others: at most
 ``per_uid`` connections per uid (uid 0 and the agent's own uid are exempt) and ``per_pod`` per
@@ -35,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .identity import pod_uid_of
+from .identity import connector_start, pod_uid_of
 from .ratelog import RateLimitedLog
 
 log = logging.getLogger("jupyter_gpushare.daemon")
@@ -55,6 +56,10 @@ class Peer:
     pod: str | None
     #: uid 0, the agent's own uid or a member of the admin group, and not in a kernel pod
     admin: bool
+    #: the start time of the process that connected, read when it was accepted
+    #: (:func:`.identity.connector_start`); None when it was gone by then, or not read (an
+    #: in-process caller): such a peer is never taken for a share's process
+    start: float | None = None
 
     @property
     def counted_as(self) -> str:
@@ -106,10 +111,11 @@ def read_peer(sock: socket.socket, admins: Admins) -> Peer:
     pid, uid, gid = struct.unpack(
         "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     )
+    start = connector_start(sock, pid)
     pod = pod_uid_of(pid)
     if pod is not None and pod == admins.own_pod:
         pod = None  # the agent's own pod (or container) is its local side
-    return Peer(pid, uid, gid, pod, admin=pod is None and admins.admits(uid, gid))
+    return Peer(pid, uid, gid, pod, admin=pod is None and admins.admits(uid, gid), start=start)
 
 
 def user_name(uid: int) -> str | None:

@@ -16,15 +16,14 @@ import hashlib
 import json
 import logging
 import os
+import pwd
 import re
 import socket
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-
-import psutil
 
 from ..ledger import Allocation, Ledger
 from ..ledger.sqlite import UNREADABLE
@@ -32,7 +31,7 @@ from . import wire
 from .admission import Admins, Admission, Listener, Peer, raise_fd_limit, read_peer, user_name
 from .driver_check import DriverCheck
 from .gpu_loop import GpuLoop, Tenant
-from .identity import pod_uid_of
+from .identity import identify, lineage, pod_uid_of
 from .ratelog import RateLimitedLog
 from .shm import GpuShm, StateDir, fallback_state_dir, is_private_dir, monotonic_ns, send_line
 
@@ -533,6 +532,22 @@ class Daemon:
             await self.refresh()
             allocation = self.allocations.get(allocation_id)
             refusal = self._check_peer(client, allocation)
+        if (
+            refusal is None
+            and allocation is not None
+            and allocation.pid_start is None
+            and not allocation.extra.get("k8s_pod")
+        ):  # passed on its PID and owner alone: bind the record to that process now
+            refusal = await self._stamp_start(allocation)
+            if refusal is None:
+                allocation = self.allocations.get(allocation_id)
+                refusal = self._check_peer(client, allocation)
+                if refusal is None and allocation is not None and allocation.pid_start is None:
+                    refusal = wire.refusal(
+                        wire.E_NOT_PERMITTED,
+                        f"allocation {allocation_id}: the start time of its process could not "
+                        "be recorded; try again",
+                    )
         if refusal is not None:
             self.refused += 1
             self.refused_peer_log.failed(
@@ -541,38 +556,124 @@ class Daemon:
         return allocation, refusal
 
     def _check_peer(self, client: Client, allocation: Allocation | None) -> dict[str, Any] | None:
+        """None when ``client`` may act as ``allocation``'s process (``hello``, ``pids``, a
+        kernel's own ``release``/``resize``/``reserve``), else a refusal that says why.
+
+        The agent identifies every process itself; nothing a caller or a record says about a
+        PID is taken on its word (a PID is reused once its process exits, and the system
+        agent, root, hands the share's lease memory to whoever passes):
+
+        - the caller is the process that connected: uid and PID from ``SO_PEERCRED``, its start
+          time read when the connection was accepted (:class:`.admission.Peer` ``start``). The
+          process on that PID now must have that start time and run as that uid; a connection
+          handed on to another process once its own exited (its PID then reused) is refused;
+        - the record's process (``pid``) is alive and started at ``pid_start``, and the caller
+          is that process or one of its descendants (checked by start time, not PID);
+        - where the record names its owner's uid (``extra["uid"]``, stamped by the system
+          agent), the caller runs as that uid, unless it is an admin;
+        - a record without ``pid_start`` (made before the agent stamped start times, or by an
+          admin) names its process by PID alone, which may since be another user's: it is
+          trusted only while the process on that PID runs as the share's owner (its
+          ``extra["uid"]``, else the uid of its ``user``; a record with neither is refused),
+          and the first hello that passes makes the agent stamp that process's start time in
+          the record (:meth:`_stamp_start`), so from then on the record names that process
+          only and reconciliation may signal it (``reconcile.signal_identified``).
+
+        A kernel pod's share is checked by the pod the caller runs in instead
+        (:func:`_check_pod_peer`), once the caller is identified."""
         if allocation is None:
             return wire.refusal(
                 wire.E_UNKNOWN_ALLOCATION,
                 "no GPU share with that id on this node (released or never made)",
             )
+        refusal = _connector_refusal(client)
+        if refusal is not None:
+            return refusal
         if allocation.extra.get("k8s_pod"):
             return _check_pod_peer(client, allocation)
         if allocation.pid is None:
             return wire.refusal(
                 wire.E_NOT_PERMITTED, f"allocation {allocation.id} has no process yet"
             )
-        try:
-            owner = psutil.Process(allocation.pid)
-            if allocation.pid_start is not None and (
-                abs(owner.create_time() - allocation.pid_start) > PID_START_TOLERANCE
-            ):
+        holder = identify(allocation.pid)
+        if holder is None or (
+            allocation.pid_start is not None
+            and abs(holder[0] - allocation.pid_start) > PID_START_TOLERANCE
+        ):
+            return wire.refusal(
+                wire.E_NOT_PERMITTED, f"allocation {allocation.id}: its process is gone"
+            )
+        owner = _owner_uid(allocation)
+        if allocation.pid_start is None and (owner is None or owner not in holder[2]):
+            whose = "its owner's" if owner is None else f"uid {owner}'s (its owner)"
+            return wire.refusal(
+                wire.E_NOT_PERMITTED,
+                f"allocation {allocation.id} names its process {allocation.pid} by PID alone "
+                f"(no pid_start) and that process is not {whose}: the agent cannot tell it "
+                "from a later process on that PID; start the kernel again (its start time is "
+                "recorded), or an admin records its pid_start",
+            )
+        admin = client.peer is not None and client.peer.admin
+        if owner is not None and client.uid != owner and not admin:
+            return wire.refusal(
+                wire.E_NOT_PERMITTED,
+                f"process {client.pid} runs as uid {client.uid}; allocation {allocation.id} "
+                f"is uid {owner}'s",
+            )
+        if client.pid != allocation.pid:
+            started = lineage(client.pid).get(allocation.pid)
+            if started is None or abs(started - holder[0]) > PID_START_TOLERANCE:
                 return wire.refusal(
-                    wire.E_NOT_PERMITTED, f"allocation {allocation.id}: its process is gone"
+                    wire.E_NOT_PERMITTED,
+                    f"process {client.pid} is not allocation {allocation.id}'s process "
+                    f"({allocation.pid}) or one of its children",
                 )
-            if client.pid == allocation.pid:
-                return None
-            peer = psutil.Process(client.pid)
-            if any(p.pid == allocation.pid for p in peer.parents()):
-                if peer.create_time() + PID_START_TOLERANCE >= owner.create_time():
-                    return None
-        except psutil.Error:
-            pass
-        return wire.refusal(
-            wire.E_NOT_PERMITTED,
-            f"process {client.pid} is not allocation {allocation.id}'s process "
-            f"({allocation.pid}) or one of its children",
+        return None
+
+    async def _stamp_start(self, allocation: Allocation) -> dict[str, Any] | None:
+        """Record the start time of ``allocation``'s process, which :meth:`_check_peer` just
+        let through on its PID and owner alone; None when done, else a refusal. The process is
+        identified again here (alive, its owner's), and the record is changed only if it still
+        names that PID without a start time."""
+        from ..errors import GpushareError
+        from .intents import write
+
+        holder = identify(allocation.pid or 0)
+        owner = _owner_uid(allocation)
+        if holder is None or owner is None or owner not in holder[2]:
+            return wire.refusal(
+                wire.E_NOT_PERMITTED, f"allocation {allocation.id}: its process is gone"
+            )
+
+        def stamped(current: Allocation, _others: list[Allocation]) -> Allocation:
+            if current.pid != allocation.pid or current.pid_start is not None:
+                raise _Changed
+            return replace(current, pid_start=holder[0])
+
+        async def job() -> dict[str, Any]:
+            try:
+                await self.ledger.update(allocation.id, stamped)
+            except _Changed:
+                pass  # changed meanwhile: checked again as it is now
+            except GpushareError as exc:  # gone, busy or unavailable
+                return wire.refusal(
+                    wire.E_NOT_PERMITTED,
+                    f"allocation {allocation.id}: the start time of its process {allocation.pid} "
+                    f"could not be recorded ({exc}); try again",
+                )
+            return {"ok": True}
+
+        done = await write(self, None, job)
+        if not done.get("ok"):
+            return done
+        log.info(
+            "allocation %s: recorded the start time of its process %d (its owner's, uid %d)",
+            allocation.id,
+            allocation.pid,
+            owner,
         )
+        await self.refresh()
+        return None
 
     def _accepted(self, conn: socket.socket) -> None:
         """A new connection: admitted (its own ``_Protocol``) or refused and closed at once."""
@@ -755,11 +856,12 @@ class Daemon:
         """Which allocations are ``peer``'s (what ``status`` shows it): all for an admin; else
         a kernel pod's record to a process in that pod, and a local record to its uid
         (``extra["uid"]``, or its ``user`` where the record has no uid) or to its process and
-        that process's descendants (the peer check of ``hello``)."""
+        that process's descendants (the peer check of ``hello``: a record with its process's
+        start time, and a caller identified as the process that connected)."""
         if peer.admin:
             return lambda allocation: True
         name = user_name(peer.uid)
-        lineage: dict[int, float] | None = None  # read when a record needs it
+        ancestors: dict[int, float] | None = None  # read when a record needs it
 
         def mine(allocation: Allocation) -> bool:
             if allocation.extra.get("k8s_pod"):
@@ -772,15 +874,14 @@ class Daemon:
                     return True
             elif name is not None and allocation.user == name:
                 return True
-            if allocation.pid is None:
-                return False
-            nonlocal lineage
-            if lineage is None:
-                lineage = _lineage(peer.pid)
-            started = lineage.get(allocation.pid)
-            return started is not None and (
-                allocation.pid_start is None
-                or abs(started - allocation.pid_start) <= PID_START_TOLERANCE
+            if allocation.pid is None or allocation.pid_start is None:
+                return False  # a PID alone may since name anybody's process
+            nonlocal ancestors
+            if ancestors is None:
+                ancestors = _identified_lineage(peer)
+            started = ancestors.get(allocation.pid)
+            return (
+                started is not None and abs(started - allocation.pid_start) <= PID_START_TOLERANCE
             )
 
         return mine
@@ -791,27 +892,51 @@ class Daemon:
         return any(mine(a) for a in self.allocations.values())
 
 
-def _lineage(pid: int) -> dict[int, float]:
-    """``pid`` and its ancestors, each with its start time as ``psutil``'s ``create_time`` gives
-    it (empty when it is gone). Read from ``/proc/<pid>/stat`` directly: ``psutil``'s
-    ``parents()`` costs about a millisecond, once per ``status`` request."""
-    global _BOOT_TIME
-    if _BOOT_TIME is None:
-        _BOOT_TIME = psutil.boot_time()
-    ticks = os.sysconf("SC_CLK_TCK")
-    found: dict[int, float] = {}
-    while pid > 0 and pid not in found:
+class _Changed(Exception):
+    """A record changed between a check and the write that relied on it."""
+
+
+def _connector_refusal(client: Client) -> dict[str, Any] | None:
+    """None when the process on ``client``'s PID is still the one that connected (the start
+    time read at accept, and the uid of ``SO_PEERCRED`` as its real or effective uid)."""
+    peer = client.peer
+    found = identify(client.pid)
+    if (
+        peer is None
+        or peer.start is None
+        or found is None
+        or abs(found[0] - peer.start) > PID_START_TOLERANCE
+        or client.uid not in found[2]
+    ):
+        return wire.refusal(
+            wire.E_NOT_PERMITTED,
+            f"the process that opened this connection (pid {client.pid}) is gone; a process "
+            "says hello on a connection of its own",
+        )
+    return None
+
+
+def _owner_uid(allocation: Allocation) -> int | None:
+    """The uid of ``allocation``'s owner: its ``extra["uid"]``, else its ``user``'s, else None."""
+    uid = allocation.extra.get("uid")
+    if isinstance(uid, int) and not isinstance(uid, bool):
+        return uid
+    if allocation.user:
         try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            break
-        found[pid] = _BOOT_TIME + int(fields[19]) / ticks
-        pid = int(fields[1])
+            return pwd.getpwnam(allocation.user).pw_uid
+        except (KeyError, ValueError):
+            return None
+    return None
+
+
+def _identified_lineage(peer: Peer) -> dict[int, float]:
+    """The peer's process and its ancestors with their start times, if the process on the
+    peer's PID is still the one that connected (:func:`_connector_refusal`); else empty."""
+    found = lineage(peer.pid)
+    start = found.get(peer.pid)
+    if peer.start is None or start is None or abs(start - peer.start) > PID_START_TOLERANCE:
+        return {}
     return found
-
-
-_BOOT_TIME: float | None = None
 
 
 #: how deeply a request may nest arrays and objects (a ledger record is 4 levels deep): deeper

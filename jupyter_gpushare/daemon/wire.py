@@ -21,7 +21,11 @@ Two channels
    reply's ``v`` (:func:`negotiate`).
 
    The daemon checks the peer's credentials (``SO_PEERCRED``): the connecting pid must be the
-   allocation's ``pid`` (with a matching ``pid_start``) or one of its descendants. Reply::
+   allocation's ``pid`` (with a matching ``pid_start``) or one of its descendants, still the
+   process that connected (its start time as read when the connection was accepted), and run
+   as the share's owner (``extra.uid``) unless it is an admin. A record without ``pid_start`` is
+   trusted only while the process on its ``pid`` runs as its owner; the agent then records that
+   process's start time (``Daemon._check_peer``). Reply::
 
        {"ok": true, "v": 4, "epoch": 7, "quantum_ns": …, "window_ns": …,
         "gpus": [{"uuid": "GPU-…", "board": 0, "policy": 1, "account": 2, "slot": 3,

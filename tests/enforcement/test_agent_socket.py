@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 
 import psutil
+import pytest
 from agent_abuse_support import (
     FLOOD,
     GARBAGE,
@@ -349,6 +350,7 @@ def test_read_peer_takes_the_identity_from_the_kernel():
     with a, b:
         peer = read_peer(a, Admins())
     assert (peer.pid, peer.uid, peer.gid) == (os.getpid(), os.getuid(), os.getgid())
+    assert peer.start == pytest.approx(psutil.Process().create_time(), abs=0.02)
     assert peer.admin is (os.getuid() == 0 or os.getuid() == os.geteuid())
     assert peer.counted_as == f"uid {os.getuid()}"
 
@@ -418,9 +420,17 @@ def test_whose_shares_a_caller_sees(tmp_path):
     mine = rec(pid=me.pid, pid_start=me.create_time())
     parents = rec(pid=parent.pid, pid_start=parent.create_time())
     reused = rec(pid=parent.pid, pid_start=parent.create_time() - 100)
-    local = Peer(pid=me.pid, uid=1234, gid=1234, pod=None, admin=False)
-    in_pod = Peer(pid=me.pid, uid=1234, gid=1234, pod=pod_uid, admin=False)
-    admin = Peer(pid=me.pid, uid=0, gid=0, pod=None, admin=True)
+    started = me.create_time()
+    local = Peer(pid=me.pid, uid=1234, gid=1234, pod=None, admin=False, start=started)
+    in_pod = Peer(pid=me.pid, uid=1234, gid=1234, pod=pod_uid, admin=False, start=started)
+    admin = Peer(pid=me.pid, uid=0, gid=0, pod=None, admin=True, start=started)
+    # a connection whose process is gone (another process on its PID): no record by process
+    seen = daemon.caller_shares(replace(local, start=started - 100))
+    assert not seen(mine) and not seen(parents)
+    seen = daemon.caller_shares(replace(local, start=None))
+    assert not seen(mine) and not seen(parents)
+    # a record naming a PID without its start time is nobody's by process
+    assert not daemon.caller_shares(local)(rec(pid=me.pid))
 
     seen = daemon.caller_shares(local)
     assert [seen(a) for a in (pod_record, by_uid, by_name, mine, parents, reused)] == [

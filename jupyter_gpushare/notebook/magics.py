@@ -225,8 +225,8 @@ class RefusalNotes:
     in a background thread sends to the server's terminal, and later cells showed a bare
     ``800``. So after each cell in which the interposer counted a refused call (from any thread,
     also between cells: then the next cell says it) the cell's output gets the reason and what to
-    do. Without an interposer's count, a cell that failed on a GPU error after a release gets it
-    (frameworks only say "operation not permitted")."""
+    do. A cell that failed on a GPU error after a release gets it too (frameworks only say
+    "operation not permitted"), also where no interposer counts."""
 
     def __init__(self) -> None:
         self.seen: int | None = None  # the interposer's count when the last cell ended
@@ -240,7 +240,7 @@ class RefusalNotes:
             self.seen = count
             if new > 0:
                 print(f"gpushare: {self.reason(new)}", file=sys.stderr)
-            return
+                return
         error = getattr(result, "error_in_exec", None)
         if error is None:
             return  # the common case, without asking the daemon
@@ -254,7 +254,7 @@ class RefusalNotes:
     def reason(new: int) -> str:
         from . import actions
 
-        calls = "a GPU call" if new == 1 else f"{new} GPU calls"
+        calls = "a GPU call was" if new == 1 else f"{new} GPU calls were"
         head = f"{calls} refused (CUDA_ERROR_NOT_PERMITTED, error 800). "
         if actions.released() is None:
             try:

@@ -273,18 +273,36 @@ export class SharePicker extends Widget implements Dialog.IBodyWidget<IShareFiel
     this.summary.textContent = `${verb}: ${formatRange(share.gpu_request, share.gpu_limit)} of ${
       share.gpu_type ? `${/^[AEFHILMNORSX]/i.test(share.gpu_type) ? 'an' : 'a'} ${share.gpu_type}` : 'any GPU'
     }, memory ${memory}.`;
-    this.renderFit(share);
     if (this.options.change) {
       const why = liveProblem(share, this.options.change.allocation, this.options.inventory);
       this.setLive(why === null ? share : null, why ?? '');
+      this.renderFit(share, why === null);
+    } else {
+      this.renderFit(share, false);
     }
   }
 
-  /** The fit line: fits, or why not and the largest request that fits ("Use"). */
-  private renderFit(share: IShare): void {
+  /**
+   * The fit line: fits, or why not and the largest request that fits ("Use"). For a running
+   * kernel whose share can change live, where it fits next to what the kernel holds; else what
+   * a restart needs (the new kernel is placed before the old one stops).
+   */
+  private renderFit(share: IShare, live: boolean): void {
+    const held = this.options.change?.allocation;
+    if (live && held) {
+      const fit = fitOf({ ...share, gpu_type: null }, this.options.inventory, {
+        gpus: held.gpus,
+        request: held.gpu_request,
+        memory: held.gpu_memory
+      });
+      this.fitLine.dataset.fits = 'yes';
+      this.fitLine.append(el('span', { className: 'jp-gpushare-fit-message', textContent: fit.message }));
+      return;
+    }
     const fit = fitOf(share, this.options.inventory);
+    const message = this.options.change ? `For a restart: ${fit.message}` : fit.message;
     this.fitLine.dataset.fits = fit.fits ? 'yes' : 'no';
-    this.fitLine.append(el('span', { className: 'jp-gpushare-fit-message', textContent: fit.message }));
+    this.fitLine.append(el('span', { className: 'jp-gpushare-fit-message', textContent: message }));
     if (!fit.fits && fit.suggestion) {
       const s = fit.suggestion;
       const limit = coherentLimit(share, s.request);
@@ -537,7 +555,9 @@ async function pickRounds(round: IDialogRound): Promise<ChangeResult> {
         ]
       : [Dialog.cancelButton(), Dialog.okButton({ label: START_LABEL })];
     const result = await showDialog({
-      title: change ? `Change the GPU share of ${kernelLabel}` : 'Choose a GPU share',
+      title: change
+        ? `Change the GPU share of ${path ? `${path.split('/').pop()}’s kernel` : kernelLabel}`
+        : 'Choose a GPU share',
       body,
       buttons,
       defaultButton: change ? (body.liveAllowed ? 1 : 2) : 1,

@@ -100,6 +100,8 @@ def test_1_change_share_says_a_restart_loses_state_and_changes_live_where_it_fit
     dialog = seen["changeDialog"]
     assert "its variables, imports and running work" in dialog["text"] and "lost" in dialog["text"]
     assert dialog["buttons"] == ["Cancel", "Change live (no restart)", "Restart with new share"]
+    assert NOTEBOOK_A in dialog["title"]
+    assert "Fits on this kernel’s A100" in dialog["text"]  # not what a restart would need
     # the live change: same kernel, its variables kept, the new share in force
     assert seen["kernelAfterLive"] == seen["kernelA"]
     assert "42" in seen["markerAfterLive"]

@@ -302,6 +302,9 @@ def identity(pid: int) -> tuple[int, float, int] | None:
     return uid, start, parent
 
 
+#: what the check did to shares that left the ledger is kept for this many of them (the oldest go)
+KEEP_GONE = 1024
+
 #: a recorded start time vs the live one: the most they may differ and still name one process
 START_TOLERANCE = 0.05
 
@@ -424,10 +427,17 @@ class DriverCheck:
         live = set(self.daemon.allocations)
         for key in [k for k in self.windows if k[1] not in live]:
             del self.windows[key]
-        for gone in [a for a in self.records if a not in live]:
-            if not self.records[gone].events:
-                del self.records[gone]
+        # a released share's record is kept a while (its status after a restart), oldest first out
+        gone = [a for a in self.records if a not in live and a not in self._fenced_shares()]
+        excess = len(gone) - KEEP_GONE
+        for allocation in gone:
+            if excess > 0 or not self.records[allocation].events:
+                del self.records[allocation]
+                excess -= 1
         return applied
+
+    def _fenced_shares(self) -> set[str]:
+        return {allocation for _gpu, allocation in self.fences}
 
     # -- who is who ---------------------------------------------------------------------------
 

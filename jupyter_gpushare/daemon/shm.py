@@ -268,7 +268,9 @@ class GpuShm:
             ctypes.memset(ctypes.addressof(ph), 0, wire.FILE_SIZE)
         if not (board_reused and h.magic == wire.MAGIC and h.version == wire.LAYOUT_VERSION):
             ctypes.memset(ctypes.addressof(h), 0, wire.FILE_SIZE)
-        epoch = max(h.epoch, ph.epoch) + 1
+        # the policy's epoch is the agent's own; the board's is the tenants' to write (only a
+        # fresh policy file takes it, bounded, so that epochs still move on after a restart)
+        epoch = (int(ph.epoch) if self.reused else min(int(h.epoch), 2**48)) + 1
         for header in (h, ph):
             header.slot_count = wire.SLOTS
             header.slot_size = wire.SLOT_SIZE

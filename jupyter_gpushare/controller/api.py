@@ -22,7 +22,6 @@ DELETE   /api/kernels/{allocation_id}        stop the pod, keep the share (?grac
 PUT      /api/servers/{server_id}            heartbeat: renew the server's Lease
 GET      /api/usage                          live usage of the caller's allocations (admins: all)
 PUT      /api/usage/{node}                   a node daemon's usage report (its SA token)
-*        /api/queue, /api/queue/{id}         starts that wait for a share (:mod:`.queue_api`)
 =======  ==================================  ==============================================
 """
 
@@ -55,7 +54,6 @@ class State:
         self.auth = auth
         self.identity = identity
         self.service: Any = None
-        self.queue: Any = None  # .queue.ControllerQueue, while the service runs
         self.leader: Any = None  # LeaderElection, for the standby's reason
         self.node_auth: Any = None  # .usage.NodeAuth: who may report a node's usage
         self.reports = NodeReports()  # the nodes' latest usage reports (kept across terms)
@@ -206,7 +204,15 @@ class KernelsHandler(Handler):
 
 class KernelHandler(Handler):
     async def get(self, allocation_id: str) -> None:
-        allocation = await self.service.allocation(self.user, allocation_id)
+        try:
+            allocation = await self.service.allocation(self.user, allocation_id)
+        except ControllerError as exc:
+            # a share released from inside its kernel: the pod runs on without it
+            pod = self.service.released_pod(self.user, allocation_id)
+            if exc.status != 404 or pod is None:
+                raise
+            self.reply(self.service.released_status(allocation_id, pod))
+            return
         self.reply(self.service.kernel_status(allocation))
 
     async def delete(self, allocation_id: str) -> None:
@@ -284,9 +290,6 @@ def make_app(state: State, **settings: Any) -> Application:
             {"state": state},
         ),
     ]
-    from .queue_api import queue_routes  # its handlers are this module's Handler's
-
-    routes += queue_routes(state)
     default: Callable[..., Any] = NotFoundHandler
     return Application(
         routes, default_handler_class=default, default_handler_args={"state": state}, **settings

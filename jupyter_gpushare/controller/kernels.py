@@ -465,12 +465,50 @@ class KernelService:
         return pod
 
     async def stop_kernel(self, user: HubUser, allocation_id: str, grace: int) -> dict[str, Any]:
-        """Delete the allocation's pod and Secret; the share stays (a restart reuses it)."""
-        allocation = await self.allocation(user, allocation_id)
+        """Delete the allocation's pod and Secret; the share stays (a restart reuses it). A
+        share released from inside its kernel (the node agent's Release: the record goes, the
+        pod and its Python state live on) leaves the user's pod, found by its labels."""
+        try:
+            allocation = await self.allocation(user, allocation_id)
+        except ControllerError as exc:
+            if exc.status != 404:
+                raise
+            pod = self.released_pod(user, allocation_id)
+            if pod is None:
+                raise
+            await self._remove_pod(pod["metadata"]["name"], grace)
+            return self.released_status(allocation_id, pod)
         name = allocation.extra.get("k8s_pod")
         if name:
             await self._remove_pod(str(name), grace)
         return self.kernel_status(allocation)
+
+    def released_pod(self, user: HubUser, allocation_id: str) -> dict[str, Any] | None:
+        """The kernel pod of ``user``'s allocation ``allocation_id`` whose record is gone (its
+        share released from inside the kernel), from the watch: labelled with that allocation
+        and, unless ``user`` is a Hub admin, with the user's owner label."""
+        owner = manifests.owner_label(user.name)
+        for pod in self.watcher.values():
+            labels = pod["metadata"].get("labels") or {}
+            if labels.get(manifests.LABEL_ALLOCATION) != allocation_id:
+                continue
+            if user.admin or labels.get(manifests.LABEL_OWNER) == owner:
+                return pod
+        return None
+
+    def released_status(self, allocation_id: str, pod: Mapping[str, Any]) -> dict[str, Any]:
+        """:meth:`kernel_status` of a pod whose share was released: it runs on, unshared."""
+        return {
+            "allocation": allocation_id,
+            "pod": pod["metadata"]["name"],
+            "exists": True,
+            "released": True,
+            "phase": (pod.get("status") or {}).get("phase"),
+            "exit_code": manifests.pod_exit_code(pod),
+            "failure": manifests.pod_failure(pod),
+            "deleting": bool(pod["metadata"].get("deletionTimestamp")),
+            "ip": (pod.get("status") or {}).get("podIP"),
+        }
 
     async def _remove_pod(self, name: str, grace: int) -> None:
         with contextlib.suppress(ApiException):

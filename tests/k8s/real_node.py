@@ -80,6 +80,10 @@ SYSCTLS = (
 )
 #: host directories the runtime or kubelet may create whatever their configuration
 HOST_DIRS = (
+    "/var/lib/kubelet",
+    "/run/gpushare",
+    "/run/gpushare-state",
+    "/opt/gpushare",
     "/run/containerd",
     "/var/run/netns",
     "/var/lib/cni",
@@ -300,7 +304,10 @@ class RealNode:
 
     @property
     def kubelet_root(self) -> Path:
-        return self.workdir / "kubelet"
+        """The kubelet's default root directory: kubelet 1.20 puts its device-plugin socket in
+        /var/lib/kubelet/device-plugins whatever its ``--root-dir`` (a constant of the
+        device-plugin API), so a second directory would only split the two sockets."""
+        return Path("/var/lib/kubelet")
 
     @property
     def device_plugin_dir(self) -> Path:
@@ -376,6 +383,8 @@ class RealNode:
             )
         if BRIDGE in links():
             raise NodeUnavailable(f"bridge {BRIDGE} exists: another real node runs or leaked")
+        if (self.kubelet_root / "device-plugins" / "kubelet.sock").exists():
+            raise NodeUnavailable(f"{self.kubelet_root} has a kubelet's socket: one runs or leaked")
         self.before = HostSnapshot.take()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.workdir.chmod(0o755)
@@ -770,6 +779,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 
     def _unmount(self) -> None:
         prefixes = [
+            str(self.kubelet_root),
             str(self.workdir),
             str(CONTAINERD_ROOT),
             "/run/containerd",
@@ -850,7 +860,10 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         found += [f"cgroup {x}" for x in sorted(now.cgroups - self.before.cgroups)]
         for path, entries in now.dirs.items():
             found += [f"file {x}" for x in sorted(entries - self.before.dirs[path])]
-        found += [f"mount {m}" for m in mounts_under([str(self.workdir), str(CONTAINERD_ROOT)])]
+        found += [
+            f"mount {m}"
+            for m in mounts_under([str(self.workdir), str(CONTAINERD_ROOT), str(self.kubelet_root)])
+        ]
         for name, proc in self.processes.items():
             if proc.poll() is None:
                 found.append(f"process {name} {proc.pid}")

@@ -161,6 +161,67 @@ def test_allocate_response_gives_gpu_socket_and_interposer() -> None:
     assert {m["host_path"] for m in sim["mounts"]} == {"/opt/gpushare/lib", "/p", "/s/sim.state"}
 
 
+def test_allocate_mounts_name_host_paths_when_the_socket_directory_is_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unit test (no kubelet). Found on the real node: with the chart's daemon.socketHostPath
+    not /run/gpushare, Allocate handed the kubelet the agent's container paths
+    (/run/gpushare/pods/<id>, /run/gpushare/sim.state), which the kubelet mounted from the
+    host's /run/gpushare: the kernel saw an empty directory and its share read 'unreachable'."""
+    monkeypatch.setenv(plugin.SOCKET_HOST_DIR_ENV, "/srv/gs")
+    allocation = Allocation(
+        id="a-" + "2" * 16,
+        node="n1",
+        gpus=("GPU-a",),
+        spec=ShareSpec(gpu_request=0.25, gpu_limit=0.5),
+        memory=1 << 30,
+    )
+    settings = plugin.PluginSettings(
+        node="n1",
+        namespace="x",
+        pod_socket_dir=Path("/run/gpushare/pods"),
+        interposer_dir=Path("/srv/lib"),
+        simulated_devices="A100|GPU-a|1|108",
+        sim_state="/run/gpushare/sim.state",
+    )
+    assert settings.socket_host_dir == Path("/srv/gs")
+    reply = plugin.container_response(
+        allocation, settings, Path("/run/gpushare/pods/a-2222222222222222")
+    )
+    assert {m["container_path"]: m["host_path"] for m in reply["mounts"]} == {
+        "/opt/gpushare/lib": "/srv/lib",
+        "/run/gpushare": "/srv/gs/pods/a-2222222222222222",
+        "/run/gpushare-sim/sim.state": "/srv/gs/sim.state",
+    }
+    assert reply["envs"]["GPUSHARE_SOCKET"] == "/run/gpushare/daemon.sock"  # the pod's view
+    monkeypatch.delenv(plugin.SOCKET_HOST_DIR_ENV)
+    assert plugin.PluginSettings(node="n1", namespace="x").host_path("/run/gpushare/x") == (
+        "/run/gpushare/x"
+    )
+
+
+def test_a_pods_socket_directory_keeps_its_inode_across_agent_restarts(tmp_path: Path) -> None:
+    """Unit test (no kubelet). Found on the real node: the kubelet bind-mounts a kernel pod's
+    socket directory, so the agent restarted after ``kill -9`` made its new socket in a new
+    directory at the same path that the running pod never saw (the kernel stayed unconnected).
+    The directory is now emptied in place; a link or another's entry there is replaced."""
+    directory = tmp_path / "a-1111111111111111"
+    plugin.fresh_directory(directory)
+    inode = directory.stat().st_ino
+    (directory / "daemon.sock").write_text("old socket")
+    (directory / "junk").mkdir()
+    plugin.fresh_directory(directory)
+    assert directory.stat().st_ino == inode and list(directory.iterdir()) == []
+    assert directory.stat().st_mode & 0o777 == 0o755
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("x")
+    link = tmp_path / "a-2222222222222222"
+    link.symlink_to(elsewhere)
+    plugin.fresh_directory(link)
+    assert link.is_dir() and not link.is_symlink() and (elsewhere / "keep").exists()
+
+
 def test_preferred_allocation_keeps_units_on_the_allocations_gpu() -> None:
     available = [f"GPU-a/{i}" for i in range(3)] + [f"GPU-b/{i}" for i in range(3)]
     assert plugin.preferred(available, [], 2, ("GPU-b",)) == ["GPU-b/0", "GPU-b/1"]

@@ -87,10 +87,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import shutil
+import stat
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +118,15 @@ CONTAINER_SOCKET_DIR = "/run/gpushare"
 CONTAINER_LIB_DIR = "/opt/gpushare/lib"
 CONTAINER_SIM_STATE = "/run/gpushare-sim/sim.state"
 SOCKET_NAME = "daemon.sock"
+#: the host directory mounted at the agent's socket directory (the chart's
+#: daemon.socketHostPath): ``Allocate``'s mounts name host paths, which the kubelet mounts as
+#: they are, so the agent's own paths under that directory are translated (unset: the same path)
+SOCKET_HOST_DIR_ENV = "GPUSHARE_SOCKET_HOST_DIR"
+
+
+def _socket_host_dir() -> Path | None:
+    value = os.environ.get(SOCKET_HOST_DIR_ENV, "")
+    return Path(value) if value else None
 
 
 @dataclass(frozen=True)
@@ -133,6 +144,21 @@ class PluginSettings:
     sim_state: str = ""
     health_interval: float = 10.0
     cleanup_interval: float = 5.0
+    #: the host directory mounted at ``pod_socket_dir``'s parent (the agent's socket
+    #: directory), when the two paths differ ($GPUSHARE_SOCKET_HOST_DIR)
+    socket_host_dir: Path | None = field(default_factory=_socket_host_dir)
+
+    def host_path(self, path: Path | str) -> str:
+        """``path`` of the agent's container as the host (the kubelet) sees it: under the
+        socket directory, the same file under ``socket_host_dir``; any other path as it is."""
+        inside = Path(path)
+        if self.socket_host_dir is None:
+            return str(inside)
+        try:
+            relative = inside.relative_to(self.pod_socket_dir.parent)
+        except ValueError:
+            return str(inside)
+        return str(self.socket_host_dir / relative)
 
     @property
     def plugin_socket(self) -> Path:
@@ -291,7 +317,11 @@ def container_response(
             "host_path": str(settings.interposer_dir),
             "read_only": True,
         },
-        {"container_path": CONTAINER_SOCKET_DIR, "host_path": str(socket_dir), "read_only": False},
+        {
+            "container_path": CONTAINER_SOCKET_DIR,
+            "host_path": settings.host_path(socket_dir),
+            "read_only": False,
+        },
     ]
     cdi: list[str] = []
     if simulated is not None:
@@ -299,7 +329,7 @@ def container_response(
             mounts.append(
                 {
                     "container_path": CONTAINER_SIM_STATE,
-                    "host_path": settings.sim_state,
+                    "host_path": settings.host_path(settings.sim_state),
                     "read_only": False,
                 }
             )
@@ -321,6 +351,31 @@ def preferred(
             if dev not in chosen and wanted(dev):
                 chosen.append(dev)
     return chosen
+
+
+def fresh_directory(directory: Path) -> None:
+    """``directory`` empty, 0755, the agent's own. A directory the agent made before is kept
+    (only emptied): a running kernel pod has it bind-mounted by the kubelet, so a new directory
+    at the same path (another inode) would never show the pod the socket made in it after an
+    agent restart. Anything else there (another owner, a file or link) is removed first."""
+    try:
+        st = directory.lstat()
+    except FileNotFoundError:
+        directory.mkdir(mode=0o755)
+        return
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+        for entry in directory.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        directory.chmod(0o755)
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(directory, ignore_errors=True)
+    else:
+        directory.unlink(missing_ok=True)
+    directory.mkdir(mode=0o755)
 
 
 def kubelet_channel(path: Path) -> grpc.aio.Channel:
@@ -752,8 +807,7 @@ class SharePlugin(api_pb2_grpc.DevicePluginServicer):
         old = self.listeners.pop(allocation_id, None)
         if old is not None:
             old[0].close()
-        shutil.rmtree(directory, ignore_errors=True)
-        directory.mkdir(mode=0o755)
+        fresh_directory(directory)
         path = directory / SOCKET_NAME
         # 0666: callers are known by their credentials (and their pod)
         listener = Listener(str(path), LISTEN_BACKLOG, self.daemon._accepted)

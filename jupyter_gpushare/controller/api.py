@@ -22,6 +22,7 @@ DELETE   /api/kernels/{allocation_id}        stop the pod, keep the share (?grac
 PUT      /api/servers/{server_id}            heartbeat: renew the server's Lease
 GET      /api/usage                          live usage of the caller's allocations (admins: all)
 PUT      /api/usage/{node}                   a node daemon's usage report (its SA token)
+*        /api/queue, /api/queue/{id}         starts that wait for a share (:mod:`.queue_api`)
 =======  ==================================  ==============================================
 """
 
@@ -54,6 +55,7 @@ class State:
         self.auth = auth
         self.identity = identity
         self.service: Any = None
+        self.queue: Any = None  # .queue.ControllerQueue, while the service runs
         self.leader: Any = None  # LeaderElection, for the standby's reason
         self.node_auth: Any = None  # .usage.NodeAuth: who may report a node's usage
         self.reports = NodeReports()  # the nodes' latest usage reports (kept across terms)
@@ -290,6 +292,9 @@ def make_app(state: State, **settings: Any) -> Application:
             {"state": state},
         ),
     ]
+    from .queue_api import queue_routes  # its handlers are this module's Handler's
+
+    routes += queue_routes(state)
     default: Callable[..., Any] = NotFoundHandler
     return Application(
         routes, default_handler_class=default, default_handler_args={"state": state}, **settings

@@ -310,10 +310,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--driver-check",
         choices=("on", "shares", "off"),
         default="on",
-        help="check what the driver (NVML) reports per process against the shares and stop "
-        "or pause processes beyond a share's memory cap or compute limit (on); 'shares': "
-        "and leave alone processes of users without a share on the GPU (the default on "
-        "Kubernetes, where other pods may use a node's GPUs); off: never",
+        help="--system and Kubernetes node agents: check what the driver (NVML) reports per "
+        "process against the shares and stop or pause processes beyond a share's memory cap "
+        "or compute limit, and processes of users without a share on the GPU they use (on); "
+        "'shares': leave those alone (the default on Kubernetes, where other pods may use a "
+        "node's GPUs); off: never. A per-user agent serves its own processes only: no check",
     )
     for flag, trait, metavar in CONFIG_FLAGS:  # one flag per DaemonConfig setting
         default = getattr(d, trait)
@@ -655,7 +656,8 @@ async def _main(args: argparse.Namespace, access: Access) -> None:
         idle_timeout_s=args.idle_timeout,
         admin_group=args.admin_group or None,
         socket_gid=access.user_gid if args.system else None,
-        driver_check=args.driver_check != "off",
+        driver_check=args.driver_check != "off"
+        and (args.system or bool(args.kubernetes_namespace)),
         stop_unshared=args.driver_check == "on" and not args.kubernetes_namespace,
     )
     daemon = Daemon(ledger, settings)

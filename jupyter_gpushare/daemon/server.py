@@ -94,8 +94,9 @@ class DaemonSettings:
     admin_group: str | None = None
     #: the socket is 0660 with this group (only its members reach the agent); None: 0666
     socket_gid: int | None = None
-    #: check the driver's per-process figures against the shares and act (driver_check.py)
-    driver_check: bool = True
+    #: check the driver's per-process figures against the shares and act (driver_check.py;
+    #: the command turns it on for the system agent and on Kubernetes)
+    driver_check: bool = False
     #: stop processes of users without a share on the GPU they use (else only shares count)
     stop_unshared: bool = True
 

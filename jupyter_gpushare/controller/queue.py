@@ -432,9 +432,16 @@ class ControllerQueue:
                 await self._finish(r.id, FAILED, str(exc))
                 self.figures_.failed += 1
                 continue
-            if not await self._record_start(r.id, allocation, kicked):
-                # cancelled meanwhile, or another replica started it: give the share back
-                await ledger.release(allocation.id, if_unchanged=None)
+            await self._take(r.id, allocation, kicked)
+
+    async def _take(self, entry_id: str, allocation: Allocation, kicked: float | None) -> bool:
+        """Record the start of ``entry_id`` with ``allocation``, just placed for it; when the
+        entry was cancelled meanwhile or another replica started it with another share, give
+        this one back (so each entry holds one share, whoever placed it)."""
+        if await self._record_start(entry_id, allocation, kicked):
+            return True
+        await self.service.ledger.release(allocation.id)
+        return False
 
     def _server_alive(self, r: QueuedStart) -> bool:
         lease = self.service.servers.leases.get(manifests.lease_name(r.server_id))
@@ -482,11 +489,15 @@ class ControllerQueue:
     async def _record_start(
         self, entry_id: str, allocation: Allocation, kicked: float | None
     ) -> bool:
-        """Mark ``entry_id`` started with ``allocation`` (only while it still waits)."""
+        """Mark ``entry_id`` started with ``allocation`` (only while it still waits). False:
+        the entry ended otherwise or holds another share, and ``allocation`` is nobody's."""
         now = time.time()
 
         def change(records: dict[str, QueuedStart]) -> tuple[bool, bool]:
             found = records.get(entry_id)
+            if found is not None and found.state == STARTED and found.allocation:
+                # another replica recorded this very share (found in the ledger): it is kept
+                return found.allocation.get("id") == allocation.id, False
             if found is None or found.state != WAITING:
                 return False, False
             found.state, found.ended, found.by = STARTED, now, self.identity
@@ -496,6 +507,8 @@ class ControllerQueue:
         if not await self._commit(change):
             return False
         r = self.records[entry_id]
+        if r.by != self.identity or r.ended != now:
+            return True  # recorded by another replica: its figures
         m = self.figures_
         m.started += 1
         m.waits.append(now - r.since)

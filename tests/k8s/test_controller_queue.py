@@ -143,6 +143,106 @@ def pods_of(kernel: str, pods: dict[str, Any]) -> list[str]:
     return [n for n in pods if n.startswith(f"gpushare-kernel-{kernel[:8].lower()}-")]
 
 
+async def test_two_replicas_that_both_lead_start_each_entry_once(
+    control_plane: ControlPlane, node_agent: Path
+) -> None:
+    """No pod (the kubelet double's Nodes publish the GPUs). Two controllers' services and
+    queues in this process, each with its own API client, watches and caches (two replicas
+    that both act as leader, as for a moment after a partition), with the controller's
+    service account: with the T4 full, a start waits in the GpuQueue; when it frees, the two
+    replicas each place a share for the waiting entry and record its start (the queue's own
+    steps, one by one): one wins, the GpuQueue entry names its share, the other share is
+    released. With the check that the entry still waits removed from the record, both won
+    (seen)."""
+    from jupyter_gpushare.controller.auth import HubUser
+    from jupyter_gpushare.controller.bounds import Bounds
+    from jupyter_gpushare.controller.kernels import KernelService
+    from jupyter_gpushare.controller.queue import ControllerQueue, QueueStore
+    from jupyter_gpushare.controller.servers import ServerLeases
+    from jupyter_gpushare.controller.usage import NodeReports
+    from jupyter_gpushare.inventory import TypeAliases
+    from jupyter_gpushare.k8s import manifests
+    from jupyter_gpushare.k8s.config import KubernetesBackendConfig
+    from jupyter_gpushare.k8s.ledger import KubernetesLedger
+    from jupyter_gpushare.placement import Policy
+    from jupyter_gpushare.queue import QueuePolicy
+
+    pods = manifests.PodSettings.from_config(KubernetesBackendConfig())
+    made: list[tuple[Any, KernelService, ControllerQueue]] = []
+
+    async def replica(name: str) -> ControllerQueue:
+        kube = await connect(str(control_plane.kubeconfig("controller")))
+        leases = ServerLeases(kube, NAMESPACE, 60.0, name)
+        service = KernelService(
+            kube,
+            NAMESPACE,
+            TypeAliases(),
+            Policy(),
+            Bounds({}, {}, None),
+            leases,
+            pods,
+            NodeReports(),
+        )
+        await service.start(30)
+        queue = ControllerQueue(service, QueuePolicy(), name)
+        await queue.start()
+        made.append((kube, service, queue))
+        return queue
+
+    admin = HubUser("carol", admin=True)
+    try:
+        a = await replica("replica-a")
+        for r in a.waiting():
+            await a.cancel(admin, r.id)
+        for left in await a.service.ledger.list():
+            await a.service.ledger.release(left.id)
+        server = "srv-" + uuid.uuid4().hex[:8]
+        full = await a.service.reserve(
+            HubUser("alice"),
+            {
+                "kernel_id": kernel_name(),
+                "server_id": server,
+                "share": {"gpu_request": 1.0, "gpu_type": "T4"},
+            },
+        )
+        body = {"kernel_id": kernel_name(), "server_id": server, "share": T4}
+        entry = (await a.reserve(HubUser("alice"), body))["entry"]["id"]
+        b = await replica("replica-b")
+        assert [r.id for r in b.waiting()] == [entry]  # the new replica reads the queue
+        for _kube, _service, queue in made:  # no runner: the race below, step by step
+            assert queue._task is not None
+            queue._task.cancel()
+        await a.service.ledger.release(full.id)
+        await b.service.ledger.ledgers.wait_until(lambda: not b.service.ledger.node_of(full.id), 10)
+        # both replicas place a share for the entry, then both record its start
+        gpus = await a.service.gpus()
+        placed = [await q._place(q.records[entry], gpus, set()) for q in (a, b)]
+        won = await asyncio.gather(
+            *(q._take(entry, x, None) for q, x in zip((a, b), placed, strict=True))
+        )
+        assert sorted(won) == [False, True], won
+        winner = placed[won.index(True)]
+        stored = {r.id: r for r in (await QueueStore(a.service.kube, NAMESPACE).read())[1]}
+        assert stored[entry].state == "started", stored[entry]
+        assert (stored[entry].allocation or {}).get("id") == winner.id, stored[entry]
+        shares = [
+            x.id
+            for x in (await KubernetesLedger(a.service.kube, NAMESPACE).snapshot()).allocations
+            if x.extra.get("queue_entry") == entry
+        ]
+        assert shares == [winner.id], (shares, placed)
+        # a replica that then finds the winner's share in the ledger keeps it
+        assert await [a, b][won.index(False)]._take(entry, winner, None)
+    finally:
+        for kube, service, queue in made:
+            await queue.stop()
+            for left in await service.ledger.list():
+                with contextlib.suppress(Exception):
+                    await service.ledger.release(left.id)
+            await service.stop()
+            await kube.close()
+
+
 async def test_a_start_that_does_not_fit_waits_without_a_pod_and_starts_when_a_share_is_freed(
     queue_controllers: list[Controller],
     hub: Any,  # noqa: F811 - the imported fixture

@@ -81,9 +81,6 @@ SYSCTLS = (
 #: host directories the runtime or kubelet may create whatever their configuration
 HOST_DIRS = (
     "/var/lib/kubelet",
-    "/run/gpushare",
-    "/run/gpushare-state",
-    "/opt/gpushare",
     "/run/containerd",
     "/var/run/netns",
     "/var/lib/cni",

@@ -4,6 +4,10 @@ waits while another pod of that node and size waits for the kubelet's admission,
 The informer is fed as its watch would feed it (``note``: what the API server returned); the
 end-to-end check, with the real API server, scheduler and device plugin, is
 ``tests/k8s/test_controller.py::test_starts_of_one_size_on_one_node_are_admitted_one_at_a_time``.
+
+Where it runs: no node: the gate's informer is fed directly; the end-to-end check of the gate runs
+on the kubelet double (test_kernels), whose admit-after hook makes the kubelet's admissions slow on
+purpose, which a real kubelet cannot be told to do.
 """
 
 from __future__ import annotations

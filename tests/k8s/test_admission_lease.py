@@ -7,6 +7,8 @@ is taken over once expired.
 The pods are fed to each server's informer as its watch would feed them (``note``); the kubelet's
 admission is the device plugin's annotation. The controller's gate end to end:
 ``test_controller.py::test_starts_of_one_size_on_one_node_are_admitted_one_at_a_time``.
+
+Where it runs: the real API server alone (no node): Leases only.
 """
 
 from __future__ import annotations

@@ -5,6 +5,11 @@ service account; users' servers are represented by their Hub API tokens (the sco
 ``JUPYTERHUB_API_TOKEN`` has) and, in one test, by a real Jupyter server in controller mode that
 holds no kubeconfig at all. Users: alice (no bound), bob (group ``students``: at most 0.25 / 0.5
 of a GPU), carol (Hub admin).
+
+Where it runs: the kubelet double (``node_agent.py``: pods are local processes, at 127.0.0.1),
+because these tests need two GPU nodes of two types (placement, bounds, quotas) and controller
+replicas on this host to kill; the controller in a pod, through the chart, with kernel pods on a
+real kubelet: test_real_node_chart.py.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 A control plane of its own (etcd + kube-apiserver, no scheduler or controller manager), so that
 ``apiserver_request_total`` in the API server's ``/metrics`` counts only what these tests and the
 controller ask: the other tests' reconcilers and node daemons would LIST GpuLedgers too.
+
+Where it runs: the real API server alone (no node): request counts.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ pod exists). Users' servers are represented by their Hub tokens and the server s
 (:class:`~jupyter_gpushare.controller.client.ControllerLedger`, what a server's provisioner waits
 with), heartbeating their server Leases as a server does. The T4 node has one GPU: filling it
 makes every T4 start wait.
+
+Where it runs: the kubelet double (``node_agent.py``: pods are local processes, at 127.0.0.1),
+because the queue needs several GPU nodes filled and freed quickly.
 """
 
 from __future__ import annotations

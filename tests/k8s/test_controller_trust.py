@@ -6,7 +6,10 @@ up does not cancel the review others wait on. The API server's side (audiences, 
 TokenReview) is tested in test_controller_cache.py against the real kube-apiserver.
 
 The API server is played here by :meth:`NodeAuth._token_review` (the one call that asks it), so
-the bounds are counted exactly; nothing else is replaced."""
+the bounds are counted exactly; nothing else is replaced.
+
+Where it runs: no cluster: the controller's TokenReview bounds against a fake reviewer.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The node daemon follows its node's records in the API-server ledger (shares change live)."""
+"""The node daemon follows its node's records in the API-server ledger (shares change live).
+
+Where it runs: the real API server alone (no node): the daemon runs on this host.
+"""
 
 from __future__ import annotations
 

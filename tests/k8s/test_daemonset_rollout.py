@@ -9,6 +9,10 @@ the rollout (no launch fails; a gap while no agent exists is allowed, measured a
 the new agent must take the share back and hold its limit, the new pod's device plugin must
 register with the kubelet again with the Node's share resource advertised throughout, and the
 node's GpuLedger must hold the same records before and after (none lost, none doubled).
+
+Where it runs: the kubelet double (``node_agent.py``: pods are local processes, at 127.0.0.1),
+because the rollout is timed against a kernel pod's launch with the double's start-after hook (a
+real kubelet cannot be slowed on purpose).
 """
 
 from __future__ import annotations

@@ -2,7 +2,11 @@
 user's Jupyter server reads the cluster's ledger, so a server shows the cluster's GPUs and its
 own kernels' shares whole, and another server's kernel only as capacity - also to a viewer
 jupyter_server's default Authorizer allows everything (it would be JupyterHub's single-user
-Authorizer for a server's owner) - unless ``GpushareDashboard.show_other_servers`` is set."""
+Authorizer for a server's owner) - unless ``GpushareDashboard.show_other_servers`` is set.
+
+Where it runs: the kubelet double (``node_agent.py``: pods are local processes, at 127.0.0.1),
+because it needs two GPU nodes of two types; the server side is the same on a real node.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""deploy/: the manifests the tests apply, and the Helm chart that ships the same rules."""
+"""deploy/: the manifests the tests apply, and the Helm chart that ships the same rules.
+
+Where it runs: no cluster: the manifests as files.
+"""
 
 from __future__ import annotations
 

@@ -5,7 +5,13 @@ shares: a pod asking ``nvidia.com/gpu`` cannot land on a gpushare node, a pod as
 units than are free stays Pending, and a pod that copies a kernel's labels and asks units is
 refused at admission (it gets no GPU, socket or interposer); one admitted first, in the kernel
 pod's second, is refused at PreStartContainer (the kubelet's PodResources API names the pod
-holding its devices) and the kernel pod is served after it."""
+holding its devices) and the kernel pod is served after it.
+
+Where it runs: no node for the pure parts; then the kubelet double (``node_agent.py``: pods are
+local processes, at 127.0.0.1) speaking the device-plugin API over real gRPC, because it needs the
+double's hooks (several same-size pods admitted at chosen moments). The plugin with the real
+kubelet 1.20: test_real_node_chart.py.
+"""
 
 from __future__ import annotations
 

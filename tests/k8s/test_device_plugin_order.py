@@ -2,7 +2,11 @@
 the waiting kernel pod bound to the node first, by the time the API server stamped its binding,
 not by creation. A pod created earlier, held back, and given a newer kernel's labels before it is
 bound must not count as the older one: the plugin would refuse the kernel's own admission
-(issue 15, the Allocate denial-of-service gap)."""
+(issue 15, the Allocate denial-of-service gap).
+
+Where it runs: the real API server alone (no node): the tests bind pods themselves, in the orders
+they need.
+"""
 
 from __future__ import annotations
 

@@ -6,6 +6,10 @@ its DaemonSet runs a working node daemon on a fake node (the node agent).
 ``helm`` comes from ``.ci/setup.d/helm.sh`` (cached in ``$GPUSHARE_HELM_CACHE``, default
 /var/cache/gpushare-helm), or is ``$GPUSHARE_HELM``, or on PATH. Under CI (``CI=true``) a
 missing binary FAILS these tests; elsewhere they skip and say why.
+
+Where it runs: the real API server; the DaemonSet it renders runs on the kubelet double
+(``node_agent.py``: pods are local processes, at 127.0.0.1) (two GPU nodes). helm install on the
+real node: test_real_node_chart.py.
 """
 
 from __future__ import annotations

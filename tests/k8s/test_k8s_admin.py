@@ -1,7 +1,11 @@
 """Admin features on the Kubernetes backend, on the real control plane: node daemons publish their
 usage into ConfigMaps (``jupyter_gpushare/k8s/usage.py``), and the server's REST (``/gpus``,
 ``/allocations``, live resize, release, ``/usage``) and idle reclaim work on kernel pods through
-the cluster's ledger and those reports."""
+the cluster's ledger and those reports.
+
+Where it runs: the kubelet double (``node_agent.py``: pods are local processes, at 127.0.0.1),
+because it needs two GPU nodes of two types and the double's eviction hook.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,11 @@
 """Warm kernel pools with the Kubernetes backend: warm kernels are pods holding shares in the
 cluster ledger; matching starts are served warm, the next one falls back to a cold pod start,
-the pool refills, and the server's shutdown leaves no pod or record behind."""
+the pool refills, and the server's shutdown leaves no pod or record behind.
+
+Where it runs: the kubelet double (``node_agent.py``: pods are local processes, at 127.0.0.1): warm
+pods of the checkout's code (no image rebuild); the warm-claim figure on the real node is
+benchmarks/k8s_start.py --real-node.
+"""
 
 from __future__ import annotations
 

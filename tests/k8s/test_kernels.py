@@ -1,6 +1,11 @@
 """End to end on the real control plane: jupyter_server (backend ``kubernetes``) starts kernels
 over REST, each kernel is a pod on the node and GPU the ledger chose, the node agent runs it, code
-executes, and every way a kernel ends leaves no pod, Secret, Lease or record behind."""
+executes, and every way a kernel ends leaves no pod, Secret, Lease or record behind.
+
+Where it runs: the kubelet double (``node_agent.py``: pods are local processes, at 127.0.0.1),
+because it injects what cannot be caused here: eviction, OOM kills, slow admissions (the double's
+hooks), on two GPU nodes. A kernel pod end to end on the real kubelet: test_real_node_chart.py.
+"""
 
 from __future__ import annotations
 

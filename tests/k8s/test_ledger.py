@@ -1,4 +1,8 @@
-"""The ledger on the real API server: CAS semantics, inventory from Nodes, watches, concurrency."""
+"""The ledger on the real API server: CAS semantics, inventory from Nodes, watches, concurrency.
+
+Where it runs: the kubelet double (``node_agent.py``: pods are local processes, at 127.0.0.1) for
+the Nodes' inventory (two GPU nodes); the ledger itself is the real API server.
+"""
 
 from __future__ import annotations
 

@@ -4,7 +4,11 @@ bundles them): the chart rendered with default and non-default values (the contr
 NetworkPolicies included), deploy/*.yaml (RBAC, DaemonSet, CRD, NetworkPolicies), the z2jh
 examples, and the kernel pods and Secrets of ``k8s/manifests.py``;
 and ``jupyter gpushare k8s kernel-pod`` prints a kernel pod that passes Pod Security
-"restricted" (issue 15)."""
+"restricted" (issue 15).
+
+Where it runs: no cluster: OpenAPI schemas of Kubernetes 1.30/1.34 (what 1.20 lacks: Pod Security
+admission, CDI in device-plugin replies).
+"""
 
 from __future__ import annotations
 

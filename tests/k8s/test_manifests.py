@@ -1,5 +1,8 @@
 """The pure parts of the Kubernetes backend: manifests, Node inventory, pod status, staleness.
-(No cluster needed.)"""
+(No cluster needed.)
+
+Where it runs: no cluster.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,11 @@
 of netpol.py on the Kubernetes documentation's examples, the controller's per-user policy
 (controller/network.py) with the chart's controller-mode policies, and their schemas. The same
 evaluator over the live cluster's policies, with two Hub users' kernels started through the
-controller: tests/k8s/test_controller.py."""
+controller: tests/k8s/test_controller.py.
+
+Where it runs: the real API server; NetworkPolicies are checked by the evaluator of netpol.py (no
+registry here offers a CNI that enforces them, on the double or the real node).
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,11 @@
 """Observability (issue 15): the node daemon's metrics name each kernel's pod, namespace, user
 and kernel id and each GPU by DCGM exporter's labels; the chart scrapes them by default (a
 metrics port and a NetworkPolicy for Prometheus; a PodMonitor on request); and the Grafana
-dashboard in deploy/grafana asks only for series the daemon exports, by labels it sets."""
+dashboard in deploy/grafana asks only for series the daemon exports, by labels it sets.
+
+Where it runs: the kubelet double (``node_agent.py``: pods are local processes, at 127.0.0.1),
+because it needs two GPU nodes of two types and scrapes the daemon's metrics port on this host.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,13 @@
 run by the node agent on every fake node): the interposer in the pod connects through the
 mounted socket, the daemon checks that the process runs in the allocation's pod (its cgroups
 name the pod UID the server recorded), and the notebook side (status, ``%gpushare``, Release)
-works in a pod as it does locally; two pods get their compute shares of one GPU."""
+works in a pod as it does locally; two pods get their compute shares of one GPU.
+
+Where it runs: the kubelet double (``node_agent.py``: pods are local processes, at 127.0.0.1),
+because it needs a T4 node and an A100 node and the daemon's socket on this host; the same checks
+on the real node (interposer in the pod, cap, Release, 0.3/0.7, kill -9 of the agent):
+test_real_node_chart.py.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,11 @@
 """Kernel pods pass Pod Security "restricted" (issue 15): the pure checker of
 ``jupyter_gpushare.k8s.podsecurity`` against known-good and known-bad pods, then against the
 kernel pods ``manifests.kernel_pod`` builds (with the device plugin: no hostPath, non-root, no
-privilege, capabilities dropped, seccomp RuntimeDefault, the Secret readable by fsGroup)."""
+privilege, capabilities dropped, seccomp RuntimeDefault, the Secret readable by fsGroup).
+
+Where it runs: no cluster: the restricted profile checked by podsecurity.py (Kubernetes 1.20 has no
+Pod Security admission).
+"""
 
 from __future__ import annotations
 

@@ -6,7 +6,10 @@ fields, so ``podmonitor_validate.mjs`` also walks the object against the package
 declarations and refuses a field no declaration lists. Not checked: keys inside maps (labels,
 params) and anything only the operator's CRD or the API server adds (CEL rules, defaults); no
 CRD manifest ships in the package, so no API server takes part. Each check is shown to refuse a
-broken PodMonitor (a misspelt field, an interval Prometheus cannot read)."""
+broken PodMonitor (a misspelt field, an interval Prometheus cannot read).
+
+Where it runs: no cluster: the Prometheus Operator's validators.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ A plain pod of the python test image runs; this host reaches it at its pod IP an
 Service's ClusterIP (kube-proxy's iptables rules); a second pod reaches the Service by its DNS
 name (``real_node.ServiceDNS``, the stand-in for cluster DNS) and the API server through the
 ``kubernetes`` Service with its service-account token, as in-cluster clients do.
+
+Where it runs: the real node (``real_node.py``).
 """
 
 from __future__ import annotations

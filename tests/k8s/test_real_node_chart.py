@@ -11,6 +11,8 @@ runs it as the image's user, and the server talks to the kernel at its pod IP.
 
 What stays on the double (``node_agent.py``): eviction and OOM injection, and the tests that
 need several nodes (this machine runs one real node).
+
+Where it runs: the real node (``real_node.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """A kernel pod's start, phase by phase, as ``GET /gpushare/api/starts`` shows it (the Lab picker
 and status bar poll it): on the real control plane, a start that works goes placing -> placed ->
 launching -> (pod phases) -> starting -> ready; one the scheduler cannot place shows the
-scheduler's own words while it waits; one whose image cannot be pulled shows the kubelet's."""
+scheduler's own words while it waits; one whose image cannot be pulled shows the kubelet's.
+
+Where it runs: the kubelet double (``node_agent.py``: pods are local processes, at 127.0.0.1),
+because a start the scheduler cannot place needs the double's two GPU node types.
+"""
 
 from __future__ import annotations
 

@@ -5,7 +5,11 @@ flags and applied (server-side dry run) to the real API server in the documented
 ``hub-rbac.yaml`` is applied as documented and the hub's service account then reads the ledger
 with the values' own ``hub.extraConfig``; every URL, namespace, port and label selector of the
 NetworkPolicies and z2jh values is checked against the object it must meet (the chart's
-controller, z2jh's user pods, the kernel pods of ``k8s/manifests.py``)."""
+controller, z2jh's user pods, the kernel pods of ``k8s/manifests.py``).
+
+Where it runs: the real API server alone (no node): the README's objects are applied and
+authorized.
+"""
 
 from __future__ import annotations
 

@@ -497,19 +497,22 @@ class DriverCheck:
         pod = None
         if any(a.extra.get("k8s_pod") for a in on_gpu):
             pod = pod_uid_of(pid)
-        lineage = _lineage(pid)
         for a in on_gpu:
-            if a.extra.get("k8s_pod"):
-                if pod is not None and pod == a.extra.get("k8s_pod_uid"):
-                    return a.id
-                continue
-            if a.pid is None or a.pid_start is None:
-                continue
-            if a.extra.get("uid") is not None and a.extra.get("uid") != uid:
-                continue  # a record names its own user's processes only
-            started = lineage.get(a.pid)
-            if started is not None and abs(started - a.pid_start) <= START_TOLERANCE:
+            if a.extra.get("k8s_pod") and pod is not None and pod == a.extra.get("k8s_pod_uid"):
                 return a.id
+        by_pid = {
+            a.pid: a
+            for a in on_gpu
+            if not a.extra.get("k8s_pod")
+            and a.pid is not None
+            and a.pid_start is not None
+            # a record names its own user's processes only
+            and a.extra.get("uid") in (None, uid)
+        }
+        for ancestor, started in _lineage(pid).items():  # the nearest recorded ancestor
+            found = by_pid.get(ancestor)
+            if found is not None and abs(started - (found.pid_start or 0.0)) <= START_TOLERANCE:
+                return found.id
         # a process of a share's user that is not the share's (LD_PRELOAD cleared, started
         # elsewhere): charged to that user's share on this GPU, the largest cap first
         theirs = [a for a in on_gpu if a.extra.get("uid") == uid]

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
 import random
+import signal
+import subprocess
 from pathlib import Path
+from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -212,3 +217,102 @@ def test_random_writes_to_the_board_never_raise_in_the_lease_loop(tmp_path: Path
     assert errors == []
     shm.close()
     state.close()
+
+
+# -- identification and acting (in-process, real processes) -----------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (processes of other uids)")
+def test_the_check_identifies_processes_itself_and_signals_only_them(tmp_path: Path) -> None:
+    """DriverCheck on a stub of the driver's readings (the NVML sampler is what cannot run
+    here without a device; the processes, /proc, pidfds and signals are real): a child of a
+    share's recorded process (no connection: LD_PRELOAD cleared) holding 5 GiB over a 1 GiB cap
+    is killed; a process of a uid without a share on the GPU is killed; a process of uid 0 (an
+    admin) and a pid with no process are left alone; the share's status says why."""
+    from jupyter_gpushare.daemon.driver_check import DriverCheck, identity
+    from jupyter_gpushare.ledger import Allocation
+    from jupyter_gpushare.share import ShareSpec
+
+    nobody = 65534
+    kernel = subprocess.Popen(
+        ["sh", "-c", "sleep 60 & echo $!; wait"], user=nobody, stdout=subprocess.PIPE, text=True
+    )
+    assert kernel.stdout is not None
+    child = int(kernel.stdout.readline())
+    stray = subprocess.Popen(["sleep", "60"], user=nobody - 1)
+    admin = subprocess.Popen(["sleep", "60"])
+    found = identity(kernel.pid)
+    assert found is not None
+    share_ = Allocation(
+        id="a-0000000000000001",
+        node="n",
+        gpus=(GPU,),
+        spec=ShareSpec(0.3, 0.3, gpu_memory=GiB),
+        memory=GiB,
+        pid=kernel.pid,
+        pid_start=found[1],
+        extra={"uid": nobody},
+    )
+    state = StateDir(tmp_path / "state")
+    shm = GpuShm(state, GPU, 20_000_000, 1_000_000_000)
+    loop = GpuLoop(GPU, shm, 20_000_000, 1_000_000_000)
+
+    class Daemon:
+        gpus = {GPU: loop}
+        allocations = {share_.id: share_}
+        clients: set[Any] = set()
+        admins = None
+
+    readings = {
+        GPU: [
+            {"pid": child, "memory": 5 * GiB, "busy": 0.0},
+            {"pid": stray.pid, "memory": GiB, "busy": 0.0},
+            {"pid": admin.pid, "memory": 10 * GiB, "busy": 1.0},
+            {"pid": 2**22 + 1, "memory": GiB, "busy": 0.0},  # gone (or never was)
+        ]
+    }
+
+    async def run() -> list[Any]:
+        assert loop.upsert(share_.id, 0.3, 0.3, GiB, set()) is not None
+        check = DriverCheck(Daemon(), None, sampler=lambda _lib, _seen: readings)  # type: ignore[arg-type]
+        done = check.check(readings, monotonic_ns())
+        return [done, check.report(share_.id), check.unshared_kills]
+
+    try:
+        actions, report, unshared = asyncio.run(run())
+        assert {(a.cause, a.allocation) for a in actions} == {
+            (MEMORY, share_.id),
+            (NO_SHARE, None),
+        }
+        stray.wait(5)
+        assert stray.returncode == -signal.SIGKILL
+        assert wait_gone(child)
+        assert admin.poll() is None  # (the kernel's shell ends once its child is gone)
+        assert unshared == 1
+        [event] = report["events"]
+        assert event["pids"] == [child] and event["cause"] == MEMORY
+    finally:
+        for p in (kernel, stray, admin):
+            p.kill()
+            p.wait(5)
+        shm.close()
+        state.close()
+
+
+def wait_gone(pid: int, timeout: float = 5.0) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.02)
+    return False

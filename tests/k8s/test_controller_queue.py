@@ -73,6 +73,7 @@ c.GpushareController.reconcile_interval = 1
 c.GpushareController.reconcile_grace = 4
 c.GpushareController.network_policy_grace = 2
 c.ControllerQueueSettings.server_grace = 1
+c.ControllerQueueSettings.max_per_user = 2
 c.KubernetesBackendConfig.kubeconfig = {str(control_plane.kubeconfig("controller"))!r}
 c.KubernetesBackendConfig.namespace = {NAMESPACE!r}
 c.KubernetesBackendConfig.image = "gpushare-test:local"
@@ -572,8 +573,11 @@ async def test_a_wait_that_ends_unstarted_is_refused_with_the_queues_reason(
     queue_controllers: list[Controller],
     hub: Any,  # noqa: F811 - the imported fixture
 ) -> None:
-    """No pod. The server side's wait (the provisioner's ``queue_wait``) ends after its bound
-    with ``PlacementRefused`` naming the queue, and its entry is cancelled."""
+    """No pod. With the T4 full of alice's share, alice's start waits, then bob's: bob holds
+    nothing, so he is 1st (fair order between users, not arrival). The server side's wait (the
+    provisioner's ``queue_wait``) ends after its bound with ``PlacementRefused`` naming the
+    queue, and its entry is cancelled. A user's third waiting start is refused (cap 2); a bad
+    ``wait`` is refused by name."""
     replicas = queue_controllers
     alice, bob, carol = (hub.tokens[u] for u in ("alice", "bob", "carol"))
     await asyncio.to_thread(clear, replicas, carol)
@@ -581,6 +585,7 @@ async def test_a_wait_that_ends_unstarted_is_refused_with_the_queues_reason(
     a_server, b_server = "srv-" + uuid.uuid4().hex[:8], "srv-" + uuid.uuid4().hex[:8]
     a_client = ControllerClient(urls, alice, retry_for=30)
     b_client = ControllerClient(urls, bob, retry_for=30)
+    c_client = ControllerClient(urls, carol, retry_for=30)
     async with heartbeats(a_client, a_server), heartbeats(b_client, b_server):
         full = await a_client.request(
             "POST",
@@ -591,11 +596,40 @@ async def test_a_wait_that_ends_unstarted_is_refused_with_the_queues_reason(
                 "share": {"gpu_request": 1.0, "gpu_type": "T4"},
             },
         )
+        body = {"kernel_id": kernel_name(), "server_id": a_server, "share": T4}
+        a_entry = (await a_client.request("POST", "/api/queue", body))["entry"]
+        assert a_entry["position"] == 1, a_entry
         try:
-            with pytest.raises(PlacementRefused, match="waited 1 s in the queue: 1st in line"):
-                await ControllerLedger(b_client, b_server).reserve_waiting(
-                    ShareSpec.from_mapping(T4), None, 1.0, kernel_id=kernel_name()
+            views: list[dict[str, Any]] = []
+            waiting = asyncio.create_task(
+                ControllerLedger(b_client, b_server).reserve_waiting(
+                    ShareSpec.from_mapping(T4), None, 1.0, views.append, kernel_id=kernel_name()
                 )
-            assert (await b_client.request("GET", "/api/queue"))["entries"] == []
+            )
+            deadline = time.monotonic() + 10
+            while not views:
+                assert time.monotonic() < deadline and not waiting.done(), waiting
+                await asyncio.sleep(0.05)
+            listed = (await c_client.request("GET", "/api/queue"))["entries"]
+            assert [(e["user"], e["position"]) for e in listed] == [("bob", 1), ("alice", 2)]
+            with pytest.raises(PlacementRefused, match="waited 1 s in the queue: 1st in line"):
+                await waiting
+            listed = (await c_client.request("GET", "/api/queue"))["entries"]
+            assert [e["user"] for e in listed] == ["alice"], listed
+
+            reply = await asyncio.to_thread(
+                call, replicas, bob, "GET", f"/api/queue/{a_entry['id']}?wait=nan"
+            )
+            assert reply.status_code == 400 and reply.json()["field"] == "wait", reply.text
+            mine = []
+            for _ in range(2):
+                body = {"kernel_id": kernel_name(), "server_id": b_server, "share": T4}
+                mine.append((await b_client.request("POST", "/api/queue", body))["entry"]["id"])
+            body = {"kernel_id": kernel_name(), "server_id": b_server, "share": T4}
+            reply = await asyncio.to_thread(call, replicas, bob, "POST", "/api/queue", body)
+            assert reply.status_code == 409 and reply.json()["error"] == "queue_full", reply.text
+            for entry_id in mine:
+                await b_client.request("DELETE", f"/api/queue/{entry_id}")
         finally:
+            await a_client.request("DELETE", f"/api/queue/{a_entry['id']}")
             await a_client.request("DELETE", f"/api/allocations/{full['id']}")

@@ -633,3 +633,37 @@ async def test_a_wait_that_ends_unstarted_is_refused_with_the_queues_reason(
         finally:
             await a_client.request("DELETE", f"/api/queue/{a_entry['id']}")
             await a_client.request("DELETE", f"/api/allocations/{full['id']}")
+
+
+def test_the_charts_queue_values_are_what_the_controller_reads(tmp_path: Path) -> None:
+    """No cluster: ``controller.queue`` of the chart's values reaches the controller's
+    ``ControllerQueueSettings`` through the ConfigMap the real ControllerApp loads."""
+    import subprocess
+
+    import yaml
+    from test_helm import helm_binary
+
+    from jupyter_gpushare.controller.app import ControllerApp
+    from jupyter_gpushare.controller.queue import ControllerQueueSettings
+
+    binary = helm_binary()
+    if binary is None:
+        pytest.skip("no helm binary (.ci/setup.d/helm.sh)")
+    values = tmp_path / "values.yaml"
+    queue = {"groupWeights": {"course": 2.0}, "groupPriorities": {"course": 1}, "maxPerUser": 3}
+    values.write_text(yaml.safe_dump({"controller": {"enabled": True, "queue": queue}}))
+    chart = Path(__file__).resolve().parents[2] / "deploy/helm/jupyter-gpushare"
+    out = subprocess.run(
+        [binary, "template", "x", str(chart), "--namespace", "gpushare", "-f", str(values)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    objs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
+    config = tmp_path / "controller_config.json"
+    config.write_text(objs[("ConfigMap", "gpushare-controller")]["data"][config.name])
+    app = ControllerApp()
+    app.initialize([f"--config={config}"])
+    policy = ControllerQueueSettings(config=app.config).policy()
+    assert policy.weight_of(["course"]) == 2.0 and policy.priority_of(["course"]) == 1
+    assert policy.max_per_user == 3 and policy.hold_s == 300.0

@@ -171,3 +171,61 @@ def test_one_users_ledger_flood_does_not_fail_anothers_starts(agent) -> None:  #
     slowest = max(result["times"])
     assert slowest < BOUND_S, f"alice's slowest request took {slowest:.2f} s: {result['times']}"
     assert flooded[1] > 200, f"bob sent only {flooded[1]} swaps"
+
+
+def test_the_writer_serves_uids_in_turn_bounds_each_and_refuses_a_flood() -> None:
+    """FairWriter alone: bob's 20 waiting writes do not go ahead of alice's one (she is served
+    within one of his turns); a uid over its rate waits its turn, the agent's own first; past
+    ``waiting`` queued writes a uid is refused (Busy), others are not."""
+    from jupyter_gpushare.daemon.intents import Busy, FairWriter
+
+    async def go() -> None:
+        writer = FairWriter(rate=1000.0, burst=1000.0, waiting=25)
+        done: list[str] = []
+
+        def job(name: str) -> Any:
+            async def run() -> str:
+                done.append(name)
+                await asyncio.sleep(0)
+                return name
+
+            return run
+
+        bobs = [asyncio.ensure_future(writer.run(1002, job(f"bob{i}"))) for i in range(20)]
+        await asyncio.sleep(0)
+        alices = asyncio.ensure_future(writer.run(1001, job("alice")))
+        own = asyncio.ensure_future(writer.run(None, job("agent")))
+        await asyncio.gather(*bobs, alices, own)
+        # before alice: the write running when she asked, and at most one turn of bob's
+        assert sum(1 for d in done[: done.index("alice")] if d.startswith("bob")) <= 2, done
+        assert done.index("agent") <= 1, done  # the agent's own go first
+        # the bound on waiting writes: bob's 26th is refused, alice's first is not
+        writer2 = FairWriter(rate=1000.0, burst=1000.0, waiting=25)
+        gate = asyncio.Event()
+
+        async def blocked() -> str:
+            await gate.wait()
+            return "x"
+
+        held = [asyncio.ensure_future(writer2.run(1002, blocked)) for _ in range(40)]
+        await asyncio.sleep(0.01)
+        refused = [f for f in held if f.done() and isinstance(f.exception(), Busy)]
+        assert 40 - 25 - 2 <= len(refused) <= 40 - 25, len(refused)
+        alice_turn = asyncio.ensure_future(writer2.run(1001, job("alice2")))
+        await asyncio.sleep(0.01)
+        assert not alice_turn.done()  # waiting for her turn, not refused
+        gate.set()
+        await asyncio.wait_for(
+            asyncio.gather(*(f for f in held if f not in refused), alice_turn), 10
+        )
+        # the rate: 20 writes of one uid at 100/s with a burst of 5 take >= 0.1 s
+        slow = FairWriter(rate=100.0, burst=5.0)
+        began = time.monotonic()
+        await asyncio.gather(*(slow.run(1003, job(f"c{i}")) for i in range(20)))
+        assert time.monotonic() - began >= 0.1
+        # admins (bounded=False) are not held to it
+        began = time.monotonic()
+        await asyncio.gather(*(slow.run(0, job(f"r{i}"), bounded=False) for i in range(20)))
+        assert time.monotonic() - began < 0.1
+
+    asyncio.run(go())

@@ -383,3 +383,32 @@ def test_a_forged_lease_loses_the_board_and_the_request_holds(agent) -> None:  #
     finally:
         for t in tenants:
             t.stop()
+
+
+def process_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_processes_paused_by_an_agent_that_died_are_resumed_by_the_next(agent) -> None:  # noqa: F811
+    """The agent is killed (SIGKILL) while Bob's forging process is paused: the next agent
+    (same state directory) resumes it first, identified by uid and start time, so a pause never
+    outlives the agent that made it."""
+    bob = unix_user(BOB)
+    a = agent(simulate="1xA100")
+    attacker = Tenant(a, bob, (0.3, 0.3, GiB), ["spin", "30", "2000", "1"])
+    again = None
+    try:
+        attacker.go()
+        paused = wait_until(lambda: process_state(attacker.proc.pid) == "T", 15)
+        assert paused is not None, "bob was not paused"
+        a.proc.kill()
+        a.proc.wait(10)
+        again = Agent(a.dir, simulate="1xA100")
+        resumed = wait_until(lambda: process_state(attacker.proc.pid) != "T", 10)
+        assert resumed is not None, "bob's process stayed stopped"
+        assert "paused by an earlier agent" in a.log.read_text()
+    finally:
+        attacker.stop()
+        if again is not None:
+            again.stop()

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -335,6 +336,8 @@ def send(fd: int, sig: int) -> bool:
 class _Fence:
     until_ns: int
     fds: list[int] = field(default_factory=list)
+    #: (pid, uid, start) of each paused process
+    who: list[tuple[int, int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -383,6 +386,7 @@ class DriverCheck:
         self.action_logs: dict[tuple[str, str], RateLimitedLog] = {}
         self._last_ns = 0
         self._last_seen: dict[str, int] = {}  # NVML's sample time stamps, per GPU
+        self._resume_left_over()
         self._exempt: set[int] = {0, os.geteuid()}
 
     # -- the loop ----------------------------------------------------------------------------
@@ -592,6 +596,7 @@ class DriverCheck:
                     kept.append(fd)
                 else:
                     os.close(fd)
+            who = [(p.pid, p.uid, p.start) for p in signalled]
             if not kept:
                 return False
             record = self._record(action.allocation or "")
@@ -600,7 +605,8 @@ class DriverCheck:
             length = min(self.MAX_FENCE_NS, self.FENCE_NS << min(record.fences, 8))
             record.fences += 1
             record.last_fence_ns = now
-            self.fences[(action.gpu, action.allocation or "")] = _Fence(now + length, kept)
+            self.fences[(action.gpu, action.allocation or "")] = _Fence(now + length, kept, who)
+            self._save_fences()
             if gpu is not None:
                 self._take_board(gpu, action.allocation or "")
         if not signalled:
@@ -614,6 +620,62 @@ class DriverCheck:
         if fence is not None:
             fence(allocation, True)
 
+    # -- fences outlive no agent ---------------------------------------------------------------
+
+    #: the processes paused now, in the agent's private state directory: an agent that died
+    #: (kill -9) while it paused some is replaced by one that resumes them first
+    FENCES_FILE = "driver_check.fences"
+
+    def _state_dir_fd(self) -> int | None:
+        state = getattr(self.daemon, "state", None)
+        fd = getattr(state, "fd", -1)
+        return fd if isinstance(fd, int) and fd >= 0 else None
+
+    def _save_fences(self) -> None:
+        dir_fd = self._state_dir_fd()
+        if dir_fd is None:
+            return
+        paused = [list(p) for fence in self.fences.values() for p in fence.who]
+        if not paused:
+            with contextlib.suppress(OSError):
+                os.unlink(self.FENCES_FILE, dir_fd=dir_fd)
+            return
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        tmp = self.FENCES_FILE + ".tmp"
+        try:
+            fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+            with os.fdopen(fd, "w") as f:
+                json.dump(paused, f)
+            os.replace(tmp, self.FENCES_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except OSError as exc:
+            log.warning("driver check: could not record the paused processes: %s", exc)
+
+    def _resume_left_over(self) -> None:
+        """Resume what an earlier agent paused and could not resume (it died meanwhile)."""
+        dir_fd = self._state_dir_fd()
+        if dir_fd is None:
+            return
+        try:
+            fd = os.open(
+                self.FENCES_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd
+            )
+            with os.fdopen(fd) as f:
+                paused = json.load(f)
+        except (OSError, ValueError):
+            return
+        for entry in paused if isinstance(paused, list) else []:
+            try:
+                pid, uid, start = int(entry[0]), int(entry[1]), float(entry[2])
+            except (TypeError, ValueError, IndexError):
+                continue
+            pidfd = open_identified(pid, uid, start)
+            if pidfd is not None:
+                send(pidfd, signal.SIGCONT)
+                os.close(pidfd)
+                log.info("driver check: resumed process %d, paused by an earlier agent", pid)
+        with contextlib.suppress(OSError):
+            os.unlink(self.FENCES_FILE, dir_fd=dir_fd)
+
     def _resume_due(self, now: int) -> None:
         for key, fence in list(self.fences.items()):
             if fence.until_ns <= now:
@@ -626,6 +688,7 @@ class DriverCheck:
                 os.close(fd)
         fence.fds.clear()
         self.fences.pop(key, None)
+        self._save_fences()
         gpu = self.daemon.gpus.get(key[0])
         fenced = getattr(gpu, "fence", None)
         if fenced is not None:

@@ -363,6 +363,8 @@ def test_a_servers_kernel_start_waits_in_the_queue_and_starts_by_itself(
         starting.start()
         queued = wait_for(lambda: server.get("/gpushare/api/queue").json()["entries"], 30)
         assert queued[0]["position"] == 1 and queued[0]["kernel_id"]
+        board = server.get("/gpushare/api/dashboard").json()  # the admin's view has it too
+        assert [e["id"] for e in board["queue"]] == [queued[0]["id"]]
         phases = wait_for(
             lambda: [
                 s

@@ -20,6 +20,10 @@ shares stay capacity only even for such an admin unless ``GpushareDashboard.show
 is set: JupyterHub's single-user Authorizer allows every action to a server's owner, so without
 that switch every user would see everyone's notebooks.
 
+Where the node agent keeps a queue (DESIGN box 13), the dashboard's data also has ``queue``:
+the waiting starts in order, as ``GET /gpushare/api/queue`` lists them (who only where the agent
+lets this server's user see it: their own, or all for an admin).
+
 ``GET /gpushare/api/starts`` — this server's kernel starts under way and those that ended in the
 last minute, with their phase (placing, placed, launching, scheduling, pulling, starting, ready,
 failed) and the cluster's words when it is slow (:mod:`jupyter_gpushare.progress`). The Lab
@@ -45,6 +49,7 @@ from traitlets.config import Configurable
 
 from ..backends import Backend
 from ..daemon.ledger_ops import REDACTED_KEY, UID_KEY
+from ..errors import GpushareError
 from ..inventory import Gpu
 from ..ledger import Allocation
 from ..progress import board
@@ -335,6 +340,12 @@ class DashboardHandler(GpushareHandler):
         )
         if problem:
             body["message"] = problem
+        waiting = getattr(await self.ledger(), "queue", None)  # the node agent's (box 13)
+        if waiting is not None:
+            try:
+                body["queue"] = await waiting()  # as the agent lets this server's user see it
+            except GpushareError:  # an agent without a queue
+                pass
         self.finish(json.dumps(body))
 
 

@@ -156,7 +156,13 @@ slot's ``lease_start_ns``/``drain_end_ns``, moves ``holder`` with a compare-and-
 own slot, clears ``next_slot``/``next_other``, stores the new ``lease_until_ns``, bumps its
 ``grant_seq`` and wakes it, then sends ``done`` with ``"handoff": slot``; the daemon adopts the
 new holder when it sees ``holder`` moved. Without a published next holder it sends a plain
-``done`` and the daemon grants.
+``done`` and the daemon grants. The board is the tenants' to write, so the daemon adopts only
+what it offered: a handoff to a slot, or an extension by the holder, that it published as
+``next_slot``/``next_other`` during that lease (any other move of ``holder`` is put back and the
+lease written for it cleared; a holder outside the slots too), and a lease it adopts ends at
+most one window after it saw it. A lease a tenant writes into its own slot therefore is no
+grant: its device time shows in the driver's figures as time outside its leases, and the
+agent's driver check pauses its processes (``daemon/driver_check.py``).
 
 Runahead bound: the daemon publishes a slot's ``runahead_ns`` while the GPU has other tenants or
 the slot has a limit below 1: an eighth of the quantum while the slot uses more than its request

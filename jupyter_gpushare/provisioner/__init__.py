@@ -148,9 +148,10 @@ class GpushareProvisioner(KernelProvisionerBase):
         "queue (DESIGN box 13: fair between users, started by itself when a share is freed; "
         "the start's progress, GET /gpushare/api/starts, shows its position and ETA) before it "
         "is refused with the queue's reason (409 no_fit). 0: refused at once. A share that "
-        "can never fit is refused at once either way. Needs a node agent that serves the "
-        "ledger (a system agent, `jupyter gpushare daemon --system`); elsewhere starts are "
-        "refused at once.",
+        "can never fit is refused at once either way. Needs a ledger owner with a queue: a "
+        "node agent that serves the ledger (a system agent, `jupyter gpushare daemon "
+        "--system`) or, on Kubernetes, the controller (controller mode: no kernel pod exists "
+        "while the start waits); elsewhere starts are refused at once.",
     )
 
     def __init__(self, **kwargs: Any) -> None:

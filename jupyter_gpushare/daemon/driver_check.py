@@ -395,6 +395,7 @@ class DriverCheck:
         try:
             while True:
                 await asyncio.sleep(self.interval)
+                self._resume_due(monotonic_ns())  # whether or not the driver answers now
                 try:
                     readings = await asyncio.to_thread(self.sampler, self.library, self._last_seen)
                 except Exception as exc:  # no NVML here, or it failed once: keep trying
@@ -414,7 +415,10 @@ class DriverCheck:
         """One pass over the driver's figures (``{uuid: [{"pid", "memory", "busy"}]}``, busy a
         fraction of the interval or None); returns the actions applied."""
         self._resume_due(now)
-        interval = now - self._last_ns if self._last_ns else int(self.interval * 1e9)
+        # a sample stands for the time since the last one, at most a few intervals (a reading
+        # after the driver did not answer for a while is no figure for all that time)
+        step = int(self.interval * 1e9)
+        interval = min(now - self._last_ns, 4 * step) if self._last_ns else step
         self._last_ns = now
         applied: list[Action] = []
         clients = self._clients()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import os
 import random
 import signal
@@ -174,9 +175,10 @@ def test_the_window_averages_the_drivers_samples() -> None:
 
 
 def test_random_writes_to_the_board_never_raise_in_the_lease_loop(tmp_path: Path) -> None:
-    """A tenant may write anything to its GPU's board at any time (it is read-write by design):
-    out-of-range holders and next slots, leases in the far future or past, huge counters. The
-    agent's loop (tick, want, done, its timers) must never raise on it and keeps its heartbeat.
+    """A tenant may write anything to its GPU's board at any time (it is read-write by design),
+    and to its own account: out-of-range holders and next slots, leases in the far future or
+    past, huge counters. The agent's loop (tick, want, done, fence, its status, its timers) must
+    never raise on it and keeps its heartbeat.
     Before the range checks: IndexError in _sync_holder on the first holder past the slots."""
     state = StateDir(tmp_path / "state")
     shm = GpuShm(state, GPU, 20_000_000, 1_000_000_000)
@@ -192,16 +194,23 @@ def test_random_writes_to_the_board_never_raise_in_the_lease_loop(tmp_path: Path
         )
         tenants = [loop.upsert(f"a-{i:016x}", 0.3, 0.5, GiB, set()) for i in range(3)]
         assert all(tenants)
+        # and each share's account, which its own processes write
+        writable = [(base, wire.FILE_SIZE)] + [
+            (ctypes.addressof(shm.account(t.slot)), wire.ACCOUNT_SIZE) for t in tenants if t
+        ]
         for step in range(20_000):
             for _ in range(rand.randrange(1, 8)):
                 value = rand.choice(special) if rand.random() < 0.5 else rand.getrandbits(64)
-                offset = 8 * rand.randrange(wire.FILE_SIZE // 8)
-                ctypes.c_uint64.from_address(base + offset).value = value
+                start, size = rand.choice(writable)
+                offset = 8 * rand.randrange(size // 8)
+                ctypes.c_uint64.from_address(start + offset).value = value
             t = rand.choice(tenants)
             assert t is not None
-            match rand.randrange(4):
+            match rand.randrange(5):
                 case 0:
                     loop.tick()
+                case 4:
+                    json.dumps([loop.status(monotonic_ns()), loop.tenant_status(t, monotonic_ns())])
                 case 1:
                     loop.want(t)
                 case 2:

@@ -53,7 +53,7 @@ from ..errors import GpushareError
 from ..inventory import Gpu, check_spec
 from ..k8s import manifests
 from ..k8s.client import GROUP, VERSION, ApiException, Kube
-from ..ledger import Allocation
+from ..ledger import Allocation, LedgerConflict
 from ..placement import allocate
 from ..placement.engine import PlacementRefused, place
 from ..queue import Deadline, Entry, Eta, Pass, QueuePolicy, Release, describe, estimate, fair_order
@@ -380,6 +380,9 @@ class ControllerQueue:
                     return result
                 self.version, found = await self.store.read()  # another replica wrote it
                 self.records = {r.id: r for r in found}
+                for r in found:  # ended there: their long polls answer now
+                    if r.state != WAITING and r.id in self._changed:
+                        self._changed.pop(r.id).set()
         raise ControllerError(
             503, "queue_busy", "the queue kept changing while this change was written; try again"
         )
@@ -421,6 +424,9 @@ class ControllerQueue:
                 allocation = await self._place(r, gpus, turn.held)
             except PlacementRefused:
                 turn.missed(item, self._emptiest(r, await ledger.list(), gpus))
+                continue
+            except LedgerConflict:  # a busy node's GpuLedger: the next pass tries again
+                self.kick()
                 continue
             except ControllerError as exc:
                 if exc.code == "over_quota":  # their own release makes room: keep waiting

@@ -325,3 +325,51 @@ def wait_gone(pid: int, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def test_the_simulators_process_memory_is_range_checked(tmp_path: Path, monkeypatch) -> None:
+    """The simulator's per-process records live in a state file every user of the simulated
+    device may write (as /dev/nvidia* may be opened): a process that writes all ones into its
+    own record's memory must not read as "not available" (0) to the node agent's check, which
+    would then charge its share nothing. NVML reports at most the whole device for it."""
+    import mmap
+    import sys
+    import time
+
+    from jupyter_gpushare import simulator
+    from jupyter_gpushare.daemon.nvml import processes
+    from jupyter_gpushare.inventory import simulated_gpus
+
+    if not simulator.nvml_library().exists():
+        pytest.skip("the simulator is not built")
+    gpus = simulated_gpus("1xA100", "n")
+    env = simulator.simulator_env(gpus, tmp_path / "sim.state")
+    for name, value in env.items():  # the simulator's NVML in this process reads them
+        monkeypatch.setenv(name, value)
+    tenant = Path(__file__).parents[1] / "driver_check_tenant.py"
+    proc = subprocess.Popen(
+        [sys.executable, str(tenant), "alloc", str(2**20)],
+        env={**os.environ, **env},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert json.loads(proc.stdout.readline()) == {"allocated": 2**20, "error": 0}
+        state = simulator._State
+        with open(tmp_path / "sim.state", "r+b") as f:
+            view = mmap.mmap(f.fileno(), ctypes.sizeof(state))
+            raw = state.from_buffer(view)
+            [mine] = [p for p in raw.proc if p.pid == proc.pid]
+            mine.dev[0].mem = 2**64 - 1
+            del raw, mine
+            view.close()
+        time.sleep(0.01)
+        [row] = processes(str(simulator.nvml_library()), {})[gpus[0].uuid]
+        assert row["pid"] == proc.pid and row["memory"] == gpus[0].memory
+    finally:
+        proc.kill()
+        proc.wait(5)

@@ -557,7 +557,10 @@ static unsigned list_processes(int slot, unsigned cap, unsigned *pids, unsigned 
         if (n < cap) {
             int32_t host = atomic_load(&p->host_pid); /* the driver reports host pids */
             pids[n] = (unsigned)(host > 0 ? host : pid);
-            mem[n] = bytes;
+            /* the record is shared state: no process holds more than the whole device (what
+             * the node agent's driver check charges a share comes from here) */
+            uint64_t total = sim_state->dev[slot].total_bytes;
+            mem[n] = bytes < total ? bytes : total;
         }
         n++;
     }

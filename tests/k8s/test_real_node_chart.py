@@ -105,16 +105,11 @@ def wait(check: Any, timeout: float, what: str, interval: float = 0.5) -> Any:
         time.sleep(interval)
 
 
-@pytest.fixture(scope="module")
-def chart(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chart]:
-    images = product_images()
-    if set(images) != {NODE_IMAGE, KERNEL_IMAGE}:
-        unavailable(
-            "no product images (run deploy/images/build-offline.sh /var/cache/gpushare-images/out"
-            f" or .ci/setup.d/images.sh): found {sorted(images)}"
-        )
-    root = tmp_path_factory.mktemp("chart")
-    hub = start_hub(root / "hub", users={"alice", "bob"}, admins=set(), groups={}, host=GATEWAY)
+def install_chart(real_node: RealNode, hub_url: str, root: Path) -> str:
+    """``helm install`` the chart in controller mode on the real node (the node image's agent,
+    device plugin and controller; kernel pods of the kernel image); waits for the plugin's
+    resource on the Node and the controller behind its Service; returns the Service's URL
+    (its ClusterIP: this host has no cluster DNS). AssertionError with the pods' logs."""
     real_node.create_namespace(NS)
     values = {
         "image": {"repository": NODE_IMAGE.rsplit(":", 1)[0], "tag": "dev"},
@@ -126,7 +121,7 @@ def chart(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> Iter
         "controller": {
             "enabled": True,
             "replicas": 1,
-            "hubUrl": hub.url,
+            "hubUrl": hub_url,
             "kernelPods": {
                 "image": KERNEL_IMAGE,
                 "start_timeout": 120,
@@ -134,9 +129,13 @@ def chart(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> Iter
             },
         },
     }
+    root.mkdir(parents=True, exist_ok=True)
     (root / "values.yaml").write_text(yaml.safe_dump(values))
     helm(real_node, "install", "gpushare", str(CHART), "-n", NS, "-f", str(root / "values.yaml"))
-    core = Chart(real_node, hub, "", root / "x").core()
+    from kubernetes import client, config
+
+    assert real_node.plane is not None
+    core = client.CoreV1Api(config.new_client_from_config(str(real_node.plane.kubeconfig())))
     try:
 
         def registered() -> bool:
@@ -153,6 +152,7 @@ def chart(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> Iter
             return requests.get(url + "/api/health", timeout=3).status_code == 200
 
         wait(leader_ready, 120, "the controller behind its Service")
+        return url
     except AssertionError as exc:
         pods = core.list_namespaced_pod(NS).items
         detail = "\n".join(
@@ -164,8 +164,26 @@ def chart(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> Iter
             )
             for p in pods
         )
+        raise AssertionError(
+            f"{exc}\n{detail}\nkubelet:\n{real_node.log_tail('kubelet', 30)}"
+        ) from None
+
+
+@pytest.fixture(scope="module")
+def chart(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chart]:
+    images = product_images()
+    if set(images) != {NODE_IMAGE, KERNEL_IMAGE}:
+        unavailable(
+            "no product images (run deploy/images/build-offline.sh /var/cache/gpushare-images/out"
+            f" or .ci/setup.d/images.sh): found {sorted(images)}"
+        )
+    root = tmp_path_factory.mktemp("chart")
+    hub = start_hub(root / "hub", users={"alice", "bob"}, admins=set(), groups={}, host=GATEWAY)
+    try:
+        url = install_chart(real_node, hub.url, root)
+    except AssertionError as exc:
         stop_process(hub.proc)
-        pytest.fail(f"{exc}\n{detail}\nkubelet:\n{real_node.log_tail('kubelet', 30)}")
+        pytest.fail(str(exc))
     yield Chart(real_node, hub, url, root)
     with contextlib.suppress(AssertionError):
         helm(real_node, "uninstall", "gpushare", "-n", NS)
@@ -235,6 +253,24 @@ def start(server: Any, share: dict[str, Any] | None = None) -> str:
         reply = server.request("POST", "/api/kernels", json=body)
     assert reply.status_code == 201, reply.text + "\n" + server.log_text()[-3000:]
     return str(reply.json()["id"])
+
+
+def shut_down(chart: Chart, server: Any, kernels: list[str]) -> None:
+    """Shut the kernels down and wait until no kernel pod is left (the scheduler counts a
+    pod's share until the pod is gone)."""
+    from jupyter_gpushare.k8s import manifests
+
+    for k in kernels:
+        server.request("DELETE", f"/api/kernels/{k}")
+
+    def gone() -> bool:
+        pods = chart.core().list_namespaced_pod(
+            NS, label_selector=f"{manifests.LABEL_COMPONENT}={manifests.KERNEL_COMPONENT}"
+        )
+        return not pods.items
+
+    wait(gone, 60, "the kernel pods to go")
+    time.sleep(1.0)  # the scheduler's cache follows the deletions by watch
 
 
 def run_cell(server: Any, kernel_id: str, code: str, timeout: float = 90) -> str:
@@ -386,8 +422,7 @@ def test_two_kernel_pods_get_their_shares_of_one_gpu(chart: Chart, server: Any) 
         print(f"kernel pods at 0.3 / 0.7 of an A100 on the real node: {got[0]:.3f} / {got[1]:.3f}")
         assert abs(got[0] - 0.3) < 0.05 and abs(got[1] - 0.7) < 0.05, got
     finally:
-        for k in kernels:
-            server.request("DELETE", f"/api/kernels/{k}")
+        shut_down(chart, server, kernels)
 
 
 def test_the_node_agent_and_the_kubelet_restart_under_running_kernels(
@@ -443,12 +478,18 @@ def test_the_node_agent_and_the_kubelet_restart_under_running_kernels(
             )
 
         wait(registered_again, 90, "the device plugin to register with the new kubelet")
-        node = chart.core().read_node(chart.node.name)
-        assert node.status.allocatable[SHARE_RESOURCE] == "200"
+        wait(
+            lambda: (
+                chart.core().read_node(chart.node.name).status.allocatable.get(SHARE_RESOURCE)
+                == "200"
+            ),
+            60,
+            "the new kubelet to publish the plugin's units again",
+        )
         assert run_cell(server, kernel, "print(3 * 3)").strip() == "9"
         assert daemon.status(record["id"])["allocations"][0]["connected"] is True
     finally:
-        server.request("DELETE", f"/api/kernels/{kernel}")
+        shut_down(chart, server, [kernel])
 
 
 def test_a_kernel_asking_more_than_the_node_has_free_is_told_why(chart: Chart, server: Any) -> None:
@@ -468,5 +509,4 @@ def test_a_kernel_asking_more_than_the_node_has_free_is_told_why(chart: Chart, s
         assert "0.5" in text and ("free" in text or "room" in text or "capacity" in text), text
         assert took < 30, took
     finally:
-        for k in full:
-            server.request("DELETE", f"/api/kernels/{k}")
+        shut_down(chart, server, full)

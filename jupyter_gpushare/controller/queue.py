@@ -205,7 +205,7 @@ class QueueStore:
         except ApiException as exc:
             if exc.status == 404:
                 return None, []
-            raise
+            raise _unusable(exc) from None
         out = []
         for data in (obj.get("spec") or {}).get("entries") or []:
             try:
@@ -243,9 +243,9 @@ class QueueStore:
                     )
                 )
         except ApiException as exc:
-            if exc.status in (409, 404):  # changed (or made, or deleted) since it was read
-                return None
-            raise
+            if exc.status == 409 or (exc.status == 404 and version is not None):
+                return None  # changed (or made, or deleted) since it was read
+            raise _unusable(exc) from None
         return str(obj["metadata"]["resourceVersion"])
 
 
@@ -292,7 +292,11 @@ class ControllerQueue:
 
     async def start(self) -> None:
         """Read the stored queue, follow the ledger and the server Leases, run the runner."""
-        self.version, found = await self.store.read()
+        try:
+            self.version, found = await self.store.read()
+        except ControllerError as exc:  # the rest of the controller works without its queue
+            log.error("gpushare controller: %s; starts that do not fit are refused", exc.message)
+            found = []
         self.records = {r.id: r for r in found}
         self.service.ledger.ledgers.subscribe(self._ledger_changed)
         self.service.servers.leases.subscribe(self._lease_changed)
@@ -824,6 +828,17 @@ class ControllerQueue:
             "entries": [await self.view(self.records[e.id], user, order) for e in order],
             "metrics": self.figures(),
         }
+
+
+def _unusable(exc: ApiException) -> ControllerError:
+    """The queue object cannot be read or written: say what the admin is to do."""
+    why = {
+        403: "the controller's Role lacks get/update/create of gpuqueues (apply deploy/rbac.yaml "
+        "or upgrade the chart)",
+        404: "the GpuQueue CRD is not installed (kubectl apply -f deploy/crds/gpuqueues.yaml: "
+        "Helm installs CRDs only on the first install)",
+    }.get(exc.status, f"the API server answered {exc.status} {exc.reason}")
+    return ControllerError(503, "queue_unavailable", f"the queue cannot be kept: {why}")
 
 
 def _requests(obj: Mapping[str, Any] | None) -> dict[str, tuple[float, str]]:

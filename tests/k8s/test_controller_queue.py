@@ -667,3 +667,22 @@ def test_the_charts_queue_values_are_what_the_controller_reads(tmp_path: Path) -
     policy = ControllerQueueSettings(config=app.config).policy()
     assert policy.weight_of(["course"]) == 2.0 and policy.priority_of(["course"]) == 1
     assert policy.max_per_user == 3 and policy.hold_s == 300.0
+
+
+async def test_only_the_controller_may_read_or_write_the_queue(control_plane: ControlPlane) -> None:
+    """No pod. The identities of a direct-mode server and of the node daemon hold no rights on
+    GpuQueues (least privilege: only the controller keeps the queue); the queue's store says
+    so in the admin's words instead of failing with the API's status."""
+    from jupyter_gpushare.controller.errors import ControllerError
+    from jupyter_gpushare.controller.queue import QueuedStart, QueueStore
+
+    entry = QueuedStart("q-0123456789abcdef", "mallory", [], "srv-x", "k1", "kernel", T4, None, 0.0)
+    for identity in ("server", "daemon"):
+        kube = await connect(str(control_plane.kubeconfig(identity)))
+        try:
+            store = QueueStore(kube, NAMESPACE)
+            for attempt in (store.read(), store.write(None, [entry]), store.write("1", [entry])):
+                with pytest.raises(ControllerError, match="lacks get/update/create of gpuqueues"):
+                    await attempt
+        finally:
+            await kube.close()

@@ -344,6 +344,7 @@ def test_garbage_on_one_gpus_board_stops_nothing_else(agent) -> None:  # noqa: F
         assert 0.42 <= during <= 0.56, during
         assert a.proc.poll() is None
         assert "Traceback" not in a.log.read_text()
+        assert share_status(a, victim.allocation.id)["driver_check"] is None
     finally:
         for t in tenants:
             t.stop()

@@ -386,6 +386,10 @@ class DriverCheck:
         self.action_logs: dict[tuple[str, str], RateLimitedLog] = {}
         self._last_ns = 0
         self._last_seen: dict[str, int] = {}  # NVML's sample time stamps, per GPU
+        #: (pid, start, uid, shares on its GPU) -> the share found up its process tree, for the
+        #: agent's allocations as they are (held: a new dict is a change)
+        self._found: dict[tuple[int, float, int, tuple[str, ...]], str | None] = {}
+        self._found_for: object = None
         self._resume_left_over()
         self._exempt: set[int] = {0, os.geteuid()}
 
@@ -502,6 +506,17 @@ class DriverCheck:
         connected = clients.get(pid)
         if connected is not None and connected[0] == uid and connected[1] in ids:
             return connected[1]
+        # the rest (a walk up the process tree) is the same while the process and the ledger
+        # are: kept per process (pid and start time) until the agent's allocations change
+        if self._found_for is not self.daemon.allocations or len(self._found) > 4096:
+            self._found.clear()  # (the daemon replaces its dict whenever the ledger changed)
+            self._found_for = self.daemon.allocations
+        key = (pid, start, uid, tuple(sorted(ids)))
+        if key not in self._found:
+            self._found[key] = self._share_by_tree(pid, uid, on_gpu)
+        return self._found[key]
+
+    def _share_by_tree(self, pid: int, uid: int, on_gpu: list[Allocation]) -> str | None:
         pod = None
         if any(a.extra.get("k8s_pod") for a in on_gpu):
             pod = pod_uid_of(pid)

@@ -48,6 +48,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.k8s)
         if "real_node" in names:
             item.add_marker(pytest.mark.real_node)
+    # the real node's tests last: its session fixture (kubelet, containerd, kube-proxy, a control
+    # plane) then stops right after them instead of idling beside the rest of the suite
+    items[:] = [i for i in items if not _on_real_node(i)] + [i for i in items if _on_real_node(i)]
+
+
+def _on_real_node(item: pytest.Item) -> bool:
+    return "real_node" in getattr(item, "fixturenames", ())
 
 
 @pytest.fixture(scope="session")

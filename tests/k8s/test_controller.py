@@ -552,6 +552,45 @@ def test_each_users_server_reaches_only_their_own_kernels(
 # -- hostile input from a user's server ------------------------------------------------------------
 
 
+async def test_a_kernel_whose_share_was_released_inside_it_is_still_its_users_to_stop(
+    controllers: list[Controller], hub: Hub, control_plane: ControlPlane
+) -> None:
+    """On the double (the real-node run found it: test_real_node_chart). The node agent's
+    Release removes the record and keeps the pod; GET and DELETE /api/kernels/{id} then
+    answered 404, so the server took the kernel for dead and its shutdown left the pod. Now the
+    owner still sees the pod (released: true) and stops it; another user still gets 404."""
+    alice, bob = hub.tokens["alice"], hub.tokens["bob"]
+    kernel, server = kernel_name(), "srv-" + uuid.uuid4().hex[:8]
+    reply = await asyncio.to_thread(
+        call,
+        controllers,
+        alice,
+        "POST",
+        "/api/kernels",
+        start_body(kernel, server, {"gpu_request": 0.1, "gpu_limit": 0.1}),
+    )
+    assert reply.status_code == 201, reply.text
+    allocation = reply.json()["allocation"]["id"]
+    kube = await connect(str(control_plane.kubeconfig("admin")))
+    try:
+        from jupyter_gpushare.k8s.ledger import KubernetesLedger
+
+        assert await KubernetesLedger(kube, NAMESPACE).release(allocation) is not None
+        path = f"/api/kernels/{allocation}"
+        seen = await asyncio.to_thread(call, controllers, alice, "GET", path)
+        assert seen.status_code == 200, seen.text
+        assert seen.json()["released"] is True and seen.json()["exit_code"] is None
+        for method in ("GET", "DELETE"):
+            other = await asyncio.to_thread(call, controllers, bob, method, path)
+            assert other.status_code == 404, (method, other.text)
+        stopped = await asyncio.to_thread(call, controllers, alice, "DELETE", path)
+        assert stopped.status_code == 200, stopped.text
+        pods = await kube.list_pods(NAMESPACE, f"{manifests.LABEL_ALLOCATION}={allocation}")
+        assert pods["items"] == []
+    finally:
+        await kube.close()
+
+
 def test_hostile_requests_are_refused_by_name(controllers: list[Controller], hub: Hub) -> None:
     """Every field a user's server sends is checked before the cluster is touched: 400 naming
     the field (never a 500 or a traceback), nothing placed, no pod."""

@@ -150,14 +150,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "enforced on every later change",
     )
     parser.add_argument(
-        "--max-shares-per-user",
-        type=int,
-        default=None,
-        metavar="N",
-        help="with --system: the most GPU shares one user holds on this machine at once "
-        "(default 16; 0: no bound); one GPU holds at most 64 shares (its lease board's slots)",
-    )
-    parser.add_argument(
         "--queue-max-per-user",
         type=int,
         default=8,

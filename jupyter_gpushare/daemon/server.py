@@ -825,8 +825,8 @@ class Daemon:
                 "uptime_s": round((now - self.started_ns) / 1e9, 3),
                 "clients": len(self.clients),
                 "refused": self.refused,
-                "unshared_kills": self.driver_check.unshared_kills if self.driver_check else 0,
                 "unreadable_rows": list(self.unreadable) if mine is None or viewer_admin else [],
+                "unshared_kills": self.driver_check.unshared_kills if self.driver_check else 0,
                 "metrics_port": self.metrics_port,
                 "quantum_ms": self.settings.quantum_ns / 1e6,
                 "window_ms": self.settings.window_ns / 1e6,
@@ -961,17 +961,6 @@ def too_deep(line: bytes) -> bool:
         if not brackets or not removed:
             break
     return bool(brackets)
-
-
-def _has_nvml() -> bool:
-    """Whether the driver's NVML library (``libnvidia-ml.so.1``) loads here."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return False
-    return True
 
 
 def _has_nvml() -> bool:

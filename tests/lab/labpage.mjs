@@ -1,10 +1,12 @@
-// Shared by the browser drivers (tests/lab/dashboard.mjs, picker.mjs, tests/notebook/panel_shot.mjs):
-// GPU work for a kernel to run, the theme through Lab's settings API, and the contrast of every
-// text on its background. No playwright import here: panel_shot.mjs resolves it its own way.
+// Shared by the browser drivers (tests/lab/dashboard.mjs, picker.mjs, share_flow.mjs,
+// tests/notebook/panel_shot.mjs): GPU work for a kernel to run, a headless page and the steps in
+// JupyterLab (launcher, palette, status bar) of the picker's drivers, the theme through Lab's
+// settings API, and the contrast of every text on its background. No playwright import here: panel_shot.mjs
+// resolves it its own way, so the callers pass their `chromium`.
 
-// Busy loop on the simulated GPU in a kernel thread (the simulator runs a function named
-// `busy_us` for its argument's microseconds; the interposer meters and limits it).
-export const GPU_WORK = `import ctypes, threading
+// A kernel's context on the simulated GPU and its function `busy_us` (the simulator runs it for
+// its argument's microseconds; the interposer meters and limits it), launched with 3 ms.
+export const GPU_SETUP = `import ctypes, threading
 cu = ctypes.CDLL("libcuda.so.1")
 P = ctypes.c_void_p
 cu.cuLaunchKernel.argtypes = [P] + [ctypes.c_uint] * 7 + [P, P, P]
@@ -14,7 +16,10 @@ assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0 and cu.cuCtxSetC
 assert cu.cuModuleLoadData(ctypes.byref(mod), b"any module") == 0
 assert cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"busy_us") == 0
 us = ctypes.c_uint64(3000)
-params = (P * 1)(ctypes.cast(ctypes.byref(us), P))
+params = (P * 1)(ctypes.cast(ctypes.byref(us), P))`;
+
+// Busy loop on the simulated GPU in a kernel thread.
+export const GPU_WORK = `${GPU_SETUP}
 def spin():
     cu.cuCtxSetCurrent(ctx)
     while True:
@@ -22,6 +27,52 @@ def spin():
         cu.cuCtxSynchronize()
 threading.Thread(target=spin, daemon=True).start()
 "busy"`;
+
+/** A headless Chromium (`chromium` from the caller's playwright) and a page of `viewport`. */
+export async function openPage(chromium, executablePath, viewport) {
+  const browser = await chromium.launch({
+    executablePath,
+    headless: true,
+    args: [
+      '--no-sandbox',
+      '--disable-gpu',
+      '--disable-quic',
+      '--no-first-run',
+      '--disable-background-networking',
+      '--disable-component-update',
+      '--disable-sync',
+      '--disable-dev-shm-usage'
+    ]
+  });
+  const page = await (await browser.newContext({ viewport })).newPage();
+  return { browser, page };
+}
+
+/** Clicks the launcher's Notebook card of the kernelspec labelled `kernelLabel`. */
+export async function newNotebookFromLauncher(page, kernelLabel) {
+  await page
+    .locator('.jp-LauncherCard[data-category="Notebook"]:visible', { hasText: kernelLabel })
+    .first()
+    .click();
+}
+
+/** Runs the command `text` from the command palette. */
+export async function palette(page, text) {
+  await page.keyboard.press('Control+Shift+C');
+  const input = page.locator('.lm-CommandPalette-input');
+  await input.waitFor();
+  await input.fill(text);
+  await page.locator('.lm-CommandPalette-item', { hasText: text }).first().click();
+}
+
+/** The status bar's gpushare item once it contains `contains`. */
+export async function statusText(page, contains) {
+  await page.waitForFunction(want => {
+    const el = document.querySelector('.jp-gpushare-status');
+    return !!el && el.textContent.includes(want);
+  }, contains);
+  return page.locator('.jp-gpushare-status').innerText();
+}
 
 /** Sets the JupyterLab theme through Lab's settings API (before the page loads). */
 export async function setTheme(labUrl, token, theme) {

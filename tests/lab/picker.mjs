@@ -8,27 +8,13 @@
 // 4. Escape/Cancel in the picker: quietly no kernel (no error dialog, no kernel chooser).
 // Screenshots go to $ARTIFACTS; the last stdout line is a JSON object of what was seen.
 import { chromium } from 'playwright-core';
-import { GPU_WORK } from './labpage.mjs';
+import { GPU_WORK, newNotebookFromLauncher, openPage, palette, statusText } from './labpage.mjs';
 
 const { LAB_URL, LAB_TOKEN, ARTIFACTS, CHROMIUM } = process.env;
 const params = JSON.parse(process.env.PARAMS || '{}');
 const seen = {};
 
-const browser = await chromium.launch({
-  executablePath: CHROMIUM,
-  headless: true,
-  args: [
-    '--no-sandbox',
-    '--disable-gpu',
-    '--disable-quic',
-    '--no-first-run',
-    '--disable-background-networking',
-    '--disable-component-update',
-    '--disable-sync',
-    '--disable-dev-shm-usage'
-  ]
-});
-const page = await (await browser.newContext({ viewport: { width: 1400, height: 900 } })).newPage();
+const { browser, page } = await openPage(chromium, CHROMIUM, { width: 1400, height: 900 });
 page.setDefaultTimeout(60000);
 page.on('console', msg => {
   if (msg.type() === 'error' || msg.type() === 'warning') {
@@ -57,12 +43,6 @@ async function accept() {
   await dialog.locator('button.jp-Dialog-button.jp-mod-accept').click();
 }
 
-async function newNotebookFromLauncher() {
-  await page.locator('.jp-LauncherCard[data-category="Notebook"]:visible', { hasText: params.kernelLabel })
-    .first()
-    .click();
-}
-
 async function runCell(code) {
   const cells = page.locator('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell');
   const cell = cells.nth((await cells.count()) - 1); // fixed index: Shift+Enter adds a cell
@@ -74,26 +54,6 @@ async function runCell(code) {
   return (await output.allInnerTexts()).join('\n');
 }
 
-async function statusText(contains) {
-  const item = page.locator('.jp-gpushare-status');
-  await page.waitForFunction(
-    want => {
-      const el = document.querySelector('.jp-gpushare-status');
-      return !!el && el.textContent.includes(want);
-    },
-    contains
-  );
-  return item.innerText();
-}
-
-async function palette(text) {
-  await page.keyboard.press('Control+Shift+C');
-  const input = page.locator('.lm-CommandPalette-input');
-  await input.waitFor();
-  await input.fill(text);
-  await page.locator('.lm-CommandPalette-item', { hasText: text }).first().click();
-}
-
 let failed = null;
 try {
   await page.goto(`${LAB_URL}/lab?reset&token=${LAB_TOKEN}`);
@@ -101,13 +61,13 @@ try {
   await shot('01-launcher');
 
   // 1. pick 0.25 of an A100 with limit 0.5
-  await newNotebookFromLauncher();
+  await newNotebookFromLauncher(page, params.kernelLabel);
   await fillPicker({ request: '0.25', limit: '0.5', type: 'A100' });
   seen.pickerTypes = await picker.locator('table.jp-gpushare-types tbody tr').allInnerTexts();
   await shot('02-picker');
   await accept();
   await dialog.waitFor({ state: 'detached' });
-  seen.status1 = await statusText('A100');
+  seen.status1 = await statusText(page, 'A100');
   seen.cell1 = await runCell(
     'import os; os.environ["GPUSHARE_ALLOCATION_ID"] + " " + os.environ["CUDA_VISIBLE_DEVICES"]'
   );
@@ -128,14 +88,14 @@ try {
   };
 
   // 1b. restart this notebook's kernel with a new share (palette), 1c. open the GPU dashboard
-  await palette('Change the GPU Share');
+  await palette(page, 'Change the GPU Share');
   await fillPicker({ request: '0.5', limit: '1', type: 'A100' });
   await dialog.locator('.jp-Dialog-footer button', { hasText: 'Restart with new share' }).click();
   await dialog.waitFor({ state: 'detached' });
-  seen.statusRestarted = await statusText('50–100 %');
+  seen.statusRestarted = await statusText(page, '50–100 %');
   seen.cellRestarted = await runCell('import os; os.environ["GPUSHARE_ALLOCATION_ID"]');
   const cellsBefore = await page.locator('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell').count();
-  await palette('Open the GPU Dashboard');
+  await palette(page, 'Open the GPU Dashboard');
   const kernelBox = page.locator('#jp-gpushare-dashboard .jp-gpushare-this-kernel[data-allocation]');
   await kernelBox.waitFor();
   seen.dashboardAllocation = await kernelBox.getAttribute('data-allocation');
@@ -146,7 +106,7 @@ try {
 
   // 2. refusals: first the picker's own check, then the server's explanation
   await page.locator('.lm-TabBar-addButton:not(.lm-mod-hidden)').first().click();
-  await newNotebookFromLauncher();
+  await newNotebookFromLauncher(page, params.kernelLabel);
   await fillPicker({ request: '0.6', limit: '0.5', type: 'A100' });
   await accept();
   await picker.locator('.jp-gpushare-problem').waitFor();
@@ -172,19 +132,19 @@ try {
   await picker.locator('input[name="gpu_limit"]').fill('0.75');
   await accept();
   await dialog.waitFor({ state: 'detached' });
-  seen.status2 = await statusText('50–75 %');
+  seen.status2 = await statusText(page, '50–75 %');
   await shot('06-second-kernel');
 
   // 3. release the second kernel's share from the command palette
-  await palette('Release GPU Share');
-  seen.status3 = await statusText('released');
+  await palette(page, 'Release GPU Share');
+  seen.status3 = await statusText(page, 'released');
   seen.afterRelease = (await rest('/gpushare/api/allocations')).allocations;
   seen.afterReleaseSessions = await rest('/api/sessions');
   await shot('07-released');
 
   // 4. cancelling the picker starts no kernel, quietly: no error dialog, no kernel chooser
   await page.locator('.lm-TabBar-addButton:not(.lm-mod-hidden)').first().click();
-  await newNotebookFromLauncher();
+  await newNotebookFromLauncher(page, params.kernelLabel);
   await picker.waitFor();
   await dialog.locator('button.jp-Dialog-button.jp-mod-reject').click();
   await picker.waitFor({ state: 'detached' });
@@ -197,7 +157,7 @@ try {
   await page.locator('.lm-TabBar-tab', { hasText: 'Untitled1.ipynb' }).click();
   const kernelOf = sessions => sessions.find(x => x.path === 'Untitled1.ipynb')?.kernel?.id;
   const before = kernelOf(await rest('/api/sessions'));
-  await palette('Change Kernel');
+  await palette(page, 'Change Kernel');
   const chooser0 = page.locator('.jp-Dialog select');
   await chooser0.waitFor();
   await chooser0.selectOption({ label: params.otherKernelLabel });
@@ -211,7 +171,7 @@ try {
     kept: kernelOf(await rest('/api/sessions')) === before && !!before,
     status: await page.locator('.jp-gpushare-status').innerText()
   };
-  await palette('Change Kernel');
+  await palette(page, 'Change Kernel');
   const chooser = page.locator('.jp-Dialog select');
   await chooser.waitFor();
   await chooser.selectOption({ label: params.otherKernelLabel });
@@ -225,7 +185,7 @@ try {
   await shot('09-change-kernel-picker');
   await accept();
   await dialog.waitFor({ state: 'detached' });
-  seen.status5 = await statusText('T4');
+  seen.status5 = await statusText(page, 'T4');
   await shot('10-changed-kernel');
 } catch (err) {
   failed = String(err && err.stack ? err.stack : err);

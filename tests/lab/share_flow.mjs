@@ -17,6 +17,7 @@
 //   3. The GPU's history keeps A's use after the release.
 //   6. A's refused GPU calls explain themselves in each cell's output.
 import { chromium } from 'playwright-core';
+import { GPU_SETUP, newNotebookFromLauncher, openPage, palette, statusText } from './labpage.mjs';
 
 const { LAB_URL, LAB_TOKEN, ARTIFACTS, CHROMIUM } = process.env;
 const params = JSON.parse(process.env.PARAMS || '{}');
@@ -24,17 +25,7 @@ const seen = { consoleErrors: [] };
 const NOTEBOOK_A = 'gpuwork_loop_benchmark_run.ipynb';
 
 // GPU work that stops at its first refused launch (after the release)
-const GPU_WORK = `import ctypes, threading
-cu = ctypes.CDLL("libcuda.so.1")
-P = ctypes.c_void_p
-cu.cuLaunchKernel.argtypes = [P] + [ctypes.c_uint] * 7 + [P, P, P]
-dev, ctx, mod, fn = ctypes.c_int(), P(), P(), P()
-assert cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
-assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0 and cu.cuCtxSetCurrent(ctx) == 0
-assert cu.cuModuleLoadData(ctypes.byref(mod), b"any module") == 0
-assert cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"busy_us") == 0
-us = ctypes.c_uint64(3000)
-params = (P * 1)(ctypes.cast(ctypes.byref(us), P))
+const GPU_WORK = `${GPU_SETUP}
 def launch():
     return cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, None, params, None)
 def spin():
@@ -45,21 +36,7 @@ threading.Thread(target=spin, daemon=True).start()
 marker = 42
 "busy"`;
 
-const browser = await chromium.launch({
-  executablePath: CHROMIUM,
-  headless: true,
-  args: [
-    '--no-sandbox',
-    '--disable-gpu',
-    '--disable-quic',
-    '--no-first-run',
-    '--disable-background-networking',
-    '--disable-component-update',
-    '--disable-sync',
-    '--disable-dev-shm-usage'
-  ]
-});
-const page = await (await browser.newContext({ viewport: { width: 1400, height: 900 } })).newPage();
+const { browser, page } = await openPage(chromium, CHROMIUM, { width: 1400, height: 900 });
 page.setDefaultTimeout(20000);
 page.on('console', msg => {
   if (msg.type() === 'error' || msg.type() === 'warning') {
@@ -100,13 +77,6 @@ async function fillPicker({ request, limit, memory, type }) {
   if (type !== undefined) await picker.locator('select[name="gpu_type"]').selectOption(type);
 }
 
-async function newNotebookFromLauncher() {
-  await page
-    .locator('.jp-LauncherCard[data-category="Notebook"]:visible', { hasText: params.kernelLabel })
-    .first()
-    .click();
-}
-
 /** Run `code` in the visible notebook's last cell; the outputs once `want` shows (or 10 s). */
 async function runCell(code, want = null) {
   const cells = page.locator(`${visiblePanel} .jp-Cell`);
@@ -130,22 +100,6 @@ async function runCell(code, want = null) {
       .catch(() => undefined);
   }
   return (await output.allInnerTexts()).join('\n');
-}
-
-async function statusText(contains) {
-  await page.waitForFunction(want => {
-    const el = document.querySelector('.jp-gpushare-status');
-    return !!el && el.textContent.includes(want);
-  }, contains);
-  return page.locator('.jp-gpushare-status').innerText();
-}
-
-async function palette(text) {
-  await page.keyboard.press('Control+Shift+C');
-  const input = page.locator('.lm-CommandPalette-input');
-  await input.waitFor();
-  await input.fill(text);
-  await page.locator('.lm-CommandPalette-item', { hasText: text }).first().click();
 }
 
 const dialogBox = async () => {
@@ -190,7 +144,7 @@ try {
 
   await step('13', async () => {
     // 13. Cancel in the picker of a new notebook: no console error
-    await newNotebookFromLauncher();
+    await newNotebookFromLauncher(page, params.kernelLabel);
     await picker.waitFor();
     await page.waitForTimeout(500);
     const errorsBefore = seen.consoleErrors.length;
@@ -235,7 +189,7 @@ try {
     seen.fitA = await textOf('.jp-gpushare-picker .jp-gpushare-fit');
     await dialog.locator('button.jp-Dialog-button.jp-mod-accept').click();
     await dialog.waitFor({ state: 'detached' });
-    seen.statusA = await statusText('50–100 %');
+    seen.statusA = await statusText(page, '50–100 %');
     await runCell(GPU_WORK);
     await page.waitForFunction(() => {
       const el = document.querySelector('.jp-gpushare-status');
@@ -251,7 +205,7 @@ try {
   });
   await step('1', async () => {
     // 1. change the share: the dialog says what a restart costs; a live change where it fits
-    await palette('Change the GPU Share');
+    await palette(page, 'Change the GPU Share');
     await picker.waitFor();
     await fillPicker({ request: '0.75', limit: '1', memory: '' });
     await page.waitForSelector('.jp-gpushare-live-note[data-live="yes"]', { timeout: 10000 }).catch(() => undefined);
@@ -263,11 +217,11 @@ try {
     await shot('01-change-share-dialog');
     await dialog.locator('.jp-Dialog-footer button', { hasText: 'Change live' }).click();
     await dialog.waitFor({ state: 'detached' });
-    seen.statusLive = await statusText('75–100 %');
+    seen.statusLive = await statusText(page, '75–100 %');
     seen.kernelAfterLive = (await rest('/api/sessions')).find(s => s.path === NOTEBOOK_A)?.kernel?.id;
     seen.markerAfterLive = await runCell('print(marker)', '42');
     // a share that does not fit on the kernel's GPU: only a restart, and the dialog says so
-    await palette('Change the GPU Share');
+    await palette(page, 'Change the GPU Share');
     await picker.waitFor();
     await fillPicker({ memory: '200GiB' });
     seen.restartOnly = {
@@ -283,7 +237,7 @@ try {
   await step('4', async () => {
     // 4. notebook B asks more than is free: the picker says it before Start
     await page.locator('.lm-TabBar-addButton:not(.lm-mod-hidden)').first().click();
-    await newNotebookFromLauncher();
+    await newNotebookFromLauncher(page, params.kernelLabel);
     await fillPicker({ request: '0.5', limit: '1', memory: '', type: 'A100' });
     await page.waitForSelector('.jp-gpushare-fit[data-fits="no"]', { timeout: 10000 }).catch(() => undefined);
     seen.fitB = await textOf('.jp-gpushare-picker .jp-gpushare-fit');
@@ -317,14 +271,14 @@ try {
     await shot('04b-picker-after-use');
     await dialog.locator('button.jp-Dialog-button.jp-mod-accept').click();
     await dialog.waitFor({ state: 'detached' });
-    seen.statusB = await statusText('25–50 %');
+    seen.statusB = await statusText(page, '25–50 %');
 
   });
   await step('8', async () => {
     // 8. the notebook panel and the dashboard: one legend style; headers, names, reserved line
     await runCell('import jupyter_gpushare\njupyter_gpushare.panel()');
     await page.waitForSelector(`${visiblePanel} .gpushare-panel svg line[data-series="limit"]`, { state: 'attached', timeout: 30000 });
-    await palette('Open the GPU Dashboard');
+    await palette(page, 'Open the GPU Dashboard');
     const side = '#jp-gpushare-dashboard';
     await page.waitForSelector(`${side} .jp-gpushare-this-kernel .jp-gpushare-rule.jp-mod-limit`, { state: 'attached' });
     await page.waitForSelector(`${side} .jp-gpushare-gpu polyline`, { state: 'attached', timeout: 30000 });
@@ -377,7 +331,7 @@ try {
       };
     }, side);
     await shot('08-dashboard-side-and-panel');
-    await palette('Open the GPU Dashboard in the Main Area');
+    await palette(page, 'Open the GPU Dashboard in the Main Area');
     const main = '#jp-gpushare-dashboard-main';
     await page.waitForSelector(`${main} .jp-gpushare-gpu`, { timeout: 15000 }).catch(() => undefined);
     seen.mainDashboard = await page.evaluate(sel => {
@@ -397,8 +351,8 @@ try {
     // 7. release A: Release is disabled for A afterwards
     await page.locator('.lm-TabBar-tab', { hasText: NOTEBOOK_A }).first().click();
     await page.waitForTimeout(1000);
-    await palette('Release GPU Share');
-    seen.statusReleased = await statusText('released');
+    await palette(page, 'Release GPU Share');
+    seen.statusReleased = await statusText(page, 'released');
     const releaseDisabled = () =>
       page.evaluate(sel => {
         const item = document.querySelector(`${sel} .jp-gpushare-toolbar-gpushare-release`);

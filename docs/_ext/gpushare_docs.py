@@ -453,6 +453,25 @@ class BenchmarkDirective(_Generated):
         return out
 
 
+class OtherBenchmarksDirective(_Generated):
+    """Every file of ``benchmarks/results/`` that no ``gpushare-benchmark`` or the matrix of this
+    page shows, each with its newest run: a new results file is on the page without a docs
+    change."""
+
+    def rst(self) -> list[str]:
+        source = Path(self.env.doc2path(self.env.docname)).read_text()
+        shown = set(re.findall(r"gpushare-benchmark::\s*(\S+)", source))
+        if "gpushare-enforcement-matrix" in source:
+            shown.add("enforcement-simulator.txt")
+        rest = sorted(p.name for p in RESULTS.glob("*.txt") if p.name not in shown)
+        if not rest:
+            return ["None: every file of ``benchmarks/results/`` is shown above.", ""]
+        out: list[str] = []
+        for name in rest:
+            out += [f".. rubric:: {name}", "", f".. gpushare-benchmark:: {name}", ""]
+        return out
+
+
 # -- guides kept next to what they install ------------------------------------------------------
 
 #: docs/_generated/<name>.md <- (file in the repository, heading where the part starts (kept) or
@@ -539,6 +558,7 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("gpushare-metrics", MetricsDirective)
     app.add_directive("gpushare-enforcement-matrix", EnforcementMatrixDirective)
     app.add_directive("gpushare-benchmark", BenchmarkDirective)
+    app.add_directive("gpushare-other-benchmarks", OtherBenchmarksDirective)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
 
 

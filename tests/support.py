@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 import requests
 from jupyter_client.blocking import BlockingKernelClient
 
@@ -58,6 +60,27 @@ small = cu.cuMemAlloc_v2(ctypes.byref(ptr), 256 << 20)
 big = cu.cuMemAlloc_v2(ctypes.byref(ptr), 1 << 30)
 print(json.dumps({"total": total.value, "small": small, "big": big}))
 """
+
+
+def python_for(user: pwd.struct_passwd) -> str:
+    """A Python interpreter ``user`` may run, with the standard library (``ctypes`` included:
+    the tests' programs run as other users need nothing else); skips the test where none is."""
+    for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        try:
+            done = subprocess.run(
+                [candidate, "-c", "import ctypes"],
+                user=user.pw_uid,
+                group=user.pw_gid,
+                extra_groups=[],
+                cwd="/",
+                timeout=30,
+                capture_output=True,
+            )
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if done.returncode == 0:
+            return candidate
+    pytest.skip(f"no Python interpreter {user.pw_name} may run")
 
 
 def free_port() -> int:

@@ -16,13 +16,13 @@ import os
 import pwd
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support import python_for
 from test_system_agent import (  # noqa: F401 - fixtures
     ALICE,
     BOB,
@@ -48,26 +48,6 @@ pytestmark = [
     pytest.mark.timeout(180),
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (useradd, setuid)"),
 ]
-
-
-def python_for(user: pwd.struct_passwd) -> str:
-    """A Python interpreter ``user`` may run (the tenant needs only the standard library)."""
-    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3", sys.executable):
-        try:
-            done = subprocess.run(
-                [candidate, "-c", "import ctypes"],
-                user=user.pw_uid,
-                group=user.pw_gid,
-                extra_groups=[],
-                cwd="/",
-                timeout=30,
-                capture_output=True,
-            )
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if done.returncode == 0:
-            return candidate
-    pytest.skip(f"no Python interpreter {user.pw_name} may run")
 
 
 async def record(

@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 import pytest
 from enforcement_support import NODE, DaemonProc, _spawn_daemon
+from support import python_for
 
 from jupyter_gpushare.daemon import wire
 from jupyter_gpushare.inventory import Gpu
@@ -292,30 +293,10 @@ def unix_user(name: str, groups: tuple[str, ...] = ()) -> pwd.struct_passwd:
         pytest.skip(f"could not create the user {name} (useradd)")
 
 
-def _python_for(user: pwd.struct_passwd) -> str:
-    """A Python another user can run (stdlib only is needed)."""
-    for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        try:
-            done = subprocess.run(
-                [candidate, "-c", "pass"],
-                user=user.pw_uid,
-                group=user.pw_gid,
-                extra_groups=[],
-                cwd="/",
-                timeout=30,
-                capture_output=True,
-            )
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if done.returncode == 0:
-            return candidate
-    pytest.skip("no Python that another user may run")
-
-
 def run_as(user: pwd.struct_passwd, program: str, *args: str) -> subprocess.Popen[str]:
     groups = os.getgrouplist(user.pw_name, user.pw_gid)
     return subprocess.Popen(
-        [_python_for(user), "-c", program, *args],
+        [python_for(user), "-c", program, *args],
         user=user.pw_uid,
         group=user.pw_gid,
         extra_groups=groups,

@@ -35,6 +35,7 @@ from enforcement_support import (
     set_pid,
     spawn_tenant,
 )
+from support import python_for
 
 from jupyter_gpushare.daemon import wire
 from jupyter_gpushare.daemon.shm import StateDir, StateDirError
@@ -62,26 +63,6 @@ def unix_user(name: str) -> pwd.struct_passwd:
         return pwd.getpwnam(name)
     except KeyError:
         pytest.skip(f"could not create the user {name} (useradd)")
-
-
-def python_for(user: pwd.struct_passwd) -> str:
-    """A Python interpreter ``user`` may run (the co-tenant needs only the standard library)."""
-    for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        try:
-            done = subprocess.run(
-                [candidate, "-c", "pass"],
-                user=user.pw_uid,
-                group=user.pw_gid,
-                extra_groups=[],
-                cwd="/",
-                timeout=30,
-                capture_output=True,
-            )
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if done.returncode == 0:
-            return candidate
-    pytest.skip("no Python that another user may run")
 
 
 @pytest.fixture

@@ -19,15 +19,11 @@ from typing import Any
 
 import pytest
 import test_system_agent as system
-from test_system_agent import ALICE, BOB, snapshot, unix_user
+from test_system_agent import ALICE, BOB, record_kernel, snapshot, unix_user
 
 from jupyter_gpushare.daemon import wire
-from jupyter_gpushare.ledger.agent import AgentLedger
 from jupyter_gpushare.ledger.reconcile import process_start_time
-from jupyter_gpushare.placement import allocate
-from jupyter_gpushare.share import ShareSpec
 
-GiB = 2**30
 agent = system.agent
 
 pytestmark = [
@@ -122,20 +118,9 @@ def set_next_pid(pid: int) -> None:
 async def admin_record(socket: str, pid: int, owner: Any) -> dict[str, Any]:
     """A kernel share of ``owner``'s naming ``pid`` without a start time, as an admin (or an
     agent from before start times were stamped) may have recorded it."""
-    ledger = AgentLedger(socket)
-    made = await allocate(
-        ledger,
-        ShareSpec(0.1, 0.1, gpu_memory=GiB),
-        await ledger.gpus(),
-        None,
-        owner="kernel",
-        state="active",
-        pid=pid,
-        user=owner.pw_name,
-        extra={"uid": owner.pw_uid},
-    )
-    assert made.pid_start is None
-    return made.to_json()
+    made = await record_kernel(socket, pid, user=owner.pw_name, extra={"uid": owner.pw_uid})
+    assert made["pid_start"] is None
+    return made
 
 
 def record_of(socket: str, allocation_id: str) -> dict[str, Any]:
@@ -199,23 +184,6 @@ def test_a_record_without_a_start_time_is_trusted_only_for_its_owners_process(ag
         stop(own)
 
 
-async def own_record(socket: str, pid: int) -> dict[str, Any]:
-    """A kernel share naming ``pid`` (a process of the caller's), as a user's server records
-    it: the agent stamps its start time."""
-    ledger = AgentLedger(socket)
-    made = await allocate(
-        ledger,
-        ShareSpec(0.1, 0.1, gpu_memory=GiB),
-        await ledger.gpus(),
-        None,
-        owner="kernel",
-        state="active",
-        pid=pid,
-        server_pid=pid,
-    )
-    return made.to_json()
-
-
 def test_a_connection_handed_on_holds_nothing_once_its_pid_is_reused(agent) -> None:
     """Bob connects, hands the connection to his child and exits; alice's kernel forks a
     worker that gets bob's freed PID. Bob's child then says hello for alice's share on the
@@ -227,7 +195,7 @@ def test_a_connection_handed_on_holds_nothing_once_its_pid_is_reused(agent) -> N
     kernel = spawn(alice, "-c", FORKER)
     handed = worker = None
     try:
-        made = system.run_as(alice, own_record, socket, kernel.pid)
+        made = system.run_as(alice, record_kernel, socket, kernel.pid, kernel.pid)
         assert made[0] == "ok", made
         allocation = made[1]
         assert allocation["pid_start"] is not None

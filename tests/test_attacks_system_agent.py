@@ -23,7 +23,17 @@ import psutil
 import pytest
 import test_run
 import test_system_agent as system
-from test_system_agent import ALICE, BOB, NODE, gpushare_run, place, run_as, snapshot, unix_user
+from test_system_agent import (
+    ALICE,
+    BOB,
+    NODE,
+    gpushare_run,
+    place,
+    record_kernel,
+    run_as,
+    snapshot,
+    unix_user,
+)
 
 from jupyter_gpushare import cli as gpushare_cli
 from jupyter_gpushare import paths
@@ -31,10 +41,7 @@ from jupyter_gpushare.ledger import Allocation
 from jupyter_gpushare.ledger import agent as agent_ledger
 from jupyter_gpushare.ledger.agent import AgentLedger
 from jupyter_gpushare.ledger.reconcile import process_start_time
-from jupyter_gpushare.placement import allocate
 from jupyter_gpushare.share import ShareSpec
-
-GiB = 2**30
 
 #: the fixtures of test_system_agent.py: the agent as a root service, users' long-lived processes
 agent = system.agent
@@ -52,27 +59,6 @@ def wait_for(predicate: Any, timeout: float = 30, interval: float = 0.1) -> Any:
 
 
 # -- what the users' processes do (module level: they run in forked children) ----------------
-
-
-async def record_kernel(
-    socket: str, pid: int, server_pid: int, pid_start: float | None = None
-) -> dict[str, Any]:
-    """A kernel share naming ``pid`` as its process and ``server_pid`` as its server, as a
-    user's own code may write it (no start times unless given)."""
-    ledger = AgentLedger(socket)
-    inventory = await ledger.gpus()
-    made = await allocate(
-        ledger,
-        ShareSpec(0.1, 0.1, gpu_memory=GiB),
-        inventory,
-        None,
-        owner="kernel",
-        state="active",
-        pid=pid,
-        pid_start=pid_start,
-        server_pid=server_pid,
-    )
-    return made.to_json()
 
 
 def as_process_of(user: Any) -> subprocess.Popen[bytes]:

@@ -220,6 +220,32 @@ async def place(
     return {"allocation": a.to_json()}
 
 
+async def record_kernel(
+    socket: str,
+    pid: int,
+    server_pid: int | None = None,
+    pid_start: float | None = None,
+    **fields: Any,
+) -> dict[str, Any]:
+    """A kernel share of 0.1 naming ``pid`` as its process and ``server_pid`` as its server, as
+    a user's own code may write it (no start times unless given); ``fields``: more of the
+    record (``user``, ``extra``), as an admin may write them."""
+    ledger = AgentLedger(socket)
+    made = await allocate(
+        ledger,
+        ShareSpec(0.1, 0.1, gpu_memory=GiB),
+        await ledger.gpus(),
+        None,
+        owner="kernel",
+        state="active",
+        pid=pid,
+        pid_start=pid_start,
+        server_pid=server_pid,
+        **fields,
+    )
+    return made.to_json()
+
+
 async def snapshot(socket: str) -> list[dict[str, Any]]:
     return [a.to_json() for a in (await AgentLedger(socket).snapshot()).allocations]
 

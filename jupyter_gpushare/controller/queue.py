@@ -344,10 +344,10 @@ class ControllerQueue:
                 await asyncio.wait_for(self._kick.wait(), TICK_S)
             self._kick.clear()
             kicked, self._kicked_at = self._kicked_at, None
-            if not self.waiting():
-                continue
             try:
-                await self.run_pass(kicked)
+                await self.sweep()
+                if self.waiting():
+                    await self.run_pass(kicked)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the API server away: the next wake-up tries again
@@ -443,6 +443,22 @@ class ControllerQueue:
                 self.figures_.failed += 1
                 continue
             await self._take(r.id, allocation, kicked)
+
+    async def sweep(self) -> list[str]:
+        """Release the shares placed for entries that ended without them (a replica stopped
+        between placing a share and recording the start, and the entry was cancelled or
+        started with another share meanwhile). An ended entry never waits again, so a stale
+        view of the queue cannot make this release a share that is in use. The ids released."""
+        gone = []
+        for a in await self.service.ledger.list():
+            entry_id = a.extra.get(ENTRY_KEY)
+            r = self.records.get(str(entry_id)) if entry_id else None
+            if r is None or r.state == WAITING or (r.allocation or {}).get("id") == a.id:
+                continue
+            if await self.service.ledger.release(a.id, if_unchanged=a) is not None:
+                log.info("gpushare controller: queue: released %s, nobody's (%s)", a.id, r.id)
+                gone.append(a.id)
+        return gone
 
     async def _take(self, entry_id: str, allocation: Allocation, kicked: float | None) -> bool:
         """Record the start of ``entry_id`` with ``allocation``, just placed for it; when the

@@ -237,6 +237,27 @@ async def test_two_replicas_that_both_lead_start_each_entry_once(
         assert shares == [winner.id], (shares, placed)
         # a replica that then finds the winner's share in the ledger keeps it
         assert await [a, b][won.index(False)]._take(entry, winner, None)
+        # a replica that placed a share and stopped before recording it: once the entry has
+        # ended (here cancelled), the sweep of the live replica gives the share back
+        rest = {"gpu_request": 0.75, "gpu_type": "T4"}
+        filled = await a.service.reserve(
+            HubUser("alice"), {"kernel_id": kernel_name(), "server_id": server, "share": rest}
+        )
+        body = {"kernel_id": kernel_name(), "server_id": server, "share": T4}
+        second = (await a.reserve(HubUser("alice"), body))["entry"]["id"]
+        b.version, found = await b.store.read()  # b learns of it as a new leader would
+        b.records = {r.id: r for r in found}
+        await a.service.ledger.release(filled.id)
+        await b.service.ledger.ledgers.wait_until(
+            lambda: not b.service.ledger.node_of(filled.id), 10
+        )
+        orphan = await b._place(b.records[second], gpus, set())
+        await a.cancel(HubUser("alice"), second)
+        await a.service.ledger.ledgers.wait_until(
+            lambda: bool(a.service.ledger.node_of(orphan.id)), 10
+        )
+        assert await a.sweep() == [orphan.id]
+        assert await a.sweep() == []  # the started entry's share stays
     finally:
         for kube, service, queue in made:
             await queue.stop()

@@ -9,27 +9,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 
+@dataclass
 class RateLimitedLog:
-    def __init__(
-        self,
-        logger: logging.Logger,
-        what: str,
-        every: float = 60.0,
-        level: int = logging.ERROR,
-        first_traceback: bool = False,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.logger = logger
-        self.what = what
-        self.every = every
-        self.level = level
-        self.clock = clock
-        self.first_traceback = first_traceback
-        self.failing = False
-        self.since_line = 0  # failures not logged since the last line
-        self.last_line = 0.0
+    logger: logging.Logger
+    what: str
+    every: float = 60.0
+    level: int = logging.ERROR
+    first_traceback: bool = False
+    clock: Callable[[], float] = time.monotonic
+    failing: bool = field(default=False, init=False)
+    since_line: int = field(default=0, init=False)  # failures not logged since the last line
+    last_line: float = field(default=0.0, init=False)
 
     def failed(self, reason: object, exc: BaseException | None = None) -> None:
         """One more failure; ``reason`` is the text logged (an exception's ``str``)."""
@@ -70,28 +63,20 @@ class RateLimitedLog:
             self.logger.log(max(logging.INFO, self.level - 20), "%s: working again", self.what)
 
 
+@dataclass
 class RateLimitedLogs:
     """A :class:`RateLimitedLog` per key (a uid and a kind of refusal: one user's flood never
     hides another's first line), each at most one line per ``every`` seconds with the count
     since; at most ``keys`` keys are remembered (the oldest is forgotten first), so neither the
     log nor the agent's memory grows with what a user sends."""
 
-    def __init__(
-        self,
-        logger: logging.Logger,
-        what: str,
-        every: float = 60.0,
-        level: int = logging.WARNING,
-        keys: int = 4096,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.logger = logger
-        self.what = what
-        self.every = every
-        self.level = level
-        self.keys = keys
-        self.clock = clock
-        self._logs: dict[object, RateLimitedLog] = {}
+    logger: logging.Logger
+    what: str
+    every: float = 60.0
+    level: int = logging.WARNING
+    keys: int = 4096
+    clock: Callable[[], float] = time.monotonic
+    _logs: dict[object, RateLimitedLog] = field(default_factory=dict, init=False, repr=False)
 
     def failed(self, key: object, label: str, reason: object) -> None:
         """One more refusal for ``key``; ``label`` names it in the line (``uid 1003 (bob)``)."""

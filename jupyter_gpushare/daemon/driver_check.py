@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from .identity import pod_uid_of
 from .nvml import processes as nvml_processes
-from .ratelog import RateLimitedLog
+from .ratelog import RateLimitedLog, RateLimitedLogs
 from .shm import monotonic_ns
 
 if TYPE_CHECKING:
@@ -383,7 +383,7 @@ class DriverCheck:
         self.unshared_kills = 0
         self.sample_log = RateLimitedLog(log, "reading the driver's process figures failed")
         self.check_log = RateLimitedLog(log, "the driver check failed", first_traceback=True)
-        self.action_logs: dict[tuple[str, str], RateLimitedLog] = {}
+        self.action_logs = RateLimitedLogs(log, "driver check:")  # per share (or uid) and cause
         self._last_ns = 0
         self._last_seen: dict[str, int] = {}  # NVML's sample time stamps, per GPU
         #: (pid, start, uid, shares on its GPU) -> the share found up its process tree, for the
@@ -746,14 +746,7 @@ class DriverCheck:
             key = (action.gpu, action.cause)
             record.counts[key] = record.counts.get(key, 0) + len(pids)
             who = f"share {action.allocation}"
-        logger = self.action_logs.get((who, action.cause))
-        if logger is None:
-            if len(self.action_logs) > 4096:
-                self.action_logs.clear()
-            logger = self.action_logs[(who, action.cause)] = RateLimitedLog(
-                log, f"driver check: {who}", level=logging.WARNING
-            )
-        logger.failed(f"{action.reason} (pids {pids})")
+        self.action_logs.failed((who, action.cause), who, f"{action.reason} (pids {pids})")
 
     # -- status -------------------------------------------------------------------------------
 

@@ -50,7 +50,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .identity import pod_uid_of
+from ..ledger.reconcile import START_TOLERANCE, process_identity
+from .identity import lineage, pod_uid_of
 from .nvml import processes as nvml_processes
 from .ratelog import RateLimitedLog, RateLimitedLogs
 from .shm import monotonic_ns
@@ -283,31 +284,8 @@ class Window:
 # -- identifying processes ----------------------------------------------------------------------
 
 
-def identity(pid: int) -> tuple[int, float, int] | None:
-    """``(uid, start time, parent pid)`` of the live process ``pid``, read so that all three
-    belong to one process (the start time read before and after), or None (gone, a zombie, or
-    the pid changed hands in between)."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        start = proc.create_time()
-        uid = proc.uids().real
-        parent = proc.ppid()
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        if psutil.Process(pid).create_time() != start:
-            return None
-    except (psutil.Error, ValueError, OverflowError, OSError):
-        return None
-    return uid, start, parent
-
-
 #: what the check did to shares that left the ledger is kept for this many of them (the oldest go)
 KEEP_GONE = 1024
-
-#: a recorded start time vs the live one: the most they may differ and still name one process
-START_TOLERANCE = 0.05
 
 
 def open_identified(pid: int, uid: int, start: float) -> int | None:
@@ -317,8 +295,8 @@ def open_identified(pid: int, uid: int, start: float) -> int | None:
         fd = os.pidfd_open(pid)
     except OSError:
         return None
-    found = identity(pid)
-    if found is None or found[0] != uid or abs(found[1] - start) > START_TOLERANCE:
+    found = process_identity(pid)
+    if found is None or found[1] != uid or abs(found[0] - start) > START_TOLERANCE:
         os.close(fd)
         return None
     return fd
@@ -479,10 +457,10 @@ class DriverCheck:
             pid = row.get("pid")
             if not isinstance(pid, int) or pid <= 0:
                 continue
-            found = identity(pid)
+            found = process_identity(pid)
             if found is None:
                 continue
-            uid, start, _parent = found
+            start, uid = found
             share = self._share_of(pid, uid, start, on_gpu, clients)
             memory = row.get("memory")
             fraction = row.get("busy")
@@ -532,7 +510,7 @@ class DriverCheck:
             # a record names its own user's processes only
             and a.extra.get("uid") in (None, uid)
         }
-        for ancestor, started in _lineage(pid).items():  # the nearest recorded ancestor
+        for ancestor, started in lineage(pid).items():  # the nearest recorded ancestor
             found = by_pid.get(ancestor)
             if found is not None and abs(started - (found.pid_start or 0.0)) <= START_TOLERANCE:
                 return found.id
@@ -591,9 +569,9 @@ class DriverCheck:
             seen = {p.pid for p in targets}
             for pid, (uid, allocation) in clients.items():
                 if allocation == action.allocation and pid not in seen:
-                    found = identity(pid)
-                    if found is not None and found[0] == uid and not self._exempt_uid(uid):
-                        targets.append(Process(pid, uid, found[1], 0, allocation))
+                    found = process_identity(pid)
+                    if found is not None and found[1] == uid and not self._exempt_uid(uid):
+                        targets.append(Process(pid, uid, found[0], 0, allocation))
         fds = []
         for p in targets:
             fd = open_identified(p.pid, p.uid, p.start)
@@ -770,18 +748,3 @@ class DriverCheck:
             "memory_kills": counts.get((gpu, MEMORY), 0),
             "compute_fences": counts.get((gpu, OVER_LIMIT), 0) + counts.get((gpu, TOOK_REQUEST), 0),
         }
-
-
-def _lineage(pid: int) -> dict[int, float]:
-    """``pid`` and its ancestors with their start times (``psutil``'s ``create_time``)."""
-    import psutil
-
-    found: dict[int, float] = {}
-    while pid > 0 and pid not in found and len(found) < 64:
-        try:
-            proc = psutil.Process(pid)
-            found[pid] = proc.create_time()
-            pid = proc.ppid()
-        except (psutil.Error, OSError):
-            break
-    return found

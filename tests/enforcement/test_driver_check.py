@@ -238,8 +238,9 @@ def test_the_check_identifies_processes_itself_and_signals_only_them(tmp_path: P
     share's recorded process (no connection: LD_PRELOAD cleared) holding 5 GiB over a 1 GiB cap
     is killed; a process of a uid without a share on the GPU is killed; a process of uid 0 (an
     admin) and a pid with no process are left alone; the share's status says why."""
-    from jupyter_gpushare.daemon.driver_check import DriverCheck, identity
+    from jupyter_gpushare.daemon.driver_check import DriverCheck
     from jupyter_gpushare.ledger import Allocation
+    from jupyter_gpushare.ledger.reconcile import process_identity
     from jupyter_gpushare.share import ShareSpec
 
     nobody = 65534
@@ -250,7 +251,7 @@ def test_the_check_identifies_processes_itself_and_signals_only_them(tmp_path: P
     child = int(kernel.stdout.readline())
     stray = subprocess.Popen(["sleep", "60"], user=nobody - 1)
     admin = subprocess.Popen(["sleep", "60"])
-    found = identity(kernel.pid)
+    found = process_identity(kernel.pid)
     assert found is not None
     share_ = Allocation(
         id="a-0000000000000001",
@@ -259,7 +260,7 @@ def test_the_check_identifies_processes_itself_and_signals_only_them(tmp_path: P
         spec=ShareSpec(0.3, 0.3, gpu_memory=GiB),
         memory=GiB,
         pid=kernel.pid,
-        pid_start=found[1],
+        pid_start=found[0],
         extra={"uid": nobody},
     )
     state = StateDir(tmp_path / "state")

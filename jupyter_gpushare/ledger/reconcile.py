@@ -143,9 +143,9 @@ async def reconcile(
         except (AllocationNotFound, LedgerConflict) as exc:  # another won the race; next pass
             logger.info("gpushare: %s not released now: %s", allocation.id, exc)
             continue
+        except LedgerUnavailable:
+            raise  # the whole pass fails: its caller logs that, and the next pass retries
         except GpushareError as exc:  # refused (e.g. by the agent): one line, the rest go on
-            if isinstance(exc, LedgerUnavailable):
-                raise
             logger.warning("gpushare: could not release %s (%s): %s", allocation.id, reason, exc)
             continue
         if gone is not None:

@@ -57,8 +57,6 @@ def pod_uid_of(pid: int) -> str | None:
 
 #: ``SO_PEERPIDFD`` (Linux 6.5; Python names it from 3.13 on some platforms only)
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
-#: a recorded start time vs the live one: the most they may differ and still name one process (s)
-START_TOLERANCE = 0.05
 
 _boot_time: float | None = None
 

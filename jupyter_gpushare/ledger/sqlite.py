@@ -179,6 +179,8 @@ def _hold_open(path: Path) -> None:
 
 #: ``Allocation.backend`` (and ``owner``, ``state``) of a ledger row that cannot be read
 UNREADABLE = "unreadable"
+#: what reading a row's body as an allocation raises when it cannot be read
+BAD_ROW = (ValueError, KeyError, TypeError, AttributeError, RecursionError)
 
 
 def is_unreadable(allocation: Allocation) -> bool:
@@ -278,11 +280,13 @@ class SQLiteLedger(Ledger):
             exc,
         )
 
-    def _allocation(self, row_id: str, body: str) -> Allocation | None:
+    @staticmethod
+    def _readable(body: str) -> bool:
         try:
-            return Allocation.from_json(json.loads(body))
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-            return None
+            Allocation.from_json(json.loads(body))
+        except BAD_ROW:
+            return False
+        return True
 
     def _held(
         self, row_id: str, node: str, body: str, inventory: Callable[[], Sequence[Gpu]]
@@ -291,7 +295,7 @@ class SQLiteLedger(Ledger):
         taking its GPUs, named once in the log) until an admin repairs or deletes it."""
         try:
             return Allocation.from_json(json.loads(body))
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        except BAD_ROW as exc:
             held = unreadable_row(row_id, node, body, inventory(), exc)
             self._warn_once(
                 f"allocation:{row_id}",
@@ -337,7 +341,7 @@ class SQLiteLedger(Ledger):
             unreadable = [  # kept as they are, unless replaced by a readable record
                 row_id
                 for row_id, body in rows.fetchall()
-                if row_id not in new and self._allocation(row_id, body) is None
+                if row_id not in new and not self._readable(body)
             ]
             db.execute(
                 "DELETE FROM allocations WHERE node=? AND id NOT IN "

@@ -467,10 +467,11 @@ def _live_change(current: str, share: dict[str, Any]) -> tuple[dict[str, Any], b
 def wait_cause(allocation: dict[str, Any], shares: int) -> str:
     """Why a share waited for its turn on the GPU, in words: its own limit (alone on the GPU, it
     waits only when it would go beyond its limit), other shares' turns (limit 100 %), or either."""
-    limit = format_share(float(allocation.get("limit") or allocation.get("gpu_limit") or 1.0))
+    value = float(allocation.get("limit") or allocation.get("gpu_limit") or 1.0)
+    limit = format_share(value)
     if shares <= 1:
         return f"its own limit ({limit}): no other share on this GPU"
-    if float(allocation.get("limit") or allocation.get("gpu_limit") or 1.0) >= 1.0:
+    if value >= 1.0:
         return f"other shares' turns ({shares - 1} other share{'' if shares == 2 else 's'})"
     return f"its own limit ({limit}) or other shares' turns"
 

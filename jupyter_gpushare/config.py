@@ -152,6 +152,16 @@ class GpuShare(SingletonConfigurable):
         "'mon-fri', hours: '08:00-18:00', size: 4}]). Needs ServerApp.kernel_manager_class = "
         "jupyter_gpushare.pools.PoolKernelManager. See jupyter_gpushare.pools.config.",
     )
+    start_wait_max = Float(
+        1800.0,
+        config=True,
+        help="Most seconds one kernel start may ask to wait in the queue for a share that does "
+        "not fit now (the Lab picker's 'Wait in line'; \"wait\" in the body of POST "
+        '/gpushare/api/kernels); a larger "wait" is refused with 400 naming this bound. '
+        "0: no start may ask to wait. Starts that ask nothing wait "
+        "GpushareProvisioner.queue_wait. Waiting needs a ledger owner with a queue (a system "
+        "node agent, or the controller on Kubernetes).",
+    )
     reclaim_idle_after = Float(
         0.0,
         config=True,

@@ -147,7 +147,9 @@ class GpushareProvisioner(KernelProvisionerBase):
         help="Seconds a kernel start whose share does not fit now waits in the node agent's "
         "queue (DESIGN box 13: fair between users, started by itself when a share is freed; "
         "the start's progress, GET /gpushare/api/starts, shows its position and ETA) before it "
-        "is refused with the queue's reason (409 no_fit). 0: refused at once. A share that "
+        "is refused with the queue's reason (409 no_fit). 0: refused at once. A start that "
+        "asks its own wait (\"wait\" of POST /gpushare/api/kernels, the Lab picker's 'Wait "
+        "in line'; at most GpuShare.start_wait_max) waits that long instead. A share that "
         "can never fit is refused at once either way. Needs a ledger owner with a queue: a "
         "node agent that serves the ledger (a system agent, `jupyter gpushare daemon "
         "--system`) or, on Kubernetes, the controller (controller mode: no kernel pod exists "
@@ -180,6 +182,7 @@ class GpushareProvisioner(KernelProvisionerBase):
         self._owner = "kernel"  # "pool" for a warm pool kernel (see jupyter_gpushare.pools)
         self._settings: GpuShare | None = None
         self._pool: str | None = None
+        self._wait: float | None = None
         self._notebook: str | None = None  # the session's notebook path (status shows it)
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -246,11 +249,12 @@ class GpushareProvisioner(KernelProvisionerBase):
             },
         }
         waiting = getattr(ledger, "reserve_waiting", None)
-        if self.queue_wait > 0 and waiting is not None and self._owner != "pool":
+        wait = self.queue_wait if self._wait is None else self._wait
+        if wait > 0 and waiting is not None and self._owner != "pool":
             allocation: Allocation = await waiting(
                 spec,
                 self.settings.policy(),
-                self.queue_wait,
+                wait,
                 self._queued,
                 **{k: v for k, v in fields.items() if k != "user"},
             )
@@ -281,6 +285,10 @@ class GpushareProvisioner(KernelProvisionerBase):
         log_refusals_once(self.log)  # a refusal below: one line on the server's log
         user_share = kwargs.pop("gpushare_share", None)
         self._owner = kwargs.pop("gpushare_owner", None) or "kernel"  # pools start warm kernels
+        # this start's own wait in the queue (POST /gpushare/api/kernels "wait", checked there
+        # against GpuShare.start_wait_max); None: queue_wait
+        wait = kwargs.pop("gpushare_wait", None)
+        self._wait = float(wait) if wait is not None else None
         self._pool = kwargs.pop("gpushare_pool", None)
         # the notebook this kernel runs for: jupyter_server's sessions pass its path
         session = (kwargs.get("env") or {}).get("JPY_SESSION_NAME")

@@ -13,6 +13,7 @@ everyone's shares.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import defaultdict
 from collections.abc import Sequence
@@ -316,18 +317,37 @@ class KernelsHandler(GpushareHandler):
     @authorized
     @authorized(resource="kernels")  # it starts a kernel, as POST /api/kernels does
     async def post(self) -> None:
-        """``{"name": a gpushare kernelspec, "path"?: str, "share"?: {…}}`` -> 201 with the
-        kernel model and its ``allocation``; 400 naming the field for anything else."""
+        """``{"name": a gpushare kernelspec, "path"?: str, "share"?: {…}, "wait"?: seconds}``
+        -> 201 with the kernel model and its ``allocation``; 400 naming the field for anything
+        else. ``wait``: how long this start waits in the queue when its share does not fit now
+        (0 to ``GpuShare.start_wait_max``; absent: the provisioner's ``queue_wait``)."""
         body = self.json_body()
         if body is None:
             return None
-        unknown = sorted(set(body) - {"name", "path", "share"})
+        unknown = sorted(set(body) - {"name", "path", "share", "wait"})
         if unknown:
             return self.fail(
                 _field_error(
-                    key_name(unknown[0]), body[unknown[0]], "known keys are name, path, share"
+                    key_name(unknown[0]),
+                    body[unknown[0]],
+                    "known keys are name, path, share, wait",
                 )
             )
+        wait = body.get("wait")
+        bound = self.gpushare.start_wait_max
+        if wait is not None and (
+            isinstance(wait, bool)
+            or not isinstance(wait, (int, float))
+            or not math.isfinite(wait)
+            or not 0 <= wait <= bound
+        ):
+            allowed = (
+                f"seconds to wait in the queue, a number from 0 to {bound:g} "
+                "(GpuShare.start_wait_max), or absent"
+                if bound > 0
+                else "absent or 0: this server lets no start wait (GpuShare.start_wait_max = 0)"
+            )
+            return self.fail(_field_error("wait", wait, allowed))
         if not await self.check_kernel_name(body.get("name")):
             return None
         path = body.get("path")
@@ -350,6 +370,8 @@ class KernelsHandler(GpushareHandler):
         # the notebook's path, as jupyter_server's sessions give it to a kernel they start
         # (JPY_SESSION_NAME): the provisioner records it, `jupyter gpushare status` shows it
         extra: dict[str, Any] = {}
+        if wait is not None:
+            extra["gpushare_wait"] = float(wait)
         if path:
             session_manager: Any = self.session_manager  # typed with jupyter_server's NewTypes
             extra["env"] = session_manager.get_kernel_env(path, os.path.basename(path))

@@ -3,15 +3,18 @@
 - ``GET /gpushare/api/queue`` → ``{"enabled": bool, "entries": [{id, state, share, since,
   waited_s, position, eta: {computed_at, lo_s, hi_s, by_s, reclaims, basis}, message} + for
   the viewer's own starts (an admin: all) {user, kernel_id, owner, first_eta}], "metrics":
-  {waiting, started, cancelled, dropped, failed, eta_shown, eta_inside, …}}``, in the order the
-  starts get capacity; ``enabled`` false (with ``message``) where the backend's ledger has no
-  queue (a ledger this server writes itself: Kubernetes in direct mode). In controller mode
-  the controller's queue answers (:mod:`jupyter_gpushare.controller.queue`, same shapes).
+  {waiting, started, cancelled, dropped, failed, eta_shown, eta_inside, …}, "max_wait": the
+  most seconds a start may ask to wait (``GpuShare.start_wait_max``; 0 without a queue)}``,
+  in the order the starts get capacity; ``enabled`` false (with ``message``) where the
+  backend's ledger has no queue (a ledger this server writes itself: Kubernetes in direct
+  mode). In controller mode the controller's queue answers
+  (:mod:`jupyter_gpushare.controller.queue`, same shapes).
 - ``DELETE /gpushare/api/queue/{entry}`` → 200 ``{"entry": …}`` (``cancelled``; or
   ``started`` with its ``allocation`` when the start won the race: this server's kernel start
   then goes on); 404 ``unknown_entry`` for an entry that is not the user's.
 
-Starts wait through the provisioner (``GpushareProvisioner.queue_wait``): ``POST
+Starts wait through the provisioner (``GpushareProvisioner.queue_wait``, or the ``wait`` a
+``POST /gpushare/api/kernels`` asks, up to ``GpuShare.start_wait_max``): ``POST
 /gpushare/api/kernels``, ``POST /api/kernels`` and ``/api/sessions`` with a gpushare
 kernelspec; their progress (``GET /gpushare/api/starts``) says where they are in line.
 """
@@ -19,6 +22,7 @@ kernelspec; their progress (``GET /gpushare/api/starts``) says where they are in
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from jupyter_server.auth.decorator import authorized
@@ -43,8 +47,10 @@ class QueueHandler(GpushareHandler):
     @authorized
     async def get(self) -> None:
         ledger = await self._ledger()
+        max_wait = self.gpushare.start_wait_max  # the most a start may ask to wait
         if ledger is None:
-            self.finish(json.dumps({"enabled": False, "entries": [], "message": NO_QUEUE}))
+            body0 = {"enabled": False, "entries": [], "message": NO_QUEUE, "max_wait": 0.0}
+            self.finish(json.dumps(body0))
             return
         if hasattr(ledger, "queue_listing"):  # the controller's queue (Kubernetes)
             reply = await ledger.queue_listing()
@@ -54,8 +60,9 @@ class QueueHandler(GpushareHandler):
             "enabled": True,
             "entries": reply.get("entries") or [],
             "metrics": reply.get("metrics") or {},
+            "max_wait": max_wait,
         }
-        self.finish(json.dumps(body, default=str))
+        self.finish(json.dumps(json_safe(body), default=str, allow_nan=False))
 
     @web.authenticated
     @authorized
@@ -68,6 +75,19 @@ class QueueHandler(GpushareHandler):
         else:
             reply = await ledger.request({"op": "ledger.queue.cancel", "entry": entry})
         self.finish(json.dumps({"entry": reply.get("entry")}, default=str))
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite number as its Prometheus text (``+Inf``, ``-Inf``,
+    ``NaN``): the agent's histograms end in an infinite bucket, and ``Infinity`` is not JSON
+    (a browser's ``JSON.parse`` refused the whole reply)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def queue_handlers(base_url: str) -> list[tuple[str, type]]:

@@ -220,11 +220,15 @@ export class GpushareAPI {
     });
   }
 
-  /** Start a kernel holding `share`; resolves with the kernel model and its allocation. */
+  /**
+   * Start a kernel holding `share`; resolves with the kernel model and its allocation. `wait`:
+   * seconds the start may wait in the queue when the share does not fit now (queue.ts).
+   */
   startKernel(
     name: string,
     path: string | undefined,
-    share: IShare
+    share: IShare,
+    wait?: number
   ): Promise<{ id: string; name: string; allocation: IAllocation | null }> {
     const wire: Record<string, unknown> = {
       gpu_request: share.gpu_request,
@@ -236,7 +240,7 @@ export class GpushareAPI {
     wire.gpu_type = share.gpu_type ?? 'any';
     return this.request('kernels', {
       method: 'POST',
-      body: JSON.stringify({ name, path, share: wire })
+      body: JSON.stringify({ name, path, share: wire, ...(wait !== undefined ? { wait } : {}) })
     });
   }
 }

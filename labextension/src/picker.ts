@@ -13,7 +13,8 @@
  * kernel keeps running) where the new share fits on the kernel's GPU.
  *
  * The rounds (dialog, check, start, refusal) are one function, `pickRounds`; a start that waits
- * for capacity would be one more outcome of a round.
+ * for capacity (“Wait in line”, where the share does not fit and the server has a queue) is one
+ * more outcome of a round, in `queue.ts`.
  */
 import { Dialog, showDialog } from '@jupyterlab/apputils';
 import type { Message } from '@lumino/messaging';
@@ -22,6 +23,7 @@ import { Widget } from '@lumino/widgets';
 import { GpushareAPI, GpushareRefusal, IAllocation, IInventory, IPresets } from './api';
 import { fitOf } from './fit';
 import { ProgressBody, StartProgress } from './progress';
+import { IQueueOffer, queueOffer, startWaiting, waitOffer } from './queue';
 import {
   defaultLimit,
   describeShare,
@@ -61,6 +63,8 @@ interface IPickerOptions {
   baseLimit: number;
   /** Set for a running kernel: the dialog offers a live change and says what a restart costs. */
   change?: IChange;
+  /** Where the server has a queue: a share that does not fit may wait in line (queue.ts). */
+  queue?: IQueueOffer;
 }
 
 /** A share as the picker's fields; memory may be bytes or text (`10GiB`, from a kernelspec). */
@@ -112,6 +116,14 @@ export class SharePicker extends Widget implements Dialog.IBodyWidget<IShareFiel
   private live: HTMLElement | null = null;
   /** Whether the share as typed can be applied to the running kernel without a restart. */
   liveAllowed = false;
+  /** “Wait in line” is offered (the share does not fit now) and chosen (queue.ts). */
+  waitChosen = false;
+  private waitOffered = false;
+
+  /** Whether Start should wait in line: offered for the share as typed, and chosen. */
+  get waits(): boolean {
+    return this.waitOffered && this.waitChosen;
+  }
 
   constructor(private options: IPickerOptions) {
     super();
@@ -261,6 +273,7 @@ export class SharePicker extends Widget implements Dialog.IBodyWidget<IShareFiel
     }
     const share = this.share();
     this.fitLine.replaceChildren();
+    this.waitOffered = false;
     if (!share) {
       this.summary.textContent = 'Correct the field marked above.';
       this.fitLine.dataset.fits = 'unknown';
@@ -303,6 +316,11 @@ export class SharePicker extends Widget implements Dialog.IBodyWidget<IShareFiel
     const message = this.options.change ? `For a restart: ${fit.message}` : fit.message;
     this.fitLine.dataset.fits = fit.fits ? 'yes' : 'no';
     this.fitLine.append(el('span', { className: 'jp-gpushare-fit-message', textContent: message }));
+    const queue = this.options.queue;
+    this.waitOffered = !fit.fits && !this.options.change && !!queue?.enabled;
+    if (this.waitOffered && queue) {
+      this.fitLine.append(waitOffer(queue, this.waitChosen, wait => (this.waitChosen = wait)));
+    }
     if (!fit.fits && fit.suggestion) {
       const s = fit.suggestion;
       const limit = coherentLimit(share, s.request);
@@ -532,8 +550,11 @@ async function pickRounds(round: IDialogRound): Promise<ChangeResult> {
       })
     : fieldsOf(base);
   let problem: IProblem | null = null;
+  // a share that does not fit may wait in line where the server has a queue (queue.ts)
+  const queue = !change && progress ? await queueOffer(api) : undefined;
   for (;;) {
     const body = new SharePicker({
+      queue,
       kernelLabel,
       whole,
       inventory,
@@ -588,6 +609,16 @@ async function pickRounds(round: IDialogRound): Promise<ChangeResult> {
         });
         return { kind: 'live', allocation };
       }
+      if (body.waits && queue && progress) {
+        const waited = await startWaiting(api, progress, kernelName, kernelLabel, path, share, queue);
+        if (waited.kind === 'cancelled') {
+          return null;
+        }
+        if (waited.kind === 'started') {
+          return { kind: 'restart', started: waited.started };
+        }
+        throw waited.error; // the wait ended without a start: the dialog again, with why
+      }
       return {
         kind: 'restart',
         started: await startWithProgress(api, kernelName, kernelLabel, path, share, progress)
@@ -608,7 +639,8 @@ async function pickRounds(round: IDialogRound): Promise<ChangeResult> {
  * words are not repeated; else the server's message and suggestions.
  */
 function refusalProblem(err: GpushareRefusal, share: IShare, inventory: IInventory): IProblem | null {
-  if (err.body.error === 'no_fit' && !fitOf(share, inventory).fits) {
+  const afterWait = /in the queue|queued start/.test(err.body.message ?? '');
+  if (err.body.error === 'no_fit' && !afterWait && !fitOf(share, inventory).fits) {
     return null;
   }
   return {

@@ -139,6 +139,29 @@
   padding-left: 8px;
 }
 
+/* waiting in line (queue.ts) */
+.jp-gpushare-wait-offer {
+  display: block;
+  margin-top: 4px;
+}
+
+.jp-gpushare-waiting {
+  min-width: 360px;
+  max-width: 560px;
+  color: var(--jp-ui-font-color1);
+}
+
+.jp-gpushare-waiting-line {
+  white-space: pre-wrap;
+  border-left: 3px solid var(--jp-warn-color1);
+  padding-left: 8px;
+  font-weight: bold;
+}
+
+.jp-gpushare-waiting-line[data-state='starting'] {
+  border-left-color: var(--jp-success-color1);
+}
+
 /* the GPU dashboard (side panel) */
 .jp-gpushare-dashboard {
   background: var(--jp-layout-color1);

@@ -9,6 +9,10 @@ kernelspec and resolved share are equal to it, a ready warm kernel is bound to t
 its id returned at once. Otherwise — no pool matches, the pool is empty, its kernels died, the
 binding failed, or the caller asked for a specific kernel id — it is the normal start.
 
+A start that may wait in the queue (``gpushare_wait``, or the provisioner's ``queue_wait``) and
+does not fit now first has warm kernels give their shares back (:func:`.manager.warm_to_give_back`),
+and no pool refills while it waits.
+
 Unclaimed warm kernels are left out of ``GET /api/kernels`` (they belong to nobody yet) and are
 never culled by the idle culler; they are in ``list_kernel_ids`` (so reconciliation keeps their
 shares) and are shut down with the server.
@@ -29,7 +33,7 @@ from ..config import GpuShare
 from ..provisioner import GpushareProvisioner
 from ..share import SHARE_FIELDS, ShareError, ShareSpec
 from .config import PoolConfigError, PoolProfile, parse_pools
-from .manager import Pool, PoolManager
+from .manager import Pool, PoolManager, warm_to_give_back
 
 PROVISIONER = "gpushare-provisioner"
 
@@ -119,11 +123,52 @@ class PoolKernelManager(AsyncMappingKernelManager):
             claimed = await self._claim(path, kwargs)
             if claimed is not None:
                 return claimed
+        if not self.pools.pools or self._wait_of(kwargs) <= 0:
+            return await self._start(kernel_id, path, kwargs)
+        # a start that may wait in the queue: warm kernels give their shares back first, and
+        # no pool refills while it waits (DESIGN box 13: before a user waits)
+        async with self.pools.refills_held():
+            await self._make_room(kwargs)
+            return await self._start(kernel_id, path, kwargs)
+
+    async def _start(self, kernel_id: str | None, path: str | None, kwargs: dict[str, Any]) -> str:
         try:
             return await super().start_kernel(kernel_id=kernel_id, path=cast(Any, path), **kwargs)
         except BaseException:
             self.forget_failed_starts()
             raise
+
+    def _wait_of(self, kwargs: dict[str, Any]) -> float:
+        """Seconds this start may wait in the queue: its own (``gpushare_wait``, from ``"wait"``
+        of POST /gpushare/api/kernels), else the provisioner's configured ``queue_wait``."""
+        wait = kwargs.get("gpushare_wait")
+        if wait is None:
+            wait = self.config.get("GpushareProvisioner", {}).get("queue_wait", 0.0)
+        try:
+            return float(wait)
+        except (TypeError, ValueError):
+            return 0.0
+
+    async def _make_room(self, kwargs: dict[str, Any]) -> None:
+        """Give back the warm kernels whose shares let this start fit now (none if it fits)."""
+        try:
+            resolved = self.resolve(
+                kwargs.get("kernel_name") or self.default_kernel_name,
+                kwargs.get("gpushare_share"),
+            )
+            if resolved is None:
+                return
+            spec, backend_name = resolved
+            backend = self.gpushare.get_backend(backend_name)
+            gpus, _ = await backend.inventory()
+            held = await (await backend.ledger()).list()
+            shares = warm_to_give_back(
+                gpus, held, spec, self.gpushare.policy(), self.pools.unclaimed()
+            )
+            if shares:
+                await self.pools.give_back({str(a.kernel_id) for a in shares})
+        except Exception:  # the start goes on as without pools (it waits, or is refused)
+            self.log.exception("gpushare: giving warm kernels back for a waiting start failed")
 
     def forget_failed_starts(self) -> None:
         """Drop the starts that failed from jupyter_client's pending kernels.

@@ -9,6 +9,11 @@ the user's session (working directory and environment, see :mod:`.binding`), fli
 
 Nothing here raises to the user: a pool that is empty, whose kernels died or whose binding failed
 makes :meth:`PoolManager.claim` answer None, and the caller starts a kernel the normal way.
+
+Warm kernels are given back before a user waits (DESIGN box 13): a start that asks to wait in
+the queue and does not fit now first shuts down the ready warm kernels whose shares make room
+for it (:func:`warm_to_give_back`, pure; :meth:`PoolManager.give_back`), and no pool refills
+while such a start waits (:meth:`PoolManager.refills_held`): the capacity goes to the user.
 """
 
 from __future__ import annotations
@@ -19,14 +24,16 @@ import datetime as _dt
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from jupyter_server.utils import ensure_async
 
+from ..ledger import Allocation
+from ..placement import Placement, PlacementRefused, Policy, place
 from ..provisioner import GpushareProvisioner
-from ..share import ShareSpec
+from ..share import ShareError, ShareSpec
 from .binding import bind_session
 from .config import PoolProfile
 
@@ -62,6 +69,7 @@ class Pool:
     claimed: int = 0
     started: int = 0
     failures: int = 0  # consecutive failed warm starts (reset by a success)
+    given_back: int = 0  # warm kernels shut down to make room for a start that would wait
     retry_at: float = 0.0
     errors: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=KEPT_ERRORS))
 
@@ -78,6 +86,7 @@ class Pool:
             "starting": self.starting,
             "claimed": self.claimed,
             "started": self.started,
+            "given_back": self.given_back,
             "kernels": [{"kernel_id": w.kernel_id, "ready_since": w.ready_at} for w in self.ready],
             "refill_errors": list(self.errors),
             "retry_in_s": round(max(0.0, self.retry_at - now), 1) if self.failures else None,
@@ -99,6 +108,7 @@ class PoolManager:
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()  # claims and trims do not interleave on one pool
         self._starting_ids: set[str] = set()
+        self._held = 0  # starts of users waiting for room: no refill takes it meanwhile
 
     # -- which kernels are warm ------------------------------------------------------------------
 
@@ -145,7 +155,11 @@ class PoolManager:
         target = pool.profile.target(self.clock())
         if len(pool.ready) > target:
             await self._trim(pool, target)
-        elif len(pool.ready) + pool.starting < target and time.monotonic() >= pool.retry_at:
+        elif (
+            len(pool.ready) + pool.starting < target
+            and time.monotonic() >= pool.retry_at
+            and not self._held
+        ):
             await self._start_one(pool)
             if len(pool.ready) < target:
                 self.wake()  # more to start: go round again at once
@@ -229,6 +243,37 @@ class PoolManager:
     async def _shutdown(self, kernel_id: str) -> None:
         with contextlib.suppress(Exception):
             await ensure_async(self.km.shutdown_kernel(kernel_id, now=True))
+
+    # -- giving warm kernels back to a user who would wait -----------------------------------
+
+    @contextlib.asynccontextmanager
+    async def refills_held(self) -> AsyncIterator[None]:
+        """While a user's start waits for room: no pool refills (a refill would take back the
+        room the warm kernels gave, or what a release frees for the user)."""
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+            self.wake()
+
+    async def give_back(self, kernel_ids: set[str]) -> list[str]:
+        """Shut down the ready warm kernels among ``kernel_ids`` (their shares are released
+        with them); the ids given back."""
+        async with self._lock:
+            taken = [w for p in self.pools.values() for w in p.ready if w.kernel_id in kernel_ids]
+            for pool in self.pools.values():
+                pool.ready = [w for w in pool.ready if w.kernel_id not in kernel_ids]
+                pool.given_back += sum(1 for w in taken if w.pool == pool.profile.name)
+        for warm in taken:
+            _close_client(warm)
+            self.log.info(
+                "gpushare: pool %s: giving warm kernel %s back for a start that would wait",
+                warm.pool,
+                warm.kernel_id,
+            )
+            await self._shutdown(warm.kernel_id)
+        return [w.kernel_id for w in taken]
 
     # -- hand-over -------------------------------------------------------------------------------
 
@@ -320,3 +365,54 @@ def _close_client(warm: WarmKernel) -> None:
         with contextlib.suppress(Exception):
             warm.client.stop_channels()
         warm.client = None
+
+
+def warm_to_give_back(
+    gpus: Sequence[Any],
+    allocations: Sequence[Allocation],
+    spec: ShareSpec,
+    policy: Policy,
+    warm: set[str],
+) -> list[Allocation]:
+    """The shares of ready warm kernels (kernel ids in ``warm``) to give back before a start of
+    ``spec`` waits. Pure. None when it fits now. Else the fewest that make it fit: those of one
+    GPU, largest first, on the GPU that needs the fewest (then those of all GPUs, for a start of
+    several); where even all of them do not, every one on a GPU of a type the start may use (it
+    then waits for less, and a release that frees the rest starts it)."""
+    try:
+        if _fits(gpus, allocations, spec, policy):
+            return []
+    except ShareError:  # it can never be placed here: the provisioner refuses it with why
+        return []
+    shares = sorted(
+        (a for a in allocations if a.owner == "pool" and a.kernel_id in warm),
+        key=lambda a: (-a.request, a.id),
+    )
+    by_gpu: dict[str, list[Allocation]] = {}
+    for share in shares:
+        for gpu in share.gpus:
+            by_gpu.setdefault(gpu, []).append(share)
+    best: list[Allocation] | None = None
+    for group in [*by_gpu.values(), shares]:
+        given: list[Allocation] = []
+        for share in group:
+            if best is not None and len(given) + 1 >= len(best):
+                break  # no fewer than the best found
+            given.append(share)
+            if _fits(gpus, [a for a in allocations if a not in given], spec, policy):
+                best = given
+                break
+    if best is not None:
+        return best
+    kind = (spec.gpu_type or "").lower()
+    usable = {g.uuid for g in gpus if kind in ("", "any") or g.type.lower() == kind}
+    return [a for a in shares if set(a.gpus) & usable]
+
+
+def _fits(
+    gpus: Sequence[Any], allocations: Sequence[Allocation], spec: ShareSpec, policy: Policy
+) -> Placement | None:
+    try:
+        return place(gpus, allocations, spec, policy)
+    except PlacementRefused:
+        return None

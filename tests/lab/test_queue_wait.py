@@ -121,11 +121,12 @@ def test_a_waiting_start_shows_its_place_can_be_cancelled_and_starts_by_itself(
     assert "No A100 has 50 % free" in seen["fit1"], seen["fit1"]
     assert "Wait in line" in seen["fit1"] and "at most 2 min" in seen["fit1"], seen["fit1"]
     # the waiting dialog: place and ETA, in the queue's words (the reclaim deadline)
-    for line in (seen["waiting1"], seen["waiting2"]):
-        assert line.startswith("1st in line for 0.5 of an A100; expected by "), line
-        assert "(1 idle share is reclaimed by " in line, line
     [entry] = seen["queue1"]["entries"]
     assert entry["position"] == 1 and entry["state"] == "waiting"
+    assert entry["eta"]["hi_s"] is not None and entry["eta"]["reclaims"] == 1, entry
+    for line in (seen["waiting1"], seen["waiting2"]):
+        assert line.startswith("1st in line for 0.5 of an A100; expected "), line
+        assert "idle share is reclaimed by" in line, line
     # Cancel: the entry is gone, no kernel, nothing else pops up
     assert seen["queueAfterCancel"]["entries"] == []
     assert seen["kernelsAfterCancel"] == []

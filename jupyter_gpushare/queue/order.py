@@ -2,7 +2,9 @@
 
 A user's *dominant share* is the larger of the fractions they hold of the machine's compute (the
 sum of their requests over the number of GPUs) and of its memory (their caps over all the GPUs'
-memory), divided by their group's weight. Waiting starts are ordered by progressive filling
+memory), divided by their group's weight. A waiting start without a memory cap (``memory`` 0:
+its request's fraction of the GPU it gets) counts that fraction of a mean GPU's memory, as its
+share will once placed. Waiting starts are ordered by progressive filling
 (dominant resource fairness): the next start is the oldest waiting one of the user whose
 dominant share is lowest counting what the starts already ahead of it will give them, so one
 user's ten queued kernels do not go ahead of another user's one. An admin's group priority
@@ -11,7 +13,10 @@ comes first (a higher priority always goes ahead: a course over ad-hoc use), arr
 Backfill: a start further down may begin while one ahead of it does not fit (a smaller share
 fits where a larger does not); once the one ahead has waited ``hold_s`` it holds the GPUs it
 waits for (:class:`Pass`): later starts go elsewhere, so a large share is not starved by a
-stream of small ones, and the other GPUs stay in use.
+stream of small ones, and the other GPUs stay in use. Holds keep at most half of the GPUs a
+start could use (at least one): with every user's large start past the hold, holding a GPU for
+each would stop every other start (nothing fits a GPU kept for another) and the machine would
+drain while small starts waited; the first in line hold, the rest wait for their turn to.
 """
 
 from __future__ import annotations
@@ -89,6 +94,11 @@ def fair_order(
 ) -> list[Entry]:
     """``entries`` in the order they get capacity. ``held``: per user, the compute (in GPUs)
     and memory (bytes) they hold now; ``gpus`` and ``total_memory``: the machine's."""
+    per_gpu_memory = total_memory / gpus if gpus > 0 else 0.0
+
+    def memory_of(e: Entry) -> float:
+        return float(e.total_memory) if e.memory else e.compute * per_gpu_memory
+
     per_user: dict[str, list[Entry]] = {}
     for e in sorted(entries, key=lambda e: (e.since, e.id)):
         per_user.setdefault(e.user, []).append(e)
@@ -107,7 +117,7 @@ def fair_order(
         if not per_user[user]:
             del per_user[user]
         compute[user] += head.compute
-        memory[user] += head.total_memory
+        memory[user] += memory_of(head)
         out.append(head)
     return out
 
@@ -129,9 +139,14 @@ class Pass:
     def missed(self, entry: Entry, emptiest: Sequence[str]) -> None:
         """``entry`` was tried and did not fit; ``emptiest``: the GPUs it could use, the one
         with most room first. One start per user holds GPUs, so nobody drains the machine for
-        themselves by queueing many large starts."""
+        themselves by queueing many large starts; and the holds keep at most half of the GPUs
+        it could use (at least one), so the rest stay in use for the starts that fit."""
         if self.now - entry.since < self.hold_s or entry.user in self.holders:
             return
+        need = max(1, entry.count)
+        kept = sum(1 for g in emptiest if g in self.held)
+        if kept and kept + need > max(1, len(emptiest) // 2):
+            return  # enough is kept for those ahead of it: its turn to hold comes later
         free = [g for g in emptiest if g not in self.held]
-        self.held.update(free[: max(1, entry.count)])
+        self.held.update(free[:need])
         self.holders.add(entry.user)

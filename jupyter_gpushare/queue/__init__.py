@@ -18,7 +18,7 @@ The agent's shell (durable entries next to the ledger, starting entries when cap
 
 from __future__ import annotations
 
-from .eta import Deadline, Eta, Release, estimate, in_the_way
+from .eta import Deadline, Eta, Release, estimate
 from .order import Entry, Pass, QueuePolicy, dominant_share, fair_order
 from .words import describe, ordinal
 
@@ -33,6 +33,5 @@ __all__ = [
     "dominant_share",
     "estimate",
     "fair_order",
-    "in_the_way",
     "ordinal",
 ]

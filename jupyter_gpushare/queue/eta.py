@@ -11,10 +11,8 @@ What frees capacity of a GPU type, and what the estimate may rest on:
   mean size: ``k`` of them free enough, so the wait is Erlang(k, rate). The range shown runs
   from the :data:`LOW_QUANTILE` of the wait for room for this start alone (it may pass starts
   ahead of it that do not fit yet) to the :data:`HIGH_QUANTILE` of the wait for room for it and
-  the starts ahead that it cannot pass (:func:`in_the_way`: those no larger than it, and those
-  that waited past the hold and keep GPUs for themselves; a larger young start ahead of it does
-  not fit where it does not, so it goes by), each widened by :data:`SPREAD`, and is capped by the
-  deadline bound where one applies.
+  every start ahead, each widened by :data:`SPREAD`, and is capped by the deadline bound where
+  one applies.
 
 With neither, there is no estimate: :class:`Eta` says so (``lo`` and ``hi`` None) and why, and
 nothing shows a range. The honesty of the ranges shown (the share of starts that began inside
@@ -27,8 +25,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-
-from .order import Entry
 
 #: releases needed in the window before a rate is used
 MIN_RELEASES = 3
@@ -97,15 +93,6 @@ class Eta:
         }
 
 
-def in_the_way(request: float, ahead: Sequence[Entry], now: float, hold_s: float) -> float:
-    """The compute (in GPUs) of the starts in ``ahead`` that a start of ``request`` per GPU
-    waits for: each no larger than it (it fits wherever they do, and they go first), and each
-    that has waited ``hold_s`` or more (it keeps GPUs for itself, :class:`.order.Pass`). A
-    larger start younger than the hold does not fit on a GPU with room for this one only, so
-    this one passes it there (backfill)."""
-    return sum(e.compute for e in ahead if e.request <= request + 1e-9 or now - e.since >= hold_s)
-
-
 def erlang_quantile(k: int, q: float) -> float:
     """The ``q`` quantile of the sum of ``k`` exponential waits of rate 1 (bisection on the
     Erlang CDF, in logs: stable for large ``k``)."""
@@ -142,16 +129,13 @@ def estimate(
     window_s: float = 1800.0,
     ahead: float = 0.0,
     free: Mapping[str, float] | None = None,
-    blocking: float | None = None,
 ) -> Eta:
     """When a start of ``request`` (per GPU) on ``gpu_type`` can expect to begin, seen at wall
-    time ``now``, behind starts that take ``ahead`` of that type first, of which ``blocking``
-    (default: all) are starts it cannot pass (:func:`in_the_way`); ``free``: each GPU's free
-    compute now (per GPU of the type)."""
+    time ``now``, behind starts that take ``ahead`` of that type first; ``free``: each GPU's
+    free compute now (per GPU of the type)."""
     kind = gpu_type.lower()
     free = dict(free or {})
-    waits_for = ahead if blocking is None else blocking
-    need = max(request + waits_for - max(free.values(), default=0.0), 0.01)
+    need = max(request + ahead - max(free.values(), default=0.0), 0.01)
     basis: list[str] = []
     # the deadline bound: the first time one GPU has room for this start and all ahead of it
     # (as if they all went there: an upper bound while the idle shares stay idle)

@@ -13,10 +13,7 @@ comes first (a higher priority always goes ahead: a course over ad-hoc use), arr
 Backfill: a start further down may begin while one ahead of it does not fit (a smaller share
 fits where a larger does not); once the one ahead has waited ``hold_s`` it holds the GPUs it
 waits for (:class:`Pass`): later starts go elsewhere, so a large share is not starved by a
-stream of small ones, and the other GPUs stay in use. Holds keep at most half of the GPUs a
-start could use (at least one): with every user's large start past the hold, holding a GPU for
-each would stop every other start (nothing fits a GPU kept for another) and the machine would
-drain while small starts waited; the first in line hold, the rest wait for their turn to.
+stream of small ones, and the other GPUs stay in use.
 """
 
 from __future__ import annotations
@@ -139,14 +136,9 @@ class Pass:
     def missed(self, entry: Entry, emptiest: Sequence[str]) -> None:
         """``entry`` was tried and did not fit; ``emptiest``: the GPUs it could use, the one
         with most room first. One start per user holds GPUs, so nobody drains the machine for
-        themselves by queueing many large starts; and the holds keep at most half of the GPUs
-        it could use (at least one), so the rest stay in use for the starts that fit."""
+        themselves by queueing many large starts."""
         if self.now - entry.since < self.hold_s or entry.user in self.holders:
             return
-        need = max(1, entry.count)
-        kept = sum(1 for g in emptiest if g in self.held)
-        if kept and kept + need > max(1, len(emptiest) // 2):
-            return  # enough is kept for those ahead of it: its turn to hold comes later
         free = [g for g in emptiest if g not in self.held]
-        self.held.update(free[:need])
+        self.held.update(free[: max(1, entry.count)])
         self.holders.add(entry.user)

@@ -188,6 +188,8 @@ async def _status_reader(
     reports), so ``--watch`` repeats only those reads."""
     if namespace:  # the cluster's ledger; its reconcilers run in the cluster
         # lazy on purpose: only --kubernetes-namespace needs the Kubernetes client
+        from .controller.errors import ControllerError
+        from .controller.queue import waiting_status
         from .k8s.ledger import cluster_ledger
         from .k8s.usage import KubernetesUsage, UsageReader
 
@@ -195,7 +197,14 @@ async def _status_reader(
             reports = KubernetesUsage(UsageReader(cluster.kube, namespace))
 
             async def read_cluster() -> dict[str, Any]:
-                status = _status_of(await cluster.gpus(), await cluster.list())
+                gpus, allocations = await cluster.gpus(), await cluster.list()
+                status = _status_of(gpus, allocations)
+                try:  # the controller's queue (the GpuQueue object), in its order
+                    status["queue"] = await waiting_status(
+                        cluster.kube, namespace, allocations, gpus
+                    )
+                except ControllerError as exc:  # no CRD, or no right to read it
+                    status["queue_message"] = exc.message
                 return _with_view(status, await reports.read(fresh=True))
 
             yield read_cluster
@@ -269,8 +278,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _queue_table(entries: Sequence[dict[str, Any]]) -> Any:
-    """The starts waiting in the node agent's queue, in order: who (where the viewer may see
-    it), what, since when, position and ETA in words."""
+    """The starts waiting in the node agent's queue or the controller's (the GpuQueue), in
+    order: who (where the viewer may see it), what, since when, position and ETA in words."""
     from rich.table import Table
 
     table = Table(title="Waiting starts (queue)", title_justify="left")

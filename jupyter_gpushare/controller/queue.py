@@ -39,7 +39,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -56,7 +56,18 @@ from ..k8s.client import GROUP, VERSION, ApiException, Kube
 from ..ledger import Allocation, LedgerConflict
 from ..placement import allocate
 from ..placement.engine import PlacementRefused, place
-from ..queue import Deadline, Entry, Eta, Pass, QueuePolicy, Release, describe, estimate, fair_order
+from ..queue import (
+    Deadline,
+    Entry,
+    Eta,
+    Pass,
+    QueuePolicy,
+    Release,
+    describe,
+    estimate,
+    fair_order,
+)
+from ..queue.figures import QueueMetrics
 from ..share import ShareError, ShareSpec
 from .auth import HubUser
 from .errors import ControllerError, bad_request
@@ -249,17 +260,104 @@ class QueueStore:
         return str(obj["metadata"]["resourceVersion"])
 
 
-@dataclass
-class QueueFigures:
-    started: int = 0
-    cancelled: int = 0
-    dropped: int = 0
-    failed: int = 0
-    eta_shown: int = 0
-    eta_inside: int = 0
-    waits: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
-    #: seconds from the wake-up (a ledger change) to the entry's start being recorded
-    reactions: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+def ordered(
+    waiting: Sequence[QueuedStart], allocations: Sequence[Allocation], gpus: Sequence[Gpu]
+) -> list[Entry]:
+    """``waiting`` in the fair order, by what each user holds in ``allocations``."""
+    held: dict[str, tuple[float, float]] = {}
+    for a in allocations:
+        c, m = held.get(a.user, (0.0, 0.0))
+        held[a.user] = (c + a.request * a.spec.gpu_count, m + a.memory * a.spec.gpu_count)
+    return fair_order(
+        [r.entry() for r in waiting],
+        held,
+        float(len(gpus)),
+        float(sum(g.memory for g in gpus)),
+    )
+
+
+def typed(spec: ShareSpec, gpus: Sequence[Gpu]) -> ShareSpec:
+    """``spec`` with its type named where it takes any and the cluster has one type."""
+    if spec.gpu_type is not None:
+        return spec
+    types = {g.type for g in gpus}
+    return replace(spec, gpu_type=types.pop()) if len(types) == 1 else spec
+
+
+def eta_of(
+    r: QueuedStart,
+    ahead: Sequence[Entry],
+    allocations: Sequence[Allocation],
+    gpus: Sequence[Gpu],
+    releases: Sequence[Release],
+    policy: QueuePolicy,
+) -> Eta:
+    """``r``'s estimate behind ``ahead``: the reclaim deadlines of ``allocations`` and the
+    ``releases`` seen (none: the deadline bound only, where one applies)."""
+    spec = typed(r.spec, gpus)
+    kind = (spec.gpu_type or "GPU").lower()
+    mine = [g for g in gpus if kind == "gpu" or g.type.lower() == kind]
+    used: dict[str, float] = {g.uuid: 0.0 for g in mine}
+    deadlines: list[Deadline] = []
+    for a in allocations:
+        for u in a.gpus:
+            if u in used:
+                used[u] += a.request
+        warning = a.extra.get("reclaim_warning")
+        if isinstance(warning, dict):
+            with contextlib.suppress(TypeError, ValueError):
+                at = float(warning.get("release_at", 0))
+                deadlines.extend(
+                    Deadline(at, a.request, str(a.spec.gpu_type or "GPU"), u)
+                    for u in a.gpus
+                    if u in used
+                )
+    same = [e for e in ahead if e.kind in (kind, "*") or kind == "gpu"]
+    now = time.time()
+    return estimate(
+        spec.gpu_request,
+        str(spec.gpu_type or "GPU"),
+        now,
+        [x for x in releases if kind == "gpu" or x.gpu_type.lower() == kind],
+        deadlines,
+        window_s=policy.eta_window_s,
+        ahead=sum(e.request for e in same),
+        free={u: max(0.0, 1.0 - v) for u, v in used.items()},
+    )
+
+
+async def waiting_status(
+    kube: Kube, namespace: str, allocations: Sequence[Allocation], gpus: Sequence[Gpu]
+) -> list[dict[str, Any]]:
+    """The starts waiting in the GpuQueue, in the fair order, as an admin reads them from the
+    cluster (``jupyter gpushare status``): who, what, since, position and an ETA in words. The
+    ETA rests on what the cluster shows: reclaim deadlines (the controller's answer to the
+    user also counts the release rate it observed, which lives only in the controller)."""
+    _version, entries = await QueueStore(kube, namespace).read()
+    waiting = [r for r in entries if r.state == WAITING]
+    order = ordered(waiting, allocations, gpus)
+    by_id = {r.id: r for r in waiting}
+    out = []
+    for position, e in enumerate(order, 1):
+        r = by_id[e.id]
+        eta = eta_of(r, order[: position - 1], allocations, gpus, [], QueuePolicy())
+        out.append(
+            {
+                "id": r.id,
+                "state": r.state,
+                "user": r.user,
+                "kernel_id": r.kernel_id,
+                "server_id": r.server_id,
+                "share": r.share,
+                "since": r.since,
+                "waited_s": round(time.time() - r.since, 1),
+                "position": position,
+                "eta": eta.to_json(),
+                "first_eta": r.first_eta,
+                "message": describe(position, typed(r.spec, gpus).describe(), eta),
+            }
+        )
+    return out
 
 
 class ControllerQueue:
@@ -280,7 +378,7 @@ class ControllerQueue:
         self.records: dict[str, QueuedStart] = {}
         self.version: str | None = None
         self.releases: deque[Release] = deque(maxlen=HISTORY)
-        self.figures_ = QueueFigures()
+        self.figures_ = QueueMetrics()
         self._changed: dict[str, asyncio.Event] = {}
         self._commit_lock = asyncio.Lock()
         self._pass_lock = asyncio.Lock()
@@ -535,17 +633,9 @@ class ControllerQueue:
         r = self.records[entry_id]
         if r.by != self.identity or r.ended != now:
             return True  # recorded by another replica: its figures
-        m = self.figures_
-        m.started += 1
-        m.waits.append(now - r.since)
         if kicked is not None:
-            m.reactions.append(time.monotonic() - kicked)
-        first = r.first_eta
-        if first and first.get("hi_s") is not None:
-            m.eta_shown += 1
-            shown = Eta(float(first["computed_at"]), first.get("lo_s"), first["hi_s"], ())
-            if shown.contains(now - shown.now):
-                m.eta_inside += 1
+            self.figures_.reactions.append(time.monotonic() - kicked)
+        self.figures_.started_after(now - r.since, r.first_eta, now)
         log.info(
             "gpushare controller: queue: started %s of %s (kernel %s) after %.1f s: %s on %s",
             entry_id,
@@ -572,23 +662,10 @@ class ControllerQueue:
     # -- order, position, ETA ---------------------------------------------------------------
 
     def _ordered(self, allocations: Sequence[Allocation], gpus: Sequence[Gpu]) -> list[Entry]:
-        held: dict[str, tuple[float, float]] = {}
-        for a in allocations:
-            c, m = held.get(a.user, (0.0, 0.0))
-            held[a.user] = (c + a.request * a.spec.gpu_count, m + a.memory * a.spec.gpu_count)
-        return fair_order(
-            [r.entry() for r in self.waiting()],
-            held,
-            float(len(gpus)),
-            float(sum(g.memory for g in gpus)),
-        )
+        return ordered(self.waiting(), allocations, gpus)
 
     def _typed(self, spec: ShareSpec, gpus: Sequence[Gpu]) -> ShareSpec:
-        """``spec`` with its type named where it takes any and the cluster has one type."""
-        if spec.gpu_type is not None:
-            return spec
-        types = {g.type for g in gpus}
-        return replace(spec, gpu_type=types.pop()) if len(types) == 1 else spec
+        return typed(spec, gpus)
 
     def eta(
         self,
@@ -597,35 +674,7 @@ class ControllerQueue:
         allocations: Sequence[Allocation],
         gpus: Sequence[Gpu],
     ) -> Eta:
-        spec = self._typed(r.spec, gpus)
-        kind = (spec.gpu_type or "GPU").lower()
-        mine = [g for g in gpus if kind == "gpu" or g.type.lower() == kind]
-        used: dict[str, float] = {g.uuid: 0.0 for g in mine}
-        deadlines: list[Deadline] = []
-        for a in allocations:
-            for u in a.gpus:
-                if u in used:
-                    used[u] += a.request
-            warning = a.extra.get("reclaim_warning")
-            if isinstance(warning, dict):
-                with contextlib.suppress(TypeError, ValueError):
-                    at = float(warning.get("release_at", 0))
-                    deadlines.extend(
-                        Deadline(at, a.request, str(a.spec.gpu_type or "GPU"), u)
-                        for u in a.gpus
-                        if u in used
-                    )
-        same = [e for e in ahead if e.kind in (kind, "*") or kind == "gpu"]
-        return estimate(
-            spec.gpu_request,
-            str(spec.gpu_type or "GPU"),
-            time.time(),
-            [x for x in self.releases if kind == "gpu" or x.gpu_type.lower() == kind],
-            deadlines,
-            window_s=self.policy.eta_window_s,
-            ahead=sum(e.request for e in same),
-            free={u: max(0.0, 1.0 - v) for u, v in used.items()},
-        )
+        return eta_of(r, ahead, allocations, gpus, list(self.releases), self.policy)
 
     async def view(
         self, r: QueuedStart, who: HubUser | None, order: list[Entry] | None = None
@@ -670,18 +719,9 @@ class ControllerQueue:
         return out
 
     def figures(self) -> dict[str, Any]:
-        m = self.figures_
-        return {
-            "waiting": len(self.waiting()),
-            "started": m.started,
-            "cancelled": m.cancelled,
-            "dropped": m.dropped,
-            "failed": m.failed,
-            "eta_shown": m.eta_shown,
-            "eta_inside": m.eta_inside,
-            "waits_s": list(m.waits)[-256:],
-            "reactions_s": list(m.reactions)[-256:],
-        }
+        """The queue's figures (:meth:`.QueueMetrics.to_json`): the ``metrics`` of
+        ``GET /api/queue`` and what ``/metrics`` exports."""
+        return self.figures_.to_json(len(self.waiting()))
 
     # -- what users ask ---------------------------------------------------------------------
 

@@ -12,6 +12,12 @@ GET      /api/queue/{id}?wait=S              one entry; with ``wait`` (≤ 20 s)
                                              changes state (started: with ``allocation``)
 DELETE   /api/queue/{id}                     cancel (``cancelled``; or ``started`` with its
                                              allocation when the start won)
+GET      /metrics                            Prometheus text: the queue's series of the
+                                             node agent (``gpushare_queue_*``, the
+                                             definitions of ``daemon/metrics.py``),
+                                             ``Hostname`` the replica; counts only, no
+                                             user's name: no token needed (a replica
+                                             that does not lead: no series)
 =======  ==================================  ==============================================
 
 An entry's view: ``{id, state, share, since, waited_s, position, eta: {computed_at, lo_s,
@@ -22,8 +28,12 @@ user's server answers ``GET /gpushare/api/queue`` the same either way.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from ..daemon.metrics import queue_families
 from .api import Handler, State
 from .errors import ControllerError, bad_request
 
@@ -59,11 +69,40 @@ class QueueEntryHandler(QueueHandler):
         self.reply({"entry": await self.queue.cancel(self.user, entry_id)})
 
 
+class _QueueCollector:
+    """The leading replica's queue figures as the node agent's ``gpushare_queue_*`` series."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Any]:
+        queue = self.state.queue
+        if queue is not None:
+            yield from queue_families(queue.figures(), self.state.identity)
+
+
+def metrics_text(state: State) -> bytes:
+    """The Prometheus exposition of the controller's queue (empty where it has none)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_QueueCollector(state))
+    return bytes(generate_latest(registry))
+
+
+class MetricsHandler(Handler):
+    async def prepare(self) -> None:  # counts only: no token, on any replica
+        return None
+
+    async def get(self) -> None:
+        self.set_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.finish(metrics_text(self.state))
+
+
 def queue_routes(state: State) -> list[tuple[str, type[Handler], dict[str, Any]]]:
     return [
         (r"/api/queue", QueueHandler, {"state": state}),
         (r"/api/queue/(q-[0-9a-f]{16})", QueueEntryHandler, {"state": state}),
+        (r"/metrics", MetricsHandler, {"state": state}),
     ]
 
 
-__all__ = ["QueueEntryHandler", "QueueHandler", "queue_routes"]
+__all__ = ["MetricsHandler", "QueueEntryHandler", "QueueHandler", "metrics_text", "queue_routes"]

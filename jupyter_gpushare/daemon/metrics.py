@@ -192,10 +192,13 @@ class DaemonCollector(Collector):
         yield from (*per_allocation, *per_gpu, clients, refused, unshared)
         queue = status.get("queue")
         if queue is not None:
-            yield from _queue_families(queue, host)
+            yield from queue_families(queue, host)
 
 
-def _queue_families(queue: dict[str, Any], host: str) -> Iterator[Any]:
+def queue_families(queue: dict[str, Any], host: str) -> Iterator[Any]:
+    """The queue's series (``QUEUE_METRICS``, ``QUEUE_HISTOGRAMS``) from its figures
+    (:meth:`..queue.figures.QueueMetrics.to_json`), labelled ``Hostname`` ``host``: the node
+    agent's here, the controller's on its ``/metrics``."""
     for kind, name, help_text, key in QUEUE_METRICS:
         family = _family(kind, name, help_text, ["Hostname"])
         family.add_metric([host], queue.get(key, 0))

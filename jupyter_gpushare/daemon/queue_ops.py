@@ -42,7 +42,7 @@ import uuid
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +53,18 @@ from ..inventory import Gpu
 from ..ledger import LedgerUnavailable, Snapshot
 from ..placement.engine import PlacementRefused, place
 from ..placement.policy import Policy
-from ..queue import Deadline, Entry, Eta, Pass, QueuePolicy, Release, describe, estimate, fair_order
+from ..queue import (
+    Deadline,
+    Entry,
+    Eta,
+    Pass,
+    QueuePolicy,
+    Release,
+    describe,
+    estimate,
+    fair_order,
+)
+from ..queue.figures import QueueMetrics
 from ..share import ShareError, ShareSpec
 from . import wire
 from .intents import parse_reserve, place_and_record, policy_for, write, writer_of
@@ -83,8 +94,6 @@ ENTRY_KEY = "queue_entry"
 HISTORY = 2048
 #: finished entries kept (to answer a late ``wait``/``cancel``)
 FINISHED_KEPT = 1024
-#: the wait and ETA-error histograms' buckets (s)
-BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, float("inf"))
 
 WAITING, STARTED, CANCELLED, DROPPED, FAILED = (
     "waiting",
@@ -175,33 +184,6 @@ class QueueStore:
             )
             db.executemany("DELETE FROM queue WHERE id=?", [(i,) for i in gone])
             db.execute("COMMIT")
-
-
-@dataclass
-class QueueMetrics:
-    started: int = 0
-    cancelled: int = 0
-    dropped: int = 0
-    failed: int = 0
-    #: seconds waited by started entries (the histogram's observations, bounded)
-    waits: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
-    #: started entries that were shown a range, and those that began inside it
-    eta_shown: int = 0
-    eta_inside: int = 0
-    #: |start - nearest end of the first range| in seconds, for those outside it
-    eta_errors: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
-    #: seconds from the write that freed capacity to the start (release -> start)
-    reactions: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
-    #: cumulative histograms for Prometheus: bucket upper bound -> count, and the sums
-    wait_buckets: dict[float, int] = field(default_factory=lambda: dict.fromkeys(BUCKETS, 0))
-    wait_sum: float = 0.0
-    error_buckets: dict[float, int] = field(default_factory=lambda: dict.fromkeys(BUCKETS, 0))
-    error_sum: float = 0.0
-
-    def observe(self, buckets: dict[float, int], value: float) -> None:
-        for bound in buckets:
-            if value <= bound:
-                buckets[bound] += 1
 
 
 class AgentQueue:
@@ -389,28 +371,9 @@ class AgentQueue:
             return {"ok": False, "error": "refused", "message": str(exc)}
 
     def _started(self, entry: QueueEntry, now: float, kicked: float | None) -> None:
-        waited = now - entry.since
-        m = self.metrics
-        m.started += 1
-        m.waits.append(waited)
-        m.observe(m.wait_buckets, waited)
-        m.wait_sum += waited
         if kicked is not None:
-            m.reactions.append(time.monotonic() - kicked)
-        first = entry.first_eta
-        if first is not None and first.get("hi_s") is not None:
-            m.eta_shown += 1
-            shown_at = float(first["computed_at"])
-            eta = Eta(shown_at, first.get("lo_s"), first["hi_s"], ())
-            at = now - shown_at
-            if eta.contains(at):
-                m.eta_inside += 1
-            else:
-                lo = float(first.get("lo_s") or 0.0)
-                error = lo - at if at < lo else at - float(first["hi_s"])
-                m.eta_errors.append(error)
-                m.observe(m.error_buckets, error)
-                m.error_sum += error
+            self.metrics.reactions.append(time.monotonic() - kicked)
+        self.metrics.started_after(now - entry.since, entry.first_eta, now)
         self._finish(entry, STARTED)
 
     # -- order, position, ETA ---------------------------------------------------------------
@@ -504,10 +467,11 @@ class AgentQueue:
                         if u in used
                     )
         same = [e for e in ahead if e.kind in (kind, "*") or kind == "gpu"]
+        now = time.time()
         return estimate(
             spec.gpu_request,
             str(spec.gpu_type or "GPU"),
-            time.time(),
+            now,
             [r for r in self.releases if kind == "gpu" or r.gpu_type.lower() == kind],
             deadlines,
             window_s=self.policy.eta_window_s,
@@ -644,23 +608,7 @@ class AgentQueue:
         }
 
     def figures(self) -> dict[str, Any]:
-        m = self.metrics
-        return {
-            "waiting": len(self.entries),
-            "started": m.started,
-            "cancelled": m.cancelled,
-            "dropped": m.dropped,
-            "failed": m.failed,
-            "eta_shown": m.eta_shown,
-            "eta_inside": m.eta_inside,
-            "waits_s": list(m.waits)[-256:],
-            "eta_errors_s": list(m.eta_errors)[-256:],
-            "reactions_s": list(m.reactions)[-256:],
-            "wait_buckets": [[b, n] for b, n in m.wait_buckets.items()],
-            "wait_sum_s": m.wait_sum,
-            "eta_error_buckets": [[b, n] for b, n in m.error_buckets.items()],
-            "eta_error_sum_s": m.error_sum,
-        }
+        return self.metrics.to_json(len(self.entries))
 
 
 def _share_json(spec: ShareSpec) -> dict[str, Any]:

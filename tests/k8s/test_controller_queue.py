@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -28,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 from cluster import NAMESPACE, ControlPlane, free_port
+from prometheus_client.parser import text_string_to_metric_families
 from servers import spawn, stop_process
 from test_controller import (  # noqa: F401 - hub: the module's JupyterHub fixture
     STUDENT_BOUND,
@@ -654,6 +658,126 @@ async def test_a_wait_that_ends_unstarted_is_refused_with_the_queues_reason(
         finally:
             await a_client.request("DELETE", f"/api/queue/{a_entry['id']}")
             await a_client.request("DELETE", f"/api/allocations/{full['id']}")
+
+
+def queue_series(url: str) -> dict[str, list[Any]]:
+    """``/metrics`` of one replica (no token): the ``gpushare_queue_*`` samples by name."""
+    reply = requests.get(url + "/metrics", timeout=10)
+    assert reply.status_code == 200, reply.text
+    out: dict[str, list[Any]] = {}
+    for family in text_string_to_metric_families(reply.text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def value(series: dict[str, list[Any]], name: str, **labels: str) -> float:
+    found = [s.value for s in series.get(name, []) if labels.items() <= s.labels.items()]
+    assert len(found) == 1, (name, labels, series.get(name))
+    return float(found[0])
+
+
+async def test_admins_see_the_queue_in_metrics_and_status(
+    queue_controllers: list[Controller],
+    control_plane: ControlPlane,
+    hub: Any,  # noqa: F811 - the imported fixture
+) -> None:
+    """No pod. With the T4 full of alice's share, alice's start waits, then bob's. The leading
+    replica's ``/metrics`` (no token) has the node agent's series: gpushare_queue_length 2 with
+    its identity as Hostname, cancelled and started counters, the wait histogram; the standby
+    exports none. ``jupyter gpushare status --kubernetes-namespace`` (an admin's kubeconfig)
+    lists the waiting starts in the fair order (bob 1st: he holds nothing) with who, what,
+    since and where in line; ``--json`` the same as ``queue``. Bob cancels: cancelled + 1;
+    alice's share released: hers starts by itself, started + 1 and one more wait observed."""
+    replicas = queue_controllers
+    alice, bob, carol = (hub.tokens[u] for u in ("alice", "bob", "carol"))
+    await asyncio.to_thread(clear, replicas, carol)
+    urls = [c.url for c in replicas]
+    head = leader(replicas)
+    standby = next(c for c in replicas if c is not head)
+    a_server, b_server = "srv-" + uuid.uuid4().hex[:8], "srv-" + uuid.uuid4().hex[:8]
+    a_client = ControllerClient(urls, alice, retry_for=30)
+    b_client = ControllerClient(urls, bob, retry_for=30)
+    identity = (await a_client.request("GET", "/api/health"))["identity"]
+    before = await asyncio.to_thread(queue_series, head.url)
+    async with heartbeats(a_client, a_server), heartbeats(b_client, b_server):
+        full = await a_client.request(
+            "POST",
+            "/api/allocations",
+            {
+                "kernel_id": kernel_name(),
+                "server_id": a_server,
+                "share": {"gpu_request": 1.0, "gpu_type": "T4"},
+            },
+        )
+        a_body = {"kernel_id": kernel_name(), "server_id": a_server, "share": T4}
+        a_entry = (await a_client.request("POST", "/api/queue", a_body))["entry"]
+        b_body = {"kernel_id": kernel_name(), "server_id": b_server, "share": T4}
+        b_entry = (await b_client.request("POST", "/api/queue", b_body))["entry"]
+        released = False
+        try:
+            series = await asyncio.to_thread(queue_series, head.url)
+            assert value(series, "gpushare_queue_length", Hostname=identity) == 2
+            assert "gpushare_queue_length" not in await asyncio.to_thread(queue_series, standby.url)
+            status = [
+                *(sys.executable, "-m", "jupyter_gpushare", "status"),
+                *("--kubernetes-namespace", NAMESPACE),
+                *("--kubeconfig", str(control_plane.kubeconfig("admin"))),
+            ]
+            shown = await asyncio.to_thread(
+                subprocess.run, [*status, "--json"], capture_output=True, text=True, timeout=120
+            )
+            assert shown.returncode == 0, shown.stderr
+            queue = json.loads(shown.stdout)["queue"]
+            assert [(e["user"], e["position"], e["id"]) for e in queue] == [
+                ("bob", 1, b_entry["id"]),
+                ("alice", 2, a_entry["id"]),
+            ], queue
+            assert queue[0]["share"]["gpu_type"] == "T4" and queue[0]["since"] > 0
+            assert queue[0]["message"].startswith("1st in line for 0.25"), queue[0]
+            assert queue[1]["message"].startswith("2nd in line for 0.25"), queue[1]
+            table = await asyncio.to_thread(
+                subprocess.run,
+                status,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env={**os.environ, "COLUMNS": "200"},
+            )
+            assert table.returncode == 0, table.stderr
+            assert "Waiting starts (queue)" in table.stdout, table.stdout
+            assert re.search(r"1 .*bob .*0\.25 of T4 .*1st in line", table.stdout), table.stdout
+
+            await b_client.request("DELETE", f"/api/queue/{b_entry['id']}")
+            await a_client.request("DELETE", f"/api/allocations/{full['id']}")
+            released = True
+            deadline = time.monotonic() + 20
+            while True:
+                view = (await a_client.request("GET", f"/api/queue/{a_entry['id']}?wait=5"))[
+                    "entry"
+                ]
+                if view["state"] != "waiting" or time.monotonic() > deadline:
+                    break
+            assert view["state"] == "started", view
+            after = await asyncio.to_thread(queue_series, head.url)
+            for name, more in (
+                ("gpushare_queue_cancelled_total", 1),
+                ("gpushare_queue_started_total", 1),
+                ("gpushare_queue_wait_seconds_count", 1),
+            ):
+                was = value(before, name, Hostname=identity) if name in before else 0.0
+                assert value(after, name, Hostname=identity) == was + more, name
+            assert value(after, "gpushare_queue_length", Hostname=identity) == 0
+            inf = value(after, "gpushare_queue_wait_seconds_bucket", le="+Inf")
+            assert inf == value(after, "gpushare_queue_wait_seconds_count")
+            assert "gpushare_queue_eta_error_seconds_count" in after
+        finally:
+            for entry in (a_entry, b_entry):
+                with contextlib.suppress(Exception):
+                    await a_client.request("DELETE", f"/api/queue/{entry['id']}")
+            if not released:
+                await a_client.request("DELETE", f"/api/allocations/{full['id']}")
+            await asyncio.to_thread(clear, replicas, carol)
 
 
 def test_the_charts_queue_values_are_what_the_controller_reads(tmp_path: Path) -> None:

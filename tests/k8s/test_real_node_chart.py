@@ -457,9 +457,13 @@ def test_the_node_agent_and_the_kubelet_restart_under_running_kernels(
                 + chart.node.pod_logs(NS, pod.metadata.name, "daemon")[-5000:]
             ) from None
         assert after["allocations"][0]["memory_used"] == 256 * MIB
-        pod = chart.daemon_pod()
-        daemon_status = next(c for c in pod.status.container_statuses if c.name == "daemon")
-        assert daemon_status.restart_count == restarts["daemon"] + 1
+
+        def restarted_once() -> bool:  # the kubelet reports the restart at its next status sync
+            pod = chart.daemon_pod()
+            daemon = next(c for c in pod.status.container_statuses if c.name == "daemon")
+            return bool(daemon.restart_count == restarts["daemon"] + 1)
+
+        wait(restarted_once, 30, "the kubelet to report one restart of the daemon container")
         probe = json.loads(run_cell(server, kernel, CUDA_PROBE).strip().splitlines()[-1])
         assert probe["big"] == 2  # still capped
 

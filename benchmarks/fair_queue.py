@@ -19,7 +19,8 @@ counts its whole wait), gave up, fairness (Jain's index over users' mean wait pe
 asked), GPU allocation (time-average of the requests held over the machine's compute, over the
 busy part of the day), starts lost (asked, neither started nor given up) or doubled (one entry,
 two shares); for the queue also the ETA's honesty (starts that began inside the first range they
-were shown, of those shown one; target >= 90 %) and the release -> start latency (the agent's,
+were shown, of those shown one; target >= 90 %), its width (the median of the first range's high
+end over the wait that followed) and the release -> start latency (the agent's,
 from the ledger write that woke its queue to the start, real seconds; target p99 <= 1 s).
 
 Run (root): ``python benchmarks/fair_queue.py`` (~2 min; ``--hours``, ``--hour-s``, ``--users``,
@@ -411,6 +412,14 @@ def main() -> int:
             row["eta_early"] = judged.count("early")
             row["eta_late"] = judged.count("late")
             row["no_eta_shown"] = sum(1 for r in done if r["queued"] and "eta" not in r)
+            # how wide the ranges are: the high end over the wait it turned out to be (a wait
+            # under the slack counts as the slack)
+            widths = [
+                r["eta_range_min"][1] / max(r["eta_at_min"], opts.eta_slack_min)
+                for r in done
+                if "eta" in r
+            ]
+            row["eta_hi_over_wait_p50"] = round(statistics.median(widths), 2) if widths else None
             row["agent_eta_inside"] = queue_figures["eta_inside"]
             row["agent_eta_shown"] = queue_figures["eta_shown"]
             row["queued"] = sum(r["queued"] for r in done)

@@ -275,7 +275,14 @@ class NotFoundHandler(Handler):
         raise ControllerError(404, "not_found", f"no such endpoint: {self.request.path}")
 
 
-def make_app(state: State, **settings: Any) -> Application:
+def make_app(
+    state: State,
+    extra_routes: list[tuple[str, type[Handler], dict[str, Any]]] | None = None,
+    **settings: Any,
+) -> Application:
+    """The controller's HTTP application: this module's routes, then ``extra_routes`` (the
+    queue's, :func:`.queue_api.queue_routes`, added by the caller so that neither module imports
+    the other's routes)."""
     ident = r"([A-Za-z0-9][-A-Za-z0-9_]{0,79})"
     routes: list[tuple[str, type[Handler], dict[str, Any]]] = [
         (r"/api/health", HealthHandler, {"state": state}),
@@ -292,9 +299,7 @@ def make_app(state: State, **settings: Any) -> Application:
             {"state": state},
         ),
     ]
-    from .queue_api import queue_routes  # its handlers are this module's Handler's
-
-    routes += queue_routes(state)
+    routes += extra_routes or []
     default: Callable[..., Any] = NotFoundHandler
     return Application(
         routes, default_handler_class=default, default_handler_args={"state": state}, **settings

@@ -34,6 +34,7 @@ from .kernels import KernelService
 from .leader import LeaderElection
 from .network import KernelNetwork, NetworkSettings
 from .queue import ControllerQueue, ControllerQueueSettings
+from .queue_api import queue_routes
 from .servers import ServerLeases
 from .usage import NodeAuth
 
@@ -176,7 +177,7 @@ class ControllerApp(Application):
 
         leader.on_started = started
         leader.on_lost = lost
-        server = HTTPServer(make_app(state), max_body_size=MAX_BODY)
+        server = HTTPServer(make_app(state, queue_routes(state)), max_body_size=MAX_BODY)
         server.listen(settings.port, settings.ip)
         log.info(
             "gpushare controller %s listening on %s:%s (namespace %s, hub %s)",

@@ -1,12 +1,12 @@
 /* gpushare_wire.h - the C side of the daemon <-> interposer wire format: control version 4
  * (an agent serves 3 and 4; an interposer falls back to 3 with an older agent), shared-memory
- * layout 3 (wire.py, "Versions and upgrades").
+ * layout 3 (docs/develop/wire.md, "Versions and upgrades").
  *
- * The authoritative description is the docstring of jupyter_gpushare/daemon/wire.py; this header
- * reproduces its shared-memory layout field by field (tests/enforcement/test_wire.py compares the
- * offsets). Control messages on the unix socket are newline-delimited JSON (see wire.py).
+ * The specification is docs/develop/wire.md, and jupyter_gpushare/daemon/wire.py its Python side;
+ * this header reproduces its shared-memory layout field by field (tests/enforcement/test_wire.py
+ * compares the offsets). Control messages on the unix socket are newline-delimited JSON.
  *
- * Three mappings share the layout of struct gpushare_wire_slot (wire.py, "Hot state"): per GPU
+ * Three mappings share the layout of struct gpushare_wire_slot (wire.md, "Shared memory"): per GPU
  * the lease board (a 256-byte header, then GPUSHARE_WIRE_SLOTS slots of 256 bytes, one per
  * (allocation, GPU); read-write for the GPU's tenants: lease fields only) and the policy (same
  * size; read-only for clients: state, generation, mem_cap, request/limit, runahead_ns,

@@ -1,85 +1,19 @@
 """The device plugin the node agent runs (``jupyter gpushare daemon --device-plugin``).
 
-Lifecycle, as the kubelet's device manager expects it:
+It speaks the kubelet's device plugin API so that the kube-scheduler counts shares and kernel pods
+get their GPU, the interposer and a socket of their own through the kubelet, with no hostPath or
+privilege: ``ListAndWatch`` advertises ``SHARE_UNITS_PER_GPU`` devices per GPU, ``Allocate``
+hands a container its environment and mounts, and ``PreStartContainer`` checks, before the
+container starts, that the pod holding the devices is the one ``Allocate`` served.
 
-1. serve ``DevicePlugin`` on ``<kubelet dir>/gpushare.sock`` and ``Register`` with the kubelet
-   on ``kubelet.sock`` (``--kubelet-socket``); register again when the kubelet restarts (it
-   removes the plugins' sockets then);
-2. ``ListAndWatch``: ``SHARE_UNITS_PER_GPU`` devices per GPU of this node (``<uuid>/<n>``),
-   Unhealthy for an unhealthy GPU; the kubelet sets the Node's capacity from it and the
-   kube-scheduler counts kernel pods' requests against it;
-3. ``Allocate``: the kubelet is admitting a container that asks ``n`` units. As HAMi does, the
-   pod is found through the API server: the kernel pod bound to this node first (by when it was
-   bound, :func:`bound_at`: the order the kubelet learns of pods and admits them), not yet
-   marked, that asks ``n`` units and carries its allocation label; it is marked
-   (``gpushare.jupyter.org/device-allocated``) and gets its GPU (``NVIDIA_VISIBLE_DEVICES``,
-   CDI devices on real GPUs), the interposer directory read-only, and a directory of its own in
-   which the agent listens on a socket for that pod alone (so a pod cannot reach another pod's
-   socket; the agent still checks every caller's pod by its cgroups);
-4. ``PreStartContainer`` (registered with ``pre_start_required`` when the kubelet's PodResources
-   socket, ``<root dir>/pod-resources/kubelet.sock``, is there: the DaemonSet mounts that
-   directory read-only): the kubelet is about to start a container it admitted, and names its
-   device IDs. The plugin asks PodResources ``List`` which pod holds them and refuses
-   (``FAILED_PRECONDITION``) unless it is the pod ``Allocate`` took them for (one its
-   allocation's record names); the kubelet then does not start the container: it waits in
-   ``CreateContainerConfigError`` with the plugin's message, the pod stays Pending, and the
-   kubelet asks again at each sync;
-5. the per-pod sockets are served again after an agent restart and removed once their pod is
-   gone.
+``Allocate`` names devices, not the pod, so the plugin infers the pod: the kernel pod of the
+kernel namespace bound first among those waiting, served only if its allocation's record names it
+(the labels and name a forger can copy decide nothing); the kubelet's PodResources then confirms
+or refutes the guess before the container starts.
 
-Trust: the kubelet's socket directory is root's; the pod list and the allocation come from the
-API server and the agent's ledger, never from the pod itself. A pod that copies a kernel's
-allocation label gets nothing: the ledger names the kernel's pod (``allocation_is_the_pods``:
-name, namespace and, once recorded, the UID the API server gave it), and ``Allocate`` serves the
-first-bound waiting pod only if it is its allocation's pod (the API does not say which pod it is
-for; the kubelet admits pods in the order they are bound to it), so the forged pod fails
-admission and the kernel's own pod is served next. Who can forge is narrowed first: only pods in
-the kernel namespace are candidates (the plugin lists that namespace alone, and
-:func:`pending_pods` checks it), where in controller mode only the controller creates pods
-(users' servers hold no Kubernetes token there); a forged pod in any other namespace is never
-taken for a kernel. Pods are
-ordered by when they were bound, not created: a pod created earlier and held back (a scheduling
-gate, an unsatisfiable selector) that copies a newer kernel's labels and is then bound after it
-would otherwise count as the older one. Binding times have one-second resolution; within one
-second the pod the ledger names comes first, then creation and UID - never the pod's name,
-which a forger picks (a forgery named to sort first, bound in the kernel pod's second, used to
-make the kernel's admission fail; tests/k8s/test_device_plugin.py plays it).
-
-The pod per container (``PreStartContainer``): ``Allocate`` names devices, not the pod, so it
-infers the pod. A forged pod in the kernel namespace (direct mode: anyone holding the servers'
-service account may create pods there) bound in the same second as a kernel pod *and* admitted
-first is taken for the kernel's pod, and its container is handed the kernel's environment. The
-kubelet records a container's device IDs right after ``Allocate`` returns, before the next
-admission (one pod at a time), and PodResources reports them from then on; so
-``PreStartContainer`` (after admission, before the container starts) learns the pod that holds
-them and refuses the forgery: its container never runs. Its wrong guess must not cost the kernel
-its admission, which may come before the forgery's ``PreStartContainer``: before each
-admission ``Allocate`` takes as admitted exactly the pods PodResources says hold devices (not
-the pods it marked: a pod marked by a wrong guess, or by one an agent restart lost, that holds
-none is waiting still, and the refused forgery, which holds its devices, is no candidate), and
-drops and unmarks the guesses PodResources contradicts. Without a guess (the agent restarted
-since ``Allocate``, or the container starts again) ``PreStartContainer`` accepts only the pod
-this node marked whose allocation's record names it. Both orders are played in
-tests/k8s/test_device_plugin.py.
-
-Two genuine kernel pods of one size bound in one second and admitted against the plugin's
-order (both waiting when the first is admitted) would be the same mistake: the first would be
-handed the other's allocation and refused here. Their creators never make that tie: a kernel
-pod of a node and size is created only while no other waits for admission
-(:mod:`jupyter_gpushare.k8s.admission`), so the waiting pod the plugin finds is the kubelet's.
-
-(In controller mode the controller sees every kernel pod; in direct mode the servers take turns
-on a Lease per node and size.) Should a tie still happen (a start that waited out
-``admission_wait``), the mistaken pod is refused before it starts (its start fails with this
-plugin's message) and the other is served its own.
-
-What is left: a
-kubelet without the PodResources socket (or a DaemonSet that does not mount it) leaves the
-plugin as it was without ``PreStartContainer``, inferring the pod alone: it logs so at start.
-A pod the kubelet rejected before ``Allocate`` whose Failed status is not yet written can still
-be counted as waiting. A DRA driver (claims name their pod) would remove the inference.
-Controller mode removes the forger, unless someone else is granted pods in the kernel
-namespace.
+The lifecycle, the trust argument, the two orders a forgery can take, the ties between two pods
+of one size (:mod:`jupyter_gpushare.k8s.admission` keeps them from happening) and what is left
+are in the developer guide, ``docs/develop/device-plugin.md``; change it with this module.
 """
 
 from __future__ import annotations

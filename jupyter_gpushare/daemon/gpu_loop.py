@@ -97,7 +97,7 @@ class GpuLoop:
         #: the slots (+ 1) the agent published as ``next_slot``/``next_other`` during the
         #: running lease: the only handoffs and extensions it adopts from the board
         self._offered: set[int] = set()
-        #: backfill (wire.py, "Backfill"): each share's account ``backfill_ns`` as last charged,
+        #: backfill (wire.md, "Backfill"): each share's account ``backfill_ns`` as last charged,
         #: the device time others backfilled into the running lease, and all backfilled so far
         self._backfill_seen: dict[str, int] = {}
         self._lease_backfill = 0
@@ -687,7 +687,7 @@ class GpuLoop:
             "handoff_notice_us": _percentiles(self.handoff_notice),
             "handoff_wake_us": _percentiles(self.handoff_wake),
             "overrun_us": _percentiles(self.overruns),
-            # host gaps of holders filled by others (wire.py, "Backfill")
+            # host gaps of holders filled by others (wire.md, "Backfill")
             "backfills": int(self.shm.header.backfills),
             "backfilled_s": round(self.backfilled_ns / 1e9, 3),
             "allocations": sorted(self.tenants),

@@ -16,7 +16,7 @@ Policy (per GPU, leases exclusive, time measured as device time charged in a sli
    requests (smallest ``used / request`` first): work-conserving.
 4. Ties go to the tenant that was granted least recently.
 5. While the holder's host leaves the device idle (a sync per step), others may **backfill**
-   its gaps with one short launch at a time (wire.py, "Backfill"), each charged the device time
+   its gaps with one short launch at a time (wire.md, "Backfill"), each charged the device time
    it took (and taken off the holder's lease). :func:`backfill_allowance` says how much each may
    backfill: shares with limit credit, those below their request always, the others when the
    holder's leases leave the device idle, or unless the holder, too, runs above its request and

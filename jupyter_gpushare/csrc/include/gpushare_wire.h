@@ -57,7 +57,7 @@ struct gpushare_wire_header {
     _Atomic uint64_t next_lease_ns;     /* 136: the lease to give it */
     _Atomic uint64_t direct_handoffs;   /* 144: handoffs done by clients */
     _Atomic uint64_t backfill_until_ns; /* 152: a share backfills the holder's gap until then
-                                           (clients, CAS; wire.py "Backfill") */
+                                           (clients, CAS; wire.md "Backfill") */
     _Atomic uint64_t backfills;         /* 160: backfill launches (clients, atomic add) */
     uint8_t pad[88];                    /* 168 */
 };

@@ -4,7 +4,7 @@
  * the lease, waits for them, publishes the drain end and sends `done`: queued work never spills
  * into the next tenant's lease, and the tenant is charged the whole interval.
  *
- * Handoffs go from process to process (wire.py: direct handoff): the draining agent grants the
+ * Handoffs go from process to process (wire.md: direct handoff): the draining agent grants the
  * next holder the daemon published, in shared memory. To keep that short: while the slot uses
  * more than its request of a shared GPU a stream queues at most `runahead_ns` of device time
  * ahead (runahead.c: a preempted lease drains quickly), and the agent sleeps until the device
@@ -184,7 +184,7 @@ static uint64_t drain(struct gs_gpu *g, uint64_t lease) {
     return now;
 }
 
-/* Direct handoff (see wire.py): the last process to drain grants the GPU to the holder the
+/* Direct handoff (see wire.md): the last process to drain grants the GPU to the holder the
  * daemon picked in advance, without a round trip through the daemon. Returns the slot it handed
  * the GPU to, or -1 (then the daemon decides, as usual). */
 static int try_handoff(struct gs_gpu *g) {

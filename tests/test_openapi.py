@@ -64,8 +64,7 @@ def _parameter(match: re.Match[str]) -> str:
 
 
 def _takes(method: Any, arguments: int) -> bool:
-    """Whether a handler method answers a route whose pattern has ``arguments`` groups (one class
-    may serve a collection and its items: ``get(self)`` and ``delete(self, entry)``)."""
+    """Whether a handler method can answer a route whose pattern has ``arguments`` groups."""
     try:
         inspect.signature(method).bind(None, *(["x"] * arguments))
     except TypeError:
@@ -79,7 +78,9 @@ def _same_shape(path: str) -> str:
 
 
 def registered_routes() -> dict[str, set[str]]:
-    """``/gpushare/api/...`` path template -> the HTTP methods its handler answers."""
+    """``/gpushare/api/...`` path template -> the HTTP methods its handler answers. A handler
+    method that cannot take its route's arguments fails here: tornado would call it with them
+    anyway, and the request would end in a 500."""
     from jupyter_gpushare.serverext import _load_jupyter_server_extension
 
     server = _RecordingServer()
@@ -90,12 +91,9 @@ def registered_routes() -> dict[str, set[str]]:
         if not template.startswith(PREFIX):
             continue  # /api/sessions: jupyter_server's own route, answered by ours
         arguments = len(_GROUP.findall(pattern))  # tornado passes each group to the method
-        methods = {
-            m
-            for m in METHODS
-            if getattr(cls, m) is not getattr(web.RequestHandler, m)
-            and _takes(getattr(cls, m), arguments)
-        }
+        methods = {m for m in METHODS if getattr(cls, m) is not getattr(web.RequestHandler, m)}
+        wrong = {m for m in methods if not _takes(getattr(cls, m), arguments)}
+        assert not wrong, f"{cls.__name__} serves {pattern} but {sorted(wrong)} cannot take it"
         routes.setdefault(template, set()).update(methods)
     return routes
 

@@ -38,10 +38,15 @@ NO_QUEUE = (
 )
 
 
-class QueueHandler(GpushareHandler):
+class _QueueLedger(GpushareHandler):
     async def _ledger(self) -> Any:
         ledger = await self.gpushare.get_backend().ledger()
         return ledger if hasattr(ledger, "reserve_waiting") else None
+
+
+class QueueHandler(_QueueLedger):
+    """The queue as a whole (``GET``); one class per route, so that tornado never calls a
+    method with arguments it does not take (that was a 500)."""
 
     @web.authenticated
     @authorized
@@ -63,6 +68,10 @@ class QueueHandler(GpushareHandler):
             "max_wait": max_wait,
         }
         self.finish(json.dumps(json_safe(body), default=str, allow_nan=False))
+
+
+class QueueEntryHandler(_QueueLedger):
+    """One waiting start (``DELETE``: cancel it)."""
 
     @web.authenticated
     @authorized
@@ -93,5 +102,5 @@ def json_safe(value: Any) -> Any:
 def queue_handlers(base_url: str) -> list[tuple[str, type]]:
     return [
         (url_path_join(base_url, r"/gpushare/api/queue"), QueueHandler),
-        (url_path_join(base_url, r"/gpushare/api/queue/(q-[0-9a-f]{16})"), QueueHandler),
+        (url_path_join(base_url, r"/gpushare/api/queue/(q-[0-9a-f]{16})"), QueueEntryHandler),
     ]

@@ -285,7 +285,9 @@ def run_matrix(daemon, ledger, gpus, tmp, args) -> dict[str, object]:
     rows = []
     for key, kernel_us, pattern in cells(args.quick, args.cell):
         case = CASES[key]
-        got, peaks, _ = run_tenants(daemon, ledger, gpus, tmp, case, kernel_us, pattern, seconds)
+        got, peaks, status = run_tenants(
+            daemon, ledger, gpus, tmp, case, kernel_us, pattern, seconds
+        )
         # the most device time a limited tenant got in any 1 s window, beyond its limit (s)
         over = [p - lim for p, (_, lim) in zip(peaks, case.specs, strict=True) if lim < 1.0]
         solo = min(1.0, plain(1, kernel_us, pattern))
@@ -316,6 +318,12 @@ def run_matrix(daemon, ledger, gpus, tmp, args) -> dict[str, object]:
             "work_conserving": conserving,
             "peak_1s": [round(x, 4) for x in peaks],
             "peak_1s_over_limit": round(max(over), 4) if over else None,
+            # the agent's backfills so far (cumulative over the matrix, read mid-cell): which
+            # cells backfilled at all, when one agent runs them back to back
+            "agent_backfills": sum(int(g.get("backfills", 0)) for g in status.get("gpus", [])),
+            "agent_backfilled_s": sum(
+                float(g.get("backfilled_s", 0.0)) for g in status.get("gpus", [])
+            ),
         }
         rows.append(row)
         promised = "/".join(f"{x:.3g}" for x in targets)

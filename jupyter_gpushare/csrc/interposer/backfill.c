@@ -113,6 +113,12 @@ void gs_holder_queue(struct gs_gpu *g, struct gs_stream *e, int budget, uint64_t
     uint64_t now = gs_now(), until;
     uint64_t taken = atomic_load(&h->backfill_until_ns); /* our launch waits behind it */
     if (taken < now || taken - now > SANE_NS) taken = now;
+    uint64_t per = e->solo_ns ? e->solo_ns : e->launch_ns;
+    /* A holder whose launches are longer than its runahead bound (100 ms kernels) has no gap
+     * another share could fill with a bounded launch worth the timing, and its few host gaps are
+     * a small part of its leases: its leases are charged whole, as before backfill (its idle
+     * clock stays off; what others backfill is still taken off). */
+    int short_launches = per && bound && per <= bound;
     if (e->tstate == 0 && start_timing(e)) {
         /* Idle clock: the previous launch on this stream was timed and every launch since is
          * this one (budget 1: a sync after every launch, or the bound's one at a time); from its
@@ -120,7 +126,7 @@ void gs_holder_queue(struct gs_gpu *g, struct gs_stream *e, int budget, uint64_t
          * then (up to `backfill_until_ns`) is charged to that share: the rest was idle, and a
          * lease is charged its device time, not its length (the agent takes `idle_ns` off). */
         e->idle_from = 0; /* (counted right before the launch: gs_before_launch) */
-        if (e->prev_end && e->prev_lease == lease && now > e->prev_end &&
+        if (short_launches && e->prev_end && e->prev_lease == lease && now > e->prev_end &&
             alone_on_one_stream(g, lease)) {
             /* (a backfill queued now, or ended after our last launch: the device ran it up to
              * its end, and the time before it is not counted: at most idle is) */
@@ -137,7 +143,6 @@ void gs_holder_queue(struct gs_gpu *g, struct gs_stream *e, int budget, uint64_t
         e->prev_lease = 0;
     }
     e->prev_end = 0;
-    uint64_t per = e->solo_ns ? e->solo_ns : e->launch_ns;
     if (per) {
         uint64_t eta = e->launch_ns ? gs_drain_eta(g, e) : 0; /* 0: nothing known queued */
         uint64_t base = eta > taken ? eta : taken;

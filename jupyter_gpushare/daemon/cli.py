@@ -305,8 +305,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--system and Kubernetes node agents: check what the driver (NVML) reports per "
         "process against the shares and stop or pause processes beyond a share's memory cap "
         "or compute limit, and processes of users without a share on the GPU they use (on); "
-        "'shares': leave those alone (the default on Kubernetes, where other pods may use a "
-        "node's GPUs); off: never. A per-user agent serves its own processes only: no check",
+        "'shares': leave those alone (a Kubernetes node agent always does, whatever this "
+        "says: other pods may use a node's GPUs); off: never. A per-user agent serves its own "
+        "processes only: no check",
     )
     for flag, trait, metavar in CONFIG_FLAGS:  # one flag per DaemonConfig setting
         default = getattr(d, trait)

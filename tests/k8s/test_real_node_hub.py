@@ -6,13 +6,17 @@ kernel image (``jupyterhub-singleuser``, uid 1000, no service-account token) on 
 the server reaches the Hub's API at the bridge's address and the controller by its Service DNS
 name (``real_node.ServiceDNS``). There is no configurable-http-proxy and no browser here: the
 form is submitted over HTTP as a browser would (login, the spawn form's fields), and the user's
-server is reached at its pod IP; Chromium driving Lab on this Hub is not done.
+server is reached at its pod IP, where a gpushare kernel is started through its REST API (a pod
+through the controller) and run over its websocket; Chromium driving Lab on this Hub is not done.
+The server's gpushare settings are the file deploy/z2jh/values.yaml mounts (its mountPath and
+data, read from there).
 
 Where it runs: the real node (``real_node.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import html
 import json
 import re
@@ -25,6 +29,7 @@ from typing import Any
 
 import pytest
 import requests
+import yaml
 from cluster import free_port
 from real_node import GATEWAY, KERNEL_IMAGE, NODE_IMAGE, RealNode, product_images
 from servers import spawn, stop_process
@@ -33,6 +38,7 @@ from test_real_node_chart import NS, helm, install_chart, unavailable, wait
 pytestmark = pytest.mark.timeout(600)
 
 HUB_NS = "jhub"
+Z2JH_VALUES = Path(__file__).resolve().parents[2] / "deploy" / "z2jh" / "values.yaml"
 
 CONFIG = """
 from jupyterhub.proxy import Proxy
@@ -88,9 +94,7 @@ c.KubeSpawner.environment = {{
     "GPUSHARE_CONTROLLER_URL": "http://gpushare-controller.{ns}.svc:8081",
 }}
 c.KubeSpawner.volumes = [{{"name": "gs", "configMap": {{"name": "gpushare-server-config"}}}}]
-c.KubeSpawner.volume_mounts = [{{
-    "name": "gs", "subPath": "gpushare.json",
-    "mountPath": "/etc/jupyter/jupyter_server_config.d/gpushare.json"}}]
+c.KubeSpawner.volume_mounts = [{{"name": "gs", "subPath": "config", "mountPath": {mount_path!r}}}]
 gpu = GpuProfiles(config=c)
 gpu.inventory = inventory
 c.KubeSpawner.profile_list = gpu.profile_list
@@ -127,6 +131,10 @@ def spawning_hub(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) 
     except AssertionError as exc:
         pytest.fail(str(exc))
     real_node.create_namespace(HUB_NS)
+    # the users' servers' config file exactly as deploy/z2jh/values.yaml mounts it (z2jh's
+    # singleuser.extraFiles: data written as JSON to a Secret, a ConfigMap here, at mountPath)
+    values = yaml.safe_load(Z2JH_VALUES.read_text())
+    server_config = values["singleuser"]["extraFiles"]["gpushare-server-config"]
     from kubernetes import client, config
 
     assert real_node.plane is not None
@@ -135,7 +143,7 @@ def spawning_hub(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) 
         HUB_NS,
         {
             "metadata": {"name": "gpushare-server-config"},
-            "data": {"gpushare.json": json.dumps({"GpuShare": {"backend": "kubernetes"}})},
+            "data": {"config": json.dumps(server_config["data"])},
         },
     )
     (root / "jupyterhub_config.py").write_text(
@@ -148,6 +156,7 @@ def spawning_hub(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) 
             token=token,
             hub_ns=HUB_NS,
             image=KERNEL_IMAGE,
+            mount_path=server_config["mountPath"],
         )
     )
     log = root / "hub.log"
@@ -181,8 +190,12 @@ def test_a_user_spawns_on_the_real_node_with_the_gpu_form(spawning_hub: Spawning
     """Real node: alice logs in, the spawn form offers the node's simulated A100s (from the
     cluster ledger), she submits a 0.25 share; KubeSpawner starts her server pod on the real
     kubelet (the kernel image, uid 1000) with that share as its default; her server answers at
-    its pod IP; stopping it removes the pod. Not covered yet: kernels started from this server
-    (its ``GpuShare.backend`` from the config file mounted as z2jh mounts it stayed ``local``)."""
+    its pod IP; from it a gpushare kernel starts as a pod on the node (its ``GpuShare.backend``
+    from the config file that deploy/z2jh/values.yaml mounts, read from that file) with her
+    0.25 share, a cell runs over the pod network, shutdown removes the pod and the ledger record;
+    stopping the server removes its pod. Not covered yet: ``%gpushare status`` in that kernel pod
+    (its /run/gpushare, the device plugin's mount, was empty while the agent's socket for the
+    allocation existed on the host) and Release."""
     hub = spawning_hub
     s = requests.Session()
     login = s.get(f"{hub.url}/hub/login", timeout=30)
@@ -247,6 +260,31 @@ def test_a_user_spawns_on_the_real_node_with_the_gpu_form(spawning_hub: Spawning
         timeout=60,
     )
     assert status.status_code == 200, status.text
+    # a gpushare kernel from her server: a pod through the controller (GpuShare.backend from
+    # the config file mounted as deploy/z2jh mounts it; with the file under
+    # jupyter_server_config.d/ the backend stayed 'local' and the start was refused: no GPU in
+    # the server's pod), a cell over the pod network, shutdown removes the pod and the record
+    user_server = UserServer(
+        f"http://{pod.status.pod_ip}:8888{server['url'].rstrip('/')}", token, hub, pod
+    )
+    reply = user_server.request("POST", "/api/kernels", json={"name": "gpushare-python"})
+    assert reply.status_code == 201, reply.text + "\n" + user_server.log()
+    kernel = str(reply.json()["id"])
+    try:
+        [kernel_pod] = wait(lambda: kernel_pods(core, kernel), 60, "the kernel's pod")
+        assert kernel_pod.spec.node_name == hub.node.name, kernel_pod.spec
+        [record] = [
+            a
+            for a in user_server.request("GET", "/gpushare/api/allocations").json()["allocations"]
+            if a["kernel_id"] == kernel
+        ]
+        assert record["gpu_request"] == 0.25 and record["backend"] == "kubernetes", record
+        assert run_cell(user_server, kernel, "print(6 * 7)").strip() == "42"
+    finally:
+        user_server.request("DELETE", f"/api/kernels/{kernel}")
+    wait(lambda: not kernel_pods(core, kernel), 90, "the kernel's pod to go")
+    allocations = user_server.request("GET", "/gpushare/api/allocations").json()["allocations"]
+    assert [a for a in allocations if a["kernel_id"] == kernel] == []
     hub.api("DELETE", "/users/alice/server")
     wait(
         lambda: (
@@ -255,6 +293,39 @@ def test_a_user_spawns_on_the_real_node_with_the_gpu_form(spawning_hub: Spawning
         90,
         "alice's server pod to go",
     )
+
+
+class UserServer:
+    """The user's server at its pod IP, with a token of hers (what ``execute`` needs)."""
+
+    def __init__(self, url: str, token: str, hub: SpawningHub, pod: Any) -> None:
+        self.url, self.token, self.hub, self.pod = url, token, hub, pod
+
+    def request(self, method: str, path: str, **kw: Any) -> requests.Response:
+        return requests.request(
+            method,
+            self.url + path,
+            headers={"Authorization": f"token {self.token}"},
+            timeout=120,
+            **kw,
+        )
+
+    def log(self) -> str:
+        return self.hub.node.pod_logs(HUB_NS, self.pod.metadata.name, "notebook")[-4000:]
+
+
+def kernel_pods(core: Any, kernel_id: str) -> list[Any]:
+    from jupyter_gpushare.k8s import manifests
+
+    return list(
+        core.list_namespaced_pod(NS, label_selector=f"{manifests.LABEL_KERNEL}={kernel_id}").items
+    )
+
+
+def run_cell(server: UserServer, kernel_id: str, code: str, timeout: float = 90) -> str:
+    from test_kernels import execute
+
+    return asyncio.run(execute(server, kernel_id, code, timeout=timeout))
 
 
 def form_choices(html: str) -> dict[str, list[str]]:

@@ -192,10 +192,9 @@ def test_a_user_spawns_on_the_real_node_with_the_gpu_form(spawning_hub: Spawning
     kubelet (the kernel image, uid 1000) with that share as its default; her server answers at
     its pod IP; from it a gpushare kernel starts as a pod on the node (its ``GpuShare.backend``
     from the config file that deploy/z2jh/values.yaml mounts, read from that file) with her
-    0.25 share, a cell runs over the pod network, shutdown removes the pod and the ledger record;
-    stopping the server removes its pod. Not covered yet: ``%gpushare status`` in that kernel pod
-    (its /run/gpushare, the device plugin's mount, was empty while the agent's socket for the
-    allocation existed on the host) and Release."""
+    0.25 share, a cell runs over the pod network, ``%gpushare status`` names the share,
+    ``%gpushare release`` frees it, shutdown removes the pod; stopping the server removes its
+    pod."""
     hub = spawning_hub
     s = requests.Session()
     login = s.get(f"{hub.url}/hub/login", timeout=30)
@@ -263,7 +262,7 @@ def test_a_user_spawns_on_the_real_node_with_the_gpu_form(spawning_hub: Spawning
     # a gpushare kernel from her server: a pod through the controller (GpuShare.backend from
     # the config file mounted as deploy/z2jh mounts it; with the file under
     # jupyter_server_config.d/ the backend stayed 'local' and the start was refused: no GPU in
-    # the server's pod), a cell over the pod network, shutdown removes the pod and the record
+    # the server's pod), a cell over the pod network, the share named and released, shutdown
     user_server = UserServer(
         f"http://{pod.status.pod_ip}:8888{server['url'].rstrip('/')}", token, hub, pod
     )
@@ -280,6 +279,12 @@ def test_a_user_spawns_on_the_real_node_with_the_gpu_form(spawning_hub: Spawning
         ]
         assert record["gpu_request"] == 0.25 and record["backend"] == "kubernetes", record
         assert run_cell(user_server, kernel, "print(6 * 7)").strip() == "42"
+        text = run_cell(user_server, kernel, "%gpushare status")
+        assert record["id"] in text, text
+        text = run_cell(user_server, kernel, "%gpushare release")
+        assert "Released" in text and record["id"] in text, text
+        allocations = user_server.request("GET", "/gpushare/api/allocations").json()
+        assert [a for a in allocations["allocations"] if a["kernel_id"] == kernel] == []
     finally:
         user_server.request("DELETE", f"/api/kernels/{kernel}")
     wait(lambda: not kernel_pods(core, kernel), 90, "the kernel's pod to go")

@@ -379,19 +379,28 @@ class DriverCheck:
                 await asyncio.sleep(self.interval)
                 self._resume_due(monotonic_ns())  # whether or not the driver answers now
                 try:
-                    readings = await asyncio.to_thread(self.sampler, self.library, self._last_seen)
+                    readings, read_at = await asyncio.to_thread(self._read)
                 except Exception as exc:  # no NVML here, or it failed once: keep trying
                     self.sample_log.failed(f"{type(exc).__name__}: {exc}", exc)
                     continue
                 self.sample_log.ok()
                 try:
-                    self.check(readings, monotonic_ns())
+                    self.check(readings, read_at)
                 except Exception as exc:  # a bug must not stop the check (nor the agent)
                     self.check_log.failed(f"{type(exc).__name__}: {exc}", exc)
                 else:
                     self.check_log.ok()
         finally:
             self.resume_all()
+
+    def _read(self) -> tuple[dict[str, list[dict[str, Any]]], int]:
+        """The driver's figures and when they were read. A sample's share of the device covers
+        the time since the previous read, so the check counts it over the time between reads,
+        taken here in the reading thread: the event loop may resume long after the read on a
+        busy machine, and a busy share's figure counted over that longer interval read as a
+        share beyond its limit."""
+        readings = self.sampler(self.library, self._last_seen)
+        return readings, monotonic_ns()
 
     def check(self, readings: dict[str, list[dict[str, Any]]], now: int) -> list[Action]:
         """One pass over the driver's figures (``{uuid: [{"pid", "memory", "busy"}]}``, busy a

@@ -135,7 +135,8 @@ def test_cluster_watch_connects_once_then_reads_each_redraw(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With --kubernetes-namespace: one connection to the cluster for all drawings, and the
-    ledger and usage reports read for each."""
+    ledger, the controller's queue and usage reports read for each."""
+    import jupyter_gpushare.controller.queue as controller_queue
     import jupyter_gpushare.k8s.ledger as k8s_ledger
     import jupyter_gpushare.k8s.usage as k8s_usage
 
@@ -168,12 +169,24 @@ def test_cluster_watch_connects_once_then_reads_each_redraw(
             calls["usage_read"] += 1
             return UsageView("kubernetes")
 
+    async def waiting_status(kube: Any, namespace: str, *_args: Any) -> list[dict[str, Any]]:
+        assert kube is Cluster.kube and namespace == "gpushare"
+        calls["queue"] += 1
+        return []
+
     monkeypatch.setattr(k8s_ledger, "cluster_ledger", cluster_ledger)
+    monkeypatch.setattr(controller_queue, "waiting_status", waiting_status)
     monkeypatch.setattr(k8s_usage, "KubernetesUsage", Usage)
     monkeypatch.setattr(k8s_usage, "UsageReader", lambda kube, namespace: None)
     reader = lambda: cli._status_reader(None, "gpushare", "")  # type: ignore[arg-type]  # noqa: E731
     text = _watch_until(monkeypatch, reader)
     assert calls == Counter(
-        connect=1, closed=1, usage_reader=1, gpus=DRAWINGS, list=DRAWINGS, usage_read=DRAWINGS
+        connect=1,
+        closed=1,
+        usage_reader=1,
+        gpus=DRAWINGS,
+        list=DRAWINGS,
+        queue=DRAWINGS,
+        usage_read=DRAWINGS,
     )
     assert text.count("every 0.2 s") == DRAWINGS and "A100" in text

@@ -158,9 +158,11 @@ def test_metrics_name_the_kernel_pod_user_and_gpu(
     assert series["gpushare_gpu_shares"][0].value == 2
     for name, samples in series.items():
         want = set(ALLOCATION_LABELS) if "_allocation_" in name else set(GPU_LABELS)
-        if name.startswith("gpushare_daemon_"):
-            want = {"Hostname"}
-        assert all(set(s.labels) == want for s in samples), (name, samples)
+        if name.startswith(("gpushare_daemon_", "gpushare_queue_")):
+            want = {"Hostname"}  # the agent's own series, and its queue's (one per agent)
+        # a histogram's buckets carry their bound too
+        assert all(set(s.labels) - {"le"} == want for s in samples), (name, samples)
+        assert all("le" in s.labels for s in samples if s.name.endswith("_bucket")), name
 
 
 async def test_the_node_daemon_names_a_kernel_pod_in_its_metrics(

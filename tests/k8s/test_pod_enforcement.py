@@ -136,7 +136,7 @@ async def test_kernel_pod_is_enforced_and_its_share_is_its_own(
         assert daemon.status(record.id).get("error") == wire.E_UNKNOWN_ALLOCATION
         assert (await execute(server, first, "print(small, 1 + 1)")).split() == ["0", "2"]
         code = await execute(server, first, "print(cu.cuMemAlloc_v2(ctypes.byref(ptr), 1 << 20))")
-        # the refused call, then the cell's note of why (the first refusal in a cell explains itself)
+        # the refused call, then the note of why (a cell's first refusal explains itself)
         assert code.strip().splitlines()[0] == str(CUDA_ERROR_NOT_PERMITTED), code
         assert "The GPU share of this kernel was released" in code, code
         assert [p["metadata"]["uid"] for p in await kernel_pods(kube, first)] == [
